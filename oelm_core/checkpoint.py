@@ -1,0 +1,84 @@
+"""Checkpoints: written atomically, read with ``weights_only=True``, rebuilt into models.
+
+A checkpoint is a plain dict (tensors, numbers, strings, lists, dicts) so that loading never
+unpickles arbitrary objects:
+
+    format_version  1
+    model           the model's state_dict (frozen Q/K buffers included)
+    model_config    ModelConfig fields as a dict
+    run_config      the RunConfig as a dict (absent for models saved outside a run)
+    step            optimiser steps taken
+    metrics         latest figures, e.g. val_loss, val_ppl, train_loss, tokens_seen
+    optimizer, rng, sampler   what ``--resume`` needs (training checkpoints only)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oelm_core.config import ModelConfig, _build
+from oelm_core.model import GPT
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, truncated or not one of ours."""
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, then rename,
+    so a run killed mid-write leaves the previous checkpoint intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format_version": FORMAT_VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint (``weights_only=True``), with an error that says what to do instead."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} not found; train a run first "
+                              f"(python -m oelm_core.train --params ...) or pass an existing .pt file")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(
+            f"checkpoint {path} could not be read ({type(exc).__name__}: {str(exc)[:200]}); the file is "
+            f"truncated or not an OELM checkpoint: use another checkpoint of the run folder "
+            f"(best.pt or an earlier step) or train again") from exc
+    if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
+        raise CheckpointError(f"{path} is not an OELM checkpoint (no 'model' / 'model_config' entries)")
+    return state
+
+
+def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> GPT:
+    """Rebuild the GPT a checkpoint holds. ``model_config`` describes the model as saved: a run
+    that unfroze Q/K on a schedule saves ``freeze_qk`` with the layers still frozen then."""
+    cfg: ModelConfig = _build(ModelConfig, dict(state["model_config"]), "model_config")
+    model = GPT(cfg)
+    model.load_state_dict(state["model"])
+    return model.to(device)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict[str, Any]]:
+    """(model in eval mode on ``device``, the checkpoint dict without its optimizer state)."""
+    state = load_checkpoint(path)
+    model = model_from_state(state, device).eval()
+    state.pop("optimizer", None)
+    return model, state

@@ -1,0 +1,343 @@
+"""The one configuration schema of the toolkit.
+
+The CLI (`python -m oelm_core.train`), the notebooks (through papermill parameters), the study
+runner and the Gradio app all read these dataclasses; nothing else holds a default. A YAML
+parameter file is a nested mapping with the sections ``model``, ``data`` and ``train`` (plus
+``name`` and ``out_dir``); ``model`` may name a ``preset`` and a ``variant`` whose values the
+remaining keys override.
+
+Errors name the problem and the fix: an unknown key lists the keys that exist, a wrong type
+says which type was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A parameter file, override or preset that cannot be used as given."""
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    """Shape and variant of one GPT. Defaults are the original study's Medium-512 GPT-Base."""
+
+    vocab_size: int = 50257      # GPT-2 BPE; the output layer is padded (below) only for speed
+    n_layer: int = 6
+    n_head: int = 8
+    d_model: int = 512
+    d_ff: int = 2048             # the MLP's hidden width (4 x d_model in the study)
+    block_size: int = 512        # context length in tokens; also the learned position table
+    dropout: float = 0.0         # the study trained without dropout
+    bias: bool = True            # biases in the MLP and LayerNorms (the study's log counts them)
+    attn_bias: bool = False      # biases in Q/K/V/out projections: none in the study's count
+    tie_embeddings: bool = True  # the output layer reuses the token embedding
+    # Rows added to the embedding/output matrix so the 50,257-way matmul tiles evenly on tensor
+    # cores (50,304 = 786 x 64). The extra rows are zero, receive no gradient (their logits are
+    # cut before the loss) and are excluded from every parameter count.
+    vocab_pad_multiple: int = 64
+
+    # --- the OELM variants -------------------------------------------------------------------
+    # How W_q and W_k start: "normal" (GPT-2's N(0, 0.02)), an orthogonal construction from
+    # oelm_core.orthogonal ("qr" = Haar, "svd", "householder", "cayley") or "gaussian"
+    # (N(0, gain^2 / d_model), the non-orthogonal control with the orthogonal logit scale).
+    qk_init: str = "normal"
+    qk_gain: float = 1.0         # scale of the orthogonal/Gaussian Q/K (1.0: an isometry)
+    # Which layers keep W_q, W_k frozen (stored as buffers): "none", "all" or a list of indices.
+    freeze_qk: Union[str, list] = "none"
+    # How scores are formed: "dot" (softmax(QK^T)), or the Synthesizer baselines that replace
+    # QK^T by a learned (or fixed) per-head T x T logit matrix: "synth_random", "synth_factorized".
+    attention: str = "dot"
+    synth_rank: int = 8          # k of the factorized Synthesizer's R1 R2^T
+    synth_trainable: bool = True # False: the Synthesizer logits stay at their random init
+    # POET-style learnable orthogonal Q/K: W = R W0 P with R, P block-orthogonal (0 = off).
+    poet_block_size: int = 0
+    poet_neumann_terms: int = 5
+    poet_merge_every: int = 0    # merge R, P into W0 and reset them to I every N steps (0: never)
+
+    # --- execution --------------------------------------------------------------------------
+    loss_impl: str = "chunked"   # "chunked": fused linear + cross-entropy in slices; "full": logits
+    loss_chunk_tokens: int = 8192  # tokens per slice of the chunked loss (memory vs. launches)
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = max(1, self.vocab_pad_multiple)
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def frozen_layers(self) -> list[int]:
+        """Indices of the layers whose Q/K are frozen."""
+        if self.freeze_qk == "none" or self.freeze_qk is False:
+            return []
+        if self.freeze_qk == "all" or self.freeze_qk is True:
+            return list(range(self.n_layer))
+        return sorted(set(int(i) for i in self.freeze_qk))
+
+    def validate(self) -> "ModelConfig":
+        from oelm_core.orthogonal import QK_INITS  # the constructions live with their checks
+
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"n_head={self.n_head} does not divide d_model={self.d_model}: choose a head count "
+                f"that divides it (e.g. {', '.join(str(h) for h in _divisors(self.d_model)[:6])})")
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.qk_init not in QK_INITS:
+            raise ConfigError(f"unknown model.qk_init {self.qk_init!r}; choose one of {sorted(QK_INITS)}")
+        if isinstance(self.freeze_qk, str) and self.freeze_qk not in ("none", "all"):
+            raise ConfigError(f"model.freeze_qk must be 'none', 'all' or a list of layer indices, "
+                              f"got {self.freeze_qk!r}")
+        bad = [i for i in self.frozen_layers() if not 0 <= i < self.n_layer]
+        if bad:
+            raise ConfigError(f"model.freeze_qk names layers {bad}, but the model has layers "
+                              f"0..{self.n_layer - 1}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"unknown model.attention {self.attention!r}; choose one of {ATTENTIONS}")
+        if self.attention != "dot" and self.frozen_layers():
+            raise ConfigError("a Synthesizer attention has no Q/K to freeze: set model.freeze_qk: none")
+        if self.poet_block_size:
+            if self.d_model % self.poet_block_size:
+                raise ConfigError(f"model.poet_block_size={self.poet_block_size} must divide "
+                                  f"d_model={self.d_model}")
+            if self.poet_neumann_terms < 1:
+                raise ConfigError("model.poet_neumann_terms must be at least 1")
+        if self.loss_impl not in ("chunked", "full"):
+            raise ConfigError(f"model.loss_impl must be 'chunked' or 'full', got {self.loss_impl!r}")
+        return self
+
+
+ATTENTIONS = ("dot", "synth_random", "synth_factorized")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and d > 1]
+
+
+# Named shapes. "medium512" is the original study's; small/base/large are the roadmap's
+# Small/Base/Large (small has medium512's shape: the study named it twice). "tiny" and "smoke"
+# exist for CPU tests and the smoke study: real GPT-2 vocabulary, a model small enough for CI.
+PRESETS: dict[str, dict[str, Any]] = {
+    "medium512": dict(n_layer=6, n_head=8, d_model=512, d_ff=2048, block_size=512),
+    "small": dict(n_layer=6, n_head=8, d_model=512, d_ff=2048, block_size=512),
+    "base": dict(n_layer=12, n_head=12, d_model=768, d_ff=3072, block_size=512),
+    "large": dict(n_layer=24, n_head=16, d_model=1024, d_ff=4096, block_size=512),
+    "mini": dict(n_layer=4, n_head=4, d_model=256, d_ff=1024, block_size=256),
+    "smoke": dict(n_layer=2, n_head=4, d_model=64, d_ff=256, block_size=64),
+    "tiny": dict(n_layer=2, n_head=2, d_model=32, d_ff=64, block_size=32, vocab_size=128),
+}
+
+# Variant name -> (one-line description, overrides of ModelConfig). Later variants register
+# themselves here through `register_variant` so the CLI, notebooks and app see one list.
+_VARIANT_SPECS: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def register_variant(name: str, description: str, **overrides: Any) -> None:
+    names = {f.name for f in fields(ModelConfig)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise ConfigError(f"variant {name!r} sets unknown model keys {sorted(unknown)}")
+    _VARIANT_SPECS[name] = (description, overrides)
+
+
+register_variant("gpt_base", "GPT-Base: standard Q/K, N(0, 0.02) initialisation, trainable")
+register_variant("oelm_nofreeze", "OELM-NoFreeze: Q/K start Haar-orthogonal (QR), trainable",
+                 qk_init="qr")
+register_variant("oelm_freeze", "OELM-Freeze: Q/K Haar-orthogonal (QR) and frozen in every layer",
+                 qk_init="qr", freeze_qk="all")
+
+
+def variants() -> dict[str, str]:
+    """Variant name -> one-line description (what `oelm_core.VARIANTS` shows)."""
+    return {name: desc for name, (desc, _) in _VARIANT_SPECS.items()}
+
+
+def variant_overrides(name: str) -> dict[str, Any]:
+    if name not in _VARIANT_SPECS:
+        raise ConfigError(f"unknown variant {name!r}; choose one of {sorted(_VARIANT_SPECS)}")
+    return dict(_VARIANT_SPECS[name][1])
+
+
+def model_config(preset: str = "medium512", variant: str = "gpt_base", **overrides: Any) -> ModelConfig:
+    """ModelConfig of a named preset and variant, with keyword overrides applied last."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    values = {**PRESETS[preset], **variant_overrides(variant), **overrides}
+    return _build(ModelConfig, values, "model").validate()
+
+
+# --------------------------------------------------------------------------------------------
+# Data and training
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DataConfig:
+    """Where the stories come from and where their token files go."""
+
+    # "roneneldan/TinyStories" (the hub, through `datasets`) or a local path: a folder with
+    # train/ and validation/ files (.txt, .jsonl, .parquet) or a `save_to_disk` dataset.
+    # The environment variable OELM_DATA overrides it (the offline CI points it at a folder).
+    source: str = "roneneldan/TinyStories"
+    out_dir: str = "data_cache/tinystories"  # train.bin, val.bin and meta.json go here
+    max_train_stories: int = 0   # 0: all of them; >0 streams only that many from the hub
+    max_val_stories: int = 0
+    text_field: str = "text"     # the column of .jsonl/.parquet/hub rows that holds a story
+    num_proc: int = 0            # tokenising processes (0: one per CPU core, at most 8)
+
+
+@dataclass
+class TrainConfig:
+    """The optimiser and loop. Defaults are the original study's."""
+
+    seed: int = 42
+    steps: int = 100_000
+    batch_size: int = 8          # sequences of block_size tokens per GPU per micro-step
+    grad_accum: int = 1          # micro-steps per optimiser step (global batch = this x ranks x batch)
+    lr: float = 3e-4
+    min_lr: float = 3e-5         # cosine decay ends here
+    warmup_steps: int = 2000
+    weight_decay: float = 0.1    # matrices only: embeddings and Linear weights; not biases/LayerNorms
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0       # 0 disables clipping
+    eval_every: int = 1000
+    eval_batches: int = 20       # validation batches per evaluation
+    ckpt_every: int = 5000
+    keep_last: int = 3           # rolling checkpoints kept besides best.pt
+    log_every: int = 50
+    early_stop_patience: int = 0 # evaluations without a better val loss before stopping (0: off)
+    # Progressive unfreezing: step -> layers whose frozen Q/K become trainable then ("all" or a list).
+    unfreeze_schedule: dict = field(default_factory=dict)
+    device: str = "auto"         # "auto": cuda when there is one, else cpu
+    dtype: str = "auto"          # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
+    compile: bool = False        # torch.compile the model (falls back to eager if it fails)
+    backend: str = "auto"        # DDP backend: "auto" = nccl on CUDA, gloo on CPU
+    progress: bool = True        # tqdm bar on rank 0
+
+
+@dataclass
+class RunConfig:
+    """One training run: a model, its data and its loop."""
+
+    name: str = "run"
+    out_dir: str = "runs/run"    # checkpoints, metrics.jsonl, config.yaml, summary.json
+    preset: str = "medium512"
+    variant: str = "gpt_base"
+    model: dict = field(default_factory=dict)   # overrides of the preset and variant
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def model_config(self) -> ModelConfig:
+        return model_config(self.preset, self.variant, **self.model)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, checking and overriding
+# --------------------------------------------------------------------------------------------
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, hint)
+
+
+def _build(cls: type, values: dict, where: str):
+    """Instantiate dataclass ``cls`` from ``values``, checking every key and type."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+                          f"valid keys in {where}: {', '.join(sorted(known))}")
+    kwargs = {}
+    for key, value in values.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            value = _build(hint, value, f"{where}.{key}")
+        elif not _type_ok(value, hint):
+            expected = getattr(hint, "__name__", str(hint))
+            raise ConfigError(f"{where}.{key} should be {expected}, got {type(value).__name__} "
+                              f"{value!r}; fix the value in the parameter file or --set")
+        elif hint is float:
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def run_config_from_dict(values: dict) -> RunConfig:
+    """A RunConfig from a nested mapping (a parsed YAML file), with every key checked."""
+    cfg = _build(RunConfig, values or {}, "params")
+    cfg.model_config()  # an invalid model (bad preset, variant, shape) fails here, not mid-run
+    return cfg
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` strings (values parsed as YAML) to a nested mapping."""
+    values = dict(values)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
+        key, raw = item.split("=", 1)
+        _set(values, key.strip(), yaml.safe_load(raw))
+    return values
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML parameter file (or none: all defaults), apply overrides, check it all."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"parameter file {path} not found; pass an existing YAML file "
+                              f"(see parameters/ for examples)")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path} must hold a YAML mapping at the top level")
+        values.pop("study", None)  # a study's own section is read by oelm_core.study
+    return run_config_from_dict(apply_overrides(values, overrides or []))
+
+
+def save_run_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,386 @@
+"""One configurable GPT: standard Q/K (GPT-Base), orthogonal Q/K trainable or frozen (OELM), and
+the ablations (Gaussian or other orthogonal constructions, per-layer freezing, Synthesizer
+attention, POET-style learnable orthogonal Q/K).
+
+Orthogonality is across the whole projection, not per head: W_q and W_k are each one d x d
+orthogonal matrix. Every head's d_head x d slice is then row-orthonormal *and* the heads' slices
+are mutually orthogonal, so the projection as a whole is an isometry of the residual stream
+(what the theory checks measure) and no two heads start by looking at the same subspace.
+Per-head constructions would give each head orthonormal rows but let heads overlap.
+
+Frozen Q/K are buffers, not parameters: autograd never computes their weight gradient, the
+optimizer never sees them, and they travel with ``state_dict`` like any weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from oelm_core.config import ModelConfig, model_config
+from oelm_core.orthogonal import init_qk
+
+
+# --------------------------------------------------------------------------------------------
+# Q/K projections
+# --------------------------------------------------------------------------------------------
+
+class QKProjection(nn.Module):
+    """W_q and W_k of one layer stacked as one (2 d_model, d_model) weight: x -> [q | k].
+
+    ``frozen`` stores the weight as a buffer. ``unfreeze`` turns it into a parameter in place
+    (progressive unfreezing); the trainer must then hand the returned parameter to its optimizer.
+    """
+
+    def __init__(self, w_q: torch.Tensor, w_k: torch.Tensor, frozen: bool):
+        super().__init__()
+        weight = torch.cat([w_q, w_k], dim=0)
+        if frozen:
+            self.register_buffer("weight", weight)
+        else:
+            self.weight = nn.Parameter(weight)
+
+    @property
+    def frozen(self) -> bool:
+        return not isinstance(self.weight, nn.Parameter)
+
+    def unfreeze(self) -> Optional[nn.Parameter]:
+        if not self.frozen:
+            return None
+        weight = self.weight
+        del self._buffers["weight"]
+        self.weight = nn.Parameter(weight.detach().clone())
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _make_qk(cfg: ModelConfig, layer: int, generator: torch.Generator) -> Optional[nn.Module]:
+    if cfg.attention != "dot":
+        return None
+    d = cfg.d_model
+    w_q = init_qk(d, d, cfg.qk_init, cfg.qk_gain, generator=generator)
+    w_k = init_qk(d, d, cfg.qk_init, cfg.qk_gain, generator=generator)
+    if cfg.poet_block_size:
+        from oelm_core.poet import POETProjection  # the learnable-orthogonal reparametrisation
+        return POETProjection(w_q, w_k, cfg, generator=generator)
+    return QKProjection(w_q, w_k, frozen=layer in cfg.frozen_layers())
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding.
+
+    Tensors are (batch, n_head, block_size, d_head), filled up to ``length`` positions.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, device, dtype):
+        shape = (batch, cfg.n_head, cfg.block_size, cfg.d_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.length, self.length + k.size(2)
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def _causal_mask(t_new: int, t_total: int, device) -> torch.Tensor:
+    """(t_new, t_total) boolean mask: query i (at position t_total - t_new + i) sees keys <= it."""
+    offset = t_total - t_new
+    rows = torch.arange(t_new, device=device)[:, None] + offset
+    return torch.arange(t_total, device=device)[None, :] <= rows
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, generator: torch.Generator):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        d, h, t = cfg.d_model, cfg.n_head, cfg.block_size
+        self.qk = _make_qk(cfg, layer, generator)
+        self.v = nn.Linear(d, d, bias=cfg.attn_bias)
+        self.proj = nn.Linear(d, d, bias=cfg.attn_bias)
+        self.dropout = cfg.dropout
+        if cfg.attention != "dot":
+            # Synthesizer (Tay et al. 2021): per-head logits that do not depend on the input.
+            shapes = {"synth_random": [(h, t, t)],
+                      "synth_factorized": [(h, t, cfg.synth_rank), (h, t, cfg.synth_rank)]}[cfg.attention]
+            std = 1.0 / math.sqrt(shapes[0][-1])
+            tensors = [torch.randn(s, generator=generator) * std for s in shapes]
+            for i, tensor in enumerate(tensors):
+                if cfg.synth_trainable:
+                    self.register_parameter(f"synth_{i}", nn.Parameter(tensor))
+                else:
+                    self.register_buffer(f"synth_{i}", tensor)
+
+    def _synth_logits(self, t_new: int, t_total: int) -> torch.Tensor:
+        """(n_head, t_new, t_total) logits of the Synthesizer rows for the newest positions."""
+        rows = slice(t_total - t_new, t_total)
+        if self.cfg.attention == "synth_random":
+            return self.synth_0[:, rows, :t_total]
+        return self.synth_0[:, rows] @ self.synth_1[:, :t_total].transpose(1, 2)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.cfg.n_head, self.cfg.d_head).transpose(1, 2)
+
+    def _qkv(self, x: torch.Tensor):
+        d = self.cfg.d_model
+        if self.qk is None:
+            return None, None, self.v(x)
+        if isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None:
+            # One matmul for q, k and v when all three are trainable.
+            q, k, v = F.linear(x, torch.cat([self.qk.weight, self.v.weight])).split(d, dim=2)
+        else:
+            # Kept apart so autograd skips the frozen weight's gradient (the point of freezing).
+            q, k = self.qk(x).split(d, dim=2)
+            v = self.v(x)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None,
+                return_attention: bool = False):
+        """x: (B, T, d_model) -> (B, T, d_model); with ``return_attention`` also (B, H, T, T_total)."""
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x)
+        v = self._heads(v)
+        k = self._heads(k) if k is not None else None
+        q = self._heads(q) if q is not None else None
+        if cache is not None:
+            # The Synthesizer has no keys; its key slot in the cache holds the values again.
+            k, v = cache.append(self.layer, v if k is None else k, v)
+        t_total = v.size(2)
+        p_drop = self.dropout if self.training else 0.0
+
+        if self.qk is not None and not return_attention:
+            if t == t_total:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop, is_causal=True)
+            else:
+                mask = _causal_mask(t, t_total, x.device)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop)
+            att = None
+        else:
+            if self.qk is not None:
+                logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.cfg.d_head)
+            else:
+                logits = self._synth_logits(t, t_total).unsqueeze(0).to(v.dtype)
+            logits = logits.masked_fill(~_causal_mask(t, t_total, x.device), float("-inf"))
+            att = torch.softmax(logits.float(), dim=-1).to(v.dtype)
+            y = F.dropout(att, p_drop, self.training) @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, self.cfg.d_model)
+        y = self.proj(y)
+        return (y, att) if return_attention else y
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, generator: torch.Generator):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, layer, generator)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cache=None, return_attention=False):
+        a = self.attn(self.ln_1(x), cache, return_attention)
+        a, att = a if return_attention else (a, None)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return (x, att) if return_attention else x
+
+
+# --------------------------------------------------------------------------------------------
+# The loss: output layer and cross-entropy fused over slices of tokens
+# --------------------------------------------------------------------------------------------
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``x @ w[:vocab].T`` against ``targets``, never holding all logits.
+
+    The output layer is the largest tensor of the step (tokens x 50,257 floats). Slice by slice,
+    the forward computes the logits, their log-sum-exp, the loss *and already the gradients*
+    (softmax - one_hot), so the backward only scales them by the incoming scalar: the same
+    matmuls as the plain path, with one slice of logits alive instead of all of them in float32.
+    Targets of -1 are ignored.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, targets, vocab: int, chunk: int):
+        dtype = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
+        xc, wc = x.to(dtype), w[:vocab].to(dtype)
+        valid = targets >= 0
+        n_valid = valid.sum().clamp(min=1)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if need_grad else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        for s in range(0, x.size(0), chunk):
+            xs, ts, vs = xc[s:s + chunk], targets[s:s + chunk], valid[s:s + chunk]
+            logits = (xs @ wc.T).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            safe_t = ts.clamp(min=0)
+            target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
+            loss += ((lse - target_logit) * vs).sum()
+            if need_grad:
+                g = torch.exp(logits - lse[:, None])
+                g[torch.arange(len(ts), device=x.device), safe_t] -= 1.0
+                g = (g * (vs[:, None] / n_valid)).to(dtype)
+                grad_x[s:s + chunk] = (g @ wc).to(x.dtype)
+                grad_w[:vocab] += (g.T @ xs).float()
+        if need_grad:
+            ctx.save_for_backward(grad_x, grad_w.to(w.dtype))
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, grad_w * grad_loss, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
+                         chunk: int = 8192) -> torch.Tensor:
+    """x: (N, d), w: (V_padded, d), targets: (N,) -> scalar mean loss (nats/token)."""
+    return _LinearCrossEntropy.apply(x, w, targets, vocab, chunk)
+
+
+# --------------------------------------------------------------------------------------------
+# GPT
+# --------------------------------------------------------------------------------------------
+
+class GPT(nn.Module):
+    """Decoder-only transformer with learned positions and tied embeddings.
+
+    ``model(idx)`` -> logits (B, T, vocab_size); ``model(idx, targets)`` -> mean loss (nats/token).
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        generator = torch.Generator().manual_seed(seed)
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i, generator) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self._init_weights(generator)
+
+    def _init_weights(self, generator: torch.Generator) -> None:
+        # GPT-2's scheme: N(0, 0.02) everywhere, residual output projections shrunk by
+        # 1/sqrt(2 n_layer) so the residual stream's variance does not grow with depth.
+        # Q/K (and the Synthesizer logits) were set by their own constructions already.
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith("proj") else 0.02
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                    if module.bias is not None:
+                        module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.02)
+        with torch.no_grad():
+            self.wte.weight[self.cfg.vocab_size:].zero_()  # padding rows: never a token, never a logit
+            if self.lm_head is not None:
+                self.lm_head.weight[self.cfg.vocab_size:].zero_()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden(self, idx: torch.Tensor, cache: Optional[KVCache] = None,
+               return_attention: bool = False):
+        """idx: (B, T) token ids -> final normalised hidden states (B, T, d_model)."""
+        t = idx.size(1)
+        start = cache.length if cache is not None else 0
+        if start + t > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + t} tokens exceeds the context of "
+                             f"{self.cfg.block_size}; crop the input to the last "
+                             f"{self.cfg.block_size} tokens")
+        pos = torch.arange(start, start + t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        maps = []
+        for block in self.blocks:
+            if return_attention:
+                x, att = block(x, cache, True)
+                maps.append(att)
+            else:
+                x = block(x, cache)
+        if cache is not None:
+            cache.length += t
+        x = self.ln_f(x)
+        return (x, maps) if return_attention else x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (..., d_model) -> logits (..., vocab_size), the padding columns cut off."""
+        return F.linear(h, self.output_weight)[..., : self.cfg.vocab_size]
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None):
+        h = self.hidden(idx, cache)
+        if targets is None:
+            return self.logits(h)
+        if self.cfg.loss_impl == "chunked":
+            return linear_cross_entropy(h.flatten(0, 1), self.output_weight, targets.flatten(),
+                                        self.cfg.vocab_size, self.cfg.loss_chunk_tokens)
+        return F.cross_entropy(self.logits(h).flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+
+    @torch.no_grad()
+    def forward_with_attention(self, idx: torch.Tensor):
+        """The visualisation path: (logits (B, T, V), [attention probabilities (B, H, T, T)] per layer).
+
+        Computes softmax(QK^T / sqrt(d_head)) explicitly; its output equals the SDPA path's.
+        """
+        h, maps = self.hidden(idx, return_attention=True)
+        return self.logits(h), maps
+
+    def new_cache(self, batch: int = 1) -> KVCache:
+        p = self.wte.weight
+        return KVCache(self.cfg, batch, p.device, p.dtype)
+
+    def qk_projections(self) -> list[nn.Module]:
+        return [b.attn.qk for b in self.blocks if b.attn.qk is not None]
+
+    def unfreeze_qk(self, layers="all") -> list[nn.Parameter]:
+        """Make frozen Q/K of ``layers`` ("all" or indices) trainable; returns the new parameters."""
+        chosen = range(self.cfg.n_layer) if layers == "all" else layers
+        new = []
+        for i in chosen:
+            qk = self.blocks[i].attn.qk
+            if isinstance(qk, QKProjection) and qk.frozen:
+                new.append(qk.unfreeze())
+        return new
+
+
+def build_model(preset: str | ModelConfig = "medium512", variant: str = "gpt_base", seed: int = 0,
+                **overrides: Any) -> GPT:
+    """A GPT of a named preset and variant (see ``oelm_core.VARIANTS``), or of a ModelConfig."""
+    cfg = preset if isinstance(preset, ModelConfig) else model_config(preset, variant, **overrides)
+    return GPT(cfg, seed=seed)
+
+
+def model_config_dict(model: GPT) -> dict:
+    return asdict(model.cfg)
