@@ -1,0 +1,58 @@
+# OELM Lab. On a fresh machine, two commands:
+#   make study   # the main job: the smoke study (notebooks, three trainings, analysis) -> runs/smoke
+#   make test    # the test suite, exactly what CI runs (.ci/run)
+# Each creates .venv and installs what it needs. Other targets: make demo, make bench.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STUDY  ?= parameters/study_smoke.yaml
+# Any torch >= 2.4 works. 2.13.0 is pinned for the install so that a CPU machine with that
+# wheel on disk takes it instead of a multi-GB CUDA build; a torch already in the venv is kept.
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+# Offline machines: the TinyStories text and GPT-2 BPE files beside the checkout, when present.
+# Online, nothing is set and the data comes from the Hugging Face hub.
+SHARED := $(abspath ../shared/data)
+ifneq ($(wildcard $(SHARED)/tinystories),)
+export OELM_DATA ?= $(SHARED)/tinystories
+endif
+ifneq ($(wildcard $(SHARED)/tokenizer/tiktoken_cache),)
+export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tokenizer/tiktoken_cache
+endif
+export GRADIO_ANALYTICS_ENABLED := False
+
+.PHONY: study test demo bench browser clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+study: $(VENV)/.installed
+	$(BIN)/python -m oelm_core.study $(STUDY)
+
+# The browser test drives Debian's Chromium (a test tool's own browser download is not
+# reachable from CI); installed here when missing and we may use apt.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "chromium not installed: the browser test will be skipped"; }
+
+test: $(VENV)/.installed browser
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m app
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/bench_generate.py
+
+clean:
+	rm -rf $(VENV) runs data_cache

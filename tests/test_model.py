@@ -1,0 +1,129 @@
+"""The GPT: exact parameter counts, frozen Q/K, the two attention paths, the FLOP account."""
+
+import pytest
+import torch
+
+from oelm_core import ConfigError, build_model, count_parameters, flops_per_token, memory_account, model_config
+from oelm_core.orthogonal import orthogonality_error
+
+MEDIUM_TOTAL = 44_896_768
+QK_FROZEN = 6 * 2 * 512 * 512  # 3,145,728
+
+
+@pytest.fixture(scope="module")
+def medium():
+    return {v: build_model("medium512", v) for v in ("gpt_base", "oelm_nofreeze", "oelm_freeze")}
+
+
+def test_medium512_counts_match_the_study(medium):
+    base = count_parameters(medium["gpt_base"])
+    assert (base["trainable"], base["frozen"], base["total"]) == (MEDIUM_TOTAL, 0, MEDIUM_TOTAL)
+    assert count_parameters(medium["oelm_nofreeze"]) == base  # orthogonal init changes no count
+    freeze = count_parameters(medium["oelm_freeze"])
+    assert freeze["trainable"] == 41_751_040
+    assert freeze["frozen"] == QK_FROZEN
+    assert freeze["total"] == MEDIUM_TOTAL
+    assert freeze["by_component"]["attn_qk"] == {"trainable": 0, "frozen": QK_FROZEN}
+    # The padded vocabulary rows exist for speed but are not parameters.
+    assert medium["gpt_base"].wte.weight.shape[0] == 50_304
+    assert base["by_component"]["embedding"]["trainable"] == 50_257 * 512
+
+
+def test_orthogonal_qk_is_orthogonal_in_every_layer(medium):
+    d = 512
+    for block in medium["oelm_freeze"].blocks:
+        w = block.attn.qk.weight
+        assert orthogonality_error(w[:d]) < 1e-5 and orthogonality_error(w[d:]) < 1e-5
+    # GPT-2's N(0, 0.02) is far from orthogonal.
+    assert orthogonality_error(medium["gpt_base"].blocks[0].attn.qk.weight[:d]) > 0.5
+
+
+def test_frozen_qk_are_buffers_that_survive_training():
+    model = build_model("tiny", "oelm_freeze", freeze_qk=[0])
+    assert "blocks.0.attn.qk.weight" in dict(model.named_buffers())
+    assert "blocks.1.attn.qk.weight" in dict(model.named_parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    assert all(p is not model.blocks[0].attn.qk.weight for g in opt.param_groups for p in g["params"])
+    x = torch.randint(0, 128, (4, 16))
+    for _ in range(3):
+        opt.zero_grad()
+        model(x, x.roll(-1, 1)).backward()
+        opt.step()
+    assert model.blocks[0].attn.qk.weight.grad is None
+    after = model.state_dict()
+    assert torch.equal(after["blocks.0.attn.qk.weight"], before["blocks.0.attn.qk.weight"])
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert "blocks.1.attn.qk.weight" in changed and "blocks.0.attn.v.weight" in changed
+    # Saved and restored with the model.
+    clone = build_model("tiny", "oelm_freeze", freeze_qk=[0], seed=123)
+    clone.load_state_dict(after)
+    assert torch.equal(clone.blocks[0].attn.qk.weight, after["blocks.0.attn.qk.weight"])
+
+
+def test_unfreeze_turns_buffers_into_parameters():
+    model = build_model("tiny", "oelm_freeze")
+    frozen = count_parameters(model)["frozen"]
+    new = model.unfreeze_qk([1])
+    assert len(new) == 1 and new[0].requires_grad
+    assert count_parameters(model)["frozen"] == frozen // 2
+    assert model.unfreeze_qk([1]) == []  # already trainable
+
+
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
+def test_attention_path_matches_sdpa(variant):
+    torch.manual_seed(0)
+    model = build_model("tiny", variant, seed=3).eval()
+    idx = torch.randint(0, 128, (2, 20))
+    fast = model(idx)
+    slow, maps = model.forward_with_attention(idx)
+    assert torch.allclose(fast, slow, atol=1e-5)
+    assert len(maps) == 2 and maps[0].shape == (2, 2, 20, 20)
+    assert torch.allclose(maps[0].sum(-1), torch.ones(2, 2, 20), atol=1e-5)
+    assert torch.all(maps[0].triu(1) == 0)  # causal
+
+
+def test_chunked_loss_equals_full_logits_loss():
+    torch.manual_seed(0)
+    chunked = build_model("tiny", "gpt_base", loss_chunk_tokens=7)
+    full = build_model("tiny", "gpt_base", loss_impl="full")
+    idx, tgt = torch.randint(0, 128, (3, 32)), torch.randint(0, 128, (3, 32))
+    tgt[0, :5] = -1  # ignored positions
+    l1, l2 = chunked(idx, tgt), full(idx, tgt)
+    l1.backward(), l2.backward()
+    assert abs(l1.item() - l2.item()) < 1e-5
+    for (name, p1), p2 in zip(chunked.named_parameters(), full.parameters()):
+        assert torch.allclose(p1.grad, p2.grad, atol=1e-6), name
+
+
+def test_flop_account_shows_the_small_saving_of_freezing():
+    base = flops_per_token(model_config("medium512", "gpt_base"))
+    freeze = flops_per_token(model_config("medium512", "oelm_freeze"))
+    saved = base["total"] - freeze["total"]
+    assert saved == 6 * 2 * (2 * 512 * 512)  # the W_q, W_k weight gradients of six layers
+    assert 0.015 < saved / base["total"] < 0.03  # about 2%: the output layer dominates
+    assert base["output"]["forward"] > 0.3 * base["total_forward"]
+    mem = memory_account(build_model("tiny", "oelm_freeze"))
+    assert mem["frozen_saving"] == 12 * count_parameters(build_model("tiny", "oelm_freeze"))["frozen"]
+
+
+def test_presets_have_the_roadmap_shapes():
+    for preset, shape in {"small": (6, 512, 8, 2048), "base": (12, 768, 12, 3072),
+                          "large": (24, 1024, 16, 4096), "medium512": (6, 512, 8, 2048)}.items():
+        cfg = model_config(preset)
+        assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff) == shape
+        assert cfg.vocab_size == 50_257 and cfg.tie_embeddings
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(preset="nope"), "unknown preset 'nope'"),
+    (dict(variant="nope"), "unknown variant 'nope'"),
+    (dict(n_head=7), "n_head=7 does not divide d_model=512"),
+    (dict(freeze_qk=[9]), "layers 0..5"),
+    (dict(qk_init="lu"), "unknown model.qk_init"),
+])
+def test_bad_configs_raise_clear_errors(kwargs, message):
+    preset = kwargs.pop("preset", "medium512")
+    variant = kwargs.pop("variant", "gpt_base")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        model_config(preset, variant, **kwargs)
