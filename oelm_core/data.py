@@ -1,0 +1,515 @@
+"""TinyStories as flat GPT-2 token files, and the samplers that cut training/validation batches.
+
+`prepare` reads the stories (from the Hugging Face hub or a local folder), tokenises each one with
+the GPT-2 BPE followed by an end-of-text token, and writes one flat uint16 stream per split:
+
+    out_dir/train.bin   uint16[train_tokens]   story_0 EOT story_1 EOT ...
+    out_dir/val.bin     uint16[val_tokens]
+    out_dir/meta.json   counts, bytes (for bits per byte) and the content hash that skips re-runs
+
+`TokenSampler` then draws random (x, y) windows from a .bin file through a memory map; its
+randomness is keyed by (seed, rank, batch number), so resuming needs only the batch count.
+
+CLI: python -m oelm_core.data --source ../shared/data/tinystories --out-dir data_cache/tinystories
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import fields
+from datetime import datetime, timezone
+from itertools import islice
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from oelm_core.config import ConfigError, DataConfig
+
+log = logging.getLogger(__name__)
+
+TOKENIZER = "gpt2"
+VOCAB_SIZE = 50257
+EOT = 50256                       # GPT-2's <|endoftext|>: appended after every story
+EOT_TEXT = "<|endoftext|>"        # the same separator as it appears in TinyStories .txt files
+HUB_NAME = "roneneldan/TinyStories"
+# Bump when the token layout changes so that existing caches no longer match and get rebuilt.
+FORMAT_VERSION = 1
+
+# Output split name -> folder (or DatasetDict key) names accepted for it, in order of preference.
+SPLIT_NAMES = {"train": ("train",), "val": ("validation", "val", "valid")}
+HUB_SPLITS = {"train": "train", "val": "validation"}
+FILE_TYPES = (".txt", ".jsonl", ".parquet")
+
+# Below this many stories a process pool costs more (start-up, pickling) than it saves.
+_PARALLEL_MIN_STORIES = 2000
+_CHUNK_STORIES = 256              # stories per task sent to a worker process
+
+_INSTALL_HINT = 'install the optional data dependencies: pip install "oelm-core[data]"'
+_LOCAL_HINT = ("set data.source (or the environment variable OELM_DATA) to a local folder with "
+               "train/ and validation/ story files, e.g. ../shared/data/tinystories")
+
+
+# --------------------------------------------------------------------------------------------
+# Tokeniser
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def get_tokenizer():
+    """The tiktoken GPT-2 encoding (loaded once per process)."""
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding(TOKENIZER)
+    except Exception as e:  # offline without a cache: tiktoken fails while downloading
+        raise RuntimeError(
+            f"tiktoken could not load the {TOKENIZER!r} encoding ({type(e).__name__}: {e}). "
+            f"Offline, set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files, e.g. "
+            f"TIKTOKEN_CACHE_DIR=../shared/data/tokenizer/tiktoken_cache") from e
+
+
+def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, int, int]:
+    """Stories -> (their ids, each story followed by EOT, as one uint16 array; UTF-8 bytes; count)."""
+    enc = get_tokenizer()
+    ids: list[int] = []
+    for text in texts:
+        # encode_ordinary: a story that happens to contain "<|endoftext|>" stays plain text.
+        ids.extend(enc.encode_ordinary(text))
+        ids.append(EOT)
+    return np.asarray(ids, dtype=np.uint16), sum(len(t.encode("utf-8")) for t in texts), len(texts)
+
+
+def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def _num_procs(num_proc: int, n_stories: int | None) -> int:
+    if n_stories is not None and n_stories < _PARALLEL_MIN_STORIES:
+        return 1
+    return num_proc if num_proc > 0 else min(8, os.cpu_count() or 1)
+
+
+def _encode_stream(stories: Iterable[str], procs: int) -> Iterator[tuple[np.ndarray, int, int]]:
+    """_encode_chunk's results for consecutive chunks of stories, in order, from `procs` processes."""
+    chunks = _chunks(stories, _CHUNK_STORIES)
+    if procs == 1:
+        yield from map(_encode_chunk, chunks)
+        return
+    with Pool(procs) as pool:
+        # imap keeps the order; the parent reads (for the hub: downloads) while the workers encode.
+        yield from pool.imap(_encode_chunk, chunks)
+
+
+# --------------------------------------------------------------------------------------------
+# Sources: the hub or a local folder, each giving per split a re-iterable sequence of stories
+# --------------------------------------------------------------------------------------------
+
+def split_stories(text: str) -> list[str]:
+    """The stories of a TinyStories .txt file, stripped, empty ones dropped.
+
+    Stories are separated by <|endoftext|>, with or without newlines around it. A text without a
+    separator (the shared validation file) is one stream: a single "story".
+    """
+    return [s for s in (part.strip() for part in text.split(EOT_TEXT)) if s]
+
+
+def _clean(texts: Iterable[str | None], cap: int) -> Iterator[str]:
+    """Stripped, non-empty stories; at most `cap` of them (0: all)."""
+    n = 0
+    for text in texts:
+        text = (text or "").strip()
+        if text:
+            yield text
+            n += 1
+            if n == cap:
+                return
+
+
+def _field_of(row: dict, text_field: str, where: str) -> str:
+    try:
+        return row[text_field]
+    except (KeyError, TypeError):
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ConfigError(f"{where} has no field {text_field!r} (it has {keys}); set data.text_field "
+                          f"to the one that holds the story text") from None
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(f"loading this source needs the `datasets` package: {_INSTALL_HINT}") from e
+    return datasets
+
+
+def _read_file(path: Path, text_field: str) -> Iterator[str]:
+    """Raw story texts of one .txt, .jsonl or .parquet file."""
+    if path.suffix == ".txt":
+        yield from split_stories(path.read_text(encoding="utf-8"))
+    elif path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield _field_of(json.loads(line), text_field, f"{path}:{lineno}")
+    else:  # .parquet
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ConfigError(f"reading {path} needs `pyarrow`: {_INSTALL_HINT}") from e
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            raise ConfigError(f"{path} has no column {text_field!r} (it has {pf.schema_arrow.names}); "
+                              f"set data.text_field to the one that holds the story text")
+        for batch in pf.iter_batches(columns=[text_field]):
+            yield from batch.column(0).to_pylist()
+
+
+def _rows(rows: Iterable[dict], text_field: str, where: str) -> Iterator[str]:
+    for row in rows:
+        yield _field_of(row, text_field, where)
+
+
+def _file_stories(files: list[Path], text_field: str, cap: int) -> Iterator[str]:
+    return _clean((text for path in files for text in _read_file(path, text_field)), cap)
+
+
+def _dataset_stories(ds, text_field: str, cap: int, where: str) -> Iterator[str]:
+    return _clean(_rows(ds, text_field, where), cap)
+
+
+def _folder_splits(root: Path, cfg: DataConfig) -> dict[str, Callable[[], Iterator[str]]]:
+    """Split -> function returning a fresh pass over its stories, for a local folder."""
+    if not root.is_dir():
+        raise ConfigError(f"data folder {root} does not exist; {_LOCAL_HINT}, or to "
+                          f"{HUB_NAME!r} to download TinyStories from the hub")
+    caps = {"train": cfg.max_train_stories, "val": cfg.max_val_stories}
+
+    if (root / "dataset_dict.json").is_file():  # written by DatasetDict.save_to_disk
+        dd = _import_datasets().load_from_disk(str(root))
+        splits = {}
+        for split, names in SPLIT_NAMES.items():
+            key = next((n for n in names if n in dd), None)
+            if key is None:
+                raise ConfigError(f"the saved dataset {root} has splits {sorted(dd)}, but no "
+                                  f"{' / '.join(names)}; save a DatasetDict with train and validation")
+            splits[split] = functools.partial(_dataset_stories, dd[key], cfg.text_field,
+                                              caps[split], f"{root} [{key}]")
+        return splits
+
+    splits = {}
+    for split, names in SPLIT_NAMES.items():
+        folder = next((root / n for n in names if (root / n).is_dir()), None)
+        if folder is None:
+            raise ConfigError(f"data folder {root} has no {'/ or '.join(names)}/ folder; it needs "
+                              f"train/ and validation/ holding {', '.join(FILE_TYPES)} story files")
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in FILE_TYPES)
+        if not files:
+            raise ConfigError(f"{folder} holds no story files; put {', '.join(FILE_TYPES)} files "
+                              f"there (.txt: stories separated by {EOT_TEXT})")
+        splits[split] = functools.partial(_file_stories, files, cfg.text_field, caps[split])
+    return splits
+
+
+def _hub_stories(name: str, split: str, cap: int, text_field: str) -> Iterator[str]:
+    """Stories of one hub split; streams only the first `cap` when cap > 0."""
+    datasets = _import_datasets()
+    try:
+        ds = datasets.load_dataset(name, split=split, streaming=cap > 0)
+        yield from _clean(_rows(ds, text_field, f"{name} [{split}]"), cap)
+    except ConfigError:
+        raise
+    except Exception as e:  # no network, unknown name, hub outage: all fixed the same way
+        raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub "
+                          f"({type(e).__name__}: {e}). Offline? {_LOCAL_HINT}") from e
+
+
+def resolve_source(cfg: DataConfig) -> str:
+    """The source actually used: $OELM_DATA when set, else cfg.source."""
+    return os.environ.get("OELM_DATA") or cfg.source
+
+
+def _is_hub(source: str) -> bool:
+    # An existing path is always local; otherwise "owner/name" is a hub dataset id.
+    return not Path(source).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", source) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# prepare / load_meta
+# --------------------------------------------------------------------------------------------
+
+def _atomic_write(path: Path, write: Callable[[object], None], mode: str = "wb") -> None:
+    """Write through a temporary file and rename it, so readers never see a partial file."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | None,
+                 progress: bool) -> dict:
+    counts = {"tokens": 0, "stories": 0, "bytes": 0}
+
+    def write(f) -> None:
+        with tqdm(total=total, unit="stories", desc=f"tokenising {path.name}", disable=not progress) as bar:
+            for ids, n_bytes, n in _encode_stream(stories, procs):
+                f.write(ids.tobytes())
+                counts["tokens"] += len(ids)
+                counts["bytes"] += n_bytes
+                counts["stories"] += n
+                bar.update(n)
+
+    _atomic_write(path, write)
+    return counts
+
+
+def _check_config(cfg: DataConfig) -> None:
+    for name in ("max_train_stories", "max_val_stories", "num_proc"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"data.{name} must be 0 or positive, got {getattr(cfg, name)}")
+
+
+def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> dict:
+    """Tokenise the stories into out_dir/{train,val}.bin and meta.json; return the meta.
+
+    Skipped (the existing meta is returned) when meta.json's content_hash matches the source:
+    for a local folder a hash of the story texts, for the hub a hash of (name, column, caps),
+    which needs no network. `force=True` rebuilds. Under DDP call it on one rank and wait for it on the others.
+    """
+    _check_config(cfg)
+    source = resolve_source(cfg)
+    out = Path(cfg.out_dir)
+    key = {"format": FORMAT_VERSION, "tokenizer": TOKENIZER,
+           "max_train_stories": cfg.max_train_stories, "max_val_stories": cfg.max_val_stories}
+    h = hashlib.sha256()
+
+    if _is_hub(source):
+        # Hashing the rows would mean downloading them; the hub dataset is fixed, so its name,
+        # column and caps identify the content, and a prepared cache is reused offline.
+        h.update(json.dumps({**key, "source": source, "text_field": cfg.text_field},
+                            sort_keys=True).encode())
+        resolved = source
+        caps = {"train": cfg.max_train_stories, "val": cfg.max_val_stories}
+        splits = {s: functools.partial(_hub_stories, source, HUB_SPLITS[s], caps[s], cfg.text_field)
+                  for s in SPLIT_NAMES}
+        totals = {s: caps[s] or None for s in SPLIT_NAMES}  # unknown until downloaded
+    else:
+        root = Path(source).expanduser().resolve()
+        resolved = str(root)
+        splits = _folder_splits(root, cfg)
+        h.update(json.dumps(key, sort_keys=True).encode())
+        totals = {}
+        for split, stories in splits.items():  # a first, cheap pass: hash and count the texts
+            h.update(f"\0split:{split}\0".encode())
+            n = 0
+            for text in stories():
+                data = text.encode("utf-8")
+                h.update(len(data).to_bytes(8, "little"))  # length prefix: no ambiguous joins
+                h.update(data)
+                n += 1
+            totals[split] = n
+    content_hash = h.hexdigest()
+
+    meta_path = out / "meta.json"
+    if not force and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("content_hash") == content_hash and _bins_match(out, meta):
+            log.info("%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
+                     out, resolved, content_hash[:12])
+            return meta
+
+    out.mkdir(parents=True, exist_ok=True)
+    # Remove the old meta first: if we crash between writing the .bin files, no stale meta can
+    # vouch for them, and the next call rebuilds.
+    meta_path.unlink(missing_ok=True)
+    get_tokenizer()  # fail here with the TIKTOKEN_CACHE_DIR hint, not inside a worker
+    meta = {"source": resolved, "tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16"}
+    for split, stories in splits.items():
+        procs = _num_procs(cfg.num_proc, totals[split])
+        counts = _write_split(stories(), out / f"{split}.bin", procs, totals[split], progress)
+        if counts["tokens"] == 0:
+            raise ConfigError(f"the {split} split of {resolved} holds no stories; check its files "
+                              f"and data.text_field")
+        meta.update({f"{split}_{k}": v for k, v in counts.items()})
+    meta.update(max_train_stories=cfg.max_train_stories, max_val_stories=cfg.max_val_stories,
+                content_hash=content_hash,
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    _atomic_write(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w")
+    log.info("prepared %s: %d train / %d val tokens", out, meta["train_tokens"], meta["val_tokens"])
+    return meta
+
+
+def _bins_match(out: Path, meta: dict) -> bool:
+    """Both token files exist with the sizes meta.json records (2 bytes per token)."""
+    return all((out / f"{s}.bin").is_file()
+               and (out / f"{s}.bin").stat().st_size == 2 * meta.get(f"{s}_tokens", -1)
+               for s in SPLIT_NAMES)
+
+
+def _prepare_hint(out_dir: Path) -> str:
+    return (f"run `python -m oelm_core.data --source <folder or {HUB_NAME}> --out-dir {out_dir}` "
+            f"or set data.source so that training prepares it")
+
+
+def load_meta(out_dir: str | Path) -> dict:
+    """meta.json of a prepared folder, after checking that its token files are there and whole."""
+    out = Path(out_dir)
+    missing = [n for n in ("meta.json", "train.bin", "val.bin") if not (out / n).is_file()]
+    if missing:
+        raise ConfigError(f"no prepared data in {out} (missing {', '.join(missing)}); "
+                          f"{_prepare_hint(out)}")
+    meta = json.loads((out / "meta.json").read_text())
+    if not _bins_match(out, meta):
+        raise ConfigError(f"the token files in {out} do not match its meta.json (an interrupted or "
+                          f"foreign write); rebuild with `python -m oelm_core.data ... --force`")
+    return meta
+
+
+# --------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------
+
+def _open_tokens(bin_path: str | Path, block_size: int) -> np.memmap:
+    path = Path(bin_path)
+    if not path.is_file():
+        raise ConfigError(f"token file {path} not found; {_prepare_hint(path.parent)}")
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    if len(data) < block_size + 1:
+        raise ConfigError(f"{path} holds {len(data)} tokens, fewer than block_size + 1 = "
+                          f"{block_size + 1}; use a smaller model.block_size or prepare more "
+                          f"stories (raise data.max_train_stories / data.max_val_stories)")
+    return data
+
+
+def _windows(data: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = tokens[s : s+T], y = tokens[s+1 : s+T+1] for each start s; int64, (len(starts), T)."""
+    rows = torch.from_numpy(data[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class TokenSampler:
+    """Random training windows from a flat uint16 token file.
+
+    Batch i on rank r draws its window starts from np.random.default_rng([seed, r, i]): ranks see
+    different windows, and the whole state is the batch count, so resuming is exact and O(1).
+    """
+
+    def __init__(self, bin_path: str | Path, block_size: int, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
+        if block_size <= 0 or batch_size <= 0:
+            raise ConfigError(f"block_size and batch_size must be positive, got {block_size}, {batch_size}")
+        self.data = _open_tokens(bin_path, block_size)
+        self.block_size, self.batch_size = block_size, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.batches_drawn = 0
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.block_size
+
+    def next_batch(self, device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y): int64 (batch_size, block_size); y is x shifted by one token (the next-token targets)."""
+        rng = np.random.default_rng([self.seed, self.rank, self.batches_drawn])
+        self.batches_drawn += 1
+        starts = rng.integers(0, len(self.data) - self.block_size, size=self.batch_size)
+        x, y = _windows(self.data, starts, self.block_size)
+        if device is not None:
+            if torch.device(device).type == "cuda":
+                # Page-locked memory lets the copy run asynchronously with the previous step.
+                x = x.pin_memory().to(device, non_blocking=True)
+                y = y.pin_memory().to(device, non_blocking=True)
+            else:
+                x, y = x.to(device), y.to(device)
+        return x, y
+
+    def state_dict(self) -> dict:
+        return {"batches_drawn": self.batches_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches_drawn = int(state["batches_drawn"])
+
+
+def eval_batches(bin_path: str | Path, block_size: int, batch_size: int, n_batches: int,
+                 seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same validation batches on every call: (x, y) int64 CPU tensors (<= batch_size, block_size).
+
+    Windows are non-overlapping slots of block_size + 1 tokens; a fixed-seed draw picks
+    batch_size * n_batches of them spread over the whole file, so val losses compare across steps
+    and runs. A file with fewer slots gives all of them (the last batch may then be smaller).
+    """
+    data = _open_tokens(bin_path, block_size)
+    slots = (len(data) - 1) // block_size  # window k covers tokens [k*T, k*T + T] (T+1 tokens)
+    want = batch_size * n_batches
+    if slots >= want:
+        chosen = np.sort(np.random.default_rng(seed).choice(slots, size=want, replace=False))
+    else:
+        chosen = np.arange(slots)
+    starts = chosen * block_size
+    return [_windows(data, starts[i:i + batch_size], block_size)
+            for i in range(0, len(starts), batch_size)]
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics that need the data's bytes per token
+# --------------------------------------------------------------------------------------------
+
+def bits_per_byte(loss_nats: float, tokens: int, bytes_: int) -> float:
+    """Mean loss (nats/token) as bits per UTF-8 byte of text: loss * tokens / (bytes * ln 2).
+
+    Unlike loss per token it compares across tokenisers; use the split's tokens and bytes from meta.json.
+    """
+    return loss_nats * tokens / (bytes_ * math.log(2))
+
+
+def perplexity(loss_nats: float) -> float:
+    """exp(mean loss); inf rather than an OverflowError for a diverged run."""
+    try:
+        return math.exp(loss_nats)
+    except OverflowError:
+        return float("inf")
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    defaults = DataConfig()
+    p = argparse.ArgumentParser(prog="python -m oelm_core.data", description=__doc__.split("\n")[0])
+    p.add_argument("--source", default=defaults.source,
+                   help=f"{HUB_NAME!r} or a local folder (the env var OELM_DATA overrides it)")
+    p.add_argument("--out-dir", default=defaults.out_dir)
+    p.add_argument("--max-train-stories", type=int, default=defaults.max_train_stories)
+    p.add_argument("--max-val-stories", type=int, default=defaults.max_val_stories)
+    p.add_argument("--text-field", default=defaults.text_field)
+    p.add_argument("--num-proc", type=int, default=defaults.num_proc)
+    p.add_argument("--force", action="store_true", help="rebuild even when the cache is up to date")
+    p.add_argument("--no-progress", action="store_true")
+    args = vars(p.parse_args(argv))
+    force, progress = args.pop("force"), not args.pop("no_progress")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = DataConfig(**{f.name: args[f.name] for f in fields(DataConfig)})
+    meta = prepare(cfg, force=force, progress=progress)
+    print(json.dumps(meta, indent=2))
+    return meta
+
+
+if __name__ == "__main__":
+    main()

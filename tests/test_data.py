@@ -1,0 +1,348 @@
+"""oelm_core.data: story splitting, every source format, caching, samplers, errors, metrics."""
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import STORIES
+from oelm_core import data
+from oelm_core.config import ConfigError, DataConfig
+
+SHARED_STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_source(monkeypatch):
+    # CI may point OELM_DATA at a folder; these tests choose their sources themselves.
+    monkeypatch.delenv("OELM_DATA", raising=False)
+
+
+def expected_ids(stories):
+    enc = data.get_tokenizer()
+    ids = []
+    for s in stories:
+        ids += enc.encode_ordinary(s.strip()) + [data.EOT]
+    return np.array(ids, dtype=np.uint16)
+
+
+def read_bin(path):
+    return np.fromfile(path, dtype=np.uint16)
+
+
+def cfg_for(source, out, **kw):
+    return DataConfig(source=str(source), out_dir=str(out), **kw)
+
+
+# --- story splitting ----------------------------------------------------------------------
+
+def test_split_stories_separators():
+    assert data.split_stories("a<|endoftext|>b") == ["a", "b"]
+    assert data.split_stories("a\n<|endoftext|>\nb\n<|endoftext|>\n") == ["a", "b"]
+    assert data.split_stories("One day.\n\nThe end.\n\nAnother.\n") == ["One day.\n\nThe end.\n\nAnother."]
+
+
+def test_known_ids():
+    assert data.get_tokenizer().encode_ordinary("Hello world") == [15496, 995]
+    assert data.get_tokenizer().n_vocab == data.VOCAB_SIZE == data.EOT + 1
+
+
+# --- every source format prepares to exactly the direct encoding ---------------------------
+
+def test_txt_folder(story_folder, tmp_path):
+    meta = data.prepare(cfg_for(story_folder, tmp_path / "out"), progress=False)
+    train, val = read_bin(tmp_path / "out/train.bin"), read_bin(tmp_path / "out/val.bin")
+    np.testing.assert_array_equal(train, expected_ids(STORIES * 20))
+    np.testing.assert_array_equal(val, expected_ids(STORIES[:3] * 10))
+    assert meta["train_stories"] == 120 and meta["val_stories"] == 30
+    assert meta["train_tokens"] == len(train) and meta["val_tokens"] == len(val)
+    assert meta["train_bytes"] == 20 * sum(len(s.encode()) for s in STORIES)
+    assert (train == data.EOT).sum() == 120 and train[-1] == data.EOT
+    assert meta["source"] == str(story_folder.resolve())
+    assert meta["vocab_size"] == 50257 and meta["dtype"] == "uint16" and meta["tokenizer"] == "gpt2"
+    assert data.load_meta(tmp_path / "out") == meta
+
+
+def test_txt_without_separator_is_one_stream(tmp_path):
+    root = tmp_path / "src"
+    (root / "train").mkdir(parents=True)
+    (root / "val").mkdir()  # "val/" is accepted for validation/
+    (root / "train" / "b.txt").write_text("Hello world<|endoftext|>")
+    (root / "train" / "a.txt").write_text("Hello<|endoftext|>")  # sorted: a.txt comes first
+    (root / "val" / "v.txt").write_text("One story.\n\nAnother story.\n")
+    data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
+    assert read_bin(tmp_path / "out/train.bin").tolist() == [15496, 50256, 15496, 995, 50256]
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"),
+                                  expected_ids(["One story.\n\nAnother story."]))
+
+
+def test_jsonl(tmp_path):
+    root = tmp_path / "src"
+    for split, stories in (("train", ["Hello world", *STORIES]), ("validation", STORIES[:2])):
+        (root / split).mkdir(parents=True)
+        rows = [json.dumps({"story": s, "id": i}) for i, s in enumerate(stories)]
+        (root / split / "part.jsonl").write_text("\n".join(rows) + "\n\n")
+    meta = data.prepare(cfg_for(root, tmp_path / "out", text_field="story", max_val_stories=1),
+                        progress=False)
+    train = read_bin(tmp_path / "out/train.bin")
+    assert train[:3].tolist() == [15496, 995, 50256]
+    np.testing.assert_array_equal(train, expected_ids(["Hello world", *STORIES]))
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"), expected_ids(STORIES[:1]))
+    assert meta["val_stories"] == 1
+
+
+def test_jsonl_wrong_field_names_the_fix(tmp_path):
+    root = tmp_path / "src"
+    for split in ("train", "validation"):
+        (root / split).mkdir(parents=True)
+        (root / split / "p.jsonl").write_text(json.dumps({"story": "Hi"}) + "\n")
+    with pytest.raises(ConfigError, match=r"no field 'text'.*\['story'\].*data.text_field"):
+        data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "src"
+    for split, stories in (("train", STORIES), ("valid", STORIES[3:])):
+        (root / split).mkdir(parents=True)
+        pq.write_table(pa.table({"text": stories[:3]}), root / split / "0.parquet")
+        pq.write_table(pa.table({"text": stories[3:]}), root / split / "1.parquet")
+    data.prepare(cfg_for(root, tmp_path / "out", max_train_stories=4), progress=False)
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/train.bin"), expected_ids(STORIES[:4]))
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"), expected_ids(STORIES[3:]))
+
+
+def test_save_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"text": ["Hello world", *STORIES, "  "]}),
+        "validation": datasets.Dataset.from_dict({"text": STORIES[:2]}),
+    })
+    dd.save_to_disk(str(tmp_path / "saved"))
+    meta = data.prepare(cfg_for(tmp_path / "saved", tmp_path / "out"), progress=False)
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/train.bin"),
+                                  expected_ids(["Hello world", *STORIES]))  # blank row dropped
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"), expected_ids(STORIES[:2]))
+    assert meta["train_stories"] == 7
+
+
+def test_parallel_tokenising_matches_serial(tmp_path):
+    root = tmp_path / "src"
+    (root / "train").mkdir(parents=True)
+    (root / "validation").mkdir()
+    many = [f"Story {i}: {STORIES[i % len(STORIES)]}" for i in range(2500)]  # above the 1-process limit
+    (root / "train" / "t.txt").write_text("<|endoftext|>".join(many))
+    (root / "validation" / "v.txt").write_text("Hello world")
+    meta = data.prepare(cfg_for(root, tmp_path / "out", num_proc=2), progress=False)
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/train.bin"), expected_ids(many))
+    assert meta["train_stories"] == 2500
+
+
+def test_env_overrides_source(story_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    meta = data.prepare(cfg_for(tmp_path / "not-there", tmp_path / "out"), progress=False)
+    assert meta["source"] == str(story_folder.resolve())
+
+
+# --- caching ------------------------------------------------------------------------------
+
+def test_prepare_skips_when_unchanged_and_redoes_on_change(story_folder, tmp_path):
+    cfg = cfg_for(story_folder, tmp_path / "out")
+    first = data.prepare(cfg, progress=False)
+    mtimes = {n: os.stat(tmp_path / "out" / n).st_mtime_ns for n in ("train.bin", "val.bin", "meta.json")}
+    time.sleep(0.01)
+    assert data.prepare(cfg, progress=False) == first
+    assert {n: os.stat(tmp_path / "out" / n).st_mtime_ns for n in mtimes} == mtimes
+
+    part = story_folder / "train" / "part.txt"
+    part.write_text(part.read_text().replace("Tom", "Tim", 1))
+    second = data.prepare(cfg, progress=False)
+    assert second["content_hash"] != first["content_hash"]
+    assert "Tim" in data.get_tokenizer().decode(read_bin(tmp_path / "out/train.bin")[:30].tolist())
+
+    forced = data.prepare(cfg, force=True, progress=False)
+    assert forced["content_hash"] == second["content_hash"]
+    assert os.stat(tmp_path / "out/meta.json").st_mtime_ns != mtimes["meta.json"]
+    # A different cap is different content.
+    assert data.prepare(cfg_for(story_folder, tmp_path / "out", max_train_stories=5),
+                        progress=False)["train_stories"] == 5
+
+
+def test_cli(story_folder, tmp_path, capsys):
+    meta = data.main(["--source", str(story_folder), "--out-dir", str(tmp_path / "out"),
+                      "--max-train-stories", "7", "--no-progress"])
+    assert meta["train_stories"] == 7
+    assert json.loads(capsys.readouterr().out)["train_tokens"] == meta["train_tokens"]
+
+
+# --- samplers -----------------------------------------------------------------------------
+
+@pytest.fixture
+def bin_file(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)  # token value == position: easy to check shifts
+    return path
+
+
+def test_sampler_shapes_and_shift(bin_file):
+    s = data.TokenSampler(bin_file, block_size=16, batch_size=4, seed=0)
+    x, y = s.next_batch()
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(y, x + 1)  # token value == position
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert s.tokens_per_batch == 64
+    assert int(x.max()) + 1 <= 999  # windows stay inside the file
+
+
+def test_sampler_reproducible_ranks_and_resume(bin_file):
+    a = data.TokenSampler(bin_file, 16, 4, seed=1)
+    b = data.TokenSampler(bin_file, 16, 4, seed=1)
+    batches = [a.next_batch()[0] for _ in range(3)]
+    assert all(torch.equal(u, b.next_batch()[0]) for u in batches)
+    assert not torch.equal(batches[0], batches[1])
+
+    r1 = data.TokenSampler(bin_file, 16, 4, seed=1, rank=1, world_size=2)
+    assert not torch.equal(batches[0], r1.next_batch()[0])
+    assert not torch.equal(batches[0], data.TokenSampler(bin_file, 16, 4, seed=2).next_batch()[0])
+
+    state = a.state_dict()
+    assert state == {"batches_drawn": 3}
+    expected = a.next_batch()
+    resumed = data.TokenSampler(bin_file, 16, 4, seed=1)
+    resumed.load_state_dict(state)
+    got = resumed.next_batch()
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_sampler_to_device(bin_file):
+    x, y = data.TokenSampler(bin_file, 8, 2, seed=0).next_batch(device="cpu")
+    assert x.device.type == "cpu" and x.shape == (2, 8)
+
+
+def test_eval_batches(bin_file):
+    first = data.eval_batches(bin_file, block_size=16, batch_size=4, n_batches=3)
+    again = data.eval_batches(bin_file, block_size=16, batch_size=4, n_batches=3)
+    assert len(first) == 3
+    for (x1, y1), (x2, y2) in zip(first, again):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2) and torch.equal(y1, x1 + 1)
+    starts = torch.cat([x[:, 0] for x, _ in first])
+    assert len(set(starts.tolist())) == 12  # distinct windows
+
+    # 1000 tokens hold (1000 - 1) // 100 = 9 windows of 101 tokens: all 9, in batches of 4.
+    small = data.eval_batches(bin_file, block_size=100, batch_size=4, n_batches=10)
+    assert [len(x) for x, _ in small] == [4, 4, 1]
+    assert torch.cat([x[:, 0] for x, _ in small]).tolist() == list(range(0, 900, 100))
+
+
+# --- errors name the fix ------------------------------------------------------------------
+
+def test_missing_data_folder(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist.*OELM_DATA.*train/ and validation/"):
+        data.prepare(cfg_for(tmp_path / "nowhere", tmp_path / "out"), progress=False)
+
+
+def test_missing_validation_split(story_folder, tmp_path):
+    for f in (story_folder / "validation").iterdir():
+        f.unlink()
+    (story_folder / "validation").rmdir()
+    with pytest.raises(ConfigError, match=r"no validation/ or val/ or valid/ folder.*needs train/ and validation/"):
+        data.prepare(cfg_for(story_folder, tmp_path / "out"), progress=False)
+
+
+def test_file_too_short(tmp_path):
+    path = tmp_path / "short.bin"
+    np.arange(10, dtype=np.uint16).tofile(path)
+    with pytest.raises(ConfigError, match=r"10 tokens.*block_size \+ 1 = 11.*smaller model.block_size"):
+        data.TokenSampler(path, block_size=10, batch_size=2, seed=0)
+    with pytest.raises(ConfigError, match="smaller model.block_size"):
+        data.eval_batches(path, block_size=10, batch_size=2, n_batches=1)
+    assert len(data.eval_batches(path, block_size=9, batch_size=2, n_batches=5)) == 1
+
+
+def test_load_meta_missing(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing meta.json, train.bin, val.bin.*python -m oelm_core.data"):
+        data.load_meta(tmp_path)
+
+
+def test_tokenizer_error_names_cache_dir(monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    data.get_tokenizer.cache_clear()
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    try:
+        with pytest.raises(RuntimeError, match="set TIKTOKEN_CACHE_DIR"):
+            data.get_tokenizer()
+    finally:
+        data.get_tokenizer.cache_clear()
+
+
+# --- the hub, faked -----------------------------------------------------------------------
+
+def test_hub_source_uses_load_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def fake_load_dataset(name, split, streaming=False):
+        calls.append((name, split, streaming))
+        return iter([{"text": f"{split} story {i}."} for i in range(5)])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = DataConfig(out_dir=str(tmp_path / "out"), max_train_stories=3, max_val_stories=2)
+    meta = data.prepare(cfg, progress=False)
+    assert cfg.source == "roneneldan/TinyStories" and meta["source"] == "roneneldan/TinyStories"
+    assert calls == [("roneneldan/TinyStories", "train", True), ("roneneldan/TinyStories", "validation", True)]
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/train.bin"),
+                                  expected_ids([f"train story {i}." for i in range(3)]))
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"),
+                                  expected_ids(["validation story 0.", "validation story 1."]))
+    # Already prepared: no hub access needed (works offline).
+    assert data.prepare(cfg, progress=False) == meta and len(calls) == 2
+    # Without caps the whole split is loaded normally, not streamed.
+    data.prepare(DataConfig(out_dir=str(tmp_path / "full")), progress=False)
+    assert calls[2:] == [("roneneldan/TinyStories", "train", False),
+                         ("roneneldan/TinyStories", "validation", False)]
+    assert data.load_meta(tmp_path / "full")["train_stories"] == 5
+
+
+def test_hub_offline_error(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'roneneldan/TinyStories' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ConfigError, match=r"Hugging Face hub.*Offline\? set data.source .*OELM_DATA.*local folder"):
+        data.prepare(DataConfig(out_dir=str(tmp_path / "out")), progress=False)
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+def test_bits_per_byte_and_perplexity():
+    # 2.0 nats/token, 1000 tokens over 4000 bytes: 2000 nats / 4000 bytes = 0.5 nats/byte
+    # = 0.5 / ln 2 = 0.72135 bits/byte.
+    assert data.bits_per_byte(2.0, 1000, 4000) == pytest.approx(0.7213475204444817)
+    assert data.bits_per_byte(math.log(2), 1, 1) == pytest.approx(1.0)
+    assert data.perplexity(math.log(10.0)) == pytest.approx(10.0)
+    assert data.perplexity(1e6) == float("inf")
+
+
+# --- the real offline TinyStories ---------------------------------------------------------
+
+@pytest.mark.skipif(not SHARED_STORIES.is_dir(), reason="needs ../shared/data/tinystories")
+def test_real_tinystories(tmp_path):
+    meta = data.prepare(cfg_for(SHARED_STORIES, tmp_path / "out"), progress=False)
+    assert 2.9e6 < meta["train_tokens"] < 3.1e6 and 1.3e5 < meta["val_tokens"] < 1.5e5
+    assert meta["val_stories"] == 1  # the shared validation file has no separator: one stream
+    x, y = data.TokenSampler(tmp_path / "out/train.bin", 64, 4, seed=0).next_batch()
+    assert torch.equal(x[:, 1:], y[:, :-1])
