@@ -1,0 +1,48 @@
+"""python -m app [--study runs/smoke | --ckpt gpt_base=PATH --ckpt ...] [--host H] [--port P] [--share]
+
+Without --study or --ckpt the newest runs/*/study.json is used, one run (the lowest seed) per group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m app", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", action="append", default=[], metavar="GROUP=PATH",
+                     help="checkpoint of a group (gpt_base, oelm_nofreeze, oelm_freeze); repeat per group")
+    src.add_argument("--study", help="study folder (or its study.json): one run per group, lowest seed")
+    p.add_argument("--runs-root", default="runs", help="where to look for the newest study (default: runs)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    p.add_argument("--concurrency", type=int, default=2,
+                   help="requests of one event (e.g. generation) served at once; the rest queue (default: 2)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from app.demo import build_demo, lab_from_args, launch
+
+    lab = lab_from_args(args.ckpt, args.study, args.runs_root, args.device)
+    if lab.errors:
+        print("oelm app: the models could not be loaded; the page shows why:", file=sys.stderr)
+        for e in lab.errors:
+            print(f"  - {e}", file=sys.stderr)
+    else:
+        names = ", ".join(f"{m.group} <- {m.path}" for m in lab.models)
+        print(f"oelm app: loaded {names} on {lab.device}", file=sys.stderr)
+    launch(build_demo(lab), host=args.host, port=args.port, share=args.share, concurrency=args.concurrency)
+
+
+if __name__ == "__main__":
+    main()

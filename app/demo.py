@@ -1,0 +1,501 @@
+"""The OELM Lab web demo: GPT-Base, OELM-NoFreeze and OELM-Freeze side by side.
+
+Start-up loads each group's checkpoint once (``oelm_core.checkpoint.load_model``, weights-only,
+on the GPU when there is one). The page then offers
+
+* a card per model (shape, parameter counts, validation perplexity and step of the checkpoint),
+* side-by-side generation: one prompt, seed and sampling setting sent to every model, the texts
+  streaming into one column each, round-robin, token by token,
+* attention maps of a chosen model, layer and head (or the mean over heads) over the prompt and
+  the generated text, the same map of every model side by side, and per-head summaries
+  (attention entropy, mean attention distance) to compare frozen with trainable Q/K.
+
+A checkpoint that is missing or unreadable does not stop the server: the page shows what went
+wrong and how to fix it instead of the model panels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+import torch  # noqa: E402
+
+from oelm_core import VARIANTS, count_parameters  # noqa: E402
+from oelm_core.checkpoint import CheckpointError, load_model  # noqa: E402
+from oelm_core.generate import SamplingConfig, stream  # noqa: E402
+
+from oelm_core.analysis import attention_maps, attention_summary  # noqa: E402
+
+from app.attention import (compare_figure, heatmap_figure, summary_figure, token_label,  # noqa: E402
+                           uniform_reference)
+
+GROUPS = ("gpt_base", "oelm_nofreeze", "oelm_freeze")
+
+# Input ranges: the sliders' bounds, checked again in the handlers (the API can send anything).
+LIMITS = {
+    "max_new_tokens": (1, 512),
+    "temperature": (0.0, 2.0),
+    "top_k": (0, 1000),
+    "top_p": (0.01, 1.0),
+    "seed": (0, 2**31 - 1),
+}
+MAX_PROMPT_CHARS = 20_000
+DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She"
+MEAN_HEAD = "mean"
+
+
+def refuse(message: str) -> gr.Error:
+    """An input error shown to the user (a message, not a server-side traceback)."""
+    return gr.Error(message, print_exception=False)
+
+
+class SetupError(RuntimeError):
+    """No checkpoints could be found for the demo (no study, a study without a group, ...)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Finding and loading the checkpoints
+# --------------------------------------------------------------------------------------------
+
+def group_label(group: str) -> str:
+    """'GPT-Base' for 'gpt_base': the name before the colon of the variant's description."""
+    desc = VARIANTS.get(group)
+    return desc.split(":", 1)[0].strip() if desc else group
+
+
+def parse_ckpt_args(items: Sequence[str]) -> dict[str, Path]:
+    """['gpt_base=a.pt', ...] -> {'gpt_base': Path('a.pt'), ...}."""
+    out: dict[str, Path] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SetupError(f"--ckpt expects GROUP=PATH (e.g. gpt_base=runs/smoke/gpt_base_s0/best.pt), "
+                             f"got {item!r}")
+        group, path = item.split("=", 1)
+        group = group.strip()
+        if group not in VARIANTS:
+            raise SetupError(f"--ckpt {item!r}: unknown group {group!r}; choose one of {', '.join(GROUPS)}")
+        out[group] = Path(path.strip())
+    return out
+
+
+def newest_study(runs_root: str | Path = "runs") -> Path:
+    """The newest ``runs/*/study.json`` by modification time."""
+    found = sorted(Path(runs_root).glob("*/study.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SetupError(f"no study found under {Path(runs_root).resolve()} (no */study.json): run a study "
+                         f"first (python -m oelm_core.study ...) or pass checkpoints with "
+                         f"--ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH")
+    return found[-1]
+
+
+def study_checkpoints(study: str | Path) -> dict[str, Path]:
+    """Group -> best.pt of one run per group (its lowest seed) of a study folder or study.json."""
+    path = Path(study)
+    if path.is_dir():
+        path = path / "study.json"
+    if not path.is_file():
+        raise SetupError(f"study file {path} not found; pass a study folder holding study.json "
+                         f"(e.g. --study runs/smoke) or checkpoints with --ckpt GROUP=PATH")
+    try:
+        info = json.loads(path.read_text())
+        runs = list(info["runs"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SetupError(f"{path} is not a readable study file ({type(exc).__name__}: {exc}); "
+                         f"expected {{'runs': [{{'variant', 'seed', 'run_dir', ...}}]}}") from exc
+    chosen: dict[str, dict] = {}
+    for run in runs:
+        group = run.get("variant")
+        if group not in GROUPS:
+            continue
+        seed = run.get("seed")
+        best = chosen.get(group)
+        if best is None or (seed is not None and (best.get("seed") is None or seed < best["seed"])):
+            chosen[group] = run
+    if not chosen:
+        raise SetupError(f"{path} lists no run of the groups {', '.join(GROUPS)}")
+    return {g: path.parent / chosen[g]["run_dir"] / "best.pt" for g in GROUPS if g in chosen}
+
+
+@dataclass
+class LoadedModel:
+    group: str
+    label: str
+    path: Path
+    model: Any
+    state: dict
+    counts: dict
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+
+@dataclass
+class Lab:
+    """What the page shows: the loaded models, or the errors that kept them from loading."""
+
+    models: list[LoadedModel] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    source: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.models) and not self.errors
+
+    def by_group(self, group: str) -> LoadedModel:
+        for m in self.models:
+            if m.group == group:
+                return m
+        raise refuse(f"unknown model {group!r}; choose one of {', '.join(m.group for m in self.models)}")
+
+
+def pick_device(device: str = "auto") -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> Lab:
+    """Load every checkpoint once; collect what fails instead of raising."""
+    lab = Lab(device=pick_device(device), source=source)
+    for group in sorted(paths, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS)):
+        path = Path(paths[group])
+        try:
+            model, state = load_model(path, lab.device)
+        except CheckpointError as exc:
+            lab.errors.append(f"{group_label(group)} ({group}): {exc}")
+            continue
+        except Exception as exc:  # a checkpoint of another shape or config version
+            lab.errors.append(f"{group_label(group)} ({group}): checkpoint {path} could not be turned into "
+                              f"a model ({type(exc).__name__}: {str(exc)[:300]}); it may come from an "
+                              f"incompatible version of oelm_core: train it again or pass another file")
+            continue
+        lab.models.append(LoadedModel(group, group_label(group), path, model, state, count_parameters(model)))
+    if not paths:
+        lab.errors.append("no checkpoints were given")
+    return lab
+
+
+def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root: str = "runs",
+                  device: str = "auto") -> Lab:
+    """The Lab for the command line: --ckpt pairs, else --study, else the newest study in runs/."""
+    try:
+        if ckpt:
+            paths, source = parse_ckpt_args(ckpt), "--ckpt"
+        else:
+            study_file = Path(study) if study else newest_study(runs_root)
+            paths, source = study_checkpoints(study_file), f"study {study_file}"
+    except SetupError as exc:
+        return Lab(errors=[str(exc)], device=pick_device(device))
+    return load_lab(paths, device, source)
+
+
+# --------------------------------------------------------------------------------------------
+# Handlers
+# --------------------------------------------------------------------------------------------
+
+def _number(name: str, value, integer: bool = False) -> float:
+    lo, hi = LIMITS[name]
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise refuse(f"{name} is empty: enter a number between {lo} and {hi}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise refuse(f"{name} must be a number between {lo} and {hi}, got {value!r}") from None
+    if not math.isfinite(x) or not lo <= x <= hi:
+        raise refuse(f"{name} must be between {lo} and {hi}, got {value}")
+    if integer and x != int(x):
+        raise refuse(f"{name} must be a whole number, got {value}")
+    return int(x) if integer else x
+
+
+def sampling_config(max_new_tokens, temperature, top_k, top_p, seed) -> SamplingConfig:
+    """The sampling settings, each checked against its range with a message naming it."""
+    return SamplingConfig(max_new_tokens=_number("max_new_tokens", max_new_tokens, integer=True),
+                          temperature=_number("temperature", temperature),
+                          top_k=_number("top_k", top_k, integer=True),
+                          top_p=_number("top_p", top_p),
+                          seed=_number("seed", seed, integer=True)).validate()
+
+
+class Demo:
+    """The page's handlers, bound to one Lab (kept apart from the layout so tests call them)."""
+
+    def __init__(self, lab: Lab):
+        from oelm_core.data import get_tokenizer
+
+        self.lab = lab
+        self.enc = get_tokenizer() if lab.ok else None
+        self.context = min((m.cfg.block_size for m in lab.models), default=0)
+
+    # ---- prompt -------------------------------------------------------------------------
+    def check_prompt(self, prompt) -> list[int]:
+        if prompt is None or not str(prompt).strip():
+            raise refuse("The prompt is empty: type the beginning of a story, e.g. "
+                           f"\u201c{DEFAULT_PROMPT}\u201d")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise refuse(f"The prompt is {len(prompt):,} characters long; the models read at most "
+                           f"{self.context} tokens, so shorten it")
+        ids = self.enc.encode_ordinary(prompt)
+        if len(ids) >= self.context:
+            raise refuse(f"The prompt is {len(ids)} tokens long, but the models' context holds "
+                           f"{self.context} tokens: shorten it to fewer than {self.context} tokens "
+                           f"(the generated text needs room too)")
+        return ids
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> Iterator[tuple]:
+        """Stream every model's continuation of ``prompt`` together: after each round (one new
+        piece from every model still going) yield the texts so far, one per model."""
+        ids = self.check_prompt(prompt)
+        base = sampling_config(max_new_tokens, temperature, top_k, top_p, seed)
+        if len(ids) + base.max_new_tokens > self.context:
+            gr.Warning(f"Prompt ({len(ids)} tokens) plus {base.max_new_tokens} new tokens exceed the "
+                       f"context of {self.context}: the oldest tokens slide out of the window, and the "
+                       f"attention maps show the last {self.context} tokens.")
+        streams = [stream(m.model, prompt, SamplingConfig(**vars(base)), self.enc) for m in self.lab.models]
+        texts = [""] * len(streams)
+        active = list(range(len(streams)))
+        yield tuple(texts)
+        while active:
+            for i in list(active):
+                try:
+                    texts[i] += next(streams[i])
+                except StopIteration:
+                    active.remove(i)
+            yield tuple(texts)
+
+    # ---- attention ----------------------------------------------------------------------
+    def _tokens(self, prompt, continuation) -> list[int]:
+        self.check_prompt(prompt)
+        ids = self.enc.encode_ordinary(str(prompt) + str(continuation or ""))
+        return ids[-self.context:]
+
+    def _head_index(self, head, model: LoadedModel) -> int | None:
+        if head in (None, "", MEAN_HEAD):
+            return None
+        try:
+            h = int(head)
+        except (TypeError, ValueError):
+            raise refuse(f"head must be '{MEAN_HEAD}' or a head number, got {head!r}") from None
+        if not 0 <= h < model.cfg.n_head:
+            raise refuse(f"{model.label} has heads 0..{model.cfg.n_head - 1}; head {h} does not exist")
+        return h
+
+    def attention(self, prompt, model_group, layer, head, *continuations):
+        """Attention of the chosen model over prompt + that model's generated text.
+
+        Returns (heatmap, the models side by side, per-head summary figure, summary rows, details)
+        where details = {'model', 'layer', 'head', 'n_tokens', 'shape', 'tokens'}.
+        """
+        chosen = self.lab.by_group(model_group)
+        index = self.lab.models.index(chosen)
+        continuation = continuations[index] if index < len(continuations) else ""
+        try:
+            layer_f = float(layer)
+        except (TypeError, ValueError):
+            raise refuse(f"layer must be a number, got {layer!r}") from None
+        if layer_f != int(layer_f) or not 0 <= layer_f < chosen.cfg.n_layer:
+            raise refuse(f"{chosen.label} has layers 0..{chosen.cfg.n_layer - 1}; layer {layer} does not exist")
+        layer_i = int(layer_f)
+        head_i = self._head_index(head, chosen)
+        ids = self._tokens(prompt, continuation)
+        labels = [token_label(self.enc.decode([i])) for i in ids]
+        head_name = "mean over heads" if head_i is None else f"head {head_i}"
+
+        maps = {m.group: attention_maps(m.model, ids)[1] for m in self.lab.models}
+
+        def pick(m: LoadedModel):
+            layers = maps[m.group]
+            if layer_i >= len(layers):
+                return None, f"{m.label} has only {len(layers)} layers"
+            att = layers[layer_i]
+            if head_i is None:
+                return att.mean(0).numpy(), ""
+            if head_i >= att.size(0):
+                return None, f"{m.label} has only {att.size(0)} heads"
+            return att[head_i].numpy(), ""
+
+        matrix, _ = pick(chosen)
+        heat = heatmap_figure(matrix, labels, f"{chosen.label}: layer {layer_i}, {head_name} "
+                                              f"({len(ids)} tokens)")
+        panels = []
+        for m in self.lab.models:
+            mat, msg = pick(m)
+            panels.append((f"{m.label} ({self._qk_state(m, layer_i)} Q/K)", mat, msg))
+        compare = compare_figure(panels, labels, f"Layer {layer_i}, {head_name}: the same {len(ids)} tokens "
+                                                 f"(text of {chosen.label}) through every model")
+
+        rows, uniform = self.summary_rows(ids)
+        summary = summary_figure(rows, uniform, [m.label for m in self.lab.models])
+        table = [[r["model"], r["layer"], r["head"], r["qk"], round(r["entropy"], 4), round(r["distance"], 3)]
+                 for r in rows]
+        details = {"model": chosen.group, "layer": layer_i, "head": head_name, "n_tokens": len(ids),
+                   "shape": list(matrix.shape), "tokens": labels}
+        return heat, compare, summary, table, details
+
+    @staticmethod
+    def _qk_state(m: LoadedModel, layer: int) -> str:
+        return "frozen" if layer in m.cfg.frozen_layers() else "trainable"
+
+    def summary_rows(self, ids: list[int]) -> tuple[list[dict], dict[str, float]]:
+        """Per-head entropy and mean distance of every model on ``ids`` (oelm_core.analysis),
+        with the model's label and whether the layer's Q/K are frozen; and the uniform baseline."""
+        rows = []
+        for m in self.lab.models:
+            for r in attention_summary(m.model, ids):
+                rows.append({"model": m.label, "layer": r["layer"], "head": r["head"],
+                             "qk": self._qk_state(m, r["layer"]), "entropy": r["entropy"],
+                             "distance": r["mean_distance"]})
+        return rows, uniform_reference(len(ids))
+
+
+# --------------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------------
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+def model_card(m: LoadedModel, device: str) -> str:
+    cfg, c = m.cfg, m.counts
+    metrics = m.state.get("metrics") or {}
+    ppl = metrics.get("val_ppl")
+    loss = metrics.get("val_loss")
+    if ppl is None and isinstance(loss, (int, float)):
+        ppl = math.exp(loss)
+    ppl_s = f"{ppl:.2f}" if isinstance(ppl, (int, float)) else "not recorded"
+    step = m.state.get("step")
+    frozen_layers = cfg.frozen_layers()
+    qk = ("frozen in every layer" if len(frozen_layers) == cfg.n_layer and cfg.n_layer
+          else f"frozen in layers {frozen_layers}" if frozen_layers else "trainable")
+    return (f"### {m.label}\n"
+            f"`{m.group}` \u2014 {VARIANTS.get(m.group, '').split(':', 1)[-1].strip()}\n\n"
+            f"| | |\n|:--|:--|\n"
+            f"| shape | {cfg.n_layer} layers \u00b7 d_model {cfg.d_model} \u00b7 {cfg.n_head} heads \u00b7 "
+            f"context {cfg.block_size} |\n"
+            f"| Q/K init | {cfg.qk_init}, {qk} |\n"
+            f"| parameters | {_fmt_int(c['total'])} total |\n"
+            f"| trainable | {_fmt_int(c['trainable'])} |\n"
+            f"| frozen | {_fmt_int(c['frozen'])} |\n"
+            f"| validation perplexity | {ppl_s} |\n"
+            f"| step | {step if step is not None else 'not recorded'} |\n\n"
+            f"<small>checkpoint `{m.path}` on {device}</small>\n")
+
+
+def error_page(lab: Lab) -> str:
+    items = "\n".join(f"- {e}" for e in lab.errors)
+    return ("## The models could not be loaded\n\n"
+            f"{items}\n\n"
+            "**How to fix it:** train the study (`python -m oelm_core.study ...`), or start the demo "
+            "with existing checkpoints: `python -m app --study runs/<study>` or "
+            "`python -m app --ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH`, "
+            "then reload this page.")
+
+
+CSS = """
+#load-error { border: 2px solid #d62728; border-radius: 8px; padding: 12px 20px; }
+.model-card table { font-size: 0.9em; width: 100%; }
+.model-card td:first-child { white-space: nowrap; font-weight: 600; }
+.model-card thead { display: none; }
+.model-card small { word-break: break-all; }
+"""
+
+
+def build_demo(lab: Lab) -> gr.Blocks:
+    """The page for ``lab``: the model panels, or the error page when loading failed."""
+    with gr.Blocks(title="OELM Lab", analytics_enabled=False) as demo:
+        gr.Markdown("# OELM Lab: orthogonal, frozen attention Q/K side by side\n"
+                    "GPT-Base trains standard Q/K; OELM-NoFreeze starts Q/K as random orthogonal "
+                    "matrices and trains them; OELM-Freeze keeps them fixed.")
+        if not lab.ok:
+            gr.Markdown(error_page(lab), elem_id="load-error")
+            return demo
+
+        handlers = Demo(lab)
+        demo.oelm = handlers  # tests and scripts reach the handlers through the Blocks
+        gr.Markdown(f"Checkpoints from {lab.source or 'the command line'}, on **{lab.device}**; "
+                    f"context {handlers.context} tokens.", elem_id="source")
+        with gr.Row(equal_height=True):
+            for m in lab.models:
+                with gr.Column():
+                    gr.Markdown(model_card(m, lab.device), elem_id=f"card-{m.group}", elem_classes="model-card")
+
+        gr.Markdown("## Generate")
+        prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=3, elem_id="prompt",
+                            info=f"sent to every model; fewer than {handlers.context} tokens")
+        with gr.Row():
+            max_new = gr.Slider(*LIMITS["max_new_tokens"], value=max(1, min(60, handlers.context - 24)), step=1,
+                                label="max new tokens")
+            temperature = gr.Slider(*LIMITS["temperature"], value=0.8, step=0.05, label="temperature",
+                                    info="0: always the most likely token")
+            top_k = gr.Slider(*LIMITS["top_k"], value=50, step=1, label="top-k", info="0: off")
+            top_p = gr.Slider(*LIMITS["top_p"], value=1.0, step=0.01, label="top-p", info="1: off")
+            seed = gr.Number(1234, label="seed", precision=0, minimum=LIMITS["seed"][0],
+                             maximum=LIMITS["seed"][1], info="same seed, same texts")
+        with gr.Row():
+            go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+            stop = gr.Button("Stop", elem_id="stop-btn")
+        with gr.Row(equal_height=True):
+            outputs = [gr.Textbox(label=m.label, lines=8, max_lines=20, interactive=False,
+                                  elem_id=f"out-{m.group}") for m in lab.models]
+
+        gr.Markdown("## Attention\nOver the prompt and the chosen model's generated text "
+                    "(the last tokens that fit the context). Rows are queries, columns the tokens "
+                    "they attend to.")
+        max_layers = max(m.cfg.n_layer for m in lab.models)
+        max_heads = max(m.cfg.n_head for m in lab.models)
+        with gr.Row():
+            model_dd = gr.Dropdown([(m.label, m.group) for m in lab.models], value=lab.models[-1].group,
+                                   label="model", elem_id="attn-model")
+            layer = gr.Slider(0, max(max_layers - 1, 1), value=0, step=1, label="layer", elem_id="attn-layer",
+                              info=f"0..{max_layers - 1}")
+            head = gr.Dropdown([("mean over heads", MEAN_HEAD)] + [(f"head {h}", str(h)) for h in range(max_heads)],
+                               value=MEAN_HEAD, label="head", elem_id="attn-head")
+            show = gr.Button("Show attention", elem_id="attn-btn")
+        with gr.Row():
+            heat = gr.Plot(label="attention map", show_label=False, elem_id="attn-plot")
+        compare = gr.Plot(label="the three models, same layer and head", show_label=False, elem_id="attn-compare")
+        gr.Markdown("### Per-head summaries\nEntropy: how spread a head's attention is (uniform "
+                    "attention is the dashed line). Distance: how many tokens back it looks on average. "
+                    "Hollow markers: frozen Q/K.")
+        summary = gr.Plot(label="per-head summaries", show_label=False, elem_id="attn-summary")
+        table = gr.Dataframe(headers=["model", "layer", "head", "Q/K", "entropy (nats)", "mean distance (tokens)"],
+                             label="per-head summaries", interactive=False, elem_id="attn-table")
+        with gr.Accordion("map details", open=False):
+            details = gr.JSON(label="tokens and shape of the map", elem_id="attn-details")
+
+        attn_inputs = [prompt, model_dd, layer, head, *outputs]
+        attn_outputs = [heat, compare, summary, table, details]
+        gen = go.click(handlers.generate, [prompt, max_new, temperature, top_k, top_p, seed], outputs,
+                       api_name="generate")
+        gen.success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
+        prompt.submit(handlers.generate, [prompt, max_new, temperature, top_k, top_p, seed], outputs,
+                      api_name=False).success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
+        stop.click(None, None, None, cancels=[gen])
+        show.click(handlers.attention, attn_inputs, attn_outputs, api_name="attention")
+    return demo
+
+
+THEME_FONTS = dict(font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+
+
+def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = 7860, share: bool = False,
+           concurrency: int = 2, **kwargs):
+    """Queue (at most ``concurrency`` requests of an event at once, 32 waiting) and serve.
+
+    System fonts only: the default theme would fetch web fonts, which the offline machines lack.
+    """
+    demo.queue(default_concurrency_limit=concurrency, max_size=32)
+    return demo.launch(server_name=host, server_port=port, share=share, ssr_mode=False, show_error=True,
+                       theme=gr.themes.Soft(**THEME_FONTS), css=CSS, **kwargs)

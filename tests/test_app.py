@@ -1,0 +1,303 @@
+"""The Gradio demo (app/): loading, side-by-side streaming generation, attention maps, input
+checks and the error page, driven through gradio_client against a live server on a free port."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+gr = pytest.importorskip("gradio")
+gradio_client = pytest.importorskip("gradio_client")
+
+from oelm_core import build_model  # noqa: E402
+from oelm_core.checkpoint import save_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GROUPS = ("gpt_base", "oelm_nofreeze", "oelm_freeze")
+PROMPT = "Once upon a time there was a little cat"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_checkpoints(folder: Path) -> dict[str, Path]:
+    """Smoke-sized checkpoints (real GPT-2 vocabulary, 2 layers, 4 heads, context 64) per group."""
+    paths = {}
+    for i, group in enumerate(GROUPS):
+        model = build_model("smoke", group, seed=i)
+        paths[group] = save_checkpoint(
+            {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg), "step": 100 * (i + 1),
+             "metrics": {"val_loss": 3.0 + i, "val_ppl": 20.0 + i}},
+            folder / f"{group}.pt")
+    return paths
+
+
+def start_app(lab):
+    """Build and serve the page on a free port in this process; returns (demo, url)."""
+    from app.demo import build_demo, launch
+
+    demo = build_demo(lab)
+    port = free_port()
+    launch(demo, port=port, prevent_thread_lock=True, quiet=True)
+    return demo, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    return make_checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints):
+    from app.demo import load_lab
+
+    demo, url = start_app(load_lab(checkpoints, "cpu", "test checkpoints"))
+    client = gradio_client.Client(url, verbose=False)
+    yield demo, client
+    demo.close()
+
+
+def generate(client, prompt=PROMPT, max_new=16, temperature=0.9, top_k=50, top_p=0.95, seed=7):
+    return client.predict(prompt, max_new, temperature, top_k, top_p, seed, api_name="/generate")
+
+
+# ---- loading and the model cards ------------------------------------------------------------
+
+def test_cards_show_shape_parameters_and_metrics(served, checkpoints):
+    demo, _ = served
+    from app.demo import model_card
+
+    lab = demo.oelm.lab
+    assert [m.group for m in lab.models] == list(GROUPS) and lab.device == "cpu"
+    frozen = lab.models[2]
+    assert frozen.counts["frozen"] == 2 * 2 * 64 * 64  # W_q and W_k of both layers
+    card = model_card(frozen, lab.device)
+    for text in ("OELM-Freeze", "2 layers", "d_model 64", "4 heads", "context 64",
+                 f"{frozen.counts['total']:,}", f"{frozen.counts['trainable']:,}", "16,384", "22.00", "| step | 300"):
+        assert text in card, text
+
+
+# ---- generation -----------------------------------------------------------------------------
+
+def test_generation_streams_three_deterministic_texts(served):
+    _, client = served
+    job = client.submit(PROMPT, 16, 0.9, 50, 0.95, 7, api_name="/generate")
+    final = job.result(timeout=120)
+    steps = job.outputs()
+    assert len(final) == 3 and all(isinstance(t, str) and t for t in final)
+    assert len(steps) > 3, "the texts should arrive in several updates, not at once"
+    assert all(len(s) == 3 for s in steps)
+    # Round-robin: every model's text grows over the updates (none is finished before another starts).
+    mid = steps[len(steps) // 2]
+    assert all(0 < len(mid[i]) <= len(final[i]) for i in range(3))
+
+    again = generate(client, seed=7)
+    other = generate(client, seed=8)
+    assert tuple(again) == tuple(final)
+    assert tuple(other) != tuple(final)
+    assert all(a != b for a, b in zip(other, final))
+
+
+def test_generation_matches_oelm_core(served):
+    """The app adds nothing to sampling: each column is oelm_core.generate's text for that model."""
+    demo, client = served
+    from oelm_core.generate import SamplingConfig, generate as core_generate
+
+    texts = generate(client, max_new=12, seed=3)
+    for m, text in zip(demo.oelm.lab.models, texts):
+        cfg = SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=3)
+        assert core_generate(m.model, PROMPT, cfg) == text
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def test_attention_endpoint_returns_t_by_t_maps(served):
+    demo, client = served
+    texts = generate(client, max_new=10, seed=11)
+    enc = demo.oelm.enc
+    for group, layer, head in (("oelm_freeze", 1, "2"), ("gpt_base", 0, "mean")):
+        heat, compare, summary, table, details = client.predict(
+            PROMPT, group, layer, head, *texts, api_name="/attention")
+        t = len(enc.encode_ordinary(PROMPT + texts[GROUPS.index(group)]))
+        assert details["n_tokens"] == t and details["shape"] == [t, t]
+        assert len(details["tokens"]) == t and details["layer"] == layer and details["model"] == group
+        for plot in (heat, compare, summary):
+            assert plot is not None
+        # 3 models x 2 layers x 4 heads of per-head summaries
+        rows = table["data"] if isinstance(table, dict) else table
+        assert len(rows) == 24
+        qk = {(r[0], r[3]) for r in rows}
+        assert ("OELM-Freeze", "frozen") in qk and ("GPT-Base", "trainable") in qk
+
+
+def test_attention_figure_content_and_no_leak(served):
+    """The heatmap's image is the T x T map of the chosen head; figures never pile up in pyplot."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    demo, _ = served
+    h = demo.oelm
+    texts = ("", " a", " dog and a cat")
+    before = len(plt.get_fignums())
+    for _ in range(3):
+        heat, compare, summary, table, details = h.attention(PROMPT, "oelm_nofreeze", 1, "3", *texts)
+    t = len(h.enc.encode_ordinary(PROMPT + texts[1]))
+    image = heat.axes[0].images[0].get_array()
+    assert image.shape == (t, t) and details["shape"] == [t, t]
+    rows = np.asarray(image)
+    assert np.allclose(rows.sum(1), 1.0, atol=1e-4) and np.allclose(np.triu(rows, 1), 0.0)  # causal softmax
+    assert [len(ax.images) for ax in compare.axes if ax.images] == [1, 1, 1]
+    assert len(table) == 24
+    assert len(plt.get_fignums()) == before  # built without pyplot: nothing to accumulate
+
+
+# ---- input checks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (dict(prompt="   "), "prompt is empty"),
+    (dict(prompt="dog " * 80), "shorten it to fewer than 64 tokens"),
+    (dict(temperature=5.0), "maximum value"),
+    (dict(top_p=0.0), "minimum value"),
+    (dict(max_new=0), "minimum value"),
+    (dict(seed=-1), "minimum value"),
+])
+def test_bad_generation_inputs_get_clear_messages(served, args, message):
+    _, client = served
+    with pytest.raises(Exception) as err:
+        generate(client, **args)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(temperature=-1), "temperature must be between 0.0 and 2.0"),
+    (dict(top_p=1.5), "top_p must be between 0.01 and 1.0"),
+    (dict(top_k=2.5), "top_k must be a whole number"),
+    (dict(max_new_tokens=None), "max_new_tokens is empty"),
+    (dict(seed="x"), "seed must be a number"),
+])
+def test_handler_names_the_bad_value(served, args, message):
+    """Called directly (scripts, other front ends), the handler checks every value by name."""
+    demo, _ = served
+    values = dict(prompt=PROMPT, max_new_tokens=5, temperature=0.8, top_k=0, top_p=1.0, seed=1) | args
+    with pytest.raises(gr.Error, match=message):
+        next(demo.oelm.generate(*values.values()))
+
+
+@pytest.mark.parametrize("layer, head, message, api_message", [
+    (2, "mean", "layers 0..1", "maximum value 1"),
+    (0, "4", "heads 0..3", "not in the list of choices"),
+    (0, "x", "head must be", "not in the list of choices"),
+])
+def test_bad_attention_inputs(served, layer, head, message, api_message):
+    """The handler names the range; through the API the slider's and dropdown's own checks answer."""
+    demo, client = served
+    with pytest.raises(gr.Error, match=message):
+        demo.oelm.attention(PROMPT, "gpt_base", layer, head, "", "", "")
+    with pytest.raises(Exception, match=api_message):
+        client.predict(PROMPT, "gpt_base", layer, head, "", "", "", api_name="/attention")
+
+
+def test_queue_limits_concurrency(served):
+    demo, _ = served
+    gen = next(f for f in demo.fns.values() if f.api_name == "generate")
+    assert gen.concurrency_limit == "default"  # the queue's default below
+    assert demo._queue.default_concurrency_limit == 2 and demo._queue.max_size == 32
+
+
+# ---- where checkpoints come from, and the error page ----------------------------------------
+
+def test_study_resolution(tmp_path, checkpoints):
+    from app.demo import lab_from_args, newest_study, study_checkpoints
+
+    runs = tmp_path / "runs"
+    old, new = runs / "old", runs / "smoke"
+    for study in (old, new):
+        study.mkdir(parents=True)
+    entries = []
+    for group in GROUPS:
+        for seed in (1, 0):
+            run_dir = new / f"{group}_s{seed}"
+            run_dir.mkdir()
+            (run_dir / "best.pt").write_bytes(checkpoints[group].read_bytes())
+            entries.append({"name": f"{group}_s{seed}", "variant": group, "preset": "smoke", "seed": seed,
+                            "run_dir": f"{group}_s{seed}"})
+    (old / "study.json").write_text(json.dumps({"name": "old", "runs": []}))
+    (new / "study.json").write_text(json.dumps({"name": "smoke", "created": "now", "status": "done",
+                                                "runs": entries}))
+    os.utime(old / "study.json", (time.time() - 100, time.time() - 100))
+    assert newest_study(runs) == new / "study.json"
+    paths = study_checkpoints(new)
+    assert paths == {g: new / f"{g}_s0" / "best.pt" for g in GROUPS}
+    lab = lab_from_args(runs_root=str(runs), device="cpu")
+    assert lab.ok and [m.path for m in lab.models] == [paths[g] for g in GROUPS]
+
+    empty = lab_from_args(runs_root=str(tmp_path / "nothing"), device="cpu")
+    assert not empty.ok and "no study found" in empty.errors[0]
+    bad = lab_from_args(ckpt=["gpt2=x.pt"])
+    assert "unknown group 'gpt2'" in bad.errors[0]
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def test_error_page_replaces_the_panels(tmp_path, checkpoints):
+    from app.demo import build_demo, load_lab
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(checkpoints["oelm_freeze"].read_bytes()[:3000])
+    lab = load_lab({"gpt_base": tmp_path / "missing.pt", "oelm_freeze": truncated,
+                    "oelm_nofreeze": checkpoints["oelm_nofreeze"]}, "cpu")
+    assert not lab.ok and len(lab.errors) == 2
+    config = json.dumps(build_demo(lab).get_config_file())
+    assert "The models could not be loaded" in config and "missing.pt not found" in config
+    assert "truncated.pt could not be read" in config and "generate-btn" not in config
+
+
+@pytest.mark.slow
+def test_missing_or_unreadable_checkpoint_shows_error_page(tmp_path, checkpoints):
+    """`python -m app` with a missing and a truncated checkpoint still starts; the page says why."""
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(checkpoints["oelm_nofreeze"].read_bytes()[:5000])
+    port = free_port()
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--ckpt", f"gpt_base={tmp_path / 'missing.pt'}",
+         "--ckpt", f"oelm_nofreeze={truncated}", "--ckpt", f"oelm_freeze={checkpoints['oelm_freeze']}",
+         "--port", str(port)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 90
+        config = None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                config = _get(f"http://127.0.0.1:{port}/config")
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert config is not None, f"the app did not start: {proc.stdout.read() if proc.poll() is not None else ''}"
+        assert "The models could not be loaded" in config
+        assert "missing.pt not found" in config
+        assert "truncated.pt could not be read" in config
+        assert "generate-btn" not in config  # no model panels
+        assert '"title": "OELM Lab"' in config or '"title":"OELM Lab"' in config
+        assert _get(f"http://127.0.0.1:{port}/").lower().startswith("<!doctype html")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -1,0 +1,101 @@
+"""The demo in a real browser: headless Chromium (Debian's /usr/bin/chromium) through Playwright.
+
+Install the browser with: apt-get update && apt-get install -y chromium
+(Playwright's own browser download is not used: it needs the internet.)
+A screenshot goes to tmp_path, and also to $OELM_SCREENSHOT_DIR when that is set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
+                       "(apt-get update && apt-get install -y chromium)"),
+]
+
+pytest.importorskip("gradio")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+from test_app import GROUPS, make_checkpoints, start_app  # noqa: E402
+
+
+def _save_screenshot(page, tmp_path: Path, name: str) -> Path:
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("OELM_SCREENSHOT_DIR"):
+        out = Path(os.environ["OELM_SCREENSHOT_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, out / name)
+    return shot
+
+
+@pytest.fixture
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_generate_and_attention_in_browser(tmp_path, browser):
+    from app.demo import load_lab
+
+    demo, url = start_app(load_lab(make_checkpoints(tmp_path), "cpu", "browser test checkpoints"))
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+        page.wait_for_selector("#generate-btn", timeout=60_000)
+        assert "OELM-Freeze" in page.inner_text("#card-oelm_freeze")
+
+        prompt = page.locator("#prompt textarea")
+        prompt.fill("Once upon a time there was a brave little dog")
+        page.click("#generate-btn")
+
+        outputs = [page.locator(f"#out-{g} textarea") for g in GROUPS]
+        deadline = time.time() + 90
+        texts = [""] * 3
+        while time.time() < deadline:
+            texts = [o.input_value() for o in outputs]
+            if all(t.strip() for t in texts) and page.locator("#attn-plot img").count():
+                break
+            page.wait_for_timeout(250)
+        assert all(t.strip() for t in texts), f"empty outputs: {texts}"
+        # The attention map follows the generation: an image rendered by gr.Plot.
+        page.wait_for_selector("#attn-plot img", timeout=60_000)
+        page.wait_for_selector("#attn-compare img", timeout=60_000)
+        page.wait_for_selector("#attn-summary img", timeout=60_000)
+        assert page.locator("#attn-plot img").evaluate("img => img.naturalWidth") > 100
+        page.wait_for_timeout(500)  # let the last streamed update settle before the picture
+        shot = _save_screenshot(page, tmp_path, "oelm_app.png")
+        assert shot.stat().st_size > 10_000
+    finally:
+        demo.close()
+
+
+def test_error_page_in_browser(tmp_path, browser):
+    from app.demo import load_lab
+
+    demo, url = start_app(load_lab({"gpt_base": tmp_path / "missing.pt"}, "cpu"))
+    try:
+        page = browser.new_page(viewport={"width": 1200, "height": 700})
+        page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+        page.wait_for_selector("#load-error", timeout=60_000)
+        text = page.inner_text("#load-error")
+        assert "The models could not be loaded" in text and "missing.pt not found" in text
+        assert page.locator("#generate-btn").count() == 0
+        _save_screenshot(page, tmp_path, "oelm_app_error.png")
+    finally:
+        demo.close()
