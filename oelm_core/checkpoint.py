@@ -42,6 +42,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a checkpoint is shared like any output
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,669 @@
+"""The training engine: one process or many (DDP), CPU or CUDA, resumable, for every variant.
+
+    python -m oelm_core.train --params parameters/train_smoke.yaml [--set train.steps=200] [--resume]
+    torchrun --nproc_per_node 8 -m oelm_core.train --params parameters/X.yaml
+
+From Python: ``summary = train(load_run_config("parameters/X.yaml"))``.
+
+Like minGPT's trainer it knows nothing about the model beyond ``build_model``, ``model(x, y)`` ->
+mean loss, ``model.unfreeze_qk(layers)`` -> new parameters and the duck-typed
+``module.after_optimizer_step(step)`` hook. A run folder (``RunConfig.out_dir``) holds:
+
+    config.yaml            the RunConfig as run
+    metrics.jsonl          one JSON object per logged step (train figures; eval rows add val_*)
+    ckpt/step_XXXXXXX.pt   the last ``keep_last`` step checkpoints (what --resume continues from)
+    best.pt                the checkpoint with the lowest validation loss
+    summary.json           the run's figures, written when a session ends
+
+Data parallelism is exact: rank r's micro-step m draws its windows as virtual rank r*A + m of
+W*A (A = grad_accum, W = world size), so W ranks with grad_accum A see the very batches one
+process with grad_accum W*A sees, and the two loss curves agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
+from oelm_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from oelm_core.config import (ConfigError, ModelConfig, RunConfig, TrainConfig, load_run_config,
+                              run_config_from_dict, save_run_config)
+from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
+from oelm_core.model import build_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bf16")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the run stopped and its last good checkpoint stays."""
+
+
+# --------------------------------------------------------------------------------------------
+# Checks of the loop's settings (the schema's types are checked by config.py already)
+# --------------------------------------------------------------------------------------------
+
+def check_train_config(cfg: RunConfig) -> dict[int, Any]:
+    """Raise ConfigError for settings the loop cannot use; return the unfreeze schedule
+    normalised to {step: "all" | sorted layer list}."""
+    tc, n_layer = cfg.train, cfg.model_config().n_layer
+    for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "ckpt_every",
+                 "keep_last", "log_every"):
+        if getattr(tc, name) < 1:
+            raise ConfigError(f"train.{name} must be at least 1, got {getattr(tc, name)}")
+    for name in ("warmup_steps", "stop_after", "early_stop_patience", "grad_clip", "weight_decay", "min_lr"):
+        if getattr(tc, name) < 0:
+            raise ConfigError(f"train.{name} must be 0 or positive, got {getattr(tc, name)}")
+    if tc.lr <= 0:
+        raise ConfigError(f"train.lr must be positive, got {tc.lr}")
+    if tc.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype must be one of {DTYPES}, got {tc.dtype!r}")
+    if tc.backend not in BACKENDS:
+        raise ConfigError(f"train.backend must be one of {BACKENDS}, got {tc.backend!r}")
+    schedule = {}
+    for key, layers in tc.unfreeze_schedule.items():
+        try:
+            step = int(key)
+        except (TypeError, ValueError):
+            step = -1
+        if step < 0:
+            raise ConfigError(f"train.unfreeze_schedule key {key!r} is not a step number; write "
+                              f"e.g. {{1000: all}} or {{1000: [0, 1]}}")
+        if layers != "all":
+            if not isinstance(layers, list) or not all(isinstance(i, int) and 0 <= i < n_layer for i in layers):
+                raise ConfigError(f"train.unfreeze_schedule[{key}] must be 'all' or a list of layer "
+                                  f"indices in 0..{n_layer - 1}, got {layers!r}")
+            layers = sorted(set(layers))
+        schedule[step] = layers
+    return dict(sorted(schedule.items()))
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Learning rate of the optimiser step that follows ``step`` completed steps.
+
+    Linear warmup from lr/warmup_steps to lr over the first warmup_steps steps, then a cosine
+    from lr down to min_lr, reached at step ``tc.steps``.
+    """
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps))
+    return tc.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (tc.lr - tc.min_lr)
+
+
+# --------------------------------------------------------------------------------------------
+# Devices and processes
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Dist:
+    """This process's place in the job (torchrun's RANK / WORLD_SIZE / LOCAL_RANK; 0 / 1 / 0 alone)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool  # this process created the process group, so it also destroys it
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """"auto" -> this rank's GPU when there is one, else the CPU; "cuda" gets the local rank's index."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device {name!r} is not a device; use auto, cpu or cuda") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device asks for CUDA but no GPU is visible; set train.device: cpu (or auto)")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def setup_distributed(tc: TrainConfig) -> Dist:
+    """Join the process group torchrun describes in the environment (a no-op for one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    device = resolve_device(tc.device, local_rank)
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        backend = tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        owns = True
+    return Dist(rank, world, local_rank, device, owns)
+
+
+def autocast_context(dtype: str, device: torch.device):
+    """bf16 autocast on CUDA ("auto") or when asked for; float32 otherwise. Reusable context."""
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# Optimiser and the training step
+# --------------------------------------------------------------------------------------------
+
+def configure_optimizer(model: nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters, in two groups.
+
+    Group 0: tensors with ndim >= 2 (Linear weights, embeddings, trainable Q/K) with
+    ``tc.weight_decay``. Group 1: biases and LayerNorm gains/shifts (ndim 1) without decay:
+    shrinking them towards 0 shifts activations rather than regularising a mapping.
+    Frozen Q/K are buffers and never reach the optimiser; tied weights appear once.
+    Progressive unfreezing appends one decayed group per unfreeze (see ``Trainer._unfreeze``).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # Fused AdamW: one kernel for all tensors instead of a launch per tensor and op (CUDA only).
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
+                             fused=True if device.type == "cuda" else None)
+
+
+class TrainStep:
+    """One optimiser step: what the loop runs and what a benchmark should time.
+
+    ``loss, grad_norm = step(batches, lr, step_number)`` with ``batches`` a list of grad_accum
+    (x, y) int64 (B, T) pairs on the model's device: forward+backward of each micro-batch (the
+    DDP gradient all-reduce only on the last), clip, AdamW at ``lr``, then the modules'
+    ``after_optimizer_step(step_number)`` hooks. Returns 0-dim device tensors (this rank's mean
+    micro-batch loss in nats/token, the pre-clip global gradient norm) so nothing waits for the GPU.
+
+    ``model`` is the plain module (state_dict and hooks come from it); the forward runs through
+    ``self.module``, its compiled and/or DDP wrapper, rebuilt by ``wrap()`` whenever the
+    parameter set changes (progressive unfreezing).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float,
+                 autocast, compile: bool = False, ddp: bool = False):
+        self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+        self.autocast, self.compile, self.ddp = autocast, compile, ddp
+        self.wrap()
+
+    def wrap(self) -> None:
+        module = self.model
+        if self.compile:
+            module = torch.compile(module)
+        if self.ddp:
+            device = next(self.model.parameters()).device
+            # broadcast_buffers=False: the only float buffers are frozen Q/K, identical on every
+            # rank by construction (same seed); re-broadcasting them each forward is wasted traffic.
+            module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+                         broadcast_buffers=False)
+        self.module = module
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.hooks = [m.after_optimizer_step for m in self.model.modules()
+                      if callable(getattr(m, "after_optimizer_step", None))]
+        # torch.compile fails lazily, at the first call; until one call succeeded we may fall back.
+        self._compile_verified = not self.compile
+
+    def _forward_backward(self, batches: list) -> torch.Tensor:
+        total = torch.zeros((), device=batches[0][0].device)
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            # no_sync: accumulate locally, all-reduce once on the last micro-step (covers backward).
+            with self.module.no_sync() if self.ddp and not last else nullcontext():
+                with self.autocast:
+                    loss = self.module(x, y)
+                (loss / len(batches)).backward()
+            total += loss.detach().float()
+        return total / len(batches)
+
+    def __call__(self, batches: list, lr: float, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._compile_verified:
+            loss = self._forward_backward(batches)
+        else:
+            try:
+                loss = self._forward_backward(batches)
+            except Exception as exc:  # Dynamo/Inductor raise many types; eager is always correct
+                log.warning("torch.compile failed (%s: %s); continuing in eager mode",
+                            type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+                self.optimizer.zero_grad(set_to_none=True)
+                self.compile = False
+                self.wrap()
+                loss = self._forward_backward(batches)
+            self._compile_verified = True
+        # max_norm=inf when clipping is off: the norm is still computed (and logged), scale 1.
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for hook in self.hooks:
+            hook(step)
+        return loss, grad_norm
+
+
+def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,
+              device: torch.device, ddp: bool = False) -> TrainStep:
+    """The trainer's step for ``model`` (already on ``device``) as TrainConfig configures it."""
+    return TrainStep(model, optimizer, grad_clip=tc.grad_clip, autocast=autocast_context(tc.dtype, device),
+                     compile=tc.compile, ddp=ddp)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf -> None so metrics.jsonl and summary.json stay standard JSON."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _step_number(path: Path) -> int:
+    return int(path.stem.split("_")[1])
+
+
+class Trainer:
+    """State of one training session; ``fit`` runs it. Use ``train()`` rather than this directly."""
+
+    def __init__(self, cfg: RunConfig, d: Dist, schedule: dict[int, Any]):
+        self.cfg, self.tc, self.d, self.schedule = cfg, cfg.train, d, schedule
+        self.out = Path(cfg.out_dir)
+        self.ckpt_dir = self.out / "ckpt"
+        self.device = d.device
+        self.meta = self._prepare_data()
+
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls outside autocast
+        self.model_cfg: ModelConfig = cfg.model_config()
+        self.frozen = self.model_cfg.frozen_layers()  # layers whose Q/K are still buffers
+        # The seed makes the weights identical on every rank; the offset gives ranks own dropout.
+        self.model = build_model(self.model_cfg, seed=self.tc.seed).to(self.device)
+        torch.manual_seed(self.tc.seed + d.rank)
+        self.optimizer = configure_optimizer(self.model, self.tc, self.device)
+        self.autocast = autocast_context(self.tc.dtype, self.device)
+        self.step_fn = make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)
+
+        block, batch, accum = self.model_cfg.block_size, self.tc.batch_size, self.tc.grad_accum
+        data = Path(cfg.data.out_dir)
+        self.samplers = [TokenSampler(data / "train.bin", block, batch, self.tc.seed,
+                                      rank=d.rank * accum + m, world_size=d.world_size * accum)
+                         for m in range(accum)]
+        self.val = [(x.to(self.device), y.to(self.device))
+                    for x, y in eval_batches(data / "val.bin", block, batch, self.tc.eval_batches)]
+        self.tokens_per_step = batch * block * accum * d.world_size
+        self.peak = peak_flops(self.device)
+        self.flops_per_token = flops_per_token(self.model_cfg)["total"]
+
+        self.step = 0
+        self.best_val_loss = float("inf")
+        self.bad_evals = 0             # evaluations since the best one (early stopping)
+        self.train_loss = float("nan")
+        self.last_eval: dict = {}
+        self.throughput: list[float] = []  # tokens/s of each log window of this session
+        self.mfus: list[float] = []
+
+    # --- set-up -------------------------------------------------------------------------------
+    def _prepare_data(self) -> dict:
+        """Tokenise on rank 0 only; the others wait for it (the broadcast is the barrier)."""
+        failure: Optional[BaseException] = None
+        if self.d.is_main:
+            try:
+                prepare(self.cfg.data, progress=self.tc.progress)
+            except Exception as exc:
+                failure = exc
+        if self.d.enabled:
+            box = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None and failure is None:
+                raise ConfigError(f"rank 0 could not prepare the data: {box[0]}")
+        if failure is not None:
+            raise failure
+        return load_meta(self.cfg.data.out_dir)
+
+    def _model_config_now(self) -> ModelConfig:
+        """The model as it is now: freeze_qk lists the layers still frozen after unfreezing."""
+        all_layers = list(range(self.model_cfg.n_layer))
+        frozen = "none" if not self.frozen else "all" if self.frozen == all_layers else list(self.frozen)
+        return dataclasses.replace(self.model_cfg, freeze_qk=frozen)
+
+    def _unfreeze(self, layers) -> None:
+        new = self.model.unfreeze_qk(layers)
+        self.frozen = [] if layers == "all" else [i for i in self.frozen if i not in layers]
+        if new:
+            self.optimizer.add_param_group({"params": new, "weight_decay": self.tc.weight_decay})
+            self.step_fn.wrap()  # DDP (and compile) must see the new parameter set
+        self.flops_per_token = flops_per_token(self._model_config_now())["total"]
+        log.info("step %d: unfroze Q/K of layers %s (%d new tensors)", self.step, layers, len(new))
+
+    def _checkpoints(self) -> list[Path]:
+        return sorted(self.ckpt_dir.glob("step_*.pt"), key=_step_number)
+
+    def _restore(self, path: Path) -> None:
+        try:
+            state = load_checkpoint(path, map_location="cpu")
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot resume: {exc}. To resume from the checkpoint before it, "
+                                  f"delete {path}") from None
+        saved = run_config_from_dict(state["run_config"]).model_config()
+        now = self.cfg.model_config()
+        if saved != now:
+            diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(now, f.name)]
+            raise ConfigError(f"{path} was trained with a different model (model keys {diff} differ); "
+                              f"resume with the run's own parameters ({self.out / 'config.yaml'}) "
+                              f"or set out_dir to a new folder")
+        self.step = int(state["step"])
+        # Replay the unfreezes already done so the parameters and optimiser groups match the saved ones.
+        for at, layers in self.schedule.items():
+            if at < self.step:
+                self._unfreeze(layers)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for sampler in self.samplers:
+            sampler.load_state_dict(state["sampler"])
+        if state["sampler"].get("virtual_world") != self.d.world_size * self.tc.grad_accum:
+            log.warning("resuming with world_size x grad_accum = %d instead of %d: the data order "
+                        "differs from an uninterrupted run", self.d.world_size * self.tc.grad_accum,
+                        state["sampler"].get("virtual_world"))
+        rng = state["rng"]
+        if len(rng["cpu"]) == self.d.world_size:
+            torch.set_rng_state(rng["cpu"][self.d.rank])
+            if self.device.type == "cuda" and len(rng["cuda"]) == self.d.world_size:
+                torch.cuda.set_rng_state(rng["cuda"][self.d.rank], self.device)
+        else:
+            torch.manual_seed(self.tc.seed + self.d.rank + self.step)
+        m = state["metrics"]
+        self.best_val_loss = m["best_val_loss"] if m.get("best_val_loss") is not None else float("inf")
+        self.bad_evals = m.get("bad_evals", 0)
+        self.train_loss = m["train_loss"] if m.get("train_loss") is not None else float("nan")
+        self.last_eval = {k: m[k] for k in ("val_loss", "val_ppl", "val_bpb") if m.get(k) is not None}
+        log.info("resumed %s at step %d", path, self.step)
+
+    def _start_files(self, resumed: bool) -> None:
+        """config.yaml; metrics.jsonl fresh, or cut back to the resumed step (no duplicate rows)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_run_config(self.cfg, self.out / "config.yaml")
+        metrics = self.out / "metrics.jsonl"
+        kept = []
+        if resumed and metrics.is_file():
+            kept = [line for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.step]
+        metrics.write_text("".join(line + "\n" for line in kept))
+
+    # --- measuring ------------------------------------------------------------------------------
+    def _mean_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self.d.enabled:
+            t = t.clone()
+            dist.all_reduce(t)  # SUM: gloo has no AVG
+            t /= self.d.world_size
+        return t
+
+    def _train_figures(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+                       window_steps: int, window_s: float) -> dict:
+        """The log row's training figures; raises TrainingDiverged on a NaN/inf loss or norm.
+
+        The all-reduced values are the same on every rank, so all ranks stop together.
+        """
+        loss_v = self._mean_across_ranks(loss).item()
+        norm_v = grad_norm.item()
+        if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
+            kept = self._checkpoints()
+            raise TrainingDiverged(
+                f"training diverged at step {self.step}: loss {loss_v}, grad norm {norm_v}. "
+                f"Lower train.lr (now {self.tc.lr}), lengthen train.warmup_steps or keep train.grad_clip "
+                f"on, and check the data in {self.cfg.data.out_dir}. The last good checkpoint "
+                f"{kept[-1] if kept else '(none yet)'} is kept; nothing was saved after the divergence")
+        self.train_loss = loss_v
+        tokens_per_s = window_steps * self.tokens_per_step / window_s
+        mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.d.world_size)
+               if self.peak else None)
+        self.throughput.append(tokens_per_s)
+        if mfu is not None:
+            self.mfus.append(mfu)
+        tokens_seen = self.step * self.tokens_per_step
+        return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v,
+                "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": self._peak_mem_mb(),
+                "tokens_seen": tokens_seen, "epochs": tokens_seen / self.meta["train_tokens"]}
+
+    def _peak_mem_mb(self) -> Optional[float]:
+        return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean loss over the fixed validation batches (shared out round-robin across ranks, weighted
+        by tokens), as val_loss (nats/token), val_ppl and val_bpb (bits per UTF-8 byte)."""
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of loss x tokens, tokens)
+        for x, y in self.val[self.d.rank::self.d.world_size]:
+            with self.autocast:
+                loss = self.model(x, y)
+            total[0] += loss.double() * y.numel()
+            total[1] += y.numel()
+        self.model.train()
+        if self.d.enabled:
+            dist.all_reduce(total)
+        val_loss = (total[0] / total[1]).item()
+        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss),
+                "val_bpb": bits_per_byte(val_loss, self.meta["val_tokens"], self.meta["val_bytes"])}
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def _state(self) -> Optional[dict]:
+        """The checkpoint dict on rank 0 (None elsewhere). Collective: every rank's RNG is gathered."""
+        rng = {"cpu": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        rngs = [rng]
+        if self.d.enabled:
+            rngs = [None] * self.d.world_size
+            dist.all_gather_object(rngs, rng)
+        if not self.d.is_main:
+            return None
+        # Every sampler slot draws exactly one batch per step, so one slot's state describes all.
+        sampler = {**self.samplers[0].state_dict(), "virtual_world": self.d.world_size * self.tc.grad_accum}
+        metrics = {**self.last_eval, "best_val_loss": _json_safe(self.best_val_loss),
+                   "bad_evals": self.bad_evals, "train_loss": _json_safe(self.train_loss),
+                   "tokens_seen": self.step * self.tokens_per_step,
+                   "epochs": self.step * self.tokens_per_step / self.meta["train_tokens"]}
+        return {"model": self.model.state_dict(),
+                "model_config": dataclasses.asdict(self._model_config_now()),
+                "run_config": self.cfg.to_dict(), "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "rng": {"cpu": [r["cpu"] for r in rngs],
+                        "cuda": [r["cuda"] for r in rngs if r["cuda"] is not None]},
+                "sampler": sampler, "metrics": metrics}
+
+    def _save(self, step_ckpt: bool, best: bool) -> None:
+        state = self._state()
+        if state is None:
+            return
+        if step_ckpt:
+            save_checkpoint(state, self.ckpt_dir / f"step_{self.step:07d}.pt")
+            for old in self._checkpoints()[:-self.tc.keep_last]:
+                old.unlink()
+        if best:
+            save_checkpoint(state, self.out / "best.pt")
+
+    # --- the session ----------------------------------------------------------------------------
+    def fit(self, resume: bool) -> dict:
+        t_start = time.perf_counter()
+        existing = self._checkpoints()
+        if existing and not resume:
+            raise ConfigError(f"{self.out} already holds a run (checkpoints up to step "
+                              f"{_step_number(existing[-1])}); pass --resume to continue it, or set "
+                              f"out_dir to a new folder (or delete it) to start over")
+        if resume and existing:
+            self._restore(existing[-1])
+        elif resume:
+            log.info("nothing to resume in %s; starting at step 0", self.ckpt_dir)
+        start = self.step
+        if self.d.is_main:
+            self._start_files(resumed=start > 0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        end = min(self.tc.steps, start + self.tc.stop_after) if self.tc.stop_after else self.tc.steps
+        status = "completed" if end == self.tc.steps else "paused"
+        bar = tqdm(total=self.tc.steps, initial=start, unit="step", dynamic_ncols=True,
+                   disable=not (self.d.is_main and self.tc.progress))
+        try:
+            with logging_redirect_tqdm():
+                status = self._loop(start, end, bar, status)
+        except TrainingDiverged as exc:
+            if self.d.is_main:
+                self._write_summary("diverged", time.perf_counter() - t_start, error=str(exc))
+            raise
+        finally:
+            bar.close()
+        return self._write_summary(status, time.perf_counter() - t_start)
+
+    def _loop(self, start: int, end: int, bar, status: str) -> str:
+        tc = self.tc
+        window_start, window_t0 = self.step, time.perf_counter()
+        while self.step < end:
+            if self.step in self.schedule:
+                self._unfreeze(self.schedule[self.step])
+            lr = lr_at(self.step, tc)
+            batches = [s.next_batch(self.device) for s in self.samplers]
+            loss, grad_norm = self.step_fn(batches, lr, self.step + 1)
+            self.step += 1
+            bar.update(1)
+
+            evaluate = self.step % tc.eval_every == 0 or self.step == end
+            save = self.step % tc.ckpt_every == 0 or self.step == end
+            if not (evaluate or save or self.step % tc.log_every == 0 or self.step == 1):
+                continue  # step 1 is logged too: the curve's starting point
+            # Every checkpoint step is a logged step: the divergence check runs before any save.
+            row = self._train_figures(loss, grad_norm, lr, self.step - window_start,
+                                      time.perf_counter() - window_t0)
+            bar.set_postfix(loss=f"{row['train_loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            improved = stop = False
+            if evaluate:
+                figures = self.evaluate()
+                row.update(figures)
+                self.last_eval = figures
+                improved = figures["val_loss"] < self.best_val_loss
+                if improved:
+                    self.best_val_loss, self.bad_evals = figures["val_loss"], 0
+                else:
+                    self.bad_evals += 1
+                stop = 0 < tc.early_stop_patience <= self.bad_evals
+                log.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f, %.4f bits/byte)%s",
+                         self.step, row["train_loss"], figures["val_loss"], figures["val_ppl"],
+                         figures["val_bpb"], " *" if improved else "")
+            if self.d.is_main:
+                with open(self.out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
+            if save or stop or improved:
+                self._save(step_ckpt=save or stop, best=improved)
+            if stop:
+                log.info("early stop at step %d: no better val loss in %d evaluations",
+                         self.step, self.bad_evals)
+                return "stopped_early"
+            # The next window starts after eval and saving: tokens/s measures training only.
+            window_start, window_t0 = self.step, time.perf_counter()
+        return status
+
+    def _write_summary(self, status: str, wall_s: float, error: Optional[str] = None) -> dict:
+        best = self.best_val_loss
+        ckpts = self._checkpoints()
+        tokens_seen = self.step * self.tokens_per_step
+        summary = {
+            "name": self.cfg.name, "variant": self.cfg.variant, "preset": self.cfg.preset,
+            "status": status, "params": count_parameters(self.model),
+            "steps": self.step, "steps_planned": self.tc.steps,
+            "final_val_loss": self.last_eval.get("val_loss"),
+            "final_val_ppl": self.last_eval.get("val_ppl"),
+            "final_val_bpb": self.last_eval.get("val_bpb"),
+            "best_val_loss": best, "best_val_ppl": perplexity(best),
+            "best_val_bpb": bits_per_byte(best, self.meta["val_tokens"], self.meta["val_bytes"]),
+            "final_train_loss": self.train_loss,
+            "tokens_per_s": statistics.median(self.throughput) if self.throughput else None,
+            "mfu": statistics.median(self.mfus) if self.mfus else None,
+            "peak_mem_mb": self._peak_mem_mb(), "wall_time_s": wall_s,
+            "world_size": self.d.world_size,
+            "device": (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                       else f"cpu ({torch.get_num_threads()} threads)"),
+            "tokens_seen": tokens_seen, "epochs": tokens_seen / self.meta["train_tokens"],
+            "global_batch_tokens": self.tokens_per_step,
+            "checkpoint_bytes": ckpts[-1].stat().st_size if ckpts else None,
+        }
+        if error is not None:
+            summary["error"] = error
+        summary = {k: _json_safe(v) for k, v in summary.items()}
+        if self.d.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def train(cfg: RunConfig, resume: bool = False) -> dict:
+    """Train ``cfg`` (under torchrun: this rank's share) and return the summary dict.
+
+    ``resume``: continue from the newest ``out_dir/ckpt/step_*.pt`` (from step 0 when there is
+    none). Raises ConfigError / CheckpointError for unusable settings or files and
+    TrainingDiverged for a NaN/inf loss.
+    """
+    schedule = check_train_config(cfg)  # before any process group exists: fail fast, everywhere
+    d = setup_distributed(cfg.train)
+    try:
+        return Trainer(cfg, d, schedule).fit(resume)
+    finally:
+        if d.owns_group:
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The CLI; returns the exit code: 0 done, 2 unusable parameters/data/checkpoint, 3 diverged."""
+    p = argparse.ArgumentParser(prog="python -m oelm_core.train",
+                                description="Train a GPT / OELM model (also under torchrun).")
+    p.add_argument("--params", required=True, help="YAML parameter file (see parameters/)")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override a parameter, e.g. --set train.steps=200 model.dropout=0.1")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in out_dir/ckpt")
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    try:
+        summary = train(load_run_config(args.params, args.set), resume=args.resume)
+    except (ConfigError, CheckpointError) as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 3
+    if rank == 0:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

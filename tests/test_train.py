@@ -1,0 +1,266 @@
+"""The training engine on CPU: learning, freezing, DDP equivalence, exact resume, progressive
+unfreezing, clear errors and divergence handling.
+
+Corpora come from the `story_folder` fixture. Except where the real GPT-2 vocabulary matters, the
+prepared tokens are folded into a 256-token vocabulary (id % 256, same files, same meta.json) so
+that the CPU time goes to the trainer rather than to a 50,257-way output layer.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from oelm_core.accounting import count_parameters
+from oelm_core.checkpoint import load_checkpoint, model_from_state
+from oelm_core.config import DataConfig, TrainConfig, run_config_from_dict
+from oelm_core.data import prepare
+from oelm_core.model import GPT, build_model
+from oelm_core.train import configure_optimizer, lr_at, main, make_step, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_data_override(monkeypatch):
+    monkeypatch.delenv("OELM_DATA", raising=False)  # the tests name their own corpora
+
+
+FOLDED_VOCAB = 256
+
+
+@pytest.fixture
+def folded(tmp_path, story_folder) -> Path:
+    """story_folder prepared into tmp_path/data, its token ids folded to FOLDED_VOCAB. The token
+    files keep their sizes and meta.json its content hash, so `prepare` in train() keeps them."""
+    data = DataConfig(source=str(story_folder), out_dir=str(tmp_path / "data"), num_proc=1)
+    prepare(data, progress=False)
+    for split in ("train", "val"):
+        path = tmp_path / "data" / f"{split}.bin"
+        (np.fromfile(path, dtype=np.uint16) % FOLDED_VOCAB).astype(np.uint16).tofile(path)
+    return story_folder
+
+
+def params(tmp_path: Path, source: Path, variant: str = "oelm_freeze", out: str = "run",
+           vocab: int = FOLDED_VOCAB, **train) -> dict:
+    """A small CPU run: preset smoke at context 32, 4 sequences per step, every step logged."""
+    return {
+        "name": "test", "out_dir": str(tmp_path / out), "preset": "smoke", "variant": variant,
+        "model": {"block_size": 32, "vocab_size": vocab},
+        "data": {"source": str(source), "out_dir": str(tmp_path / "data"), "num_proc": 1},
+        "train": {"steps": 10, "batch_size": 4, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
+                  "eval_every": 5, "eval_batches": 2, "ckpt_every": 5, "keep_last": 10,
+                  "log_every": 1, "progress": False, "device": "cpu", **train},
+    }
+
+
+def run(values: dict, resume: bool = False) -> dict:
+    return train(run_config_from_dict(values), resume=resume)
+
+
+def losses(out_dir: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"duplicate metric rows: {steps}"
+    return {r["step"]: r["train_loss"] for r in rows}
+
+
+def qk_weights(model: GPT) -> list[torch.Tensor]:
+    return [b.attn.qk.weight.detach().clone() for b in model.blocks]
+
+
+def write_params(path: Path, values: dict) -> Path:
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_lr_schedule():
+    tc = TrainConfig(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(0, tc) == pytest.approx(0.1) and lr_at(9, tc) == pytest.approx(1.0)
+    assert lr_at(55, tc) == pytest.approx(0.55) and lr_at(100, tc) == pytest.approx(0.1)
+
+
+def test_loss_falls_and_run_folder(tmp_path, story_folder):
+    """The real GPT-2 vocabulary: the loss starts near ln(50257) and falls."""
+    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=30,
+                    eval_every=15, ckpt_every=15, keep_last=1)
+    summary = run(values)
+    curve = losses(values["out_dir"])
+    assert curve[1] > 10.0                      # ~ln(50257) at the start
+    assert curve[30] < curve[1] - 4.0, curve    # the tiny corpus is learned fast
+    out = Path(values["out_dir"])
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_0000030.pt"]  # keep_last=1
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "best.pt"} <= {p.name for p in out.iterdir()}
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 30
+    assert summary["final_val_loss"] < 8.0 and summary["best_val_loss"] <= summary["final_val_loss"]
+    assert summary["final_val_bpb"] > 0 and summary["mfu"] is None and summary["tokens_per_s"] > 0
+    assert summary["checkpoint_bytes"] == (out / "ckpt" / "step_0000030.pt").stat().st_size
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"lr", "grad_norm", "tokens_per_s", "tokens_seen", "epochs", "val_ppl", "val_bpb"} <= set(row)
+    assert row["tokens_seen"] == 30 * 4 * 32
+
+
+def test_frozen_qk_stay_fixed(tmp_path, folded):
+    values = params(tmp_path, folded, variant="oelm_freeze")
+    summary = run(values)
+    cfg = run_config_from_dict(values)
+    initial = build_model(cfg.model_config(), seed=cfg.train.seed)
+    state = load_checkpoint(Path(values["out_dir"]) / "ckpt" / "step_0000010.pt")
+    trained = model_from_state(state)
+    for before, after in zip(qk_weights(initial), qk_weights(trained)):
+        assert torch.equal(before, after)
+    assert not torch.allclose(initial.blocks[0].attn.v.weight, trained.blocks[0].attn.v.weight)
+    # The optimiser holds exactly the parameters: its state covers no Q/K element.
+    n_opt = sum(s["exp_avg"].numel() for s in state["optimizer"]["state"].values())
+    assert n_opt == sum(p.numel() for p in trained.parameters())
+    assert not any("qk" in n for n, _ in trained.named_parameters())
+    assert summary["params"] == json.loads(json.dumps(count_parameters(trained)))
+    assert summary["params"]["frozen"] == 2 * 2 * 64 * 64
+
+
+def test_ddp_matches_single_process(tmp_path, folded):
+    """2 gloo ranks x grad_accum 1 == 1 process x grad_accum 2, through torchrun and the CLI; an
+    unfreeze mid-run checks that DDP is re-wrapped around the new parameters."""
+    common = dict(steps=6, unfreeze_schedule={3: "all"}, eval_every=3, ckpt_every=3)
+    single = params(tmp_path, folded, out="single", grad_accum=2, **common)
+    run(single)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(port), "-m", "oelm_core.train",
+         "--params", str(write_params(tmp_path / "ddp.yaml", ddp))],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 7))
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path, folded):
+    full = params(tmp_path, folded, out="full", steps=12, ckpt_every=4)
+    run(full)
+    split = params(tmp_path, folded, out="split", steps=12, ckpt_every=4)
+    paused = run({**split, "train": {**split["train"], "stop_after": 6}})
+    assert paused["status"] == "paused" and paused["steps"] == 6
+    done = run(split, resume=True)
+    assert done["status"] == "completed" and done["steps"] == 12
+    a, b = losses(full["out_dir"]), losses(split["out_dir"])  # losses() also rejects duplicate rows
+    assert a.keys() == b.keys() == set(range(1, 13))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
+
+
+def test_progressive_unfreezing_and_resume_across_it(tmp_path, folded):
+    values = params(tmp_path, folded, out="full", steps=8, ckpt_every=1,
+                    unfreeze_schedule={5: "all"})
+    run(values)
+    cfg = run_config_from_dict(values)
+    initial = qk_weights(build_model(cfg.model_config(), seed=cfg.train.seed))
+    ckpt = Path(values["out_dir"]) / "ckpt"
+    before, after = load_checkpoint(ckpt / "step_0000005.pt"), load_checkpoint(ckpt / "step_0000006.pt")
+    assert before["model_config"]["freeze_qk"] == "all" and after["model_config"]["freeze_qk"] == "none"
+    for w0, w5, w6 in zip(initial, qk_weights(model_from_state(before)), qk_weights(model_from_state(after))):
+        assert torch.equal(w0, w5) and not torch.equal(w5, w6)
+    assert len(before["optimizer"]["param_groups"]) == 2
+    groups = after["optimizer"]["param_groups"]
+    assert len(groups) == 3 and len(groups[2]["params"]) == 2 and groups[2]["weight_decay"] == 0.1
+
+    # Paused before the unfreeze (step 3) and after it (step 7), each resumed to the end.
+    for stop in (3, 7):
+        split = params(tmp_path, folded, out=f"split{stop}", steps=8, ckpt_every=1,
+                       unfreeze_schedule={5: "all"})
+        run({**split, "train": {**split["train"], "stop_after": stop}})
+        run(split, resume=True)
+        a, b = losses(values["out_dir"]), losses(split["out_dir"])
+        assert a.keys() == b.keys()
+        assert all(abs(a[s] - b[s]) <= 1e-6 for s in a), (stop, a, b)
+
+
+def test_step_hook_and_make_step():
+    """make_step is the loop's step; modules with after_optimizer_step(step) are called after it."""
+    model = build_model("smoke", "gpt_base", block_size=16, vocab_size=FOLDED_VOCAB)
+    calls = []
+    model.blocks[0].mlp.after_optimizer_step = calls.append
+    tc = TrainConfig(grad_clip=1.0, lr=1e-3)
+    step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
+    x = torch.randint(0, FOLDED_VOCAB, (2, 17))
+    batches = [(x[:, :-1], x[:, 1:])]
+    first, norm = step(batches, 1e-3, 1)
+    for n in range(2, 6):
+        loss, _ = step(batches, 1e-3, n)
+    assert calls == [1, 2, 3, 4, 5] and norm > 0 and loss < first
+
+
+def test_clear_errors(tmp_path, folded, capsys):
+    # Unknown key, through a real subprocess: exit code 2, one line that names the key and the fix.
+    good = write_params(tmp_path / "p.yaml", params(tmp_path, folded, steps=4, ckpt_every=2))
+    proc = subprocess.run([sys.executable, "-m", "oelm_core.train", "--params", str(good),
+                           "--set", "train.stepz=5"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "train.stepz" in proc.stderr and "valid keys" in proc.stderr and "steps" in proc.stderr
+
+    # Wrong type.
+    assert main(["--params", str(good), "--set", "train.steps=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "train.steps should be int" in err and "'abc'" in err
+
+    # Missing data folder.
+    missing = dict(params(tmp_path, tmp_path / "nowhere"), out_dir=str(tmp_path / "other"))
+    missing["data"]["out_dir"] = str(tmp_path / "data2")
+    assert main(["--params", str(write_params(tmp_path / "m.yaml", missing))]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere does not exist" in err and "data.source" in err
+
+    # Truncated newest checkpoint on --resume: names the file and how to fall back.
+    assert main(["--params", str(good)]) == 0
+    capsys.readouterr()
+    last = tmp_path / "run" / "ckpt" / "step_0000004.pt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    assert main(["--params", str(good), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "step_0000004.pt" in err and "truncated" in err and "delete" in err
+
+    # A second fresh start into the same folder refuses to overwrite the run.
+    assert main(["--params", str(good)]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, folded, monkeypatch, capsys):
+    forward = GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, cache=None):
+        loss = forward(self, idx, targets, cache)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] >= 8:  # training step 8 onwards
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    values = params(tmp_path, folded, steps=20, ckpt_every=5, log_every=5, eval_every=5)
+    assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 3
+    err = capsys.readouterr().err
+    assert "diverged at step 10" in err and "loss nan" in err and "Lower train.lr" in err
+    assert "step_0000005.pt is kept" in err
+    ckpt = Path(values["out_dir"]) / "ckpt"
+    assert [p.name for p in ckpt.iterdir()] == ["step_0000005.pt"]
+    state = load_checkpoint(ckpt / "step_0000005.pt")
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    model_from_state(state)
+    summary = json.loads((Path(values["out_dir"]) / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["steps"] == 10
