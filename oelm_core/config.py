@@ -55,7 +55,8 @@ class ModelConfig:
     # (N(0, gain^2 / d_model), the non-orthogonal control with the orthogonal logit scale).
     qk_init: str = "normal"
     qk_gain: float = 1.0         # scale of the orthogonal/Gaussian Q/K (1.0: an isometry)
-    # Which layers keep W_q, W_k frozen (stored as buffers): "none", "all" or a list of indices.
+    # Which layers keep W_q, W_k frozen (stored as buffers): "none", "all", a list of indices, or
+    # "first_half" / "last_half" (layers 0..n//2-1 / the last n//2: shallow / deep, any n_layer).
     freeze_qk: Union[str, list] = "none"
     # How scores are formed: "dot" (softmax(QK^T)), or the Synthesizer baselines that replace
     # QK^T by a learned (or fixed) per-head T x T logit matrix: "synth_random", "synth_factorized".
@@ -86,6 +87,10 @@ class ModelConfig:
             return []
         if self.freeze_qk == "all" or self.freeze_qk is True:
             return list(range(self.n_layer))
+        if self.freeze_qk == "first_half":
+            return list(range(self.n_layer // 2))
+        if self.freeze_qk == "last_half":
+            return list(range(self.n_layer - self.n_layer // 2, self.n_layer))
         return sorted(set(int(i) for i in self.freeze_qk))
 
     def validate(self) -> "ModelConfig":
@@ -102,9 +107,9 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.qk_init not in QK_INITS:
             raise ConfigError(f"unknown model.qk_init {self.qk_init!r}; choose one of {sorted(QK_INITS)}")
-        if isinstance(self.freeze_qk, str) and self.freeze_qk not in ("none", "all"):
-            raise ConfigError(f"model.freeze_qk must be 'none', 'all' or a list of layer indices, "
-                              f"got {self.freeze_qk!r}")
+        if isinstance(self.freeze_qk, str) and self.freeze_qk not in FREEZE_QK_NAMES:
+            raise ConfigError(f"model.freeze_qk must be one of {FREEZE_QK_NAMES} or a list of layer "
+                              f"indices, got {self.freeze_qk!r}")
         bad = [i for i in self.frozen_layers() if not 0 <= i < self.n_layer]
         if bad:
             raise ConfigError(f"model.freeze_qk names layers {bad}, but the model has layers "
@@ -119,12 +124,16 @@ class ModelConfig:
                                   f"d_model={self.d_model}")
             if self.poet_neumann_terms < 1:
                 raise ConfigError("model.poet_neumann_terms must be at least 1")
+            if self.attention != "dot" or self.frozen_layers():
+                raise ConfigError("POET (model.poet_block_size > 0) learns Q/K through R and P: it needs "
+                                  "model.attention: dot and model.freeze_qk: none")
         if self.loss_impl not in ("chunked", "full"):
             raise ConfigError(f"model.loss_impl must be 'chunked' or 'full', got {self.loss_impl!r}")
         return self
 
 
 ATTENTIONS = ("dot", "synth_random", "synth_factorized")
+FREEZE_QK_NAMES = ("none", "all", "first_half", "last_half")
 
 
 def _divisors(n: int) -> list[int]:
@@ -162,6 +171,30 @@ register_variant("oelm_nofreeze", "OELM-NoFreeze: Q/K start Haar-orthogonal (QR)
                  qk_init="qr")
 register_variant("oelm_freeze", "OELM-Freeze: Q/K Haar-orthogonal (QR) and frozen in every layer",
                  qk_init="qr", freeze_qk="all")
+# Ablations (issue 7). A1: the non-orthogonal control; A7: other orthogonal constructions.
+register_variant("oelm_freeze_gaussian", "A1: frozen Gaussian Q/K, N(0, 1/d), same logit scale as orthogonal",
+                 qk_init="gaussian", qk_gain=1.0, freeze_qk="all")
+register_variant("oelm_freeze_svd", "A7: frozen orthogonal Q/K from the SVD polar factor (Haar)",
+                 qk_init="svd", freeze_qk="all")
+register_variant("oelm_freeze_householder", "A7: frozen orthogonal Q/K from d random Householder reflections",
+                 qk_init="householder", freeze_qk="all")
+register_variant("oelm_freeze_cayley", "A7: frozen orthogonal Q/K from the Cayley transform of a random skew matrix",
+                 qk_init="cayley", freeze_qk="all")
+# Synthesizer baselines (Tay et al. 2021): no Q/K, input-independent causal per-head T x T logits.
+register_variant("synth_random", "Synthesizer (random): learned per-head T x T attention logits, causal",
+                 attention="synth_random")
+register_variant("synth_random_fixed", "Synthesizer (random, fixed): per-head T x T logits frozen at init",
+                 attention="synth_random", synth_trainable=False)
+register_variant("synth_factorized", "Synthesizer (factorized): learned per-head logits R1 R2^T of rank 8",
+                 attention="synth_factorized", synth_rank=8)
+# Layer-wise freezing: orthogonal Q/K everywhere, frozen in half of the layers.
+register_variant("oelm_freeze_shallow", "Layer-wise: orthogonal Q/K frozen in the first half of layers, deep trainable",
+                 qk_init="qr", freeze_qk="first_half")
+register_variant("oelm_freeze_deep", "Layer-wise: orthogonal Q/K frozen in the last half of layers, shallow trainable",
+                 qk_init="qr", freeze_qk="last_half")
+# POET (arXiv 2506.08001): W = R W0 P, R and P learned block-orthogonal; singular values fixed.
+register_variant("oelm_poet", "POET: learnable orthogonal Q/K, W = R W0 P (32-blocks, Cayley-Neumann, merge/50)",
+                 qk_init="qr", poet_block_size=32, poet_neumann_terms=5, poet_merge_every=50)
 
 
 def variants() -> dict[str, str]:
@@ -229,8 +262,15 @@ class TrainConfig:
     device: str = "auto"         # "auto": cuda when there is one, else cpu
     dtype: str = "auto"          # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
     compile: bool = False        # torch.compile the model (falls back to eager if it fails)
+    # Capture the whole step (forward, backward, clip, AdamW) in one CUDA graph after two warm-up
+    # steps and replay it: small batches are launch-bound (benchmarks/RESULTS.md). CUDA without
+    # DDP only; falls back to eager if capture fails.
+    cuda_graph: bool = True
     backend: str = "auto"        # DDP backend: "auto" = nccl on CUDA, gloo on CPU
     progress: bool = True        # tqdm bar on rank 0
+    # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
+    # follows `steps`, so a later --resume continues the same curve (time-boxed jobs, tests).
+    stop_after: int = 0
 
 
 @dataclass

@@ -1,0 +1,576 @@
+"""Sweeps (A3-A6: heads, head dimension, context, layers) and the ablation runs of issue 7.
+
+A sweep file (``parameters/sweeps/*.yaml``) is a training parameter file plus a ``sweep`` section:
+
+    sweep:
+      name: a6_layers
+      key: n_layer                     # the x axis
+      variants: [gpt_base, oelm_nofreeze, oelm_freeze]
+      seeds: [0]
+      points:                          # value on the x axis -> dotted overrides of the run
+        - {value: 2, set: {model.n_layer: 2}}
+      smoke:                           # optional: points and overrides of a quick CPU run
+        points: [...]
+        set: {train.steps: 8, ...}
+
+Each (point, variant, seed) becomes one run folder ``out_root/<name>/<key>=<value>/<variant>/seed<S>``
+holding the trainer's files plus ``params.yaml`` (exactly what was trained) and
+``sweep_point.json`` (which point it is). Runs whose ``summary.json`` says "completed" are
+skipped, so an interrupted sweep continues where it stopped.
+
+Ablations: every ``parameters/ablations/*.yaml`` x seeds, into ``out_root/<file stem>/seed<S>``;
+``ablation_table`` / ``ablation_figure`` read them back (through ``oelm_core.analysis``).
+
+CLI:
+    python -m oelm_core.sweep run parameters/sweeps/a6_layers.yaml --out runs/sweeps [--smoke]
+    python -m oelm_core.sweep ablations --out results/ablations [--seeds 0 1] [--only oelm_poet]
+    python -m oelm_core.sweep table results/ablations [--figure F.png] [--markdown T.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import yaml
+
+from oelm_core.config import ConfigError, run_config_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNERS = ("inprocess", "subprocess", "notebook")
+
+
+# --------------------------------------------------------------------------------------------
+# Sweep files
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Sweep:
+    name: str
+    key: str
+    variants: list[str]
+    seeds: list[int]
+    points: list[dict]               # [{"value": v, "set": {dotted key: value}}]
+    base: dict                       # the training parameter file without the sweep section
+    smoke: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunSpec:
+    """One run of a sweep or of the ablations: its parameters and where it goes."""
+
+    out_dir: Path
+    params: dict
+    info: dict                       # sweep, key, value, variant, seed, label
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def _apply(base: dict, overrides: dict | None) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in (overrides or {}).items():
+        _set_dotted(out, k, v)
+    return out
+
+
+def _parse_sets(items: Sequence[str] | None) -> dict:
+    """["train.steps=100", ...] -> {"train.steps": 100} (values parsed as YAML)."""
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
+        k, raw = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(raw)
+    return out
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read and check a sweep file (every point of every variant is validated up front)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file {path} not found; see parameters/sweeps/ for examples")
+    values = yaml.safe_load(path.read_text()) or {}
+    spec = values.pop("sweep", None)
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path} has no `sweep:` section; it needs name, key, variants, seeds, points")
+    missing = [k for k in ("key", "points") if k not in spec]
+    if missing:
+        raise ConfigError(f"{path}: sweep section lacks {missing}")
+    points = spec["points"]
+    if not points or not all(isinstance(p, dict) and "value" in p for p in points):
+        raise ConfigError(f"{path}: sweep.points must be a list of {{value: v, set: {{key: value}}}}")
+    sweep = Sweep(name=str(spec.get("name", path.stem)), key=str(spec["key"]),
+                  variants=list(spec.get("variants", ["gpt_base", "oelm_nofreeze", "oelm_freeze"])),
+                  seeds=[int(s) for s in spec.get("seeds", [0])], points=list(points), base=values,
+                  smoke=dict(spec.get("smoke") or {}))
+    for smoke in (False, True):
+        if smoke and not sweep.smoke:
+            continue
+        for run in sweep_runs(sweep, "/tmp/_sweep_check", smoke=smoke):
+            run_config_from_dict(run.params)
+    return sweep
+
+
+def _fmt_value(v: Any) -> str:
+    return str(v).replace("/", "_").replace(" ", "")
+
+
+def sweep_runs(sweep: Sweep, out_root: str | Path, *, smoke: bool = False,
+               variants: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
+               overrides: dict | None = None) -> list[RunSpec]:
+    """Every (point, variant, seed) of ``sweep`` as a RunSpec (points outermost)."""
+    smoke_spec = sweep.smoke if smoke else {}
+    points = smoke_spec.get("points") or sweep.points
+    if smoke and not sweep.smoke:
+        points = sweep.points[:2]
+    base = _apply(sweep.base, smoke_spec.get("set"))
+    runs = []
+    for point in points:
+        for variant in variants or sweep.variants:
+            for seed in seeds if seeds is not None else sweep.seeds:
+                out = Path(out_root) / sweep.name / f"{sweep.key}={_fmt_value(point['value'])}" / variant / f"seed{seed}"
+                params = _apply(base, point.get("set"))
+                params = _apply(params, overrides)
+                params.update(variant=variant, name=f"{sweep.name}/{sweep.key}={point['value']}/{variant}",
+                              out_dir=str(out))
+                params.setdefault("train", {})["seed"] = int(seed)
+                info = {"sweep": sweep.name, "key": sweep.key, "value": point["value"], "variant": variant,
+                        "seed": int(seed), "label": variant, "smoke": smoke}
+                runs.append(RunSpec(out, params, info))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+def _completed(out_dir: Path) -> bool:
+    f = out_dir / "summary.json"
+    if not f.is_file():
+        return False
+    try:
+        return json.loads(f.read_text()).get("status") == "completed"
+    except json.JSONDecodeError:
+        return False
+
+
+def _notebook_path() -> Path:
+    return REPO / "notebooks" / "03_training.ipynb"
+
+
+def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log=print) -> dict:
+    """Train one RunSpec; returns {"status", "wall_s", "out_dir", **info} (never raises for a
+    run that fails: the error is recorded, the sweep goes on)."""
+    if runner not in RUNNERS:
+        raise ConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    out = run.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    params_file = out / "params.yaml"
+    params_file.write_text(yaml.safe_dump(run.params, sort_keys=False))
+    (out / "sweep_point.json").write_text(json.dumps(run.info, indent=2) + "\n")
+    if skip_done and _completed(out):
+        log(f"  skip (completed): {out}")
+        return {**run.info, "status": "skipped", "wall_s": 0.0, "out_dir": str(out)}
+    t0 = time.perf_counter()
+    status, error = "completed", None
+    try:
+        if runner == "inprocess":
+            from oelm_core.train import train  # imported late: the CLI `table` needs no torch start
+
+            summary = train(run_config_from_dict(run.params))
+            status = summary.get("status", status)
+        elif runner == "subprocess":
+            with open(out / "train.log", "w") as logf:
+                rc = subprocess.call([sys.executable, "-m", "oelm_core.train", "--params", str(params_file)],
+                                     stdout=logf, stderr=subprocess.STDOUT, cwd=os.getcwd())
+            if rc != 0:
+                status, error = "failed", f"exit code {rc}; see {out / 'train.log'}"
+        else:  # notebook: papermill runs notebooks/03_training.ipynb with the parameter file
+            import papermill as pm
+
+            nb = _notebook_path()
+            if not nb.is_file():
+                raise ConfigError(f"{nb} does not exist; use runner 'subprocess' or 'inprocess'")
+            import torch
+
+            gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if torch.cuda.is_available() else ""
+            pm.execute_notebook(str(nb), str(out / "03_training.ipynb"),
+                                parameters={"params": str(params_file.resolve()), "run_dir": str(out.resolve()),
+                                            "overrides": [], "nproc": 1,
+                                            "cuda_visible_devices": gpus.split(",")[0]},
+                                cwd=str(REPO), progress_bar=False)
+            if not _completed(out):
+                status, error = "failed", f"no completed summary.json; see {out / '03_training.ipynb'}"
+    except Exception as exc:  # one failed point must not lose the rest of the sweep
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+    wall = time.perf_counter() - t0
+    row = {**run.info, "status": status, "wall_s": wall, "out_dir": str(out)}
+    if error:
+        row["error"] = error
+        log(f"  FAILED {out}: {error}")
+    else:
+        log(f"  done in {wall:.1f}s: {out}")
+    return row
+
+
+def run_sweep(sweep: str | Path | Sweep, out_root: str | Path = "runs/sweeps", *, smoke: bool = False,
+              runner: str = "inprocess", variants: Sequence[str] | None = None,
+              seeds: Sequence[int] | None = None, overrides: dict | None = None,
+              skip_done: bool = True, log=print) -> list[dict]:
+    """Train every point of a sweep; returns one status row per run (see ``sweep_results``)."""
+    if not isinstance(sweep, Sweep):
+        sweep = load_sweep(sweep)
+    runs = sweep_runs(sweep, out_root, smoke=smoke, variants=variants, seeds=seeds, overrides=overrides)
+    for r in runs:
+        run_config_from_dict(r.params)   # fail before the first run, not at the last
+    rows = []
+    for i, run in enumerate(runs):
+        log(f"[{i + 1}/{len(runs)}] {sweep.key}={run.info['value']} {run.info['variant']} seed {run.info['seed']}")
+        rows.append(run_one(run, runner, skip_done, log))
+    return rows
+
+
+def ablation_runs(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "results/ablations",
+                  seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
+                  overrides: dict | None = None) -> list[RunSpec]:
+    """Every ablation file x seed, seed-major (all files at seed 0 first)."""
+    files = sorted(Path(params_dir).glob("*.yaml"))
+    if only:
+        unknown = set(only) - {f.stem for f in files}
+        if unknown:
+            raise ConfigError(f"no ablation file for {sorted(unknown)} in {params_dir}; "
+                              f"have {[f.stem for f in files]}")
+        files = [f for f in files if f.stem in only]
+    if not files:
+        raise ConfigError(f"no *.yaml ablation files in {params_dir}")
+    runs = []
+    for seed in seeds:
+        for f in files:
+            params = yaml.safe_load(f.read_text()) or {}
+            params = _apply(params, overrides)
+            out = Path(out_root) / f.stem / f"seed{seed}"
+            params.update(name=f.stem, out_dir=str(out))
+            params.setdefault("train", {})["seed"] = int(seed)
+            info = {"sweep": "ablations", "key": "ablation", "value": f.stem,
+                    "variant": params.get("variant", "gpt_base"), "seed": int(seed), "label": f.stem}
+            runs.append(RunSpec(out, params, info))
+    for r in runs:
+        run_config_from_dict(r.params)
+    return runs
+
+
+def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "results/ablations",
+                  seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
+                  overrides: dict | None = None, runner: str = "inprocess", skip_done: bool = True,
+                  budget_s: float = 0.0, prune_checkpoints: bool = True, log=print) -> list[dict]:
+    """Train every ablation x seed (seed-major, so a cut-short session still has one seed of each).
+
+    ``budget_s`` > 0: start no new run once that many seconds have passed (the rest are listed as
+    "not started"; re-running continues with them). ``prune_checkpoints``: delete each completed
+    run's rolling ``ckpt/`` folder (its ``best.pt`` stays for analysis).
+    """
+    import shutil
+
+    runs = ablation_runs(params_dir, out_root, seeds, only, overrides)
+    rows, t0 = [], time.perf_counter()
+    for i, run in enumerate(runs):
+        elapsed = time.perf_counter() - t0
+        if budget_s and elapsed > budget_s:
+            log(f"time budget of {budget_s:.0f}s used: {len(runs) - i} run(s) not started "
+                f"(run the same command again to continue)")
+            rows += [{**r.info, "status": "not started", "wall_s": 0.0, "out_dir": str(r.out_dir)} for r in runs[i:]]
+            break
+        log(f"[{i + 1}/{len(runs)}, {elapsed:.0f}s] {run.info['label']} seed {run.info['seed']}")
+        row = run_one(run, runner, skip_done, log)
+        if prune_checkpoints and row["status"] == "completed":
+            shutil.rmtree(run.out_dir / "ckpt", ignore_errors=True)
+        rows.append(row)
+    log(f"ablations: {sum(r['status'] in ('completed', 'skipped') for r in rows)}/{len(runs)} runs done "
+        f"in {time.perf_counter() - t0:.0f}s")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Reading back: tables and figures
+# --------------------------------------------------------------------------------------------
+
+def _load(root: str | Path):
+    from oelm_core import analysis
+
+    runs = []
+    for d in analysis.find_run_dirs(root):
+        run = analysis.load_run(d)
+        point = d / "sweep_point.json"
+        run.point = json.loads(point.read_text()) if point.is_file() else {}
+        runs.append(run)
+    return runs
+
+
+def _poet_spectrum_error(run) -> Optional[float]:
+    """max |sigma/gain - 1| of the trained POET Q/K in the run's best checkpoint (None: not POET)."""
+    cfg = (run.config.get("model") or {})
+    if run.variant != "oelm_poet" and not cfg.get("poet_block_size"):
+        return None
+    ckpt = run.checkpoint()
+    if not ckpt.is_file():
+        return None
+    from oelm_core.checkpoint import load_model
+    from oelm_core.poet import poet_modules, spectrum_error
+
+    model, _ = load_model(ckpt)
+    mods = poet_modules(model)
+    return max(spectrum_error(m, model.cfg.qk_gain) for m in mods) if mods else None
+
+
+def run_rows(root: str | Path, spectrum: bool = True) -> list[dict]:
+    """One row per run folder under ``root``: label, variant, seed, point, final/best val figures,
+    parameter counts, throughput and (POET) the spectrum error of the trained Q/K."""
+    rows = []
+    for run in _load(root):
+        p = run.point
+        rows.append({
+            "label": p.get("label") or run.name, "variant": run.variant, "seed": run.seed,
+            "key": p.get("key"), "value": p.get("value"), "sweep": p.get("sweep"),
+            "status": run.summary.get("status"), "steps": run.value("steps"),
+            "final_val_loss": run.value("final_val_loss"), "final_val_ppl": run.value("final_val_ppl"),
+            "best_val_loss": run.value("best_val_loss"),
+            "trainable": run.value("trainable"), "frozen": run.value("frozen"), "total": run.value("total"),
+            "tokens_per_s": run.value("tokens_per_s"), "wall_time_s": run.value("wall_time_s"),
+            "spectrum_err": _poet_spectrum_error(run) if spectrum else None,
+            "path": str(run.path),
+        })
+    return rows
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def _std(values):
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def _group(rows: list[dict], keys: Sequence[str]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+    return groups
+
+
+ABLATION_ORDER = ["gpt_base", "oelm_nofreeze", "oelm_freeze", "oelm_freeze_gaussian", "oelm_freeze_svd",
+                  "oelm_freeze_householder", "oelm_freeze_cayley", "oelm_freeze_shallow", "oelm_freeze_deep",
+                  "progressive", "progressive_layerwise", "oelm_poet", "synth_random", "synth_random_fixed",
+                  "synth_factorized"]
+
+
+def _order(label: str) -> tuple[int, str]:
+    return (ABLATION_ORDER.index(label) if label in ABLATION_ORDER else len(ABLATION_ORDER), label)
+
+
+def ablation_table(root: str | Path, baseline: str = "gpt_base", spectrum: bool = True) -> dict:
+    """{"runs": per-run rows, "rows": per-ablation means over seeds, "markdown_runs", "markdown"}.
+
+    Per ablation: mean (and std over seeds) final val loss and ppl, the gap to ``baseline`` in %,
+    trainable/frozen parameters, tokens/s and, for POET, the trained Q/K's spectrum error.
+    """
+    from oelm_core.analysis import markdown_table
+
+    runs = sorted(run_rows(root, spectrum), key=lambda r: (_order(r["label"]), r["seed"] or 0))
+    rows = []
+    for (label,), group in sorted(_group(runs, ["label"]).items(), key=lambda kv: _order(kv[0][0])):
+        losses = [r["final_val_loss"] for r in group]
+        rows.append({"label": label, "variant": group[0]["variant"], "seeds": len(group),
+                     "val_loss": _mean(losses), "val_loss_std": _std(losses),
+                     "val_ppl": _mean([r["final_val_ppl"] for r in group]),
+                     "trainable": group[0]["trainable"], "frozen": group[0]["frozen"],
+                     "tokens_per_s": _mean([r["tokens_per_s"] for r in group]),
+                     "spectrum_err": _mean([r["spectrum_err"] for r in group])})
+    base = next((r for r in rows if r["label"] == baseline), None)
+    for r in rows:
+        ok = base is not None and r["val_loss"] is not None and base["val_loss"]
+        r["loss_gap_pct"] = 100 * (r["val_loss"] / base["val_loss"] - 1) if ok else None
+    run_cols = ["label", "variant", "seed", "status", "final_val_loss", "final_val_ppl", "trainable", "frozen",
+                "tokens_per_s", "spectrum_err"]
+    cols = ["label", "seeds", "val_loss", "val_loss_std", "val_ppl", "loss_gap_pct", "trainable", "frozen",
+            "tokens_per_s", "spectrum_err"]
+    heads = ["Ablation", "Seeds", "Val loss", "Std", "Val PPL", f"Loss gap vs {baseline} (%)", "Trainable",
+             "Frozen", "Tokens/s", "POET max abs(s-1)"]
+    return {"runs": runs, "rows": rows, "markdown_runs": markdown_table(runs, run_cols),
+            "markdown": markdown_table(rows, cols, heads)}
+
+
+def ablation_figure(table: dict, path: str | Path | None = None):
+    """Final validation loss per ablation: bars at the seed mean, dots at each seed."""
+    from oelm_core.analysis import _plt, save_figure
+
+    plt = _plt()
+    rows = [r for r in table["rows"] if r["val_loss"] is not None]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
+    xs = range(len(rows))
+    colors = ["tab:gray" if r["label"] == "gpt_base" else "tab:purple" if r["label"].startswith("synth")
+              else "tab:green" if "poet" in r["label"] else "tab:blue" for r in rows]
+    ax.bar(xs, [r["val_loss"] for r in rows], color=colors, alpha=0.6)
+    for x, r in zip(xs, rows):
+        seeds = [s["final_val_loss"] for s in table["runs"] if s["label"] == r["label"] and s["final_val_loss"]]
+        ax.scatter([x] * len(seeds), seeds, color="black", s=12, zorder=3)
+    lo = min(r["val_loss"] for r in rows) if rows else 0
+    hi = max(r["val_loss"] for r in rows) if rows else 1
+    ax.set_ylim(lo - 0.15 * (hi - lo + 1e-3) - 0.05, hi + 0.15 * (hi - lo + 1e-3) + 0.05)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["label"] for r in rows], rotation=45, ha="right")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title("Ablations (bars: mean over seeds; dots: seeds)")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def sweep_results(root: str | Path, sweep_name: Optional[str] = None) -> dict:
+    """Per (value, variant): mean/std final val loss over seeds, from the run folders under root."""
+    from oelm_core.analysis import markdown_table
+
+    runs = [r for r in run_rows(root, spectrum=False) if r["key"] and r["sweep"] != "ablations"
+            and (sweep_name is None or r["sweep"] == sweep_name)]
+    rows = []
+    for (sweep, key, value, variant), group in _group(runs, ["sweep", "key", "value", "variant"]).items():
+        losses = [r["final_val_loss"] for r in group]
+        rows.append({"sweep": sweep, "key": key, "value": value, "variant": variant, "seeds": len(group),
+                     "val_loss": _mean(losses), "val_loss_std": _std(losses),
+                     "val_ppl": _mean([r["final_val_ppl"] for r in group]),
+                     "trainable": group[0]["trainable"], "frozen": group[0]["frozen"]})
+    variant_order = {"gpt_base": 0, "oelm_nofreeze": 1, "oelm_freeze": 2}
+    rows.sort(key=lambda r: (r["sweep"] or "", _sortable(r["value"]), variant_order.get(r["variant"], 9), r["variant"]))
+    cols = ["sweep", "key", "value", "variant", "seeds", "val_loss", "val_loss_std", "val_ppl", "trainable", "frozen"]
+    return {"runs": runs, "rows": rows, "markdown": markdown_table(rows, cols)}
+
+
+def _sortable(v):
+    return (0, float(v), "") if isinstance(v, (int, float)) else (1, 0.0, str(v))
+
+
+def sweep_figure(results: dict, path: str | Path | None = None, title: Optional[str] = None):
+    """Final validation loss against the swept value, one line per variant (error bars: seed std)."""
+    from oelm_core.analysis import GROUP_LABELS, _plt, save_figure
+
+    plt = _plt()
+    rows = [r for r in results["rows"] if r["val_loss"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    values = sorted({r["value"] for r in rows}, key=_sortable)
+    numeric = values and all(isinstance(v, (int, float)) and v > 0 for v in values)
+    pos = {v: (v if numeric else i) for i, v in enumerate(values)}
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        vr = sorted((r for r in rows if r["variant"] == variant), key=lambda r: _sortable(r["value"]))
+        ax.errorbar([pos[r["value"]] for r in vr], [r["val_loss"] for r in vr],
+                    yerr=[r["val_loss_std"] or 0 for r in vr], marker="o", capsize=3,
+                    label=GROUP_LABELS.get(variant, variant))
+    if numeric and max(values) / min(values) >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks([pos[v] for v in values])
+    ax.set_xticklabels([str(v) for v in values])
+    ax.minorticks_off()
+    key = rows[0]["key"] if rows else ""
+    ax.set_xlabel(key)
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title(title or (f"{rows[0]['sweep']}: validation loss vs {key}" if rows else "sweep"))
+    ax.grid(alpha=0.3)
+    if rows:
+        ax.legend()
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m oelm_core.sweep", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train every point of a sweep file, then tabulate and plot it")
+    r.add_argument("sweep_file")
+    r.add_argument("--out", default="runs/sweeps")
+    r.add_argument("--smoke", action="store_true", help="the file's smoke points and settings")
+    r.add_argument("--runner", choices=RUNNERS, default="inprocess")
+    r.add_argument("--variants", nargs="+")
+    r.add_argument("--seeds", nargs="+", type=int)
+    r.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    a = sub.add_parser("ablations", help="train every parameters/ablations file x seeds, then tabulate")
+    a.add_argument("--params-dir", default="parameters/ablations")
+    a.add_argument("--out", default="results/ablations")
+    a.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    a.add_argument("--only", nargs="+", help="file stems to run (default: all)")
+    a.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    a.add_argument("--runner", choices=RUNNERS, default="inprocess")
+    a.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: none)")
+    a.add_argument("--keep-checkpoints", action="store_true", help="keep each run's ckpt/ folder")
+    t = sub.add_parser("table", help="tabulate (and plot) the ablation or sweep runs under a folder")
+    t.add_argument("root")
+    t.add_argument("--sweep", action="store_true", help="a sweep folder (default: ablations)")
+    t.add_argument("--figure")
+    t.add_argument("--markdown")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "run":
+            sweep = load_sweep(args.sweep_file)
+            rows = run_sweep(sweep, args.out, smoke=args.smoke, runner=args.runner, variants=args.variants,
+                             seeds=args.seeds, overrides=_parse_sets(args.set))
+            res = sweep_results(args.out, sweep.name)
+            print(res["markdown"])
+            sweep_figure(res, Path(args.out) / sweep.name / "sweep.png")
+            return 1 if any(r["status"] == "failed" for r in rows) else 0
+        if args.cmd == "ablations":
+            rows = run_ablations(args.params_dir, args.out, args.seeds, args.only, _parse_sets(args.set),
+                                 args.runner, budget_s=args.budget_s, prune_checkpoints=not args.keep_checkpoints)
+            table = ablation_table(args.out)
+            _write_table(table, args.out, None, None)
+            return 1 if any(r["status"] == "failed" for r in rows) else 0
+        if args.sweep:
+            res = sweep_results(args.root)
+            print(res["markdown"])
+            if args.figure:
+                sweep_figure(res, args.figure)
+            if args.markdown:
+                Path(args.markdown).write_text(res["markdown"] + "\n")
+            return 0
+        _write_table(ablation_table(args.root), args.root, args.figure, args.markdown)
+        return 0
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _write_table(table: dict, root, figure, markdown) -> None:
+    root = Path(root)
+    print("\nPer run:\n" + table["markdown_runs"] + "\n\nPer ablation (mean over seeds):\n" + table["markdown"])
+    md = Path(markdown) if markdown else root / "ablations.md"
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text("## Per ablation\n\n" + table["markdown"] + "\n\n## Per run\n\n" + table["markdown_runs"] + "\n")
+    (root / "ablations.json").write_text(json.dumps({"rows": table["rows"], "runs": table["runs"]}, indent=2) + "\n")
+    ablation_figure(table, Path(figure) if figure else root / "ablations.png")
+    print(f"\nwrote {md}, {root / 'ablations.json'}, {Path(figure) if figure else root / 'ablations.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

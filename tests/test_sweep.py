@@ -1,0 +1,150 @@
+"""oelm_core.sweep: the sweep and ablation plans, and the tables/figures read back from run folders."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oelm_core import VARIANTS
+from oelm_core.config import ConfigError, run_config_from_dict
+from oelm_core.sweep import (
+    ablation_figure,
+    ablation_runs,
+    ablation_table,
+    load_sweep,
+    run_sweep,
+    sweep_figure,
+    sweep_results,
+    sweep_runs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SWEEPS = sorted((REPO / "parameters" / "sweeps").glob("*.yaml"))
+
+
+def test_the_four_sweeps_exist():
+    assert {p.stem for p in SWEEPS} == {"a3_heads", "a4_head_dim", "a5_context", "a6_layers"}
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.stem)
+def test_sweep_files_plan_valid_runs(path, tmp_path):
+    sweep = load_sweep(path)  # validates every run of the full and the smoke plan
+    assert sweep.variants == ["gpt_base", "oelm_nofreeze", "oelm_freeze"]
+    runs = sweep_runs(sweep, tmp_path)
+    assert len(runs) == len(sweep.points) * 3 * len(sweep.seeds)
+    assert len({r.out_dir for r in runs}) == len(runs)
+    key = {"a3_heads": "n_head", "a4_head_dim": "d_head", "a5_context": "block_size", "a6_layers": "n_layer"}[path.stem]
+    for r in runs:
+        cfg = run_config_from_dict(r.params).model_config()
+        assert getattr(cfg, key) == r.info["value"]
+        assert cfg.qk_init == ("normal" if r.info["variant"] == "gpt_base" else "qr")
+    smoke = sweep_runs(sweep, tmp_path, smoke=True)
+    assert len(smoke) == 6 and all(run_config_from_dict(r.params).train.steps <= 10 for r in smoke)
+    if path.stem == "a5_context":  # tokens per step constant along the context sweep
+        assert len({r.params["train"]["batch_size"] * r.info["value"] for r in runs}) == 1
+
+
+def test_ablation_plan_is_seed_major_and_complete(tmp_path):
+    runs = ablation_runs(REPO / "parameters" / "ablations", tmp_path, seeds=(0, 1))
+    stems = [r.info["label"] for r in runs]
+    assert len(runs) == 30 and stems[:15] == stems[15:] and [r.info["seed"] for r in runs[:15]] == [0] * 15
+    assert {r.info["variant"] for r in runs} == set(VARIANTS)
+    for r in runs:
+        cfg = run_config_from_dict(r.params)
+        assert cfg.preset == "mini" and cfg.train.batch_size == 32 and not cfg.train.compile
+        assert Path(cfg.out_dir) == tmp_path / r.info["label"] / f"seed{r.info['seed']}"
+    with pytest.raises(ConfigError, match="no ablation file"):
+        ablation_runs(REPO / "parameters" / "ablations", tmp_path, only=["nope"])
+
+
+def _fake_run(folder: Path, label: str, variant: str, seed: int, loss: float, params=(100, 10), extra=None):
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump({"variant": variant, "preset": "mini",
+                                                         "train": {"seed": seed}}))
+    (folder / "summary.json").write_text(json.dumps({
+        "name": label, "variant": variant, "preset": "mini", "status": "completed", "steps": 800,
+        "final_val_loss": loss, "final_val_ppl": 2.718281828 ** loss, "best_val_loss": loss,
+        "params": {"trainable": params[0], "frozen": params[1], "total": sum(params)}, "tokens_per_s": 1e6}))
+    (folder / "sweep_point.json").write_text(json.dumps({"label": label, "variant": variant, "seed": seed,
+                                                         **(extra or {})}))
+
+
+def test_ablation_table_and_figure(tmp_path):
+    root = tmp_path / "abl"
+    for seed, (a, b) in enumerate([(3.0, 3.2), (3.1, 3.4)]):
+        _fake_run(root / "gpt_base" / f"seed{seed}", "gpt_base", "gpt_base", seed, a, (110, 0))
+        _fake_run(root / "progressive" / f"seed{seed}", "progressive", "oelm_freeze", seed, b)
+    table = ablation_table(root)
+    rows = {r["label"]: r for r in table["rows"]}
+    assert rows["gpt_base"]["val_loss"] == pytest.approx(3.05) and rows["gpt_base"]["seeds"] == 2
+    assert rows["progressive"]["loss_gap_pct"] == pytest.approx(100 * (3.3 / 3.05 - 1))
+    assert rows["progressive"]["variant"] == "oelm_freeze"   # grouped by file, not by variant
+    assert "| progressive |" in table["markdown"] and len(table["runs"]) == 4
+    fig = ablation_figure(table, tmp_path / "abl.png")
+    assert (tmp_path / "abl.png").stat().st_size > 1000 and fig is not None
+
+
+def test_sweep_results_and_figure(tmp_path):
+    for value, losses in ((2, (3.5, 3.6, 3.7)), (4, (3.2, 3.3, 3.4))):
+        for variant, loss in zip(("gpt_base", "oelm_nofreeze", "oelm_freeze"), losses):
+            _fake_run(tmp_path / "a6" / f"n_layer={value}" / variant / "seed0", variant, variant, 0, loss,
+                      extra={"sweep": "a6", "key": "n_layer", "value": value})
+    res = sweep_results(tmp_path, "a6")
+    assert [(r["value"], r["variant"]) for r in res["rows"]][:3] == [(2, "gpt_base"), (2, "oelm_nofreeze"),
+                                                                      (2, "oelm_freeze")]
+    assert res["rows"][-1]["val_loss"] == pytest.approx(3.4)
+    sweep_figure(res, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_a_tiny_sweep_really_trains(tmp_path, story_folder, monkeypatch):
+    """One point, two variants, a few steps of a tiny model: in-process training end to end."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base", "oelm_poet"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}]},
+            "name": "t", "out_dir": "x", "preset": "smoke", "model": {"block_size": 16},
+            "data": {"source": str(story_folder), "out_dir": str(tmp_path / "data")},
+            "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "eval_every": 3, "eval_batches": 1,
+                      "ckpt_every": 3, "log_every": 1, "progress": False, "device": "cpu"}}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    status = run_sweep(tmp_path / "t.yaml", tmp_path / "runs", log=lambda *_: None)
+    assert [r["status"] for r in status] == ["completed", "completed"], status
+    res = sweep_results(tmp_path / "runs", "t")
+    assert len(res["rows"]) == 2 and all(r["val_loss"] and r["val_loss"] > 0 for r in res["rows"])
+    # A second call skips the completed runs.
+    again = run_sweep(tmp_path / "t.yaml", tmp_path / "runs", log=lambda *_: None)
+    assert [r["status"] for r in again] == ["skipped", "skipped"]
+    # The POET run's best checkpoint still has an orthogonal spectrum.
+    table = ablation_table(tmp_path / "runs")
+    poet = [r for r in table["runs"] if r["variant"] == "oelm_poet"]
+    assert poet and poet[0]["spectrum_err"] is not None and poet[0]["spectrum_err"] < 1e-4
+
+
+def test_sweep_notebook_is_committed_without_outputs():
+    import nbformat
+
+    nb = nbformat.read(REPO / "notebooks" / "05_sweep.ipynb", as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code)
+    assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
+    # No library logic in the notebook: it only calls oelm_core.sweep.
+    assert not any(line.lstrip().startswith(("def ", "class ")) for c in code for line in c.source.splitlines())
+
+
+@pytest.mark.slow
+def test_sweep_notebook_runs_the_smoke_sweep(tmp_path, story_folder, monkeypatch):
+    import nbformat
+    import papermill as pm
+
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    out = tmp_path / "05.ipynb"
+    pm.execute_notebook(str(REPO / "notebooks" / "05_sweep.ipynb"), str(out),
+                        parameters={"smoke": True, "out_root": str(tmp_path / "runs"),
+                                    "overrides": {"data.out_dir": str(tmp_path / "data"), "train.device": "cpu"}},
+                        cwd=str(REPO), progress_bar=False, kernel_name="python3")
+    nb = nbformat.read(out, as_version=4)
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                if o.get("output_type") == "error"]
+    assert (tmp_path / "runs" / "a6_layers" / "sweep.png").is_file()
