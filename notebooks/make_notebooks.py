@@ -1,0 +1,250 @@
+"""Writes the study notebooks (without outputs): python notebooks/make_notebooks.py
+
+The notebooks hold narrative, parameters and calls into oelm_core only; edit them here so that
+the four stay consistent, then re-run this script.
+"""
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = """\
+import os, sys
+from pathlib import Path
+# the kernel runs in the repository root (papermill --cwd); make oelm_core importable either way
+for root in (Path.cwd(), Path.cwd().parent):
+    if (root / "oelm_core").is_dir() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+from IPython.display import Markdown, display
+import matplotlib
+%matplotlib inline"""
+
+
+def notebook(cells):
+    nb = new_notebook()
+    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                   "language_info": {"name": "python"}}
+    out = []
+    for kind, src in cells:
+        if kind == "md":
+            out.append(new_markdown_cell(src))
+        elif kind == "params":
+            c = new_code_cell(src)
+            c.metadata["tags"] = ["parameters"]
+            out.append(c)
+        else:
+            out.append(new_code_cell(src))
+    nb.cells = out
+    return nb
+
+
+THEORY = [
+    ("md", "# 01 · Theory: why orthogonal Q/K?\n\n"
+           "OELM starts the attention projections W_q and W_k as random orthogonal matrices and may "
+           "freeze them. This notebook checks the properties that motivate it, numerically, and fails "
+           "when one does not hold:\n\n"
+           "1. an orthogonal W is an **isometry** (it preserves every norm), a Gaussian one is not;\n"
+           "2. the four constructions (QR, SVD, Householder, Cayley) are orthogonal to float32 rounding, "
+           "at different cost;\n"
+           "3. random orthogonal projections preserve pairwise distances (Johnson–Lindenstrauss) at least "
+           "as well as Gaussian ones;\n"
+           "4. at initialisation orthogonal Q/K give unit-scale attention logits and peaked attention, "
+           "GPT-2's N(0, 0.02) gives near-zero logits and almost uniform attention."),
+    ("params", "d = 512            # width of the square Q/K matrices\n"
+               "n_head = 8\n"
+               "n_vectors = 256    # random vectors for the isometry check\n"
+               "n_tokens = 128     # tokens for the logit statistics\n"
+               "jl_points = 64     # points whose pairwise distances are projected\n"
+               "jl_trials = 3\n"
+               "construction_repeats = 3\n"
+               "seed = 0\n"
+               "fig_dir = \"figures\""),
+    ("code", SETUP + "\nfrom oelm_core import analysis as A\nfig_dir = Path(fig_dir)"),
+    ("md", "## 1 · Isometry, orthogonality error and condition number\n\n"
+           "`isometry_error` is max | ‖Wx‖/‖x‖ − 1 | over random x; the GPT-2 normal init is rescaled "
+           "to unit row norm so only its shape is judged. Orthogonal matrices have every singular value "
+           "equal to 1 (condition number 1); Gaussian ones spread them over [0, 2] (Marchenko–Pastur)."),
+    ("code", "iso = A.isometry_table(d, n_vectors, seed=seed)\n"
+             "display(Markdown(A.markdown_table(iso)))\n"
+             "for r in iso:\n"
+             "    if r['method'] in ('qr', 'svd', 'householder', 'cayley'):\n"
+             "        assert r['isometry_error'] < 1e-9 and r['orthogonality_error'] < 1e-9, r\n"
+             "        assert abs(r['condition_number'] - 1) < 1e-6, r\n"
+             "    else:  # normal, gaussian: not isometries\n"
+             "        assert r['orthogonality_error'] > 0.5 and r['condition_number'] > 10, r\n"
+             "        assert r['isometry_error'] > 1e-3, r"),
+    ("md", "## 2 · The constructions: float32 error and time"),
+    ("code", "cons = A.construction_table(d, repeats=construction_repeats, seed=seed)\n"
+             "display(Markdown(A.markdown_table(cons)))\n"
+             "assert all(r['orthogonality_error_fp32'] < 1e-5 for r in cons), cons"),
+    ("md", "## 3 · Johnson–Lindenstrauss distortion vs target dimension\n\n"
+           "Project `jl_points` points from d to k dimensions (scaled by √(d/k)) and measure how much "
+           "their pairwise distances change. Both shrink like 1/√k; orthonormal rows do better as k → d "
+           "because a k-dimensional orthogonal slice loses no length within its subspace."),
+    ("code", "ks = [k for k in (8, 16, 32, 64, 128, 256, 512) if k <= d // 2]\n"
+             "jl = A.jl_curve(d, jl_points, ks, methods=('qr', 'gaussian'), trials=jl_trials, seed=seed)\n"
+             "display(A.jl_figure(jl, fig_dir / 'jl_distortion.png'))\n"
+             "display(Markdown(A.markdown_table(jl)))\n"
+             "for m in ('qr', 'gaussian'):\n"
+             "    means = [r['mean'] for r in jl if r['method'] == m]\n"
+             "    assert means[-1] < means[0], (m, means)  # more dimensions, less distortion\n"
+             "qr_last, g_last = [[r['mean'] for r in jl if r['method'] == m][-1] for m in ('qr', 'gaussian')]\n"
+             "assert qr_last < g_last, (qr_last, g_last)"),
+    ("md", "## 4 · Attention logits at initialisation\n\n"
+           "Logit std and mean softmax entropy (nats; `max_entropy` = log n is uniform attention) on "
+           "unit-variance tokens."),
+    ("code", "logits = A.logit_stats_table(d, n_head, n_tokens, seed=seed)\n"
+             "display(Markdown(A.markdown_table(logits)))\n"
+             "L = {r['init']: r for r in logits}\n"
+             "assert 0.5 < L['qr']['logit_std'] < 2.0, L['qr']\n"
+             "assert L['normal']['logit_std'] < 0.5, L['normal']\n"
+             "assert L['normal']['max_entropy'] - L['normal']['entropy'] < 0.1  # nearly uniform\n"
+             "assert L['qr']['entropy'] < L['normal']['entropy']"),
+    ("md", "All checks held: orthogonal Q/K are exact isometries, cheap to build, preserve geometry "
+           "and start attention at a useful logit scale."),
+]
+
+MODEL = [
+    ("md", "# 02 · The models: groups, variants, parameters and FLOPs\n\n"
+           "The study compares three groups — **GPT-Base** (standard Q/K), **OELM-NoFreeze** (orthogonal "
+           "Q/K, trained) and **OELM-Freeze** (orthogonal Q/K, frozen) — plus the ablation variants "
+           "registered in `oelm_core.VARIANTS`."),
+    ("params", "preset = \"medium512\"       # the shape whose parameters are tabulated\n"
+               "grad_check_preset = \"tiny\"  # the small model of the gradient-flow check\n"
+               "all_variants = True         # tabulate the ablation variants too\n"
+               "fig_dir = \"figures\""),
+    ("code", SETUP + "\nimport oelm_core\nfrom oelm_core import analysis as A"),
+    ("md", "## Variants"),
+    ("code", "display(Markdown(A.markdown_table([{'variant': k, 'description': v} "
+             "for k, v in oelm_core.VARIANTS.items()])))"),
+    ("md", "## Exact parameter counts\n\nFrozen Q/K are buffers, not parameters: 2 · n_layer · d_model² "
+           "weights. At medium512 that is 3,145,728 of 44,896,768, i.e. **7.0%** of the trainable "
+           "parameters — not the ~15% the original report claimed (the 25.7M-parameter embedding dominates)."),
+    ("code", "names = list(oelm_core.VARIANTS) if all_variants else list(A.GROUP_LABELS)\n"
+             "params = A.parameter_table(preset, names)\n"
+             "display(Markdown(A.markdown_table(params)))\n"
+             "P = {r['variant']: r for r in params}\n"
+             "if preset == 'medium512':\n"
+             "    assert P['gpt_base']['trainable'] == 44_896_768 and P['gpt_base']['frozen'] == 0\n"
+             "    assert P['oelm_nofreeze']['trainable'] == 44_896_768\n"
+             "    assert P['oelm_freeze']['trainable'] == 41_751_040 and P['oelm_freeze']['frozen'] == 3_145_728\n"
+             "    assert abs(P['oelm_freeze']['trainable_reduction'] - 0.0700) < 0.0005\n"
+             "assert P['oelm_freeze']['total'] == P['gpt_base']['total']"),
+    ("md", "## What freezing saves: FLOPs per token and optimizer memory\n\n"
+           "A frozen weight still costs its forward and input-gradient matmuls; only the weight "
+           "gradient (one third of its FLOPs) and its AdamW state disappear."),
+    ("code", "flops = A.flops_table(preset, names)\n"
+             "display(Markdown(A.markdown_table(flops)))\n"
+             "F = {r['variant']: r for r in flops}\n"
+             "assert F['oelm_freeze']['forward_flops'] == F['gpt_base']['forward_flops']\n"
+             "assert 0 < F['oelm_freeze']['frozen_saving_pct'] < 10\n"
+             "assert F['oelm_freeze']['state_saving_mb'] > 0"),
+    ("md", "## Gradient flow\n\nOne forward/backward and optimizer step on a small OELM-Freeze model: the "
+           "frozen Q/K receive no gradient and do not change; every trainable parameter gets one."),
+    ("code", "flow = A.gradient_flow_check(grad_check_preset, 'oelm_freeze')\n"
+             "flow\n"),
+    ("code", "assert flow['frozen_qk'] and flow['frozen_without_grad'] and flow['qk_unchanged_by_step'], flow\n"
+             "assert flow['trainable_with_grad'], flow['params_without_grad']"),
+    ("md", "## Explorer\n\nMove the sliders to change the shape; the counts and FLOPs per token follow "
+           "(in a live Jupyter session; headless runs show the first table)."),
+    ("code", "display(A.shape_explorer())\n"
+             "display(Markdown(A.markdown_table(A.shape_account(n_layer=12, d_model=768, n_head=12, d_ff=3072))))"),
+]
+
+TRAINING = [
+    ("md", "# 03 · One training run\n\n"
+           "Launches one run of `oelm_core.train` for one parameter file in a subprocess — "
+           "`python -m oelm_core.train` for one process, `torchrun` for `nproc > 1` — and streams its "
+           "log here line by line. The kernel itself never touches CUDA; `cuda_visible_devices` picks "
+           "the GPUs of the child (\"\" hides them: CPU). A non-zero exit fails this notebook. The run "
+           "folder (config, metrics, summary, checkpoints) stays where `run_dir` says."),
+    ("params", "params = \"parameters/smoke/oelm_freeze.yaml\"\n"
+               "overrides = []                 # --set strings, e.g. train.steps=50\n"
+               "nproc = 1                      # processes (GPUs) of this run\n"
+               "cuda_visible_devices = \"\"      # \"\" for CPU, \"0\" for one GPU, \"0,1\" for two\n"
+               "run_dir = None                 # None: the parameter file's out_dir\n"
+               "progress_bar = False           # a tqdm bar does not stream well into a notebook"),
+    ("code", SETUP + "\nfrom oelm_core import analysis as A\nfrom oelm_core.study import launch_training"),
+    ("code", "run_dir = launch_training(params, list(overrides) + [f'train.progress={str(progress_bar).lower()}'],\n"
+             "                          nproc=nproc, cuda_visible_devices=cuda_visible_devices, run_dir=run_dir)\n"
+             "run_dir"),
+    ("md", "## Result"),
+    ("code", "run = A.load_run(run_dir)\n"
+             "assert run.summary, f'{run_dir} has no summary.json'\n"
+             "display(A.plot_curves([run], Path(run_dir) / 'loss_curve.png'))\n"
+             "display(Markdown(A.results_table([run])['markdown']))"),
+]
+
+ANALYSIS = [
+    ("md", "# 04 · Analysis: results, hypotheses, attention\n\n"
+           "Loads any number of run folders (several seeds per group give means, standard deviations "
+           "and Welch t-tests), draws the curves, builds the results table in the original study's "
+           "form, judges hypotheses H1–H4 from the data, compares attention maps and samples, and "
+           "writes `results.md` / `results.json` to `out_dir`."),
+    ("params", "run_dirs = []                  # run folders, or folders that hold them (a study folder)\n"
+               "out_dir = \"results\"\n"
+               "fig_dir = None                 # None: <out_dir>/figures\n"
+               "which = \"final\"                # 'final' or 'best' validation figures\n"
+               "attention_text = \"Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.\"\n"
+               "layer = 0\n"
+               "head = 0\n"
+               "max_tokens = 24\n"
+               "sample_prompt = \"Once upon a time\"\n"
+               "max_new_tokens = 40"),
+    ("code", SETUP + "\nfrom oelm_core import analysis as A\n"
+             "out_dir = Path(out_dir)\nfig_dir = Path(fig_dir) if fig_dir else out_dir / 'figures'\n"
+             "runs = A.load_runs(run_dirs)\n"
+             "display(Markdown(A.markdown_table([{'run': r.name, 'variant': r.variant, 'preset': r.preset, "
+             "'seed': r.seed, 'steps': r.value('steps'), 'folder': str(r.path)} for r in runs])))"),
+    ("md", "## Training and validation curves"),
+    ("code", "display(A.plot_curves(runs, fig_dir / 'curves.png'))"),
+    ("md", "## Results table\n\nGaps are relative to GPT-Base of the same preset (positive: worse)."),
+    ("code", "table = A.results_table(runs, which)\ndisplay(Markdown(table['markdown']))"),
+    ("md", "## Hypotheses\n\n"
+           "* **H1** freezing cuts trainable parameters by ~15% (the original report's claim; the exact "
+           "figure at medium512 is 7.0%)\n"
+           "* **H2** OELM-Freeze perplexity within 5% of OELM-NoFreeze\n"
+           "* **H3** OELM-Freeze trains at least as fast as GPT-Base\n"
+           "* **H4** OELM-Freeze perplexity within 10% of GPT-Base"),
+    ("code", "hyps = A.hypotheses(runs, which)\ndisplay(Markdown(A.hypotheses_markdown(hyps)))\n"
+             "assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H4']\n"
+             "groups = {r.variant for r in runs}\n"
+             "if {'gpt_base', 'oelm_nofreeze', 'oelm_freeze'} <= groups:\n"
+             "    assert all(h['holds'] is not None for h in hyps), hyps"),
+    ("md", "## Significance across seeds\n\nWelch's t-test and Cohen's d of the validation perplexity, "
+           "where each group has at least two seeds."),
+    ("code", "sig = A.significance_tests(runs, f'{which}_val_ppl')\n"
+             "display(Markdown(A.markdown_table(sig, ['a', 'b', 'preset', 'n_a', 'n_b', 'mean_a', 'mean_b', "
+             "'t', 'p', 'cohen_d']) if sig else '(no groups to compare)'))"),
+    ("md", "## Attention maps on the same story"),
+    ("code", "models = A.load_models(runs)\n"
+             "if models:\n"
+             "    display(A.attention_figure(models, attention_text, layer, head, max_tokens, "
+             "fig_dir / 'attention.png'))\n"
+             "    summary = {label: A.attention_summary(m, attention_text, max_tokens) for label, m in models.items()}\n"
+             "    display(Markdown(A.markdown_table([{'model': label, **row} for label, rows in summary.items() "
+             "for row in rows])))"),
+    ("md", "## Samples"),
+    ("code", "samples = A.sample_generations(models, sample_prompt, max_new_tokens) if models else []\n"
+             "samples_md = A.markdown_table(samples) if samples else ''\n"
+             "display(Markdown(samples_md or '(no checkpoints)'))"),
+    ("md", "## Written results"),
+    ("code", "result = A.write_results(runs, out_dir, which, extra_markdown='## Samples\\n\\n' + samples_md "
+             "if samples_md else '')\n"
+             "assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()\n"
+             "print((out_dir / 'results.md').read_text())"),
+]
+
+
+def main() -> None:
+    for name, cells in (("01_theory", THEORY), ("02_model", MODEL), ("03_training", TRAINING),
+                        ("04_analysis", ANALYSIS)):
+        nbformat.write(notebook(cells), HERE / f"{name}.ipynb")
+        print(f"wrote {HERE / name}.ipynb")
+
+
+if __name__ == "__main__":
+    main()

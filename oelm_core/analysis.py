@@ -1,0 +1,850 @@
+"""Everything the study notebooks show: the theory checks, the model accounts, the run results.
+
+The notebooks in ``notebooks/`` only call these functions (and assert on what they return), so
+every table, figure and verdict of the study is computed here, tested here and reusable by the
+app. Functions that draw return a matplotlib Figure; given ``path`` they save it there and close
+it (headless runs never accumulate open figures).
+
+Run folders follow the trainer's contract (``oelm_core.train``):
+
+    config.yaml     the RunConfig
+    metrics.jsonl   one JSON row per log step (step, train_loss, lr, grad_norm, tokens_per_s, mfu,
+                    peak_mem_mb, tokens_seen, epochs); evaluation rows add val_loss, val_ppl, val_bpb
+    summary.json    name, variant, preset, params {trainable, frozen, total}, final/best validation
+                    loss/ppl/bpb, final train loss, tokens_per_s, wall time, epochs, checkpoint size
+    best.pt         the best checkpoint (oelm_core.checkpoint.load_model)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+# Study labels of the three groups, in the order the tables list them.
+GROUP_LABELS = {"gpt_base": "GPT-Base", "oelm_nofreeze": "OELM-NoFreeze", "oelm_freeze": "OELM-Freeze"}
+BASELINE = "gpt_base"
+
+
+def _plt():
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg",) and not _in_notebook():
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+
+        return get_ipython() is not None
+    except ImportError:
+        return False
+
+
+def save_figure(fig, path: str | Path | None):
+    """Save ``fig`` to ``path`` (folders created) and close it; returns the figure either way.
+
+    A closed figure still renders in a notebook when it is the cell's last value.
+    """
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        _plt().close(fig)
+    return fig
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None,
+                   headers: Sequence[str] | None = None) -> str:
+    """A GitHub markdown table of ``rows`` (dicts); floats get 4 significant digits, ints commas."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0].keys())
+    headers = list(headers or columns)
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if isinstance(v, int):
+            return f"{v:,}"
+        if isinstance(v, float):
+            if math.isnan(v):
+                return "-"
+            return f"{v:,.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ============================================================================================
+# 01 theory: isometry, constructions, Johnson-Lindenstrauss, logits at initialisation
+# ============================================================================================
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def isometry_table(d: int = 512, n_vectors: int = 256, methods: Sequence[str] | None = None,
+                   seed: int = 0) -> list[dict]:
+    """Per Q/K initialisation: how far a d x d W is from preserving lengths.
+
+    Columns: isometry_error (max | ||Wx||/||x|| - 1 | over random x; normal is rescaled to
+    unit expected row norm so only its *shape* is judged), orthogonality_error, condition_number.
+    """
+    from oelm_core.orthogonal import (QK_INITS, condition_number, init_qk, isometry_error,
+                                      orthogonality_error)
+
+    methods = list(methods or QK_INITS)
+    x = torch.randn(n_vectors, d, generator=_gen(seed + 1), dtype=torch.float64)
+    rows = []
+    for method in methods:
+        W = init_qk(d, d, method, generator=_gen(seed), dtype=torch.float64)
+        if method == "normal":  # N(0, 0.02^2): rescale to E||row||^2 = 1 to compare shapes only
+            W = W / (0.02 * math.sqrt(d))
+        rows.append({"method": method, "isometry_error": isometry_error(W, x),
+                     "orthogonality_error": orthogonality_error(W),
+                     "condition_number": condition_number(W)})
+    return rows
+
+
+def construction_table(d: int = 512, methods: Sequence[str] | None = None, repeats: int = 3,
+                       seed: int = 0) -> list[dict]:
+    """Orthogonality error and construction time (best of ``repeats``, seconds) per method."""
+    from oelm_core.orthogonal import ORTHOGONAL_METHODS, orthogonal, orthogonality_error
+
+    rows = []
+    for method in methods or ORTHOGONAL_METHODS:
+        best = float("inf")
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            W = orthogonal(d, d, method, generator=_gen(seed + r))
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"method": method, "orthogonality_error_fp32": orthogonality_error(W),
+                     "seconds": best})
+    return rows
+
+
+def jl_curve(d: int = 512, n_points: int = 64, ks: Sequence[int] = (8, 16, 32, 64, 128, 256),
+             methods: Sequence[str] = ("qr", "gaussian"), trials: int = 3, seed: int = 0) -> list[dict]:
+    """Pairwise-distance distortion of k x d random projections of ``n_points`` Gaussian points.
+
+    Rows: method, k, max and mean distortion (averaged over ``trials`` projections).
+    """
+    from oelm_core.orthogonal import jl_distortion, random_projection
+
+    X = torch.randn(n_points, d, generator=_gen(seed + 1000), dtype=torch.float64)
+    rows = []
+    for method in methods:
+        for k in ks:
+            res = [jl_distortion(random_projection(k, d, method, generator=_gen(seed + t),
+                                                   dtype=torch.float64), X)
+                   for t in range(trials)]
+            rows.append({"method": method, "k": int(k),
+                         "max": statistics.fmean(r["max"] for r in res),
+                         "mean": statistics.fmean(r["mean"] for r in res)})
+    return rows
+
+
+def jl_figure(rows: Sequence[dict], path: str | Path | None = None):
+    """Mean and max distortion against target dimension k, one line per projection method."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [r for r in rows if r["method"] == method]
+        line, = ax.plot([r["k"] for r in pts], [r["mean"] for r in pts], "o-", label=f"{method} (mean)")
+        ax.plot([r["k"] for r in pts], [r["max"] for r in pts], "s--", color=line.get_color(),
+                alpha=0.6, label=f"{method} (max)")
+    ks = sorted({r["k"] for r in rows})
+    ax.plot(ks, [1 / math.sqrt(k) for k in ks], ":", color="gray", label=r"$1/\sqrt{k}$")
+    ax.set(xscale="log", yscale="log", xlabel="target dimension k",
+           ylabel="| scaled distance ratio - 1 |", title="Johnson-Lindenstrauss distortion")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def logit_stats_table(d: int = 512, n_head: int = 8, n_tokens: int = 128,
+                      inits: Sequence[str] = ("normal", "qr", "gaussian"), seed: int = 0) -> list[dict]:
+    """Attention-logit std and softmax entropy at initialisation for each Q/K init, on unit-RMS
+    tokens (what a LayerNorm hands the attention). ``max_entropy`` is log n_tokens (uniform)."""
+    from oelm_core.orthogonal import attention_logit_stats, init_qk
+
+    x = torch.randn(n_tokens, d, generator=_gen(seed + 7), dtype=torch.float64)
+    rows = []
+    for init in inits:
+        w_q = init_qk(d, d, init, generator=_gen(seed), dtype=torch.float64)
+        w_k = init_qk(d, d, init, generator=_gen(seed + 1), dtype=torch.float64)
+        s = attention_logit_stats(w_q, w_k, x, n_head)
+        rows.append({"init": init, "logit_std": s["std"], "entropy": s["entropy"],
+                     "max_entropy": math.log(n_tokens)})
+    return rows
+
+
+# ============================================================================================
+# 02 model: parameter table, FLOPs and memory, gradient flow, shape explorer
+# ============================================================================================
+
+@functools.lru_cache(maxsize=64)
+def _accounts(preset: str, variant: str, overrides: tuple) -> tuple[dict, dict]:
+    """(count_parameters, memory_account) of one built model; cached so tables share one build."""
+    from oelm_core import build_model, count_parameters, memory_account
+
+    model = build_model(preset, variant, **dict(overrides))
+    return count_parameters(model), memory_account(model)
+
+
+def parameter_table(preset: str = "medium512", variants: Iterable[str] | None = None,
+                    **overrides: Any) -> list[dict]:
+    """Exact trainable / frozen / total parameters of each variant at ``preset``.
+
+    ``trainable_reduction`` is the share of GPT-Base's trainable parameters the variant does not train.
+    """
+    from oelm_core import VARIANTS
+
+    names = list(variants or VARIANTS)
+    rows = []
+    for v in names:
+        c = _accounts(preset, v, tuple(sorted(overrides.items())))[0]
+        rows.append({"variant": v, "label": GROUP_LABELS.get(v, v), "trainable": c["trainable"],
+                     "frozen": c["frozen"], "total": c["total"]})
+    base = next((r for r in rows if r["variant"] == BASELINE), None)
+    for r in rows:
+        r["trainable_reduction"] = (1 - r["trainable"] / base["trainable"]) if base else None
+    return rows
+
+
+def analytic_parameters(cfg) -> dict:
+    """Trainable/frozen/total parameters of a dot-attention GPT from its shape alone (no weights
+    are built, so the explorer can show Large in an instant); equals ``count_parameters``."""
+    d, ff, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layer, cfg.vocab_size, cfg.block_size
+    ln = 2 * d if cfg.bias else d
+    attn_other = 2 * d * d + (2 * d if cfg.attn_bias else 0)      # V and output projections
+    qk = 2 * d * d                                                # QKProjection has no bias
+    mlp = 2 * d * ff + ((ff + d) if cfg.bias else 0)
+    per_layer = 2 * ln + attn_other + mlp
+    embed = V * d + T * d + (0 if cfg.tie_embeddings else V * d)
+    frozen = qk * len(cfg.frozen_layers())
+    total = embed + L * (per_layer + qk) + ln
+    return {"trainable": total - frozen, "frozen": frozen, "total": total}
+
+
+def flops_table(preset: str = "medium512", variants: Iterable[str] | None = None,
+                **overrides: Any) -> list[dict]:
+    """FLOPs per trained token (forward, backward) and weight+optimizer memory per variant."""
+    from oelm_core import VARIANTS, flops_per_token
+    from oelm_core.config import model_config
+
+    rows = []
+    for v in list(variants or VARIANTS):
+        cfg = model_config(preset, v, **overrides)
+        f = flops_per_token(cfg)
+        m = _accounts(preset, v, tuple(sorted(overrides.items())))[1]
+        rows.append({"variant": v, "forward_flops": f["total_forward"],
+                     "backward_flops": f["total_backward"], "total_flops": f["total"],
+                     "frozen_saving_flops": f["frozen_saving"]["flops"],
+                     "frozen_saving_pct": 100 * f["frozen_saving"]["fraction"],
+                     "state_mb": m["total"] / 2**20, "state_saving_mb": m["frozen_saving"] / 2**20})
+    return rows
+
+
+def gradient_flow_check(preset: str = "tiny", variant: str = "oelm_freeze", seed: int = 0) -> dict:
+    """One forward/backward on random tokens: do frozen Q/K stay without gradient while every
+    trainable parameter gets one?
+
+    Returns {'frozen_qk': [names], 'frozen_without_grad': bool, 'qk_unchanged_by_step': bool,
+    'trainable_with_grad': bool, 'params_without_grad': [names]}.
+    """
+    from oelm_core import build_model
+
+    model = build_model(preset, variant, seed=seed)
+    frozen = {n: b for n, b in model.named_buffers() if ".attn.qk" in n}
+    before = {n: b.clone() for n, b in frozen.items()}
+    g = _gen(seed)
+    idx = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.block_size), generator=g)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(idx, idx).backward()
+    no_grad = [n for n, p in model.named_parameters()
+               if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+    opt.step()
+    return {"frozen_qk": sorted(frozen),
+            "frozen_without_grad": all(not b.requires_grad and b.grad is None for b in frozen.values()),
+            "qk_unchanged_by_step": all(torch.equal(before[n], b) for n, b in frozen.items()),
+            "trainable_with_grad": not no_grad, "params_without_grad": no_grad}
+
+
+def shape_account(n_layer: int = 6, d_model: int = 512, n_head: int = 8, d_ff: int = 2048,
+                  vocab_size: int = 50257, block_size: int = 512) -> list[dict]:
+    """Counts and FLOPs per token of the three groups at an arbitrary shape (the explorer's rows)."""
+    from oelm_core import flops_per_token
+    from oelm_core.config import ModelConfig
+
+    rows = []
+    for v in GROUP_LABELS:
+        from oelm_core.config import variant_overrides
+
+        cfg = ModelConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, d_ff=d_ff,
+                          vocab_size=vocab_size, block_size=block_size, **variant_overrides(v)).validate()
+        c, f = analytic_parameters(cfg), flops_per_token(cfg)
+        rows.append({"variant": GROUP_LABELS[v], "trainable": c["trainable"], "frozen": c["frozen"],
+                     "total": c["total"], "trainable_reduction_pct": None,
+                     "gflops_per_token": f["total"] / 1e9,
+                     "freeze_saves_pct": 100 * f["frozen_saving"]["fraction"]})
+    base = rows[0]["trainable"]
+    for r in rows:
+        r["trainable_reduction_pct"] = 100 * (1 - r["trainable"] / base)
+    return rows
+
+
+def shape_explorer():
+    """An ipywidgets explorer: sliders for the shape, a table of counts and FLOPs that follows.
+
+    Returns the widget box (display it). Without a front end (headless papermill) it renders
+    its first table as plain output and nothing waits for input.
+    """
+    import ipywidgets as w
+    from IPython.display import Markdown, display
+
+    sliders = {
+        "n_layer": w.IntSlider(6, 1, 48, description="layers"),
+        "d_model": w.IntSlider(512, 64, 2048, step=64, description="d_model"),
+        "n_head": w.IntSlider(8, 1, 32, description="heads"),
+        "d_ff": w.IntSlider(2048, 128, 8192, step=128, description="d_ff"),
+        "vocab_size": w.IntSlider(50257, 256, 100_000, step=1, description="vocab"),
+        "block_size": w.IntSlider(512, 32, 4096, step=32, description="context"),
+    }
+    out = w.Output()
+
+    def update(_=None):
+        values = {k: s.value for k, s in sliders.items()}
+        with out:
+            out.clear_output(wait=True)
+            try:
+                display(Markdown(markdown_table(shape_account(**values))))
+            except Exception as e:  # e.g. heads that do not divide d_model
+                print(f"invalid shape: {e}")
+
+    for s in sliders.values():
+        s.observe(update, names="value")
+    update()
+    return w.VBox([w.HBox(list(sliders.values())[:3]), w.HBox(list(sliders.values())[3:]), out])
+
+
+# ============================================================================================
+# 04 analysis: run folders, curves, results table, hypotheses, significance
+# ============================================================================================
+
+@dataclass
+class Run:
+    """One training run folder, read back."""
+
+    path: Path
+    name: str
+    variant: str
+    preset: str
+    seed: int | None
+    config: dict
+    summary: dict
+    metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def group(self) -> tuple[str, str]:
+        return (self.variant, self.preset)
+
+    @property
+    def label(self) -> str:
+        return GROUP_LABELS.get(self.variant, self.variant)
+
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.metrics if r.get("train_loss") is not None]
+
+    def eval_rows(self) -> list[dict]:
+        return [r for r in self.metrics if r.get("val_loss") is not None]
+
+    def value(self, key: str) -> float | None:
+        """A result figure: from summary.json, else derived from metrics.jsonl / the checkpoint."""
+        return _summary_value(self, key)
+
+    def checkpoint(self) -> Path:
+        return self.path / "best.pt"
+
+
+def _first(d: dict, *keys: str):
+    for k in keys:
+        if isinstance(d, dict) and d.get(k) is not None:
+            return d[k]
+    return None
+
+
+def _summary_value(run: Run, key: str):
+    s = run.summary
+    evals, trains = run.eval_rows(), run.train_rows()
+    if key in ("final_val_loss", "final_val_ppl", "final_val_bpb"):
+        metric = key.split("_", 1)[1]
+        v = _first(s, key, f"{metric}_final", metric)
+        if v is None and evals:
+            v = evals[-1].get(metric)
+        if v is None and metric == "val_ppl":
+            loss = run.value("final_val_loss")
+            v = math.exp(loss) if loss is not None else None
+        return v
+    if key in ("best_val_loss", "best_val_ppl", "best_val_bpb"):
+        metric = key.split("_", 1)[1]
+        v = _first(s, key, f"{metric}_best")
+        if v is None and evals and all(r.get(metric) is not None for r in evals):
+            v = min(r[metric] for r in evals)
+        if v is None and metric == "val_ppl":
+            loss = run.value("best_val_loss")
+            v = math.exp(loss) if loss is not None else None
+        return v
+    if key == "final_train_loss":
+        v = _first(s, "final_train_loss", "train_loss")
+        return v if v is not None else (trains[-1]["train_loss"] if trains else None)
+    if key == "tokens_per_s":
+        v = _first(s, "tokens_per_s", "mean_tokens_per_s", "throughput_tokens_per_s")
+        if v is None:
+            # skip the first logged rows (compilation, warm-up) when there are enough
+            rates = [r["tokens_per_s"] for r in trains if r.get("tokens_per_s")]
+            rates = rates[len(rates) // 5:] if len(rates) >= 5 else rates
+            v = statistics.fmean(rates) if rates else None
+        return v
+    if key in ("trainable", "frozen", "total"):
+        p = s.get("params") or {}
+        return _first(p, key) if isinstance(p, dict) else None
+    if key == "checkpoint_mb":
+        v = _first(s, "checkpoint_mb", "checkpoint_size_mb")
+        if v is None:
+            b = _first(s, "checkpoint_bytes", "checkpoint_size_bytes", "checkpoint_size")
+            if b is None and run.checkpoint().is_file():
+                b = run.checkpoint().stat().st_size
+            v = b / 2**20 if b is not None else None
+        return v
+    if key == "wall_time_s":
+        return _first(s, "wall_time_s", "wall_time", "wall_s", "elapsed_s")
+    if key == "epochs":
+        v = _first(s, "epochs")
+        return v if v is not None else (trains[-1].get("epochs") if trains else None)
+    if key == "steps":
+        v = _first(s, "steps", "final_step", "step")
+        return v if v is not None else (run.metrics[-1].get("step") if run.metrics else None)
+    return s.get(key)
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Read a run folder (summary.json, metrics.jsonl, config.yaml); errors say what is missing."""
+    import yaml
+
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run folder {path} does not exist; train it first "
+                                f"(python -m oelm_core.train --params ...) or pass an existing folder")
+    files = [path / n for n in ("summary.json", "metrics.jsonl")]
+    if not any(f.is_file() for f in files):
+        raise FileNotFoundError(f"{path} holds neither summary.json nor metrics.jsonl: not a run "
+                                f"folder, or its training did not get far enough to write them")
+    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
+    config = config or {}
+    summary = json.loads((path / "summary.json").read_text()) if files[0].is_file() else {}
+    metrics = []
+    if files[1].is_file():
+        for line in files[1].read_text().splitlines():
+            line = line.strip()
+            if line:
+                try:
+                    metrics.append(json.loads(line))
+                except json.JSONDecodeError:  # a half-written last line of a killed run
+                    continue
+    seed = (config.get("train") or {}).get("seed", summary.get("seed"))
+    return Run(path=path, name=summary.get("name") or config.get("name") or path.name,
+               variant=summary.get("variant") or config.get("variant") or "gpt_base",
+               preset=summary.get("preset") or config.get("preset") or "medium512",
+               seed=seed, config=config, summary=summary, metrics=metrics)
+
+
+def find_run_dirs(root: str | Path) -> list[Path]:
+    """Run folders under ``root`` (itself, or any folder below holding summary.json/metrics.jsonl)."""
+    root = Path(root)
+    if (root / "summary.json").is_file() or (root / "metrics.jsonl").is_file():
+        return [root]
+    found = {p.parent for pat in ("summary.json", "metrics.jsonl") for p in root.rglob(pat)}
+    return sorted(found)
+
+
+def load_runs(paths: str | Path | Iterable[str | Path]) -> list[Run]:
+    """Runs from run folders, or from folders containing them (a study folder)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    dirs: list[Path] = []
+    for p in paths:
+        dirs += find_run_dirs(p)
+    if not dirs:
+        raise FileNotFoundError(f"no run folders (summary.json / metrics.jsonl) under {list(paths)}")
+    return [load_run(d) for d in dirs]
+
+
+def _variant_order(v: str) -> tuple[int, str]:
+    order = list(GROUP_LABELS)
+    return (order.index(v) if v in order else len(order), v)
+
+
+def group_runs(runs: Iterable[Run]) -> dict[tuple[str, str], list[Run]]:
+    """(variant, preset) -> its runs (one per seed), GPT-Base first."""
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.group, []).append(r)
+    return dict(sorted(groups.items(), key=lambda kv: (kv[0][1], _variant_order(kv[0][0]))))
+
+
+def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "step"):
+    """Training loss (left) and validation loss (right) against ``x`` ("step" or "tokens_seen")."""
+    plt = _plt()
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {v: f"C{i}" for i, v in enumerate(GROUP_LABELS)}
+    for i, run in enumerate(runs):
+        color = colors.get(run.variant, f"C{3 + i}")
+        label = run.label + (f" (seed {run.seed})" if run.seed is not None else "")
+        tr = run.train_rows()
+        if tr:
+            ax_t.plot([r.get(x, r["step"]) for r in tr], [r["train_loss"] for r in tr],
+                      color=color, alpha=0.85, lw=1.2, label=label)
+        ev = run.eval_rows()
+        if ev:
+            ax_v.plot([r.get(x, r["step"]) for r in ev], [r["val_loss"] for r in ev], "o-",
+                      color=color, ms=3, label=label)
+    for ax, title in ((ax_t, "training loss"), (ax_v, "validation loss")):
+        ax.set(xlabel=x.replace("_", " "), ylabel="loss (nats/token)", title=title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+RESULT_COLUMNS = [
+    ("model", "Model"), ("preset", "Preset"), ("seeds", "Seeds"), ("val_loss", "Val loss"),
+    ("val_ppl", "Val PPL"), ("val_ppl_std", "PPL std"), ("val_bpb", "Bits/byte"),
+    ("train_loss", "Train loss"), ("total_params", "Total params"),
+    ("trainable_params", "Trainable params"), ("checkpoint_mb", "Checkpoint (MB)"),
+    ("tokens_per_s", "Tokens/s"), ("loss_gap_pct", "Loss gap vs GPT-Base (%)"),
+    ("ppl_gap_pct", "PPL gap vs GPT-Base (%)"), ("ppl_per_m_trainable", "PPL per M trainable"),
+]
+
+
+def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BASELINE) -> dict:
+    """The study's results table: one row per (variant, preset), averaged over seeds.
+
+    ``which``: "final" or "best" validation figures. Gaps are relative to the baseline group of
+    the same preset, in %. Returns {"rows": [...], "markdown": str}.
+    """
+    rows = []
+    for (variant, preset), group in group_runs(runs).items():
+        def mean(key):
+            return _mean_std([r.value(key) for r in group])[0]
+
+        ppl_mean, ppl_std = _mean_std([r.value(f"{which}_val_ppl") for r in group])
+        rows.append({
+            "variant": variant, "model": GROUP_LABELS.get(variant, variant), "preset": preset,
+            "seeds": len(group), "val_loss": mean(f"{which}_val_loss"), "val_ppl": ppl_mean,
+            "val_ppl_std": ppl_std, "val_bpb": mean(f"{which}_val_bpb"),
+            "train_loss": mean("final_train_loss"), "total_params": group[0].value("total"),
+            "trainable_params": group[0].value("trainable"),
+            "checkpoint_mb": mean("checkpoint_mb"), "tokens_per_s": mean("tokens_per_s"),
+        })
+    for row in rows:
+        base = next((b for b in rows if b["variant"] == baseline and b["preset"] == row["preset"]), None)
+        for key, gap in (("val_loss", "loss_gap_pct"), ("val_ppl", "ppl_gap_pct")):
+            ok = base is not None and row[key] is not None and base[key]
+            row[gap] = 100 * (row[key] / base[key] - 1) if ok else None
+        t = row["trainable_params"]
+        row["ppl_per_m_trainable"] = row["val_ppl"] / (t / 1e6) if row["val_ppl"] and t else None
+    cols, heads = zip(*RESULT_COLUMNS)
+    return {"rows": rows, "markdown": markdown_table(rows, cols, heads)}
+
+
+def significance(a: Sequence[float], b: Sequence[float]) -> dict:
+    """Welch's t-test of mean(a) != mean(b) and Cohen's d (pooled standard deviation).
+
+    Needs at least two values on each side; otherwise t, p and d are None.
+    """
+    from scipy import stats
+
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    out = {"n_a": len(a), "n_b": len(b), "mean_a": statistics.fmean(a) if a else None,
+           "mean_b": statistics.fmean(b) if b else None, "t": None, "p": None, "df": None,
+           "cohen_d": None}
+    if len(a) < 2 or len(b) < 2:
+        return out
+    res = stats.ttest_ind(a, b, equal_var=False)
+    va, vb = statistics.variance(a), statistics.variance(b)
+    na, nb = len(a), len(b)
+    pooled = math.sqrt(((na - 1) * va + (nb - 1) * vb) / (na + nb - 2))
+    df = (va / na + vb / nb) ** 2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1)) \
+        if va + vb > 0 else float("nan")
+    out.update(t=float(res.statistic), p=float(res.pvalue), df=df,
+               cohen_d=(out["mean_a"] - out["mean_b"]) / pooled if pooled > 0 else float("nan"))
+    return out
+
+
+def significance_tests(runs: Sequence[Run], metric: str = "final_val_ppl",
+                       pairs: Sequence[tuple[str, str]] = (("oelm_freeze", "gpt_base"),
+                                                           ("oelm_freeze", "oelm_nofreeze"),
+                                                           ("oelm_nofreeze", "gpt_base"))) -> list[dict]:
+    """Welch tests of ``metric`` between groups of the same preset with several seeds each."""
+    groups = group_runs(runs)
+    out = []
+    for preset in dict.fromkeys(p for _, p in groups):
+        for va, vb in pairs:
+            ga, gb = groups.get((va, preset), []), groups.get((vb, preset), [])
+            if not ga or not gb:
+                continue
+            res = significance([r.value(metric) for r in ga], [r.value(metric) for r in gb])
+            out.append({"a": GROUP_LABELS.get(va, va), "b": GROUP_LABELS.get(vb, vb),
+                        "preset": preset, "metric": metric, **res})
+    return out
+
+
+def _group_mean(groups, variant, preset, key):
+    g = groups.get((variant, preset), [])
+    return _mean_std([r.value(key) for r in g])[0] if g else None
+
+
+def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = None,
+               h1_claim: float = 0.15, h1_tolerance: float = 0.02, h2_max_gap: float = 0.05,
+               h3_min_ratio: float = 0.98, h4_max_gap: float = 0.10) -> list[dict]:
+    """The study's four hypotheses judged from the runs of one preset (default: the first with a
+    GPT-Base or OELM-Freeze run). Each: {id, claim, value, threshold, holds, evidence}; holds is
+    None when the runs needed to judge it are missing.
+
+    H1  freezing Q/K cuts trainable parameters by ~15% (holds within +-h1_tolerance of h1_claim)
+    H2  OELM-Freeze's perplexity is within 5% of OELM-NoFreeze's (relative gap < h2_max_gap)
+    H3  OELM-Freeze trains at least as fast as GPT-Base: tokens/s ratio >= h3_min_ratio (2% is
+        timing noise); the train loss at equal steps is reported alongside
+    H4  OELM-Freeze's perplexity is within 10% of GPT-Base's (relative gap <= h4_max_gap)
+    """
+    groups = group_runs(runs)
+    presets = list(dict.fromkeys(p for _, p in groups))
+    if preset is None:
+        preset = next((p for p in presets if ("oelm_freeze", p) in groups), presets[0] if presets else None)
+    ppl = f"{which}_val_ppl"
+
+    def g(variant, key):
+        return _group_mean(groups, variant, preset, key)
+
+    out = []
+    # H1 --------------------------------------------------------------------------------------
+    tb, tf = g("gpt_base", "trainable"), g("oelm_freeze", "trainable")
+    if tb and tf:
+        red = 1 - tf / tb
+        holds = abs(red - h1_claim) <= h1_tolerance
+        ev = (f"OELM-Freeze trains {tf:,.0f} of GPT-Base's {tb:,.0f} parameters: {100 * red:.1f}% "
+              f"fewer. The claim of ~{100 * h1_claim:.0f}% {'holds' if holds else 'does not hold'}"
+              f"{'' if holds else f' (only 2*n_layer*d_model^2 Q/K weights are frozen; the embedding dominates)'}.")
+        out.append(dict(id="H1", claim=f"freezing Q/K reduces trainable parameters by ~{100 * h1_claim:.0f}%",
+                        value=red, threshold=h1_claim, holds=holds, evidence=ev))
+    else:
+        out.append(_missing("H1", "freezing Q/K reduces trainable parameters by ~15%", h1_claim,
+                            "GPT-Base and OELM-Freeze", preset))
+    # H2 --------------------------------------------------------------------------------------
+    pf, pn = g("oelm_freeze", ppl), g("oelm_nofreeze", ppl)
+    if pf and pn:
+        gap = pf / pn - 1
+        holds = gap < h2_max_gap
+        ev = (f"validation PPL {pf:.3f} (Freeze) vs {pn:.3f} (NoFreeze): {100 * gap:+.2f}% "
+              f"{'<' if holds else '>='} {100 * h2_max_gap:.0f}%")
+        out.append(dict(id="H2", claim="OELM-Freeze perplexity within 5% of OELM-NoFreeze", value=gap,
+                        threshold=h2_max_gap, holds=holds, evidence=ev))
+    else:
+        out.append(_missing("H2", "OELM-Freeze perplexity within 5% of OELM-NoFreeze", h2_max_gap,
+                            "OELM-Freeze and OELM-NoFreeze", preset))
+    # H3 --------------------------------------------------------------------------------------
+    sf, sb = g("oelm_freeze", "tokens_per_s"), g("gpt_base", "tokens_per_s")
+    if sf and sb:
+        ratio = sf / sb
+        holds = ratio >= h3_min_ratio
+        lf, lb = g("oelm_freeze", "final_train_loss"), g("gpt_base", "final_train_loss")
+        ev = f"{sf:,.0f} vs {sb:,.0f} tokens/s (ratio {ratio:.3f}, needs >= {h3_min_ratio})"
+        if lf is not None and lb is not None:
+            ev += (f"; train loss after the same steps {lf:.3f} (Freeze) vs {lb:.3f} (GPT-Base): "
+                   f"{'no slower' if lf <= lb else 'slower'} per step")
+        out.append(dict(id="H3", claim="OELM-Freeze trains at least as fast as GPT-Base", value=ratio,
+                        threshold=h3_min_ratio, holds=holds, evidence=ev))
+    else:
+        out.append(_missing("H3", "OELM-Freeze trains at least as fast as GPT-Base", h3_min_ratio,
+                            "GPT-Base and OELM-Freeze (with tokens/s)", preset))
+    # H4 --------------------------------------------------------------------------------------
+    pb = g("gpt_base", ppl)
+    if pf and pb:
+        gap = pf / pb - 1
+        holds = gap <= h4_max_gap
+        ev = (f"validation PPL {pf:.3f} (Freeze) vs {pb:.3f} (GPT-Base): {100 * gap:+.2f}% "
+              f"{'<=' if holds else '>'} {100 * h4_max_gap:.0f}%")
+        out.append(dict(id="H4", claim="OELM-Freeze perplexity within 10% of GPT-Base", value=gap,
+                        threshold=h4_max_gap, holds=holds, evidence=ev))
+    else:
+        out.append(_missing("H4", "OELM-Freeze perplexity within 10% of GPT-Base", h4_max_gap,
+                            "GPT-Base and OELM-Freeze", preset))
+    for h in out:
+        h["preset"] = preset
+    return out
+
+
+def _missing(hid, claim, threshold, needs, preset):
+    return dict(id=hid, claim=claim, value=None, threshold=threshold, holds=None,
+                evidence=f"not judged: needs runs of {needs} at preset {preset}")
+
+
+def hypotheses_markdown(hyps: Sequence[dict]) -> str:
+    rows = [{"id": h["id"], "claim": h["claim"],
+             "verdict": {True: "holds", False: "does not hold", None: "not judged"}[h["holds"]],
+             "evidence": h["evidence"]} for h in hyps]
+    return markdown_table(rows, ["id", "claim", "verdict", "evidence"],
+                          ["Hypothesis", "Claim", "Verdict", "Evidence"])
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final",
+                  extra_markdown: str = "") -> dict:
+    """Write results.md and results.json (table, hypotheses, significance, per-run figures)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = results_table(runs, which)
+    hyps = hypotheses(runs, which)
+    sig = significance_tests(runs, f"{which}_val_ppl")
+    per_run = [{"name": r.name, "variant": r.variant, "preset": r.preset, "seed": r.seed,
+                "run_dir": str(r.path), **{k: r.value(k) for k in (
+                    "final_val_loss", "final_val_ppl", "final_val_bpb", "best_val_loss",
+                    "best_val_ppl", "final_train_loss", "tokens_per_s", "trainable", "frozen",
+                    "total", "checkpoint_mb", "wall_time_s", "epochs", "steps")}}
+               for r in runs]
+    result = {"which": which, "table": table["rows"], "hypotheses": hyps, "significance": sig,
+              "runs": per_run}
+    md = [f"# Results\n", f"Validation figures: {which} evaluation; groups averaged over seeds.\n",
+          table["markdown"], "\n## Hypotheses\n", hypotheses_markdown(hyps)]
+    if sig:
+        md += ["\n## Significance (Welch t-test, Cohen's d)\n",
+               markdown_table(sig, ["a", "b", "preset", "metric", "n_a", "n_b", "mean_a", "mean_b",
+                                    "t", "p", "cohen_d"])]
+    if extra_markdown:
+        md += ["", extra_markdown]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    (out / "results.json").write_text(json.dumps(_jsonable(result), indent=2))
+    return result
+
+
+# ============================================================================================
+# Attention maps, per-head summaries and samples of trained models
+# ============================================================================================
+
+def load_models(runs: Sequence[Run], device: str = "cpu") -> dict[str, Any]:
+    """label -> model from best.pt, the first seed of each (variant, preset) group."""
+    from oelm_core.checkpoint import load_model
+
+    models = {}
+    for (variant, preset), group in group_runs(runs).items():
+        run = next((r for r in group if r.checkpoint().is_file()), None)
+        if run is not None:
+            label = GROUP_LABELS.get(variant, variant)
+            label = label if label not in models else f"{label} ({preset})"
+            models[label] = load_model(run.checkpoint(), device)[0]
+    return models
+
+
+def _encode(text_or_ids, block_size: int, max_tokens: int | None = None) -> list[int]:
+    if isinstance(text_or_ids, str):
+        from oelm_core.data import get_tokenizer
+
+        ids = get_tokenizer().encode_ordinary(text_or_ids)
+    else:
+        ids = list(text_or_ids)
+    limit = min(block_size, max_tokens or block_size)
+    return ids[:limit]
+
+
+def attention_maps(model, text_or_ids, max_tokens: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """(token ids, [per layer (n_head, T, T) attention probabilities]) of one text."""
+    ids = _encode(text_or_ids, model.cfg.block_size, max_tokens)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    _, maps = model.forward_with_attention(torch.tensor([ids], device=device))
+    model.train(was_training)
+    return ids, [m[0].float().cpu() for m in maps]
+
+
+def attention_summary(model, text_or_ids, max_tokens: int | None = None) -> list[dict]:
+    """Per layer and head: mean attention entropy (nats) and mean attention distance (tokens)
+    over the query positions of one text. Also used by the app."""
+    ids, maps = attention_maps(model, text_or_ids, max_tokens)
+    t = len(ids)
+    dist = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).clamp(min=0).float()
+    rows = []
+    for layer, att in enumerate(maps):
+        p = att.clamp_min(1e-12)
+        entropy = -(att * p.log()).sum(-1).mean(-1)         # (n_head,)
+        distance = (att * dist).sum(-1).mean(-1)             # (n_head,)
+        for head in range(att.shape[0]):
+            rows.append({"layer": layer, "head": head, "entropy": float(entropy[head]),
+                         "mean_distance": float(distance[head])})
+    return rows
+
+
+def attention_figure(models: dict, text: str, layer: int = 0, head: int = 0,
+                     max_tokens: int = 32, path: str | Path | None = None):
+    """Attention of ``head`` in ``layer`` of each model on the same text, side by side."""
+    from oelm_core.data import get_tokenizer
+
+    plt = _plt()
+    enc = get_tokenizer()
+    fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 4.4), squeeze=False)
+    for ax, (label, model) in zip(axes[0], models.items()):
+        ids, maps = attention_maps(model, text, max_tokens)
+        lay = min(layer, len(maps) - 1)
+        hd = min(head, maps[lay].shape[0] - 1)
+        ax.imshow(maps[lay][hd].numpy(), cmap="viridis", vmin=0, vmax=1)
+        toks = [enc.decode([i]).replace("\n", "\\n") for i in ids]
+        ax.set_xticks(range(len(ids)), toks, rotation=90, fontsize=6)
+        ax.set_yticks(range(len(ids)), toks, fontsize=6)
+        ax.set_title(f"{label}: layer {lay}, head {hd}", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def sample_generations(models: dict, prompt: str, max_new_tokens: int = 40, seed: int = 0,
+                       temperature: float = 0.8, top_k: int = 40) -> list[dict]:
+    """One seeded continuation of ``prompt`` per model: [{model, prompt, text}]."""
+    from oelm_core.generate import SamplingConfig, generate
+
+    cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    return [{"model": label, "prompt": prompt, "text": generate(model, prompt, cfg)}
+            for label, model in models.items()]

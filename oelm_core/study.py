@@ -1,0 +1,408 @@
+"""The whole study, headless: the notebooks executed by papermill with injected parameters.
+
+    python -m oelm_core.study parameters/study_smoke.yaml [--out runs/<name>] [--set key=value ...]
+
+A study file has one ``study`` section (see parameters/study_smoke.yaml):
+
+    study:
+      name: smoke
+      runs: [smoke/gpt_base.yaml, ...]    # parameter files, relative to the study file
+      seeds: [42]                          # every run is trained once per seed (train.seed)
+      overrides: []                        # --set strings applied to every run
+      gpus_per_run: 0                      # 0: CPU; g: g GPUs (torchrun) per run
+      notebooks: [01_theory, 02_model, 03_training, 04_analysis]
+      parameters: {01_theory: {...}, ...}  # papermill parameters per notebook
+
+``--set study.KEY=VALUE`` changes the study section; any other ``--set`` is handed to every run
+(e.g. ``--set train.steps=20``). The study folder receives the executed notebooks, figures, one
+run folder per (run, seed) with its executed 03_training notebook, results.md/results.json and
+study.json, which the app reads.
+
+Trainings run one after another; with gpus_per_run = g > 0 and enough GPUs they run side by
+side, run k on GPUs [k*g, (k+1)*g) through CUDA_VISIBLE_DEVICES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from oelm_core.config import ConfigError, apply_overrides, load_run_config
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+ALL_NOTEBOOKS = ("01_theory", "02_model", "03_training", "04_analysis")
+
+
+class StudyError(RuntimeError):
+    """A study that cannot start or a notebook that failed (the message names notebook and cell)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Launching one training (what notebook 03 calls)
+# --------------------------------------------------------------------------------------------
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process: the repo importable, output unbuffered."""
+    env = dict(os.environ)
+    paths = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def train_command(params: str | Path, overrides: Sequence[str] = (), nproc: int = 1,
+                  resume: bool = False) -> list[str]:
+    """The command line of one training: ``python -m oelm_core.train`` for one process,
+    ``torchrun --standalone --nproc_per_node N -m oelm_core.train`` for several."""
+    if nproc < 1:
+        raise ConfigError(f"nproc must be at least 1, got {nproc}")
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "oelm_core.train"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "oelm_core.train"]
+    cmd += ["--params", str(params)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd + (["--resume"] if resume else [])
+
+
+def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: int = 1,
+                    cuda_visible_devices: str | None = None, run_dir: str | Path | None = None,
+                    resume: bool = False, echo: Callable[[str], None] | None = None) -> Path:
+    """Train one run in a subprocess, echoing its log line by line; returns the run folder.
+
+    ``run_dir`` overrides the parameter file's out_dir. ``cuda_visible_devices`` ("" hides every
+    GPU) is set for the child only: the calling process never touches CUDA. A non-zero exit
+    raises RuntimeError with the last lines of the log.
+    """
+    params = Path(params)
+    if not params.is_file() and (REPO / params).is_file():  # e.g. run from notebooks/
+        params = REPO / params
+    overrides = list(overrides)
+    if run_dir is not None:
+        overrides.append(f"out_dir={Path(run_dir).resolve()}")
+    cfg = load_run_config(params, overrides)  # a bad parameter fails here, before any launch
+    extra = {} if cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": str(cuda_visible_devices)}
+    cmd = train_command(Path(params).resolve(), overrides, nproc, resume)
+    echo = echo or (lambda line: print(line, flush=True))
+    echo("$ " + " ".join(cmd) + (f"   [CUDA_VISIBLE_DEVICES={extra['CUDA_VISIBLE_DEVICES']}]" if extra else ""))
+    tail: list[str] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(extra), cwd=os.getcwd(), bufsize=1)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n").split("\r")[-1]  # a progress bar's redraws: keep the latest
+        echo(line)
+        tail = (tail + [line])[-30:]
+    rc = proc.wait()
+    if rc != 0:
+        raise RuntimeError(f"training of {params} exited with status {rc}; last lines:\n" + "\n".join(tail))
+    return Path(cfg.out_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# The study file
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class PlannedRun:
+    name: str
+    params: Path
+    seed: int
+    variant: str
+    preset: str
+    run_dir: Path
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Study:
+    name: str
+    path: Path
+    out: Path
+    runs: list[PlannedRun]
+    notebooks: list[str]
+    gpus_per_run: int
+    parameters: dict[str, dict]
+    description: str = ""
+
+
+STUDY_KEYS = {"name", "description", "runs", "seeds", "overrides", "gpus_per_run", "notebooks",
+              "parameters"}
+
+
+def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[str] = ()) -> Study:
+    """Read and check a study file; every run's parameters are validated before anything runs."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"study file {path} not found; pass one of parameters/study_*.yaml")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict) or not isinstance(raw.get("study"), dict):
+        raise ConfigError(f"{path} needs a top-level 'study:' section (see parameters/study_smoke.yaml)")
+    study_sets = [s for s in sets if s.split("=", 1)[0].strip().startswith("study.")]
+    run_sets = [s for s in sets if s not in study_sets]
+    spec = apply_overrides(raw, study_sets)["study"]
+    unknown = sorted(set(spec) - STUDY_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join('study.' + k for k in unknown)}; valid keys: "
+                          f"{', '.join(sorted(STUDY_KEYS))}")
+    name = str(spec.get("name") or path.stem.replace("study_", ""))
+    out = Path(out) if out is not None else Path("runs") / name
+    notebooks = list(spec.get("notebooks") or ALL_NOTEBOOKS)
+    bad = [n for n in notebooks if n not in ALL_NOTEBOOKS]
+    if bad:
+        raise ConfigError(f"study.notebooks names {bad}; choose from {list(ALL_NOTEBOOKS)}")
+    seeds = spec.get("seeds") or [None]
+    if not isinstance(seeds, list):
+        seeds = [seeds]
+    common = list(spec.get("overrides") or []) + run_sets
+    runs: list[PlannedRun] = []
+    for entry in spec.get("runs") or []:
+        entry = {"params": entry} if isinstance(entry, str) else dict(entry)
+        params = Path(entry["params"])
+        if not params.is_absolute():
+            params = (path.parent / params) if (path.parent / params).is_file() else params
+        for seed in seeds:
+            overrides = common + list(entry.get("overrides") or [])
+            cfg = load_run_config(params, overrides + ([f"train.seed={seed}"] if seed is not None else []))
+            seed = cfg.train.seed
+            rname = entry.get("name") or cfg.name
+            rname = f"{rname}_s{seed}" if len(seeds) > 1 or seeds[0] is not None else rname
+            run_dir = out / "runs" / rname
+            overrides = overrides + [f"train.seed={seed}", f"name={rname}"]
+            runs.append(PlannedRun(rname, params.resolve(), seed, cfg.variant, cfg.preset,
+                                   run_dir, overrides))
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two runs of {path} share a name ({names}); give each run entry a 'name'")
+    if "03_training" in notebooks and not runs:
+        raise ConfigError(f"{path} lists no runs under study.runs")
+    return Study(name=name, path=path.resolve(), out=out, runs=runs, notebooks=notebooks,
+                 gpus_per_run=int(spec.get("gpus_per_run") or 0),
+                 parameters=dict(spec.get("parameters") or {}), description=spec.get("description", ""))
+
+
+# --------------------------------------------------------------------------------------------
+# Executing notebooks
+# --------------------------------------------------------------------------------------------
+
+_print_lock = threading.Lock()
+# papermill's per-cell markers and the reprs of rich outputs say nothing in a log
+_NOISE = re.compile(r"^(Ending Cell \d+-*|<IPython\.core\.display\.\w+ object>|<Figure size .*>|"
+                    r"VBox\(children=.*|\[IPKernelApp\] WARNING \| Kernel is running over TCP.*)$")
+
+
+def _say(msg: str) -> None:
+    with _print_lock:
+        print(msg, flush=True)
+
+
+def failed_cell(nb_path: str | Path) -> str | None:
+    """'cell N (first line of source): Error: message' of the first failed cell of an executed notebook."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(str(nb_path), as_version=4)
+    except Exception:
+        return None
+    code_index = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        code_index += 1
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
+                return (f"code cell {code_index} (`{first[:80]}`): {out.get('ename')}: "
+                        f"{str(out.get('evalue'))[:500]}")
+    return None
+
+
+def execute_notebook(name: str, out_path: Path, parameters: dict[str, Any], prefix: str = "",
+                     env: dict[str, str] | None = None, cwd: str | Path | None = None) -> Path:
+    """Execute notebooks/<name>.ipynb with papermill in a child process, streaming its cell
+    outputs prefixed by ``prefix``; raises StudyError naming the failed cell."""
+    src = NOTEBOOKS / f"{name}.ipynb"
+    if not src.is_file():
+        raise StudyError(f"notebook {src} not found")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    params_file = out_path.with_suffix(".parameters.yaml")
+    params_file.write_text(yaml.safe_dump(parameters, sort_keys=False))
+    cmd = [sys.executable, "-m", "papermill", str(src), str(out_path), "-f", str(params_file),
+           "--log-output", "--no-progress-bar", "--cwd", str(cwd or os.getcwd()), "-k", "python3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(env), bufsize=1)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        # papermill logs each output line as "<timestamp> - papermill - INFO - <text>"
+        text = line.split(" - INFO - ", 1)[-1] if " - papermill - " in line else line
+        if text.strip() and not _NOISE.match(text):
+            _say(f"{prefix}{text}")
+    rc = proc.wait()
+    if rc != 0:
+        where = failed_cell(out_path) or "before any cell ran (kernel or parameters; see the log above)"
+        raise StudyError(f"notebook {name} failed in {where}\n  executed copy: {out_path}")
+    return out_path
+
+
+# --------------------------------------------------------------------------------------------
+# The study
+# --------------------------------------------------------------------------------------------
+
+def _write_study_json(study: Study, status: str, error: str | None = None, created: str | None = None) -> dict:
+    data = {"name": study.name, "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "status": status, "study_file": str(study.path), "notebooks": study.notebooks,
+            "runs": [{"name": r.name, "variant": r.variant, "preset": r.preset, "seed": r.seed,
+                      "run_dir": str(r.run_dir.relative_to(study.out)),
+                      "notebook": str((r.run_dir / "03_training.ipynb").relative_to(study.out))}
+                     for r in study.runs]}
+    if error:
+        data["error"] = error
+    study.out.mkdir(parents=True, exist_ok=True)
+    (study.out / "study.json").write_text(json.dumps(data, indent=2))
+    return data
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def _prepare_data(study: Study) -> None:
+    """Tokenise each distinct data set once, before runs that may start side by side."""
+    from oelm_core.data import prepare
+
+    seen = set()
+    for run in study.runs:
+        cfg = load_run_config(run.params, run.overrides).data
+        key = (cfg.source, cfg.out_dir, cfg.max_train_stories, cfg.max_val_stories, cfg.text_field)
+        if key not in seen:
+            seen.add(key)
+            _say(f"[study] preparing data {cfg.out_dir} (source {os.environ.get('OELM_DATA') or cfg.source})")
+            prepare(cfg, progress=False)
+
+
+def _train_all(study: Study) -> None:
+    nb_params = dict(study.parameters.get("03_training") or {})
+    g = study.gpus_per_run
+    slots: list[str | None]
+    if g > 0:
+        n_gpu = _gpu_count()
+        if n_gpu < g:
+            raise StudyError(f"study.gpus_per_run={g}, but this machine has {n_gpu} GPU(s); set "
+                             f"--set study.gpus_per_run=0 for CPU or fewer GPUs per run")
+        n_slots = min(len(study.runs), n_gpu // g)
+        slots = [",".join(str(k * g + i) for i in range(g)) for k in range(n_slots)]
+        _say(f"[study] {len(study.runs)} training(s) on {n_gpu} GPU(s), {g} each, "
+             f"{n_slots} side by side")
+    else:
+        slots = [None]
+        _say(f"[study] {len(study.runs)} training(s) on CPU, one after another")
+    free: queue.Queue = queue.Queue()
+    for s in slots:
+        free.put(s)
+
+    def one(i: int, run: PlannedRun) -> None:
+        gpus = free.get()
+        try:
+            _say(f"[study] training {i + 1}/{len(study.runs)}: {run.name} ({run.variant}, seed {run.seed})"
+                 + (f" on GPUs {gpus}" if gpus is not None else ""))
+            params = {**nb_params, "params": str(run.params), "overrides": run.overrides,
+                      "run_dir": str(run.run_dir.resolve()),
+                      "nproc": max(1, g) if g > 0 else int(nb_params.get("nproc", 1)),
+                      "cuda_visible_devices": gpus if gpus is not None else nb_params.get("cuda_visible_devices", "")}
+            env = {"CUDA_VISIBLE_DEVICES": params["cuda_visible_devices"]}
+            execute_notebook("03_training", run.run_dir / "03_training.ipynb", params,
+                             prefix=f"  [{run.name}] ", env=env)
+        finally:
+            free.put(gpus)
+
+    if len(slots) == 1:
+        for i, run in enumerate(study.runs):
+            one(i, run)
+        return
+    with ThreadPoolExecutor(len(slots)) as pool:
+        futures = [pool.submit(one, i, r) for i, r in enumerate(study.runs)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
+
+
+def run_study(study: Study) -> dict:
+    """Execute the study's notebooks and trainings into study.out; returns study.json's content."""
+    out = study.out
+    out.mkdir(parents=True, exist_ok=True)
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    _write_study_json(study, "running", created=created)
+    figures = (out / "figures").resolve()
+    steps = [n for n in study.notebooks]
+    try:
+        for k, name in enumerate(steps, 1):
+            if name == "03_training":
+                _say(f"[study] step {k}/{len(steps)}: {name}")
+                _prepare_data(study)
+                _train_all(study)
+                continue
+            params = dict(study.parameters.get(name) or {})
+            if name in ("01_theory", "02_model"):
+                params.setdefault("fig_dir", str(figures))
+            if name == "04_analysis":
+                params.update(run_dirs=[str(r.run_dir.resolve()) for r in study.runs],
+                              out_dir=str(out.resolve()))
+                params.setdefault("fig_dir", str(figures))
+            _say(f"[study] step {k}/{len(steps)}: {name}")
+            execute_notebook(name, out / "notebooks" / f"{name}.ipynb", params, prefix="  ")
+    except (StudyError, ConfigError, RuntimeError) as e:
+        _write_study_json(study, "failed", error=str(e), created=created)
+        raise
+    data = _write_study_json(study, "completed", created=created)
+    _say(f"[study] done: {out}/study.json" + (f", {out}/results.md" if (out / "results.md").is_file() else ""))
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m oelm_core.study",
+                                description="Execute a study (notebooks, trainings, analysis) headless.")
+    p.add_argument("study", help="a study file, e.g. parameters/study_smoke.yaml")
+    p.add_argument("--out", help="study folder (default: runs/<study name>)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="study.KEY=VALUE changes the study; anything else goes to every run "
+                        "(e.g. train.steps=20)")
+    args = p.parse_args(argv)
+    try:
+        study = load_study(args.study, args.out, args.sets)
+        _say(f"[study] {study.name}: {len(study.runs)} run(s), notebooks {', '.join(study.notebooks)} "
+             f"-> {study.out}")
+        run_study(study)
+    except (StudyError, ConfigError) as e:
+        print(f"[study] FAILED: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:
+        print(f"[study] FAILED: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

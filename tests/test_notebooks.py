@@ -1,0 +1,60 @@
+"""Every notebook executes headless with smoke parameters, and none keeps outputs in git.
+
+03_training and 04_analysis need trainings: they are checked in the copies that the smoke study
+(tests/test_study.py, run once per session) executed through papermill. 01 and 02 also run here
+directly through papermill's Python API, from the notebooks/ folder, as a user would.
+"""
+
+import nbformat
+import pytest
+
+from conftest import REPO
+from test_study import smoke_study  # noqa: F401  (the session's one study run)
+
+NOTEBOOKS = ["01_theory", "02_model", "03_training", "04_analysis"]
+
+
+def errors(nb) -> list[str]:
+    return [f"{o.get('ename')}: {o.get('evalue')}" for c in nb.cells if c.cell_type == "code"
+            for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_committed_without_outputs_and_has_parameters(name):
+    nb = nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), f"{name} has outputs"
+    assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
+    assert any(c.cell_type == "markdown" for c in nb.cells)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,parameters", [
+    ("01_theory", {"d": 64, "n_vectors": 32, "jl_points": 32, "jl_trials": 3, "construction_repeats": 1}),
+    ("02_model", {"preset": "medium512", "all_variants": False}),
+])
+def test_notebook_runs_standalone(name, parameters, tmp_path):
+    import papermill as pm
+
+    out = tmp_path / f"{name}.ipynb"
+    pm.execute_notebook(str(REPO / "notebooks" / f"{name}.ipynb"), str(out),
+                        parameters={**parameters, "fig_dir": str(tmp_path / "figures")},
+                        cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3")
+    nb = nbformat.read(out, as_version=4)
+    assert not errors(nb)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_study_executed_every_notebook(smoke_study, name):  # noqa: F811
+    out, _ = smoke_study
+    paths = ([out / "notebooks" / f"{name}.ipynb"] if name != "03_training"
+             else sorted((out / "runs").glob("*/03_training.ipynb")))
+    assert paths and all(p.is_file() for p in paths)
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        assert not errors(nb), path
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(c.execution_count for c in code), f"{path}: a cell did not run"
+        assert any("injected-parameters" in c.metadata.get("tags", []) for c in code)

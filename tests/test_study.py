@@ -1,0 +1,151 @@
+"""The smoke study end to end (slow), and the study file / launcher plumbing (fast).
+
+The end-to-end study runs once per test session (``smoke_study``): the smoke study file on a tiny
+story corpus, 24 steps per run. tests/test_notebooks.py checks the notebooks it executed.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, STORIES
+from oelm_core.config import ConfigError
+from oelm_core.study import StudyError, execute_notebook, failed_cell, load_study, train_command
+
+STUDY_FILE = REPO / "parameters" / "study_smoke.yaml"
+STEPS = 24
+
+
+def write_corpus(root: Path) -> Path:
+    (root / "train").mkdir(parents=True)
+    (root / "validation").mkdir()
+    (root / "train" / "part.txt").write_text("\n<|endoftext|>\n".join(STORIES * 20) + "\n<|endoftext|>\n")
+    (root / "validation" / "part.txt").write_text("<|endoftext|>".join(STORIES[:3] * 10))
+    return root
+
+
+@functools.lru_cache(maxsize=1)
+def run_smoke_study(base: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run `python -m oelm_core.study parameters/study_smoke.yaml` once, into ``base``/study."""
+    base = Path(base)
+    corpus = write_corpus(base / "stories")
+    out = base / "study"
+    env = dict(os.environ, OELM_DATA=str(corpus), PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "oelm_core.study", str(STUDY_FILE), "--out", str(out),
+           "--set", f"train.steps={STEPS}", "--set", "train.eval_every=12", "--set", "train.log_every=4",
+           "--set", "train.ckpt_every=24", "--set", "train.eval_batches=2",
+           "--set", f"data.out_dir={base / 'data'}",
+           "--set", "study.parameters.01_theory.d=64", "--set", "study.parameters.01_theory.jl_points=24"]
+    proc = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=900)
+    (base / "study.log").write_text(proc.stdout + proc.stderr)
+    return out, proc
+
+
+@pytest.fixture(scope="session")
+def smoke_study(tmp_path_factory):
+    out, proc = run_smoke_study(str(tmp_path_factory.getbasetemp() / "smoke_study"))
+    assert proc.returncode == 0, f"study failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+    return out, proc
+
+
+# --- end to end -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smoke_study_writes_study_json_and_runs(smoke_study):
+    out, proc = smoke_study
+    study = json.loads((out / "study.json").read_text())
+    assert study["name"] == "smoke" and study["status"] == "completed" and study["created"]
+    assert [r["variant"] for r in study["runs"]] == ["gpt_base", "oelm_nofreeze", "oelm_freeze"]
+    for r in study["runs"]:
+        run_dir = out / r["run_dir"]
+        assert not Path(r["run_dir"]).is_absolute() and r["seed"] == 42 and r["preset"] == "smoke"
+        assert (run_dir / "best.pt").is_file() and (run_dir / "03_training.ipynb").is_file()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["steps"] == STEPS and summary["variant"] == r["variant"]
+        assert (run_dir / "loss_curve.png").is_file()
+    # progress and streamed training logs reached the study's output
+    assert "[study] step 1/4: 01_theory" in proc.stdout
+    assert "[oelm_freeze_s42] step 24: train loss" in proc.stdout
+
+
+@pytest.mark.slow
+def test_smoke_study_results_judge_h1_to_h4(smoke_study):
+    out, _ = smoke_study
+    md = (out / "results.md").read_text()
+    assert "OELM-Freeze" in md and "GPT-Base" in md and "Bits/byte" in md
+    results = json.loads((out / "results.json").read_text())
+    hyps = {h["id"]: h for h in results["hypotheses"]}
+    assert sorted(hyps) == ["H1", "H2", "H3", "H4"]
+    assert all(h["holds"] in (True, False) for h in hyps.values())
+    assert hyps["H1"]["holds"] is False  # 16,384 of 3.3M trainable: nowhere near 15%
+    assert len(results["table"]) == 3
+    for fig in ("jl_distortion.png", "curves.png", "attention.png"):
+        assert (out / "figures" / fig).is_file(), fig
+
+
+# --- plumbing (fast) -----------------------------------------------------------------------------
+
+def test_load_study_plans_runs_seeds_and_overrides(tmp_path):
+    study = load_study(STUDY_FILE, tmp_path / "s", ["train.steps=7", "study.seeds=[1,2]"])
+    assert [r.name for r in study.runs] == ["gpt_base_s1", "gpt_base_s2", "oelm_nofreeze_s1",
+                                            "oelm_nofreeze_s2", "oelm_freeze_s1", "oelm_freeze_s2"]
+    assert all("train.steps=7" in r.overrides for r in study.runs)
+    assert study.runs[1].run_dir == tmp_path / "s" / "runs" / "gpt_base_s2"
+    assert study.notebooks == ["01_theory", "02_model", "03_training", "04_analysis"]
+    medium = load_study(REPO / "parameters" / "study_medium512.yaml")
+    assert medium.gpus_per_run == 2 and {r.preset for r in medium.runs} == {"medium512"}
+
+
+def test_load_study_errors_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_study(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_study(STUDY_FILE, sets=["study.colour=red"])
+    with pytest.raises(ConfigError, match="train.stepz"):
+        load_study(STUDY_FILE, sets=["train.stepz=3"])
+    with pytest.raises(ConfigError, match="study.notebooks"):
+        load_study(STUDY_FILE, sets=["study.notebooks=[05_extra]"])
+
+
+def test_parameter_files_load():
+    from oelm_core.config import load_run_config
+
+    for path in sorted((REPO / "parameters").glob("*/*.yaml")):
+        if path.parent.name in ("smoke", "medium512", "shapes"):
+            load_run_config(path)
+    cfgs = {v: load_run_config(REPO / "parameters" / "medium512" / f"{v}.yaml")
+            for v in ("gpt_base", "oelm_nofreeze", "oelm_freeze")}
+    for v, cfg in cfgs.items():
+        t = cfg.train
+        assert (cfg.variant, cfg.preset, t.steps, t.batch_size, t.lr, t.min_lr, t.warmup_steps) == \
+            (v, "medium512", 100_000, 8, 3e-4, 3e-5, 2000, )
+        assert (t.weight_decay, t.grad_clip, t.eval_every, t.ckpt_every) == (0.1, 1.0, 1000, 5000)
+
+
+def test_train_command_single_and_torchrun():
+    assert train_command("p.yaml", ["train.steps=3"])[1:] == ["-m", "oelm_core.train", "--params", "p.yaml",
+                                                              "--set", "train.steps=3"]
+    cmd = train_command("p.yaml", nproc=2)
+    assert "torch.distributed.run" in cmd and "--nproc_per_node=2" in cmd and "oelm_core.train" in cmd
+
+
+@pytest.mark.slow
+def test_failed_notebook_names_the_cell(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "preset": "tiny", "variant": "gpt_base",
+                                   "data": {"source": str(tmp_path / "no_such_folder"),
+                                            "out_dir": str(tmp_path / "data")}}))
+    out = tmp_path / "03.ipynb"
+    with pytest.raises(StudyError) as err:
+        execute_notebook("03_training", out, {"params": str(bad), "run_dir": str(tmp_path / "run")},
+                         env={"PYTHONPATH": str(REPO)}, cwd=REPO)
+    msg = str(err.value)
+    assert "notebook 03_training failed in code cell" in msg and "launch_training" in msg
+    assert "RuntimeError" in msg and str(out) in msg
+    assert failed_cell(out).startswith("code cell")
