@@ -207,9 +207,12 @@ class TrainStep:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float,
-                 autocast, compile: bool = False, ddp: bool = False):
+                 autocast, compile: bool = False, ddp: bool = False, cuda_graph: bool = False):
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.autocast, self.compile, self.ddp = autocast, compile, ddp
+        # The whole step (forward, backward, clip, AdamW) as one CUDA graph: at small batches the
+        # step is launch-bound, and a replay costs one launch. CUDA without DDP only.
+        self.cuda_graph = cuda_graph and not ddp and torch.cuda.is_available()
         self.wrap()
 
     def wrap(self) -> None:
@@ -228,6 +231,8 @@ class TrainStep:
                       if callable(getattr(m, "after_optimizer_step", None))]
         # torch.compile fails lazily, at the first call; until one call succeeded we may fall back.
         self._compile_verified = not self.compile
+        self._graph = None      # captured after two warm-up steps; a new parameter set recaptures
+        self._graph_warm = 0
 
     def _forward_backward(self, batches: list) -> torch.Tensor:
         total = torch.zeros((), device=batches[0][0].device)
@@ -242,6 +247,56 @@ class TrainStep:
         return total / len(batches)
 
     def __call__(self, batches: list, lr: float, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._graph_step(batches, lr) if self.cuda_graph and batches[0][0].is_cuda else None
+        loss, grad_norm = out if out is not None else self._eager_step(batches, lr)
+        for hook in self.hooks:
+            hook(step)
+        return loss, grad_norm
+
+    def _graph_step(self, batches: list, lr: float):
+        """Replay the captured step; warm up (side stream) and capture first. None: run eagerly."""
+        shapes = [(tuple(x.shape), tuple(y.shape)) for x, y in batches]
+        if self._graph is not None and shapes == self._graph_shapes:
+            for (x, y), (sx, sy) in zip(batches, self._graph_inputs):
+                sx.copy_(x, non_blocking=True)
+                sy.copy_(y, non_blocking=True)
+            for group in self.optimizer.param_groups:
+                group["lr"].fill_(lr)
+            self._graph.replay()
+            return self._graph_out[0].clone(), self._graph_out[1].clone()
+        if self._graph_warm < 2:  # capture needs warmed-up kernels, compile and optimiser state
+            self._graph_warm += 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self._eager_step(batches, lr)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        try:
+            device = batches[0][0].device
+            self._graph_inputs = [(x.clone(), y.clone()) for x, y in batches]
+            for group in self.optimizer.param_groups:
+                group["lr"] = torch.tensor(float(lr), device=device)
+                group["capturable"] = True
+            self.optimizer.zero_grad(set_to_none=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                loss = self._forward_backward(self._graph_inputs)
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
+                self.optimizer.step()
+            self._graph, self._graph_shapes, self._graph_out = graph, shapes, (loss, norm)
+        except Exception as exc:  # an op that cannot be captured: stay eager, correct either way
+            log.warning("CUDA graph capture failed (%s: %s); continuing without it",
+                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            torch.cuda.synchronize()
+            self.cuda_graph, self._graph = False, None
+            for group in self.optimizer.param_groups:
+                group["capturable"] = False
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        return self._graph_step(batches, lr)
+
+    def _eager_step(self, batches: list, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         if self._compile_verified:
             loss = self._forward_backward(batches)
         else:
@@ -261,8 +316,6 @@ class TrainStep:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for hook in self.hooks:
-            hook(step)
         return loss, grad_norm
 
 
@@ -270,7 +323,7 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfi
               device: torch.device, ddp: bool = False) -> TrainStep:
     """The trainer's step for ``model`` (already on ``device``) as TrainConfig configures it."""
     return TrainStep(model, optimizer, grad_clip=tc.grad_clip, autocast=autocast_context(tc.dtype, device),
-                     compile=tc.compile, ddp=ddp)
+                     compile=tc.compile, ddp=ddp, cuda_graph=tc.cuda_graph and device.type == "cuda")
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,7 +556,10 @@ class Trainer:
             for old in self._checkpoints()[:-self.tc.keep_last]:
                 old.unlink()
         if best:
-            save_checkpoint(state, self.out / "best.pt")
+            # best.pt is for evaluation and the demo, not for resuming: the weights without the
+            # optimizer state, a third of the size and of the time to write.
+            resume_only = ("optimizer", "rng", "sampler")
+            save_checkpoint({k: v for k, v in state.items() if k not in resume_only}, self.out / "best.pt")
 
     # --- the session ----------------------------------------------------------------------------
     def fit(self, resume: bool) -> dict:

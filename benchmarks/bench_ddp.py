@@ -1,0 +1,130 @@
+"""DDP scaling: tokens/s of one training step per GPU, 1 -> N GPUs (one process each, NCCL).
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/bench_ddp.py --batch 8 64 --json out.json
+
+Each rank runs --batch sequences of block_size tokens per step (weak scaling, as the trainer's
+batch_size is per GPU); the model is wrapped in DistributedDataParallel
+(gradient_as_bucket_view, static_graph) and torch.compile'd; the step is the same forward +
+backward + clip + fused AdamW as bench_train.py. Rank 0 prints the global tokens/s (median of
+--blocks blocks after warm-up, timed with CUDA events and a barrier). Run it once with
+--nproc_per_node 1 and once with N; efficiency = tok/s(N) / (N x tok/s(1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import TrainStep, card_name, commit, median, now  # noqa: E402
+
+from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
+from oelm_core.config import TrainConfig, model_config  # noqa: E402
+from oelm_core.model import GPT  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="medium512")
+    ap.add_argument("--groups", nargs="+", default=["gpt_base"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--compile-mode", default="default")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--impl", default="trainer", choices=["trainer", "tuned"],
+                    help="trainer: oelm_core.train's step (ddp=True); tuned: DDP with "
+                         "gradient_as_bucket_view, static_graph and --bucket-mb, then torch.compile")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for group in args.groups:
+        for batch in args.batch:
+            torch.manual_seed(0)
+            cfg = model_config(args.preset, group)
+            model = GPT(cfg).to(device)
+            tc = TrainConfig(compile=args.compile_mode != "none")
+            if args.impl == "trainer":
+                # oelm_core.train's own step with its DDP wrapper (ddp=True).
+                from oelm_core.train import configure_optimizer, make_step
+                tstep = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=True)
+                count = [0]
+
+                def step(x, y):
+                    count[0] += 1
+                    return tstep([(x.to(device, non_blocking=True), y.to(device, non_blocking=True))],
+                                 tc.lr, count[0])[0]
+                step.warmup = lambda x, y, n=3: [step(x, y) for _ in range(n)]
+            else:
+                ddp = DDP(model, device_ids=[local], gradient_as_bucket_view=True, static_graph=True,
+                          bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+                fwd = ddp if args.compile_mode == "none" else torch.compile(
+                    ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
+                step = TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
+            gen = torch.Generator().manual_seed(rank + 1)
+            data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(4)]
+            xs = [d[:, :-1].contiguous().pin_memory() for d in data]
+            ys = [d[:, 1:].contiguous().pin_memory() for d in data]
+            t0 = time.perf_counter()
+            step.warmup(xs[0], ys[0], n=3)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            for i in range(args.warmup):
+                step(xs[i % 4], ys[i % 4])
+            secs = []
+            for _ in range(args.blocks):
+                dist.barrier()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for i in range(args.steps):
+                    step(xs[i % 4], ys[i % 4])
+                end.record()
+                end.synchronize()
+                t = torch.tensor(start.elapsed_time(end) / 1000 / args.steps, device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                secs.append(float(t))
+            s = median(secs)
+            tokens = world * batch * cfg.block_size
+            peak = peak_flops(device)
+            row = {"impl": args.impl, "group": group, "world": world, "batch_per_gpu": batch, "ms_per_step": 1000 * s,
+                   "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
+                   "mfu": tokens / s / world * flops_per_token(cfg)["total"] / peak if peak else None,
+                   "compile_s": compile_s, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            del step, model
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    if rank == 0:
+        meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
+                "command": " ".join(sys.argv), "world": world}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": rows}, f, indent=1)
+        print(f"\n{meta['card']} x{world}  {meta['date']}")
+        for r in rows:
+            print(f"{r['group']:14s} world {r['world']} batch/GPU {r['batch_per_gpu']:3d}: "
+                  f"{r['tokens_per_s']:10.0f} tok/s  {r['ms_per_step']:7.2f} ms/step")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Generation speed with and without the KV cache (oelm_core.generate.stream_tokens).
+
+    PYTHONPATH=. python benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256
+
+Greedy decoding of --new-tokens tokens (no stop at <|endoftext|>) after a --prompt-tokens prompt;
+time to first token (prompt prefill + first sample) and tokens/s over the whole generation,
+median of --repeats runs after one warm-up run. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import card_name, commit, median, now  # noqa: E402
+
+from oelm_core.generate import SamplingConfig, stream_tokens  # noqa: E402
+from oelm_core.model import build_model  # noqa: E402
+
+
+def run_once(model, prompt, n, use_cache, cuda):
+    cfg = SamplingConfig(max_new_tokens=n, temperature=0.0, stop_at_eot=False, use_cache=use_cache, seed=0)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ttft, count = None, 0
+    for _ in stream_tokens(model, prompt, cfg):
+        count += 1
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return ttft, total, count
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["smoke", "medium512"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--uncached-repeats", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    cuda = device.type == "cuda"
+    meta = {"card": card_name() if cuda else card_name().replace("CUDA", ""), "device": str(device),
+            "date": now(), "commit": commit(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+    if not cuda:
+        import platform
+        meta["card"] = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for preset in args.presets:
+        model = build_model(preset, "gpt_base").to(device, getattr(torch, args.dtype)).eval()
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 50000, (args.prompt_tokens,), generator=gen).tolist()
+        for use_cache in (True, False):
+            reps = args.repeats if use_cache or args.uncached_repeats is None else args.uncached_repeats
+            run_once(model, prompt, min(8, args.new_tokens), use_cache, cuda)  # warm-up
+            runs = [run_once(model, prompt, args.new_tokens, use_cache, cuda) for _ in range(reps)]
+            ttft = median([r[0] for r in runs])
+            total = median([r[1] for r in runs])
+            n = runs[0][2]
+            row = {"preset": preset, "cache": use_cache, "new_tokens": n, "ttft_ms": 1000 * ttft,
+                   "total_s": total, "tokens_per_s": n / total, "dtype": args.dtype}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
+    print(f"\n{meta['card']} ({device})  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}")
+    print(f"{'preset':10s} {'cache':>5s} {'new':>4s} {'TTFT ms':>8s} {'tok/s':>9s} {'speed-up':>8s}")
+    for r in rows:
+        base = next(q for q in rows if q["preset"] == r["preset"] and not q["cache"])
+        print(f"{r['preset']:10s} {str(r['cache']):>5s} {r['new_tokens']:4d} {r['ttft_ms']:8.1f} "
+              f"{r['tokens_per_s']:9.1f} {r['tokens_per_s'] / base['tokens_per_s']:8.1f}x")
+
+
+if __name__ == "__main__":
+    main()

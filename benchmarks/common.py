@@ -1,0 +1,128 @@
+"""Shared pieces of the benchmarks: the training step, timing, card and commit names."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+from oelm_core.config import TrainConfig
+
+
+def card_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import platform
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def commit() -> str:
+    if os.environ.get("OELM_COMMIT"):
+        return os.environ["OELM_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def make_optimizer(model, tc: TrainConfig, capturable: bool = False):
+    """AdamW as the trainer configures it: decay on matrices only; fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    cuda = params[0].is_cuda
+    lr = torch.tensor(tc.lr, device=params[0].device) if capturable else tc.lr
+    kw = dict(lr=lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
+    if cuda:
+        kw["fused"] = True
+        if capturable:
+            kw["capturable"] = True
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                              {"params": other, "weight_decay": 0.0}], **kw)
+
+
+class TrainStep:
+    """forward + backward + clip + AdamW for one (x, y) batch; ``graph=True`` captures it whole
+    in a CUDA graph (inputs copied into static buffers, the optimiser capturable)."""
+
+    def __init__(self, model, fwd, tc: TrainConfig, batch_shape, device, graph: bool = False,
+                 autocast: bool = True):
+        self.model, self.fwd, self.tc, self.graph = model, fwd, tc, graph
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = make_optimizer(model, tc, capturable=graph)
+        self.device = torch.device(device)
+        self.autocast = autocast and self.device.type == "cuda"
+        self.x = torch.zeros(batch_shape, dtype=torch.long, device=device)
+        self.y = torch.zeros(batch_shape, dtype=torch.long, device=device)
+        self.g = None
+        self.loss = None
+
+    def _body(self):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.fwd(self.x, self.y)
+        loss.backward()
+        # As oelm_core.train: the norm is always computed (logged), max_norm=inf when clipping is off.
+        torch.nn.utils.clip_grad_norm_(self.params, self.tc.grad_clip or float("inf"))
+        self.opt.step()
+        return loss
+
+    def warmup(self, x, y, n: int = 3):
+        self.x.copy_(x)
+        self.y.copy_(y)
+        if self.graph:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(n):
+                    self._body()
+                    self.opt.zero_grad(set_to_none=True)
+            torch.cuda.current_stream().wait_stream(s)
+            self.g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.g):
+                self.loss = self._body()
+        else:
+            for _ in range(n):
+                self(x, y)
+
+    def __call__(self, x, y):
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        if self.g is not None:
+            self.g.replay()
+            return self.loss
+        loss = self._body()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+def time_blocks(fn, n_blocks: int, per_block: int, cuda: bool) -> list[float]:
+    """Seconds per call of ``fn()`` for each of ``n_blocks`` blocks of ``per_block`` calls."""
+    out = []
+    for _ in range(n_blocks):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_block):
+                fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1000 / per_block)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(per_block):
+                fn()
+            out.append((time.perf_counter() - t0) / per_block)
+    return out
+
+
+def median(xs):
+    return statistics.median(xs)

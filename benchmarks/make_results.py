@@ -1,0 +1,79 @@
+"""Tables for benchmarks/RESULTS.md from the JSON files run_all.sh writes.
+
+    python benchmarks/make_results.py OUT_DIR [DDP_DIR]   # prints Markdown
+"""
+import json
+import sys
+from pathlib import Path
+
+
+def load(path):
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def train_table(d):
+    rows = [r for r in d["results"] if "error" not in r]
+    ref = {r["batch"]: r["tokens_per_s"] for r in rows if r["label"] == "reference"}
+    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["label"] == "gpt_base"}
+    out = [f"Card: **{d['meta']['card']}**, torch {d['meta']['torch']}, {d['meta']['date']}, commit `{d['meta']['commit']}`", "",
+           "| variant | batch x 512 | tokens/s | ms/step | MFU | peak mem (GiB) | x reference | x GPT-Base |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        mem = f"{r['peak_mem_gb']:.2f}" if r.get("peak_mem_gb") is not None else "-"
+        x = f"{r['tokens_per_s'] / ref[r['batch']]:.2f}" if r["batch"] in ref else "-"
+        xb = f"{r['tokens_per_s'] / base[r['batch']]:.3f}" if r["batch"] in base else "-"
+        out.append(f"| {r['label']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | {mfu} | {mem} | {x} | {xb} |")
+    for kind, checks in d.get("checks", {}).items():
+        out += ["", f"Agreement with copied weights ({kind}, one batch of 4 x 512):", "",
+                "| comparison | abs. loss difference | max relative gradient difference |", "|---|---:|---:|"]
+        for name, c in checks.items():
+            out.append(f"| {name} | {c['loss_abs_diff']:.2e} | {c['max_grad_rel_diff']:.2e} |")
+    return "\n".join(out)
+
+
+def gen_table(d):
+    rows = d["results"]
+    out = [f"Device: **{d['meta']['card']}** ({d['meta']['device']}), {d['meta']['date']}", "",
+           "| preset | KV cache | new tokens | time to first token (ms) | tokens/s | cached / uncached |",
+           "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        base = next(q for q in rows if q["preset"] == r["preset"] and not q["cache"])
+        out.append(f"| {r['preset']} | {'yes' if r['cache'] else 'no'} | {r['new_tokens']} | {r['ttft_ms']:.1f} | "
+                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.1f}x |")
+    return "\n".join(out)
+
+
+def ddp_table(paths):
+    rows = []
+    meta = None
+    for p in paths:
+        d = load(p)
+        if d:
+            rows += d["results"]
+            meta = meta or d["meta"]
+    if not rows:
+        return "(not run)"
+    one = {(r.get("impl"), r["group"], r["batch_per_gpu"]): r["tokens_per_s"] for r in rows if r["world"] == 1}
+    out = [f"Card: **{meta['card']}**, {meta['date']}", "",
+           "| step | group | batch/GPU | GPUs | tokens/s (all GPUs) | ms/step | efficiency |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        b = one.get((r.get("impl"), r["group"], r["batch_per_gpu"]))
+        eff = f"{100 * r['tokens_per_s'] / (r['world'] * b):.1f}%" if b else "-"
+        out.append(f"| {r.get('impl', '-')} | {r['group']} | {r['batch_per_gpu']} | {r['world']} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['ms_per_step']:.2f} | {eff} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    for name in ("train.json", "train_extra.json", "t64.json", "t8.json"):
+        if load(out / name):
+            print(train_table(load(out / name)), "\n")
+    for name in ("generate.json", "gen.json", "generate_cpu.json"):
+        if load(out / name):
+            print(gen_table(load(out / name)), "\n")
+    if len(sys.argv) > 2:
+        ddp = Path(sys.argv[2])
+        print(ddp_table(sorted(ddp.glob("ddp*.json"))))
