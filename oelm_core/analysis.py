@@ -313,10 +313,16 @@ def shape_explorer():
     """An ipywidgets explorer: sliders for the shape, a table of counts and FLOPs that follows.
 
     Returns the widget box (display it). Without a front end (headless papermill) it renders
-    its first table as plain output and nothing waits for input.
+    its first table as plain output and nothing waits for input. Without ipywidgets installed
+    (a bare cluster image) it returns the table of the default shape as Markdown instead.
     """
-    import ipywidgets as w
     from IPython.display import Markdown, display
+    try:
+        import ipywidgets as w
+    except ImportError:
+        return Markdown(markdown_table(shape_account(n_layer=6, d_model=512, n_head=8, d_ff=2048,
+                                                     vocab_size=50257, block_size=512))
+                        + "\n\n(install ipywidgets for the interactive explorer)")
 
     sliders = {
         "n_layer": w.IntSlider(6, 1, 48, description="layers"),
