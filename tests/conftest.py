@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 _SHARED_TOKENIZER = REPO.parent / "shared" / "data" / "tokenizer" / "tiktoken_cache"
@@ -33,3 +34,12 @@ def story_folder(tmp_path: Path) -> Path:
     (root / "train" / "part.txt").write_text("\n<|endoftext|>\n".join(train) + "\n<|endoftext|>\n")
     (root / "validation" / "part.txt").write_text("<|endoftext|>".join(STORIES[:3] * 10))
     return root
+
+
+@pytest.fixture
+def one_thread():
+    """Small CPU tensors: one thread is faster, and immune to a busy machine's oversubscription."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

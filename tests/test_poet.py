@@ -23,13 +23,7 @@ from oelm_core.poet import (
 TINY = dict(poet_block_size=16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small CPU tensors: one thread is faster, and immune to a busy machine's oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def poet(seed: int = 0, **overrides):

@@ -55,13 +55,7 @@ SMALL_COUNTS = {
 MEDIUM_TRAINABLE, MEDIUM_QK = 41_751_040, 3_145_728   # OELM-Freeze at medium512
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small CPU tensors: one thread is faster, and immune to a busy machine's oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small(variant: str, seed: int = 0, **overrides):
