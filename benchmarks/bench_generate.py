@@ -1,10 +1,18 @@
 """Generation speed with and without the KV cache (oelm_core.generate.stream_tokens).
 
     PYTHONPATH=. python benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256
+    PYTHONPATH=. python benchmarks/bench_generate.py --device cuda --modes graph eager legacy
 
 Greedy decoding of --new-tokens tokens (no stop at <|endoftext|>) after a --prompt-tokens prompt;
-time to first token (prompt prefill + first sample) and tokens/s over the whole generation,
-median of --repeats runs after one warm-up run. Prints a table last.
+time to first token (prompt prefill + first sample), decode ms/token after it, and tokens/s over
+the whole generation, median of --repeats runs after one warm-up run (the warm-up also captures
+the CUDA graph of the decode step, once per model). Prints a table last.
+
+Cached decoding modes (--modes; the default is "graph" alone):
+  graph   GraphDecoder as stream_tokens uses it: the fixed-shape one-token step, captured in a
+          CUDA graph on CUDA (the table's decoder column says "eager" where it was not captured)
+  eager   the same fixed-shape step run op by op (no graph)
+  legacy  the plain growing-cache path, model(x, cache=cache) per token (before the graph step)
 """
 
 from __future__ import annotations
@@ -20,8 +28,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import card_name, commit, median, now  # noqa: E402
 
-from oelm_core.generate import SamplingConfig, stream_tokens  # noqa: E402
+from oelm_core.generate import SamplingConfig, acquire_decoder, release_decoder, stream_tokens  # noqa: E402
 from oelm_core.model import build_model  # noqa: E402
+
+
+def set_mode(model, mode):
+    """Make stream_tokens' (reused) decoder of ``model`` run in ``mode``; returns the decoder."""
+    decoder = acquire_decoder(model)
+    release_decoder(decoder)
+    if mode == "graph":
+        if decoder.mode in ("eager", "legacy") and decoder.graph is None:
+            decoder.mode = None  # untried again: capture on the next step where possible
+    else:
+        decoder.mode = mode
+    return decoder
 
 
 def run_once(model, prompt, n, use_cache, cuda):
@@ -49,6 +69,8 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--modes", nargs="+", default=["graph"], choices=["graph", "eager", "legacy"],
+                    help="cached decoding modes to time (each against the same uncached baseline)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,26 +88,36 @@ def main():
         model = build_model(preset, "gpt_base").to(device, getattr(torch, args.dtype)).eval()
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, 50000, (args.prompt_tokens,), generator=gen).tolist()
-        for use_cache in (True, False):
+        for mode in list(args.modes) + [None]:  # None: uncached
+            use_cache = mode is not None
+            decoder = set_mode(model, mode) if use_cache else None
             reps = args.repeats if use_cache or args.uncached_repeats is None else args.uncached_repeats
-            run_once(model, prompt, min(8, args.new_tokens), use_cache, cuda)  # warm-up
+            run_once(model, prompt, min(8, args.new_tokens), use_cache, cuda)  # warm-up (and capture)
             runs = [run_once(model, prompt, args.new_tokens, use_cache, cuda) for _ in range(reps)]
             ttft = median([r[0] for r in runs])
             total = median([r[1] for r in runs])
             n = runs[0][2]
-            row = {"preset": preset, "cache": use_cache, "new_tokens": n, "ttft_ms": 1000 * ttft,
+            row = {"preset": preset, "cache": use_cache, "mode": mode or "uncached",
+                   "decoder": decoder.mode if decoder is not None else "-",
+                   "new_tokens": n, "ttft_ms": 1000 * ttft,
+                   "decode_ms_per_token": 1000 * median([(r[1] - r[0]) / max(r[2] - 1, 1) for r in runs]),
                    "total_s": total, "tokens_per_s": n / total, "dtype": args.dtype}
             rows.append(row)
             print(json.dumps(row), flush=True)
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
     print(f"\n{meta['card']} ({device})  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}")
-    print(f"{'preset':10s} {'cache':>5s} {'new':>4s} {'TTFT ms':>8s} {'tok/s':>9s} {'speed-up':>8s}")
+    print(f"{'preset':10s} {'cache':>8s} {'decoder':>7s} {'new':>4s} {'TTFT ms':>8s} {'ms/tok':>7s} "
+          f"{'tok/s':>9s} {'speed-up':>8s}")
     for r in rows:
         base = next(q for q in rows if q["preset"] == r["preset"] and not q["cache"])
-        print(f"{r['preset']:10s} {str(r['cache']):>5s} {r['new_tokens']:4d} {r['ttft_ms']:8.1f} "
-              f"{r['tokens_per_s']:9.1f} {r['tokens_per_s'] / base['tokens_per_s']:8.1f}x")
+        print(f"{r['preset']:10s} {r['mode']:>8s} {r['decoder']:>7s} {r['new_tokens']:4d} {r['ttft_ms']:8.1f} "
+              f"{r['decode_ms_per_token']:7.3f} {r['tokens_per_s']:9.1f} "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:8.1f}x")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,15 @@ class KVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Fixed-shape decoding: store one position's k, v (B, H, 1, d_head) at ``pos`` (a
+        1-element LongTensor on the cache's device) and return the whole (B, H, block_size,
+        d_head) buffers. Leaves ``length`` alone (the caller keeps it)."""
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(2, pos, k.to(kc.dtype))
+        vc.index_copy_(2, pos, v.to(vc.dtype))
+        return kc, vc
+
 
 def _causal_mask(t_new: int, t_total: int, device) -> torch.Tensor:
     """(t_new, t_total) boolean mask: query i (at position t_total - t_new + i) sees keys <= it."""
@@ -185,6 +194,29 @@ class CausalSelfAttention(nn.Module):
         return (y, att) if return_attention else y
 
 
+    def decode(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One new token at position ``pos`` with shapes that never change (CUDA-graph friendly):
+        x (B, 1, d_model); k, v written into the cache at ``pos``; attention over the whole
+        block_size cache with ``mask`` (1, 1, 1, block_size), True at positions <= pos.
+        The same numbers as ``forward(x, cache)`` with ``cache.length == pos``."""
+        b = x.size(0)
+        q, k, v = self._qkv(x)
+        v = self._heads(v)
+        # The Synthesizer has no keys; its key slot in the cache holds the values again.
+        k_all, v_all = cache.write(self.layer, pos, v if k is None else self._heads(k), v)
+        p_drop = self.dropout if self.training else 0.0
+        if self.qk is not None:
+            y = F.scaled_dot_product_attention(self._heads(q), k_all, v_all, attn_mask=mask, dropout_p=p_drop)
+        else:
+            rows = self.synth_0.index_select(1, pos)  # (H, 1, T) or (H, 1, rank)
+            logits = rows if self.cfg.attention == "synth_random" else rows @ self.synth_1.transpose(1, 2)
+            logits = logits.unsqueeze(0).to(v_all.dtype).masked_fill(~mask, float("-inf"))
+            att = torch.softmax(logits.float(), dim=-1).to(v_all.dtype)
+            y = F.dropout(att, p_drop, self.training) @ v_all
+        y = y.transpose(1, 2).reshape(b, 1, self.cfg.d_model)
+        return self.proj(y)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -213,6 +245,11 @@ class Block(nn.Module):
         x = x + a
         x = x + self.mlp(self.ln_2(x))
         return (x, att) if return_attention else x
+
+    def decode(self, x, cache, pos, mask):
+        """The fixed-shape one-token step (see ``CausalSelfAttention.decode``)."""
+        x = x + self.attn.decode(self.ln_1(x), cache, pos, mask)
+        return x + self.mlp(self.ln_2(x))
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,6 +481,23 @@ class GPT(nn.Module):
             return linear_cross_entropy(h.flatten(0, 1), self.output_weight, targets.flatten(),
                                         self.cfg.vocab_size, self.cfg.loss_chunk_tokens)
         return F.cross_entropy(self.logits(h).flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+
+    def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per sequence with fixed shapes, for CUDA-graph capture (oelm_core.generate).
+
+        idx: (B, 1) token ids at position ``pos`` (a 1-element LongTensor on the model's device,
+        < block_size); cache: a ``KVCache`` whose positions < pos hold the earlier tokens.
+        Writes this token's keys/values at ``pos`` and attends over the whole block_size cache
+        through the mask ``arange(block_size) <= pos``, so no shape depends on the position.
+        Returns logits (B, vocab_size). Neither reads nor updates ``cache.length``.
+        """
+        x = self.wte(idx) + self.wpe(pos)
+        if self.drop.p > 0:
+            x = self.drop(x)
+        mask = (torch.arange(self.cfg.block_size, device=idx.device) <= pos).view(1, 1, 1, -1)
+        for block in self.blocks:
+            x = block.decode(x, cache, pos, mask)
+        return self.logits(self.ln_f(x))[:, 0]
 
     @torch.no_grad()
     def forward_with_attention(self, idx: torch.Tensor):

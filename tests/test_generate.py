@@ -77,3 +77,122 @@ def test_limits_give_clear_errors(smoke_model):
         list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=0.0)))
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
         list(stream_tokens(smoke_model, [1], SamplingConfig(max_new_tokens=0)))
+
+
+# --------------------------------------------------------------------------------------------
+# The fixed-shape one-token decode step (captured in a CUDA graph on GPUs; eager here)
+# --------------------------------------------------------------------------------------------
+
+from oelm_core.generate import GraphDecoder, acquire_decoder, release_decoder  # noqa: E402
+
+DECODE_VARIANTS = ["gpt_base", "oelm_freeze", "synth_random", "synth_factorized", "oelm_poet"]
+
+
+def _decode_model(variant):
+    model = build_model("tiny", variant, seed=3).eval()
+    if variant == "oelm_poet":  # R, P away from the identity, as after training
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "skew_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+def test_fixed_shape_decode_step_equals_the_full_forward_at_every_step(variant):
+    model = _decode_model(variant)
+    block = model.cfg.block_size
+    idx = torch.randint(0, 128, (1, block), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(idx)[0]
+        cache = model.new_cache()
+        for layer in range(model.cfg.n_layer):  # stale, finite junk past the prefix: masked out
+            cache.k[layer].normal_(0, 50)
+            cache.v[layer].normal_(0, 50)
+        prefix = model(idx[:, :5], cache=cache)[0]
+        assert (prefix - full[:5]).abs().max().item() < 1e-5
+        for t in range(5, block):  # up to the last position of the context
+            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache)
+            assert logits.shape == (1, model.cfg.vocab_size)
+            assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
+        # From an empty cache too (a one-token prompt starts at position 0).
+        cache = model.new_cache()
+        for t in range(block):
+            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache)
+            assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+def test_decoder_greedy_tokens_equal_uncached_past_the_context(variant):
+    model = _decode_model(variant)
+    kw = dict(max_new_tokens=3 * model.cfg.block_size, temperature=0.0, stop_at_eot=False)
+    for prompt in ([5], list(range(7, 20))):
+        cached = list(stream_tokens(model, prompt, SamplingConfig(**kw, use_cache=True)))
+        plain = list(stream_tokens(model, prompt, SamplingConfig(**kw, use_cache=False)))
+        assert cached == plain and len(cached) == kw["max_new_tokens"]
+
+
+def test_decoder_is_reused_across_calls_and_replaced_when_the_weights_move():
+    model = build_model("tiny", "oelm_freeze", seed=4).eval()
+    kw = dict(max_new_tokens=40, temperature=0.0, stop_at_eot=False)
+    a = acquire_decoder(model)
+    release_decoder(a)
+    first = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw)))
+    b = acquire_decoder(model)
+    release_decoder(b)
+    assert a is b and a.mode == "eager"  # CPU: the same fixed-shape step, not captured
+    assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == first
+    model.unfreeze_qk()  # new weight tensors: the old decoder must not be used
+    c = acquire_decoder(model)
+    release_decoder(c)
+    assert c is not a
+    plain = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw, use_cache=False)))
+    assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == plain == first
+
+
+def test_interleaved_streams_of_one_model_do_not_share_a_cache():
+    model = build_model("tiny", "gpt_base", seed=5).eval()
+    kw = dict(max_new_tokens=50, temperature=0.0, stop_at_eot=False)
+    expect = [list(stream_tokens(model, p, SamplingConfig(**kw, use_cache=False))) for p in ([1, 2], [9])]
+    s1, s2 = (stream_tokens(model, p, SamplingConfig(**kw)) for p in ([1, 2], [9]))
+    got = [[], []]
+    for t1, t2 in zip(s1, s2):
+        got[0].append(t1)
+        got[1].append(t2)
+    assert got == expect
+
+
+def test_seeded_sampling_through_the_decoder_matches_the_plain_paths():
+    model = build_model("tiny", "oelm_freeze", seed=6).eval()
+    kw = dict(temperature=1.0, top_k=20, top_p=0.9, seed=11, stop_at_eot=False)
+    # Within the context (2 + 29 < 32 tokens) the uncached path sees the same tokens.
+    cached = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=29)))
+    plain = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=29, use_cache=False)))
+    assert cached == plain
+    # Past it, the window slides as the plain cached path (model(x, cache=cache) per token) does:
+    # re-prefill the last block_size - 1 tokens, then one token at a time.
+    cached = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=100)))
+    decoder = acquire_decoder(model)
+    release_decoder(decoder)
+    decoder.mode = "legacy"
+    legacy = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=100)))
+    assert acquire_decoder(model) is decoder and cached == legacy
+    release_decoder(decoder)
+
+
+def test_decoder_falls_back_when_the_fixed_shape_step_or_the_capture_fails(monkeypatch):
+    model = build_model("tiny", "gpt_base", seed=7).eval()
+    kw = dict(max_new_tokens=70, temperature=0.0, stop_at_eot=False)
+    plain = list(stream_tokens(model, [1], SamplingConfig(**kw, use_cache=False)))
+    # A failed capture (here: no CUDA at all) leaves the eager fixed-shape step.
+    decoder = GraphDecoder(model)
+    with pytest.warns(UserWarning, match="capture"):
+        decoder._capture(model)
+    assert decoder.mode == "eager" and decoder.graph is None
+    # A device where even the eager step fails: the plain cached path, same tokens.
+    monkeypatch.setattr(type(model), "decode_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
+    fresh = build_model("tiny", "gpt_base", seed=7).eval()
+    with pytest.warns(UserWarning, match="plain cached path"):
+        cached = list(stream_tokens(fresh, [1], SamplingConfig(**kw)))
+    assert cached == plain
