@@ -15,7 +15,6 @@ optimizer never sees them, and they travel with ``state_dict`` like any weight.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
@@ -512,9 +511,6 @@ class GPT(nn.Module):
         p = self.wte.weight
         return KVCache(self.cfg, batch, p.device, p.dtype)
 
-    def qk_projections(self) -> list[nn.Module]:
-        return [b.attn.qk for b in self.blocks if b.attn.qk is not None]
-
     def unfreeze_qk(self, layers="all") -> list[nn.Parameter]:
         """Make frozen Q/K of ``layers`` ("all" or indices) trainable; returns the new parameters."""
         chosen = range(self.cfg.n_layer) if layers == "all" else layers
@@ -531,7 +527,3 @@ def build_model(preset: str | ModelConfig = "medium512", variant: str = "gpt_bas
     """A GPT of a named preset and variant (see ``oelm_core.VARIANTS``), or of a ModelConfig."""
     cfg = preset if isinstance(preset, ModelConfig) else model_config(preset, variant, **overrides)
     return GPT(cfg, seed=seed)
-
-
-def model_config_dict(model: GPT) -> dict:
-    return asdict(model.cfg)
