@@ -40,13 +40,11 @@ Neumann approximation: W0 therefore stays exactly orthogonal across any number o
 the truncation error never accumulates; the weight jumps by only the truncation error
 O(||Q||^{n+1}) at a merge.
 
-Optimizer state at a merge (a plain choice): the skew parameters are zeroed in place, so the
-optimizer keeps holding the same tensors, but its moments (AdamW's exp_avg/exp_avg_sq) refer to
-the previous interval's coordinates, which the new permutations re-assign. A trainer that can
-reach its optimizer should call ``reset_optimizer_state(model, optimizer)`` right after
-``after_optimizer_step``: it drops the state of exactly the parameters that were just merged,
-and AdamW re-initialises it (step 0, zero moments) on the next step. A trainer that does not
-call it still trains correctly; the stale momentum decays with beta1 within ~10-20 steps.
+Optimizer state at a merge: the skew parameters are zeroed in place and returned by
+``after_optimizer_step``; the trainer then zeroes their AdamW moments (``oelm_core.train.
+restart_optimizer_state``), which referred to the previous interval's coordinates that the new
+permutations re-assign. A trainer that ignores the returned list still trains correctly; the
+stale momentum decays with beta1 within ~10-20 steps.
 """
 
 from __future__ import annotations
@@ -124,7 +122,6 @@ class POETProjection(nn.Module):
         for name in _FACTORS:
             self.register_buffer(f"perm_{name}", torch.empty(d, dtype=torch.int64))
         self._draw_permutations()
-        self.just_merged = False
 
     # --- the OELM interface -------------------------------------------------------------------
     @property
@@ -181,13 +178,14 @@ class POETProjection(nn.Module):
             p.zero_()
         self.poet_merges += 1
         self._draw_permutations()
-        self.just_merged = True
 
-    def after_optimizer_step(self, step: int) -> None:
-        """Called by the trainer after every optimizer step (``step`` = steps taken so far)."""
-        self.just_merged = False
+    def after_optimizer_step(self, step: int) -> list[nn.Parameter]:
+        """Called by the trainer after every optimizer step (``step`` = steps taken so far).
+        Returns the parameters a merge restarted (their optimizer moments should restart too)."""
         if self.merge_every > 0 and step > 0 and step % self.merge_every == 0:
             self.merge()
+            return list(self.skew_parameters())
+        return []
 
     def extra_repr(self) -> str:
         return (f"d={self.d}, block={self.b}, blocks={self.n_blocks}, neumann_terms={self.neumann_terms}, "
@@ -197,22 +195,6 @@ class POETProjection(nn.Module):
 def poet_modules(model: nn.Module) -> list[POETProjection]:
     return [m for m in model.modules() if isinstance(m, POETProjection)]
 
-
-def reset_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                          modules: Optional[Iterable[POETProjection]] = None) -> int:
-    """Drop the optimizer state of the skew parameters merged by the last ``after_optimizer_step``.
-
-    AdamW (and SGD with momentum) re-create a dropped state lazily on the next step, as for a
-    fresh parameter. Returns the number of parameters whose state was dropped.
-    """
-    dropped = 0
-    for module in modules if modules is not None else poet_modules(model):
-        if not module.just_merged:
-            continue
-        for p in module.skew_parameters():
-            if optimizer.state.pop(p, None) is not None:
-                dropped += 1
-    return dropped
 
 
 def spectrum_error(module: POETProjection, gain: float = 1.0) -> float:

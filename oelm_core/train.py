@@ -250,7 +250,7 @@ class TrainStep:
         out = self._graph_step(batches, lr) if self.cuda_graph and batches[0][0].is_cuda else None
         loss, grad_norm = out if out is not None else self._eager_step(batches, lr)
         for hook in self.hooks:
-            hook(step)
+            restart_optimizer_state(self.optimizer, hook(step) or ())
         return loss, grad_norm
 
     def _graph_step(self, batches: list, lr: float):
@@ -317,6 +317,21 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
+
+
+def restart_optimizer_state(optimizer: torch.optim.Optimizer, params) -> int:
+    """Zero the moments of ``params``, which a module restarted (POET's merge returns them from its
+    ``after_optimizer_step`` hook). In place, so a captured CUDA graph keeps pointing at the same
+    tensors; the step count stays. Returns how many of them had optimizer state."""
+    restarted = 0
+    for p in params:
+        state = optimizer.state.get(p)
+        if state:
+            restarted += 1
+            for name, value in state.items():
+                if torch.is_tensor(value) and name != "step":
+                    value.zero_()
+    return restarted
 
 
 def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,

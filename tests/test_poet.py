@@ -14,10 +14,10 @@ from oelm_core.poet import (
     cayley_exact,
     cayley_neumann,
     poet_modules,
-    reset_optimizer_state,
     skew_from_upper,
     spectrum_error,
 )
+from oelm_core.train import restart_optimizer_state
 
 # tiny preset: 2 layers, d 32, vocab 128, T 32; block 16 gives 2 blocks per factor.
 TINY = dict(poet_block_size=16)
@@ -43,9 +43,9 @@ def train(model, steps: int, lr: float = 1e-3, reset_state: bool = False):
         opt.step()
         for m in model.modules():
             if hasattr(m, "after_optimizer_step"):
-                m.after_optimizer_step(step)
-        if reset_state:
-            reset_optimizer_state(model, opt)
+                restarted = m.after_optimizer_step(step)
+                if reset_state:
+                    restart_optimizer_state(opt, restarted)
         errors.append(max(spectrum_error(m, model.cfg.qk_gain) for m in poet_modules(model)))
         losses.append(loss.item())
     return errors, losses, opt
@@ -157,7 +157,7 @@ def test_periodic_merges_keep_the_spectrum_exact_over_long_training():
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2
 
 
-def test_reset_optimizer_state_drops_exactly_the_merged_generators():
+def test_merge_restarts_exactly_the_merged_generators_moments():
     model = poet(poet_merge_every=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 128, (2, 32))
@@ -165,16 +165,12 @@ def test_reset_optimizer_state_drops_exactly_the_merged_generators():
         opt.zero_grad()
         model(x, x).backward()
         opt.step()
-        for m in poet_modules(model):
-            m.after_optimizer_step(step)
-        dropped = reset_optimizer_state(model, opt)
-        assert dropped == (8 if step == 3 else 0)   # 2 layers x 4 generators, at the merge only
+        restarted = [p for m in poet_modules(model) for p in m.after_optimizer_step(step)]
+        assert restart_optimizer_state(opt, restarted) == (8 if step == 3 else 0)  # 2 layers x 4
     skew = poet_modules(model)[0].skew_parameters()[0]
-    assert skew not in opt.state and model.wte.weight in opt.state
-    opt.zero_grad()
-    model(x, x).backward()
-    opt.step()                                      # AdamW re-creates the dropped state
-    assert int(opt.state[skew]["step"]) == 1
+    assert torch.count_nonzero(opt.state[skew]["exp_avg"]) == 0
+    assert torch.count_nonzero(opt.state[skew]["exp_avg_sq"]) == 0
+    assert torch.count_nonzero(opt.state[model.wte.weight]["exp_avg"]) > 0
 
 
 def test_state_dict_round_trip_restores_weights_and_permutations():
