@@ -670,18 +670,22 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
     else:
         out.append(_missing("H1", "freezing Q/K reduces trainable parameters by ~15%", h1_claim,
                             "GPT-Base and OELM-Freeze", preset))
-    # H2 --------------------------------------------------------------------------------------
-    pf, pn = g("oelm_freeze", ppl), g("oelm_nofreeze", ppl)
-    if pf and pn:
-        gap = pf / pn - 1
-        holds = gap < h2_max_gap
-        ev = (f"validation PPL {pf:.3f} (Freeze) vs {pn:.3f} (NoFreeze): {100 * gap:+.2f}% "
-              f"{'<' if holds else '>='} {100 * h2_max_gap:.0f}%")
-        out.append(dict(id="H2", claim="OELM-Freeze perplexity within 5% of OELM-NoFreeze", value=gap,
-                        threshold=h2_max_gap, holds=holds, evidence=ev))
-    else:
-        out.append(_missing("H2", "OELM-Freeze perplexity within 5% of OELM-NoFreeze", h2_max_gap,
-                            "OELM-Freeze and OELM-NoFreeze", preset))
+    # H2 and H4: a perplexity gap of OELM-Freeze to another group --------------------------------
+    pf = g("oelm_freeze", ppl)
+
+    def ppl_gap(hid: str, other: str, label: str, max_gap: float, strict: bool) -> dict:
+        claim = f"OELM-Freeze perplexity within {100 * max_gap:.0f}% of {label}"
+        po = g(other, ppl)
+        if not (pf and po):
+            return _missing(hid, claim, max_gap, f"OELM-Freeze and {label}", preset)
+        gap = pf / po - 1
+        holds = gap < max_gap if strict else gap <= max_gap
+        ok, not_ok = ("<", ">=") if strict else ("<=", ">")
+        ev = (f"validation PPL {pf:.3f} (Freeze) vs {po:.3f} ({label.removeprefix('OELM-')}): "
+              f"{100 * gap:+.2f}% {ok if holds else not_ok} {100 * max_gap:.0f}%")
+        return dict(id=hid, claim=claim, value=gap, threshold=max_gap, holds=holds, evidence=ev)
+
+    out.append(ppl_gap("H2", "oelm_nofreeze", "OELM-NoFreeze", h2_max_gap, strict=True))
     # H3 --------------------------------------------------------------------------------------
     sf, sb = g("oelm_freeze", "tokens_per_s"), g("gpt_base", "tokens_per_s")
     if sf and sb:
@@ -697,18 +701,7 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
     else:
         out.append(_missing("H3", "OELM-Freeze trains at least as fast as GPT-Base", h3_min_ratio,
                             "GPT-Base and OELM-Freeze (with tokens/s)", preset))
-    # H4 --------------------------------------------------------------------------------------
-    pb = g("gpt_base", ppl)
-    if pf and pb:
-        gap = pf / pb - 1
-        holds = gap <= h4_max_gap
-        ev = (f"validation PPL {pf:.3f} (Freeze) vs {pb:.3f} (GPT-Base): {100 * gap:+.2f}% "
-              f"{'<=' if holds else '>'} {100 * h4_max_gap:.0f}%")
-        out.append(dict(id="H4", claim="OELM-Freeze perplexity within 10% of GPT-Base", value=gap,
-                        threshold=h4_max_gap, holds=holds, evidence=ev))
-    else:
-        out.append(_missing("H4", "OELM-Freeze perplexity within 10% of GPT-Base", h4_max_gap,
-                            "GPT-Base and OELM-Freeze", preset))
+    out.append(ppl_gap("H4", "gpt_base", "GPT-Base", h4_max_gap, strict=False))
     for h in out:
         h["preset"] = preset
     return out
