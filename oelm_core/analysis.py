@@ -539,8 +539,10 @@ def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "s
     return save_figure(fig, path)
 
 
-def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    values = [v for v in values if v is not None]
+def mean_std(values: Iterable[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation of the values that exist (None and NaN are skipped);
+    the deviation is None with fewer than two."""
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not values:
         return None, None
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
@@ -565,9 +567,9 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
     rows = []
     for (variant, preset), group in group_runs(runs).items():
         def mean(key):
-            return _mean_std([r.value(key) for r in group])[0]
+            return mean_std([r.value(key) for r in group])[0]
 
-        ppl_mean, ppl_std = _mean_std([r.value(f"{which}_val_ppl") for r in group])
+        ppl_mean, ppl_std = mean_std([r.value(f"{which}_val_ppl") for r in group])
         rows.append({
             "variant": variant, "model": GROUP_LABELS.get(variant, variant), "preset": preset,
             "seeds": len(group), "val_loss": mean(f"{which}_val_loss"), "val_ppl": ppl_mean,
@@ -631,7 +633,7 @@ def significance_tests(runs: Sequence[Run], metric: str = "final_val_ppl",
 
 def _group_mean(groups, variant, preset, key):
     g = groups.get((variant, preset), [])
-    return _mean_std([r.value(key) for r in g])[0] if g else None
+    return mean_std([r.value(key) for r in g])[0] if g else None
 
 
 def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = None,
@@ -748,7 +750,7 @@ def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final"
                for r in runs]
     result = {"which": which, "table": table["rows"], "hypotheses": hyps, "significance": sig,
               "runs": per_run}
-    md = [f"# Results\n", f"Validation figures: {which} evaluation; groups averaged over seeds.\n",
+    md = ["# Results\n", f"Validation figures: {which} evaluation; groups averaged over seeds.\n",
           table["markdown"], "\n## Hypotheses\n", hypotheses_markdown(hyps)]
     if sig:
         md += ["\n## Significance (Welch t-test, Cohen's d)\n",

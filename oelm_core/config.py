@@ -343,13 +343,14 @@ def run_config_from_dict(values: dict) -> RunConfig:
     return cfg
 
 
-def _set(tree: dict, dotted: str, value: Any) -> None:
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """tree["a"]["b"] = value for dotted "a.b", creating sections that do not exist yet."""
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted}: {k} is not a section")
+            raise ConfigError(f"cannot set {dotted}: {k} is not a section")
     node[keys[-1]] = value
 
 
@@ -360,7 +361,7 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
         key, raw = item.split("=", 1)
-        _set(values, key.strip(), yaml.safe_load(raw))
+        set_dotted(values, key.strip(), yaml.safe_load(raw))
     return values
 
 

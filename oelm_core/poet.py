@@ -49,7 +49,7 @@ stale momentum decays with beta1 within ~10-20 steps.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn

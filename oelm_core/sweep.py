@@ -32,18 +32,17 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.config import ConfigError, run_config_from_dict
+from oelm_core.config import ConfigError, run_config_from_dict, set_dotted
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNERS = ("inprocess", "subprocess", "notebook")
@@ -73,20 +72,10 @@ class RunSpec:
     info: dict                       # sweep, key, value, variant, seed, label
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = tree
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {k} is not a section")
-    node[keys[-1]] = value
-
-
 def _apply(base: dict, overrides: dict | None) -> dict:
     out = copy.deepcopy(base)
     for k, v in (overrides or {}).items():
-        _set_dotted(out, k, v)
+        set_dotted(out, k, v)
     return out
 
 
@@ -359,19 +348,6 @@ def run_rows(root: str | Path, spectrum: bool = True) -> list[dict]:
     return rows
 
 
-def _mean(values):
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(values) / len(values) if values else None
-
-
-def _std(values):
-    values = [v for v in values if v is not None]
-    if len(values) < 2:
-        return None
-    m = sum(values) / len(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
-
-
 def _group(rows: list[dict], keys: Sequence[str]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -395,18 +371,18 @@ def ablation_table(root: str | Path, baseline: str = "gpt_base", spectrum: bool 
     Per ablation: mean (and std over seeds) final val loss and ppl, the gap to ``baseline`` in %,
     trainable/frozen parameters, tokens/s and, for POET, the trained Q/K's spectrum error.
     """
-    from oelm_core.analysis import markdown_table
+    from oelm_core.analysis import markdown_table, mean_std
 
     runs = sorted(run_rows(root, spectrum), key=lambda r: (_order(r["label"]), r["seed"] or 0))
     rows = []
     for (label,), group in sorted(_group(runs, ["label"]).items(), key=lambda kv: _order(kv[0][0])):
-        losses = [r["final_val_loss"] for r in group]
+        loss, loss_std = mean_std(r["final_val_loss"] for r in group)
         rows.append({"label": label, "variant": group[0]["variant"], "seeds": len(group),
-                     "val_loss": _mean(losses), "val_loss_std": _std(losses),
-                     "val_ppl": _mean([r["final_val_ppl"] for r in group]),
+                     "val_loss": loss, "val_loss_std": loss_std,
+                     "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
                      "trainable": group[0]["trainable"], "frozen": group[0]["frozen"],
-                     "tokens_per_s": _mean([r["tokens_per_s"] for r in group]),
-                     "spectrum_err": _mean([r["spectrum_err"] for r in group])})
+                     "tokens_per_s": mean_std(r["tokens_per_s"] for r in group)[0],
+                     "spectrum_err": mean_std(r["spectrum_err"] for r in group)[0]})
     base = next((r for r in rows if r["label"] == baseline), None)
     for r in rows:
         ok = base is not None and r["val_loss"] is not None and base["val_loss"]
@@ -449,16 +425,16 @@ def ablation_figure(table: dict, path: str | Path | None = None):
 
 def sweep_results(root: str | Path, sweep_name: Optional[str] = None) -> dict:
     """Per (value, variant): mean/std final val loss over seeds, from the run folders under root."""
-    from oelm_core.analysis import markdown_table
+    from oelm_core.analysis import markdown_table, mean_std
 
     runs = [r for r in run_rows(root, spectrum=False) if r["key"] and r["sweep"] != "ablations"
             and (sweep_name is None or r["sweep"] == sweep_name)]
     rows = []
     for (sweep, key, value, variant), group in _group(runs, ["sweep", "key", "value", "variant"]).items():
-        losses = [r["final_val_loss"] for r in group]
+        loss, loss_std = mean_std(r["final_val_loss"] for r in group)
         rows.append({"sweep": sweep, "key": key, "value": value, "variant": variant, "seeds": len(group),
-                     "val_loss": _mean(losses), "val_loss_std": _std(losses),
-                     "val_ppl": _mean([r["final_val_ppl"] for r in group]),
+                     "val_loss": loss, "val_loss_std": loss_std,
+                     "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
                      "trainable": group[0]["trainable"], "frozen": group[0]["frozen"]})
     variant_order = {"gpt_base": 0, "oelm_nofreeze": 1, "oelm_freeze": 2}
     rows.sort(key=lambda r: (r["sweep"] or "", _sortable(r["value"]), variant_order.get(r["variant"], 9), r["variant"]))
