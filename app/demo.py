@@ -34,8 +34,8 @@ from oelm_core.generate import SamplingConfig, stream  # noqa: E402
 
 from oelm_core.analysis import attention_maps, attention_summary  # noqa: E402
 
-from app.attention import (compare_figure, heatmap_figure, summary_figure, token_label,  # noqa: E402
-                           uniform_reference)
+from oelm_core.attention_plots import (compare_figure, heatmap_figure, summary_figure,  # noqa: E402
+                                       token_label, uniform_reference)
 
 GROUPS = ("gpt_base", "oelm_nofreeze", "oelm_freeze")
 

@@ -1,9 +1,6 @@
-"""Attention figures for the demo (the maps and per-head numbers come from oelm_core.analysis).
-
-Candidates for ``oelm_core.analysis``: ``uniform_reference`` (the uniform-attention baseline of
-the per-head summaries) and the figure builders (a heatmap with token labels, the models side by
-side on one colour scale, the per-head summary plot). They take plain arrays, so moving them
-changes only the import in ``app/demo.py``.
+"""Attention figures of the demo: a heatmap with token labels, several models side by side on one
+colour scale, and the per-head summary plot (the maps and per-head numbers come from
+``oelm_core.analysis``). They take plain arrays.
 
 Figures are ``matplotlib.figure.Figure`` objects built without pyplot: they never enter pyplot's
 global figure list, so nothing accumulates between requests even when a request fails halfway.
