@@ -18,9 +18,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from oelm_core.data import EOT, get_tokenizer  # EOT ends every story in the training data
 from oelm_core.model import GPT
-
-EOT = 50256  # GPT-2's <|endoftext|>, which ends every story in the training data
 
 
 @dataclass
@@ -267,8 +266,6 @@ def _stream_cached(model: GPT, prompt_ids: list[int], cfg: SamplingConfig,
 def stream(model: GPT, prompt: str, cfg: SamplingConfig | None = None, tokenizer=None) -> Iterator[str]:
     """Yield pieces of text as they are produced (whole characters only: a multi-byte
     character split across tokens is held back until it is complete)."""
-    from oelm_core.data import get_tokenizer
-
     enc = tokenizer or get_tokenizer()
     cfg = cfg or SamplingConfig()
     new: list[int] = []
