@@ -9,10 +9,13 @@ the whole generation, median of --repeats runs after one warm-up run (the warm-u
 the CUDA graph of the decode step, once per model). Prints a table last.
 
 Cached decoding modes (--modes; the default is "graph" alone):
-  graph   GraphDecoder as stream_tokens uses it: the fixed-shape one-token step, captured in a
-          CUDA graph on CUDA (the table's decoder column says "eager" where it was not captured)
-  eager   the same fixed-shape step run op by op (no graph)
+  graph   GraphDecoder as stream_tokens uses it: the fixed-shape one-token step and the sampler,
+          16 steps (generate.CHUNK) per CUDA graph replay on CUDA (the table's decoder column
+          says "eager" where it was not captured)
+  eager   the same fixed-shape steps run op by op (no graph)
   legacy  the plain growing-cache path, model(x, cache=cache) per token (before the graph step)
+
+Greedy by default; --temperature/--top-k time sampling (the same sampler runs on every path).
 """
 
 from __future__ import annotations
@@ -37,15 +40,17 @@ def set_mode(model, mode):
     decoder = acquire_decoder(model)
     release_decoder(decoder)
     if mode == "graph":
-        if decoder.mode in ("eager", "legacy") and decoder.graph is None:
-            decoder.mode = None  # untried again: capture on the next step where possible
+        if decoder.mode != "graph":
+            decoder.mode = None  # untried again: capture on the next run where possible
     else:
         decoder.mode = mode
+        decoder.graphs.clear()
     return decoder
 
 
-def run_once(model, prompt, n, use_cache, cuda):
-    cfg = SamplingConfig(max_new_tokens=n, temperature=0.0, stop_at_eot=False, use_cache=use_cache, seed=0)
+def run_once(model, prompt, n, use_cache, cuda, temperature=0.0, top_k=0):
+    cfg = SamplingConfig(max_new_tokens=n, temperature=temperature, top_k=top_k, stop_at_eot=False,
+                         use_cache=use_cache, seed=0)
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -67,6 +72,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--uncached-repeats", type=int, default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--modes", nargs="+", default=["graph"], choices=["graph", "eager", "legacy"],
@@ -92,8 +99,11 @@ def main():
             use_cache = mode is not None
             decoder = set_mode(model, mode) if use_cache else None
             reps = args.repeats if use_cache or args.uncached_repeats is None else args.uncached_repeats
-            run_once(model, prompt, min(8, args.new_tokens), use_cache, cuda)  # warm-up (and capture)
-            runs = [run_once(model, prompt, args.new_tokens, use_cache, cuda) for _ in range(reps)]
+            sampling = dict(temperature=args.temperature, top_k=args.top_k)
+            # Warm-up: the whole length with the cache (captures every graph the runs use).
+            run_once(model, prompt, args.new_tokens if use_cache else min(8, args.new_tokens), use_cache,
+                     cuda, **sampling)
+            runs = [run_once(model, prompt, args.new_tokens, use_cache, cuda, **sampling) for _ in range(reps)]
             ttft = median([r[0] for r in runs])
             total = median([r[1] for r in runs])
             n = runs[0][2]
@@ -101,7 +111,8 @@ def main():
                    "decoder": decoder.mode if decoder is not None else "-",
                    "new_tokens": n, "ttft_ms": 1000 * ttft,
                    "decode_ms_per_token": 1000 * median([(r[1] - r[0]) / max(r[2] - 1, 1) for r in runs]),
-                   "total_s": total, "tokens_per_s": n / total, "dtype": args.dtype}
+                   "total_s": total, "tokens_per_s": n / total, "dtype": args.dtype,
+                   "temperature": args.temperature, "top_k": args.top_k}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del model

@@ -125,7 +125,7 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
             for _ in range(3):
                 one()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80)
         name = f"profile_{v['label'].replace(':', '_').replace(',', '_').replace('=', '-')}_b{batch}.txt"
         with open(os.path.join(args.out_dir, name), "w") as f:
             f.write(table)

@@ -1,11 +1,21 @@
 """Sampling from a trained GPT: KV-cached, seeded, streaming.
 
 ``stream(model, prompt)`` yields text pieces as they are produced; ``generate`` joins them.
-The cache and the plain path compute the same logits (tested); the cache only avoids
-recomputing the keys and values of tokens already seen. After the prompt's prefill, each new
-token goes through ``GraphDecoder``: a fixed-shape one-token step (``GPT.decode_step``: keys and
-values written at a position held in a device tensor, attention over the whole block_size cache
-under a position mask), replayed as one CUDA graph on GPUs and run eagerly elsewhere.
+
+Sampling runs on the model's device and never waits for the host. Its noise is a counter-based
+hash of (seed, step, token id) (``gumbel_noise``), not a generator's state: a seed gives the
+same noise on CPU and GPU, every path (cached, uncached, graph, eager) draws the k-th token with
+the same noise, and a run of decoding steps, sampling included, fits in one CUDA graph. A token
+is argmax(logits / T + Gumbel noise) over the ids that top-k / top-p allow (the Gumbel-max trick:
+a sample of softmax(logits / T) restricted to them).
+
+The cache and the plain path compute the same logits (tested); the cache only avoids recomputing
+the keys and values of tokens already seen. After the prompt's prefill, tokens come from
+``GraphDecoder``: the fixed-shape one-token step (``GPT.decode_step``: keys and values written at
+a position held in a device tensor, attention over the whole block_size cache under a position
+mask) followed by the sampler, ``CHUNK`` steps captured as one CUDA graph on GPUs, so the host
+launches one replay and reads ``CHUNK`` token ids back instead of launching ~100 kernels and
+reading 50,257 logits per token. Elsewhere the same steps run eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ import torch
 
 from oelm_core.data import EOT, get_tokenizer  # EOT ends every story in the training data
 from oelm_core.model import GPT
+
+CHUNK = 16  # decoding steps per CUDA-graph replay: one host round trip per 16 tokens
 
 
 @dataclass
@@ -44,24 +56,61 @@ class SamplingConfig:
         return self
 
 
-def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:
-    """logits: (vocab,) of the last position -> the next token id."""
-    if cfg.temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float() / cfg.temperature
-    if cfg.top_k:
-        kth = torch.topk(logits, min(cfg.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if cfg.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest set whose mass reaches top_p (the first token always stays).
-        drop = sorted_p.cumsum(0) - sorted_p >= cfg.top_p
-        sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    # Sampling on the CPU with a CPU generator makes a seed give the same text on any device.
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+# --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
 
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (Mueller's hash32) on int64 tensors holding values < 2^32; its
+    multiplier is below 2^27, so no product leaves int64 and every device computes the same bits."""
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & _M32
+    h = (((h >> 16) ^ h) * 0x45D9F3B) & _M32
+    return (h >> 16) ^ h
+
+
+def seed_tensor(seed: int, device) -> torch.Tensor:
+    """A Python seed of any size folded to a one-element int64 tensor below 2^32."""
+    return torch.tensor([(seed ^ (seed >> 32)) & _M32], dtype=torch.int64, device=device)
+
+
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, n_steps: int, vocab: int) -> torch.Tensor:
+    """(n_steps, vocab) float32 Gumbel noise for sampling steps step, step + 1, ...
+
+    seed, step: one-element int64 tensors on the device where the noise is wanted. Entry (i, v)
+    is -log(-log(u)) with u in (0, 1) from 24 bits of a hash of (seed, step + i, v)."""
+    steps = step + torch.arange(n_steps, device=step.device)
+    key = _hash32((_hash32(seed) + steps * 0x9E3779B9) & _M32)              # (n_steps,)
+    ids = torch.arange(vocab, device=step.device)
+    h = _hash32((key[:, None] + ids[None, :] * 0x85EBCA77) & _M32)          # (n_steps, vocab)
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, noise: Optional[torch.Tensor]) -> torch.Tensor:
+    """logits (..., vocab), noise (vocab,) from ``gumbel_noise`` (unused when greedy) -> token
+    ids (...,) int64 on the same device. No host synchronisation and no data-dependent shape,
+    so it can be captured in a CUDA graph."""
+    if cfg.temperature == 0:
+        return logits.argmax(-1)
+    x = logits.float() / cfg.temperature
+    if cfg.top_k and cfg.top_k < x.size(-1):
+        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        drop = torch.empty_like(p, dtype=torch.bool).scatter_(-1, order, p.cumsum(-1) - p >= cfg.top_p)
+        x = x.masked_fill(drop, float("-inf"))
+    return (x + noise).argmax(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Cached decoding
+# --------------------------------------------------------------------------------------------
 
 def _state_signature(model: GPT) -> tuple:
     """What a captured decode step depends on: where every weight lives, the mode, autocast."""
@@ -74,17 +123,18 @@ def _state_signature(model: GPT) -> tuple:
 
 
 class GraphDecoder:
-    """KV-cached decoding for one sequence with a fixed-shape one-token step.
+    """KV-cached decoding of one sequence with fixed shapes.
 
-    ``prefill(model, ids)`` runs the prompt through the ordinary cached path
-    (``model(x, cache=cache)``); ``step(model, token)`` runs ``GPT.decode_step`` for one token at
-    position ``cache.length``: the token id and the position go into static device tensors, so
-    on CUDA the step is captured once in a CUDA graph (after a warm-up on a side stream) and
-    every later token is one graph replay instead of ~100 kernel launches from Python.
-    Elsewhere, in training mode, or if the capture fails or disagrees with the eager step, the
-    same step runs eagerly; if even that fails it falls back to ``model(x, cache=cache)``.
-    Both return the logits of the last position as a CPU float tensor (vocab,), ready for
-    ``sample_next``.
+    Device state: ``token`` (1, 1), the last sampled id, not yet fed to the model; ``state`` =
+    [pos, step], the position that token takes in the cache and the index of the next sample
+    (which picks its noise); ``seed``; ``out`` (CHUNK,), the ids of the last ``run``.
+    ``prefill(model, ids, step, cfg)`` runs ids through the ordinary cached path
+    (``model(x, cache=cache)``) and samples the next token; ``run(model, n, cfg)`` feeds the
+    token and samples the next one, n times (``GPT.decode_step`` + ``sample``), and returns the n
+    new ids. On CUDA each (n, sampling setting) is captured once as a CUDA graph (after a
+    warm-up on a side stream, checked against the eager run) and replayed; elsewhere, in training
+    mode, or if the capture fails or disagrees, the same steps run eagerly; if even that fails,
+    one token at a time through ``model(x, cache=cache)`` ("legacy").
 
     The decoder holds no reference to the model (it is passed in), so ``_DECODERS`` can keep one
     per model, weakly, across calls: capture happens once, not once per generation.
@@ -93,98 +143,116 @@ class GraphDecoder:
     def __init__(self, model: GPT):
         self.signature = _state_signature(model)
         self.block = model.cfg.block_size
+        self.vocab = model.cfg.vocab_size
         self.cache = model.new_cache()
         dev = model.wte.weight.device
         self.cuda = dev.type == "cuda"
-        self.idx = torch.zeros((1, 1), dtype=torch.long, device=dev)  # static inputs
-        self.pos = torch.zeros((1,), dtype=torch.long, device=dev)
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        self.state = torch.zeros(2, dtype=torch.long, device=dev)
+        self.seed = torch.zeros(1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(CHUNK, dtype=torch.long, device=dev)
         self.mode = None            # None (untried), "graph", "eager", "legacy"
-        self.graph = None
-        self.graph_out = None
-        self.host = None
-        if self.cuda:
-            try:  # pinned, so the per-token copy of the logits is one fast DMA
-                self.host = torch.empty(model.cfg.vocab_size, dtype=torch.float32, pin_memory=True)
-            except Exception:  # pragma: no cover - depends on the machine
-                self.host = None
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = None
         self.busy = False
 
     @property
     def length(self) -> int:
+        """Positions of the cache in use (the host's copy of ``state[0]``)."""
         return self.cache.length
 
     def reset(self) -> None:
         """Forget the context (positions past ``length`` are masked, so nothing is cleared)."""
         self.cache.length = 0
 
-    def _to_host(self, logits: torch.Tensor) -> torch.Tensor:
-        """(vocab,) logits -> float32 on the CPU (one small copy, which waits for the step)."""
-        if self.host is not None and logits.is_cuda:
-            self.host.copy_(logits.float(), non_blocking=True)
-            torch.cuda.current_stream(logits.device).synchronize()
-            return self.host
-        return logits.float().cpu()
+    def set_seed(self, seed: int) -> None:
+        self.seed.copy_(seed_tensor(seed, "cpu"))
 
-    def prefill(self, model: GPT, ids: list[int]) -> torch.Tensor:
-        x = torch.tensor([ids], device=self.idx.device)
-        logits = model(x, cache=self.cache)[0, -1]
-        return self._to_host(logits)
+    def _noise(self, cfg: SamplingConfig, n: int) -> Optional[torch.Tensor]:
+        return None if cfg.temperature == 0 else gumbel_noise(self.seed, self.state[1:], n, self.vocab)
 
-    def _eager(self, model: GPT) -> torch.Tensor:
-        return model.decode_step(self.idx, self.pos, self.cache)
+    def prefill(self, model: GPT, ids: list[int], step: int, cfg: SamplingConfig) -> int:
+        """Run ``ids`` from position ``length`` and sample token number ``step`` after them."""
+        x = torch.tensor([ids], device=self.token.device)
+        logits = model(x, cache=self.cache)[:, -1]
+        self.state.copy_(torch.tensor([self.cache.length, step]))
+        noise = self._noise(cfg, 1)
+        self.token.copy_(sample(logits, cfg, None if noise is None else noise[0]).view(1, 1))
+        self.state[1] += 1
+        return int(self.token)
 
-    def _capture(self, model: GPT) -> None:
-        """Warm up on a side stream, capture, and check one replay against the eager step."""
+    def _steps(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
+        """n decoding steps on the device state; fixed shapes throughout."""
+        noise = self._noise(cfg, n)
+        for i in range(n):
+            logits = model.decode_step(self.token, self.state[:1], self.cache)
+            self.out[i:i + 1].copy_(sample(logits, cfg, None if noise is None else noise[i]))
+            self.token.copy_(self.out[i:i + 1].view(1, 1))
+            self.state += 1
+
+    def _legacy_steps(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
+        noise = self._noise(cfg, n)
+        for i in range(n):
+            logits = model(self.token, cache=self.cache)[:, -1]
+            self.out[i:i + 1].copy_(sample(logits, cfg, None if noise is None else noise[i]))
+            self.token.copy_(self.out[i:i + 1].view(1, 1))
+            self.state += 1
+        self.cache.length -= n  # run() advances it for every mode
+
+    def _capture(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
+        """Warm up on a side stream, capture ``_steps(n)`` and check one replay against the
+        warm-up (same start state, so the same ids). Leaves this run's result in ``out``."""
+        key = (n, cfg.temperature, cfg.top_k, cfg.top_p)
+        start = (self.token.clone(), self.state.clone())
         try:
-            s = torch.cuda.Stream(device=self.idx.device)
-            s.wait_stream(torch.cuda.current_stream(self.idx.device))
+            s = torch.cuda.Stream(device=self.token.device)
+            s.wait_stream(torch.cuda.current_stream(self.token.device))
             with torch.cuda.stream(s):
-                for _ in range(2):  # the same token at the same position: idempotent writes
-                    ref = self._eager(model)
-                ref = ref.clone()
-            torch.cuda.current_stream(self.idx.device).wait_stream(s)
+                self._steps(model, n, cfg)
+                expected = self.out[:n].clone()
+                self.token.copy_(start[0])
+                self.state.copy_(start[1])
+            torch.cuda.current_stream(self.token.device).wait_stream(s)
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = self._eager(model)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._steps(model, n, cfg)
             graph.replay()
-            if not torch.allclose(out.float(), ref.float(), rtol=1e-4, atol=1e-4, equal_nan=True):
-                raise RuntimeError("the replayed decode step disagrees with the eager one")
-            self.graph, self.graph_out, self.mode = graph, out, "graph"
+            if not torch.equal(self.out[:n], expected):
+                raise RuntimeError("the replayed decode steps disagree with the eager ones")
+            self.graphs[key] = graph
+            self.mode = "graph"
         except Exception as e:  # keep generating: the eager fixed-shape step is the same math
             warnings.warn(f"CUDA graph capture of the decode step failed ({e}); decoding eagerly")
-            self.graph, self.graph_out = None, None
+            self.token.copy_(start[0])
+            self.state.copy_(start[1])
+            self.graphs.clear()
             self.mode = "eager"
+            self._steps(model, n, cfg)
 
-    def step(self, model: GPT, token: int) -> torch.Tensor:
-        """Feed ``token`` at position ``length`` (< block_size) -> CPU logits (vocab,)."""
-        pos = self.cache.length
-        if pos >= self.block:
+    def run(self, model: GPT, n: int, cfg: SamplingConfig) -> list[int]:
+        """Feed the pending token and sample n more (positions length .. length + n - 1)."""
+        if not 1 <= n <= CHUNK:
+            raise ValueError(f"run() takes 1 to {CHUNK} steps, got {n}")
+        if self.length + n > self.block:
             raise ValueError(f"the context of {self.block} tokens is full; reset and prefill")
-        if self.mode == "legacy":
-            return self.prefill(model, [token])
-        self.idx.fill_(token)
-        self.pos.fill_(pos)
-        if self.mode is None:
-            if self.cuda and not model.training:
-                self._capture(model)  # leaves this step's result in graph_out, or mode "eager"
-            else:
-                self.mode = "eager"
-            if self.mode == "eager":
-                try:
-                    out = self._eager(model)
-                except Exception as e:  # pragma: no cover - a device without index_copy_/SDPA masks
-                    warnings.warn(f"fixed-shape decode step failed ({e}); using the plain cached path")
-                    self.mode = "legacy"
-                    return self.prefill(model, [token])
-            else:
-                out = self.graph_out
-        elif self.mode == "graph":
-            self.graph.replay()
-            out = self.graph_out
+        key = (n, cfg.temperature, cfg.top_k, cfg.top_p)
+        if self.mode in (None, "graph") and key not in self.graphs and self.cuda and not model.training:
+            self._capture(model, n, cfg)
+        elif self.mode in (None, "graph") and key in self.graphs:
+            self.graphs[key].replay()
+        elif self.mode == "legacy":
+            self._legacy_steps(model, n, cfg)
         else:
-            out = self._eager(model)
-        self.cache.length = pos + 1
-        return self._to_host(out[0])
+            self.mode = "eager"
+            try:
+                self._steps(model, n, cfg)
+            except Exception as e:  # pragma: no cover - a device without index_copy_/SDPA masks
+                warnings.warn(f"fixed-shape decode step failed ({e}); using the plain cached path")
+                self.mode = "legacy"
+                self._legacy_steps(model, n, cfg)
+        self.cache.length += n
+        return self.out[:n].tolist()
 
 
 _DECODERS: "weakref.WeakKeyDictionary[GPT, GraphDecoder]" = weakref.WeakKeyDictionary()
@@ -215,7 +283,8 @@ def release_decoder(decoder: GraphDecoder) -> None:
 
 @torch.no_grad()
 def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Iterator[int]:
-    """Yield new token ids one by one. Context past block_size keeps its most recent tokens."""
+    """Yield new token ids one by one. When the context would pass block_size it restarts from
+    its most recent block_size // 2 tokens, on the cached and the uncached path alike."""
     cfg.validate()
     block = model.cfg.block_size
     if not prompt_ids:
@@ -223,42 +292,53 @@ def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Ite
     if len(prompt_ids) >= block:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
                          f"{block} tokens; shorten it to fewer than {block} tokens")
-    generator = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+    seed = cfg.seed if cfg.seed is not None else torch.seed()
     if cfg.use_cache:
-        yield from _stream_cached(model, prompt_ids, cfg, generator)
+        yield from _stream_cached(model, list(prompt_ids), cfg, seed)
         return
     device = model.wte.weight.device
-    ids = list(prompt_ids)
-    for _ in range(cfg.max_new_tokens):
-        logits = model(torch.tensor([ids[-block:]], device=device))[0, -1]
-        token = sample_next(logits, cfg, generator)
+    seed_t = seed_tensor(seed, device)
+    ids, start = list(prompt_ids), 0
+    for step in range(cfg.max_new_tokens):
+        if len(ids) - start > block:
+            start = len(ids) - block // 2  # the window policy of the cached path (see _stream_cached)
+        logits = model(torch.tensor([ids[start:]], device=device))[:, -1]
+        noise = None if cfg.temperature == 0 else \
+            gumbel_noise(seed_t, torch.tensor([step], device=device), 1, model.cfg.vocab_size)[0]
+        token = int(sample(logits, cfg, noise))
         if cfg.stop_at_eot and token == EOT:
             return
         ids.append(token)
         yield token
 
 
-def _stream_cached(model: GPT, prompt_ids: list[int], cfg: SamplingConfig,
-                   generator: torch.Generator) -> Iterator[int]:
+def _stream_cached(model: GPT, ids: list[int], cfg: SamplingConfig, seed: int) -> Iterator[int]:
     block = model.cfg.block_size
-    ids = list(prompt_ids)
     decoder = acquire_decoder(model)
     try:
-        pending = ids  # tokens the model has not seen yet
-        for _ in range(cfg.max_new_tokens):
-            if decoder.length + len(pending) > block:
-                decoder.reset()  # window full: start again from the most recent tokens
-                pending = ids[-(block - 1):]
-            if len(pending) == 1:
-                logits = decoder.step(model, pending[0])
+        decoder.set_seed(seed)
+        new = [decoder.prefill(model, ids, 0, cfg)]
+        produced = 0
+        while True:
+            for token in new:
+                if cfg.stop_at_eot and token == EOT:
+                    return
+                ids.append(token)
+                produced += 1
+                yield token
+                if produced == cfg.max_new_tokens:
+                    return
+            room, left = block - decoder.length, cfg.max_new_tokens - produced
+            if room == 0:
+                # Window full. Learned absolute positions mean the kept tokens must be encoded
+                # again at new positions, so keep the most recent half: one prefill per block // 2
+                # tokens, not one per token (the uncached path follows the same policy).
+                decoder.reset()
+                new = [decoder.prefill(model, ids[-(block // 2):], produced, cfg)]
             else:
-                logits = decoder.prefill(model, pending)
-            token = sample_next(logits, cfg, generator)
-            if cfg.stop_at_eot and token == EOT:
-                return
-            ids.append(token)
-            pending = [token]
-            yield token
+                # Whole chunks while they fit; single steps at the end of the window or the text.
+                n = CHUNK if room >= CHUNK and left >= CHUNK // 2 else 1
+                new = decoder.run(model, n, cfg)
     finally:
         release_decoder(decoder)
 

@@ -196,24 +196,38 @@ class CausalSelfAttention(nn.Module):
     def decode(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One new token at position ``pos`` with shapes that never change (CUDA-graph friendly):
         x (B, 1, d_model); k, v written into the cache at ``pos``; attention over the whole
-        block_size cache with ``mask`` (1, 1, 1, block_size), True at positions <= pos.
-        The same numbers as ``forward(x, cache)`` with ``cache.length == pos``."""
+        block_size cache with the additive ``mask`` (1, 1, 1, block_size), 0 at positions <= pos
+        and -inf after. Returns the heads' output (B, 1, d_model) *before* the output projection
+        (``Block.decode`` fuses that with the residual add). With ``self.proj`` applied, the same
+        numbers as ``forward(x, cache)`` with ``cache.length == pos``."""
         b = x.size(0)
         q, k, v = self._qkv(x)
         v = self._heads(v)
         # The Synthesizer has no keys; its key slot in the cache holds the values again.
         k_all, v_all = cache.write(self.layer, pos, v if k is None else self._heads(k), v)
-        p_drop = self.dropout if self.training else 0.0
         if self.qk is not None:
-            y = F.scaled_dot_product_attention(self._heads(q), k_all, v_all, attn_mask=mask, dropout_p=p_drop)
+            # One query per head: a batched GEMV with the mask added (baddbmm), a softmax and a
+            # second GEMV. SDPA's fused kernels are built for many queries; in float32 over 512
+            # keys its memory-efficient kernel took several times longer per layer (H200).
+            h, t, dh = self.cfg.n_head, self.cfg.block_size, self.cfg.d_head
+            logits = torch.baddbmm(mask.to(q.dtype).view(1, 1, t), self._heads(q).reshape(b * h, 1, dh),
+                                   k_all.reshape(b * h, t, dh).transpose(1, 2), alpha=1.0 / math.sqrt(dh))
+            logits = logits.view(b, h, 1, t)
         else:
             rows = self.synth_0.index_select(1, pos)  # (H, 1, T) or (H, 1, rank)
             logits = rows if self.cfg.attention == "synth_random" else rows @ self.synth_1.transpose(1, 2)
-            logits = logits.unsqueeze(0).to(v_all.dtype).masked_fill(~mask, float("-inf"))
-            att = torch.softmax(logits.float(), dim=-1).to(v_all.dtype)
-            y = F.dropout(att, p_drop, self.training) @ v_all
-        y = y.transpose(1, 2).reshape(b, 1, self.cfg.d_model)
-        return self.proj(y)
+            logits = logits.unsqueeze(0) + mask
+        att = torch.softmax(logits.float(), dim=-1).to(v_all.dtype)
+        y = F.dropout(att, self.dropout, self.training) @ v_all
+        return y.transpose(1, 2).reshape(b, 1, self.cfg.d_model)
+
+
+def _add_linear(residual: torch.Tensor, h: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """residual + layer(h) for one token, (B, 1, d) each, as one GEMM that accumulates into the
+    residual (addmm): one kernel fewer than a linear layer and an add, per projection."""
+    b = residual.size(0)
+    acc = residual.view(b, -1) if layer.bias is None else residual.view(b, -1) + layer.bias
+    return torch.addmm(acc, h.reshape(b, -1), layer.weight.t()).view_as(residual)
 
 
 class MLP(nn.Module):
@@ -223,8 +237,12 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., d_model) -> GELU(fc(x)) (..., d_ff), the input of the output projection."""
+        return F.gelu(self.fc(x), approximate="tanh")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        y = self.proj(self.hidden(x))
         return self.dropout(y) if self.dropout.p > 0 else y
 
 
@@ -246,9 +264,12 @@ class Block(nn.Module):
         return (x, att) if return_attention else x
 
     def decode(self, x, cache, pos, mask):
-        """The fixed-shape one-token step (see ``CausalSelfAttention.decode``)."""
-        x = x + self.attn.decode(self.ln_1(x), cache, pos, mask)
-        return x + self.mlp(self.ln_2(x))
+        """The fixed-shape one-token step (see ``CausalSelfAttention.decode``), each residual add
+        folded into its projection's GEMM."""
+        x = _add_linear(x, self.attn.decode(self.ln_1(x), cache, pos, mask), self.attn.proj)
+        if self.training and self.mlp.dropout.p > 0:
+            return x + self.mlp(self.ln_2(x))
+        return _add_linear(x, self.mlp.hidden(self.ln_2(x)), self.mlp.proj)
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,23 +287,21 @@ if triton is not None:
     def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, inv_n_ptr, vocab, padded,
                         WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         """One program per row of logits: loss = lse - logit[target]; then, in place, the
-        gradient (softmax - one_hot) * valid / n_valid over all padded columns (0 past vocab)."""
+        gradient (softmax - one_hot) * valid / n_valid over all padded columns (0 past vocab).
+        The running max and sum are scalars, so the first pass costs one exp per logit."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         target = tl.load(targets_ptr + row)
         cols0 = tl.arange(0, BLOCK)
-        m = tl.full([BLOCK], -float("inf"), tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.full([], 0.0, tl.float32)
         for off in tl.range(0, vocab, BLOCK):
             cols = off + cols0
-            x = tl.load(base + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            seen = m_new > -float("inf")
-            s = tl.where(seen, s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, 0))  # finite from the first block on (vocab > 0)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
-        mx = tl.max(m, 0)
-        total = tl.sum(tl.where(m > -float("inf"), s * tl.exp(m - mx), 0.0), 0)
-        lse = mx + tl.log(total)
+        lse = m + tl.log(s)
         valid = target >= 0
         safe_t = tl.where(valid, target, 0)
         t_logit = tl.load(base + safe_t).to(tl.float32)
@@ -298,15 +317,32 @@ if triton is not None:
                 tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < padded)
 
 
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (float32) += a @ b for bf16/fp16 a, b: one GEMM accumulating in place where torch has
+    the mixed-dtype addmm (CUDA, torch >= 2.8), else a low-precision product added in float32.
+    On an H200, for the output layer's weight gradient of one 8,192-token slice: 0.57 vs 0.70 ms."""
+    global _HAS_ADDMM_OUT_DTYPE
+    if _HAS_ADDMM_OUT_DTYPE:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _HAS_ADDMM_OUT_DTYPE = False
+    acc += (a @ b).float()
+
+
+_HAS_ADDMM_OUT_DTYPE = True
+
+
 def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bool):
     """The CUDA path: per slice one matmul over the *padded* vocabulary (aligned for the tensor
     cores), one Triton pass that turns the logits into the loss and, in place, the gradient
-    (two reads of each row, one write), then the two gradient matmuls. Measured on an H200
-    (benchmarks/RESULTS.md) the kernel moves ~2 TB/s: it is latency-bound (a row's loop carries
-    its running max/sum), so a split-row grid or fusing it into the logits matmul's epilogue is
-    the next step.
+    (each row read twice, written once), then the two gradient matmuls.
     Compared with full logits + F.cross_entropy under torch.compile this saves about two passes
-    over the (tokens x vocab) logits."""
+    over the (tokens x vocab) logits. Measured on an H200 for one 8,192 x 50,304 bf16 slice
+    (benchmarks/bench_ce.py): the kernel takes 0.66 ms, where a plain copy of the slice (one
+    read, one write) takes 0.39 ms; small programs (2,048 columns, 4 warps), many per SM, keep
+    enough loads in flight, where one 32-warp program per SM took 0.91 ms."""
     n, padded = x.size(0), w.size(0)
     xc, wc = x.to(dtype), w.to(dtype)
     targets = targets.contiguous()
@@ -315,19 +351,20 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
     row_loss = torch.empty(n, dtype=torch.float32, device=x.device)
     grad_x = torch.empty((n, x.size(1)), dtype=dtype, device=x.device) if need_grad else None
     grad_w = None
+    if need_grad and n > chunk:  # several slices: accumulate the weight gradient in float32
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
     for s in range(0, n, chunk):
         xs = xc[s:s + chunk]
         logits = xs @ wc.T
         _ce_rows_kernel[(xs.size(0),)](logits, logits.stride(0), targets[s:s + chunk], row_loss[s:],
-                                       inv_n, vocab, padded, WRITE_GRAD=need_grad, BLOCK=8192,
-                                       num_warps=32)
+                                       inv_n, vocab, padded, WRITE_GRAD=need_grad, BLOCK=2048,
+                                       num_warps=4)
         if need_grad:
             torch.mm(logits, wc, out=grad_x[s:s + chunk])
-            gw = logits.T @ xs
             if grad_w is None:
-                grad_w = gw if n <= chunk else gw.float()
+                grad_w = logits.T @ xs
             else:
-                grad_w += gw
+                _addmm_fp32_(grad_w, logits.T, xs)
     loss = row_loss.sum() * inv_n[0]
     return loss, grad_x, grad_w
 
@@ -487,13 +524,16 @@ class GPT(nn.Module):
         idx: (B, 1) token ids at position ``pos`` (a 1-element LongTensor on the model's device,
         < block_size); cache: a ``KVCache`` whose positions < pos hold the earlier tokens.
         Writes this token's keys/values at ``pos`` and attends over the whole block_size cache
-        through the mask ``arange(block_size) <= pos``, so no shape depends on the position.
+        through one additive mask (0 where ``arange(block_size) <= pos``, -inf after), built once
+        for all layers, so no shape depends on the position.
         Returns logits (B, vocab_size). Neither reads nor updates ``cache.length``.
         """
         x = self.wte(idx) + self.wpe(pos)
         if self.drop.p > 0:
             x = self.drop(x)
-        mask = (torch.arange(self.cfg.block_size, device=idx.device) <= pos).view(1, 1, 1, -1)
+        future = torch.arange(self.cfg.block_size, device=idx.device) > pos
+        mask = torch.zeros(future.shape, dtype=self.wte.weight.dtype, device=idx.device)
+        mask = mask.masked_fill_(future, float("-inf")).view(1, 1, 1, -1)
         for block in self.blocks:
             x = block.decode(x, cache, pos, mask)
         return self.logits(self.ln_f(x))[:, 0]

@@ -1,10 +1,13 @@
 """Sampling: the KV cache changes speed, not results; seeds, filters, limits and streaming."""
 
+import math
+
 import pytest
 import torch
 
 from oelm_core import build_model
-from oelm_core.generate import EOT, SamplingConfig, generate, sample_next, stream, stream_tokens
+from oelm_core.generate import (EOT, SamplingConfig, generate, gumbel_noise, sample, seed_tensor, stream,
+                                stream_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +50,56 @@ def test_stream_pieces_join_to_the_whole_text(smoke_model):
     assert len(pieces) > 1 and "".join(pieces) == generate(smoke_model, "The cat", cfg)
 
 
+def _draws(logits, cfg, n=300, seed=0):
+    noise = gumbel_noise(seed_tensor(seed, "cpu"), torch.tensor([0]), n, logits.numel())
+    return [int(sample(logits, cfg, noise[i])) for i in range(n)]
+
+
 def test_top_k_and_top_p_keep_only_the_allowed_tokens():
-    g = torch.Generator().manual_seed(0)
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    top2 = {sample_next(logits, SamplingConfig(top_k=2, temperature=1.0), g) for _ in range(300)}
-    assert top2 == {0, 1}
+    assert set(_draws(logits, SamplingConfig(top_k=2, temperature=1.0))) == {0, 1}
     # p = softmax: [0.636, 0.234, 0.086, ...]; top_p 0.8 keeps the first two only.
-    nucleus = {sample_next(logits, SamplingConfig(top_p=0.8, temperature=1.0), g) for _ in range(300)}
-    assert nucleus == {0, 1}
-    assert sample_next(logits, SamplingConfig(temperature=0.0), g) == 0
+    assert set(_draws(logits, SamplingConfig(top_p=0.8, temperature=1.0))) == {0, 1}
+    assert set(_draws(logits, SamplingConfig(temperature=1.0))) == {0, 1, 2, 3, 4}
+    assert int(sample(logits, SamplingConfig(temperature=0.0), None)) == 0
+
+
+def test_gumbel_max_sampling_draws_from_the_softmax():
+    logits = torch.tensor([1.5, 0.5, 0.0, -1.0])
+    n = 20000
+    counts = torch.bincount(torch.tensor(_draws(logits, SamplingConfig(temperature=1.0), n=n, seed=3)), minlength=4)
+    p = torch.softmax(logits, 0)
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((counts / n - p).abs() < 4 * sigma).all(), (counts / n, p)
+    # Temperature 2 flattens the distribution as softmax(logits / 2) says.
+    counts = torch.bincount(torch.tensor(_draws(logits, SamplingConfig(temperature=2.0), n=n, seed=4)), minlength=4)
+    p = torch.softmax(logits / 2, 0)
+    assert ((counts / n - p).abs() < 4 * (p * (1 - p) / n).sqrt()).all()
+
+
+def _hash32_reference(h: int) -> int:
+    """Mueller's hash32 in plain Python integers, the definition the tensor version must match."""
+    h = ((h >> 16) ^ h) * 0x45D9F3B & 0xFFFFFFFF
+    h = ((h >> 16) ^ h) * 0x45D9F3B & 0xFFFFFFFF
+    return (h >> 16) ^ h
+
+
+def test_noise_is_a_pure_function_of_seed_step_and_token_bit_for_bit():
+    seed, step, vocab = 2**40 + 12345, 7, 50257
+    noise = gumbel_noise(seed_tensor(seed, "cpu"), torch.tensor([step]), 3, vocab)
+    s32 = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    for i, v in [(0, 0), (1, 17), (2, vocab - 1), (0, 31337)]:
+        key = _hash32_reference((_hash32_reference(s32) + (step + i) * 0x9E3779B9) & 0xFFFFFFFF)
+        h = _hash32_reference((key + v * 0x85EBCA77) & 0xFFFFFFFF)
+        u = ((h >> 8) + 0.5) / 2**24
+        assert abs(noise[i, v].item() - (-math.log(-math.log(u)))) < 1e-5
+    # Steps are independent draws: the same noise again for the same (seed, step) only.
+    again = gumbel_noise(seed_tensor(seed, "cpu"), torch.tensor([step + 1]), 2, vocab)
+    assert torch.equal(again, noise[1:])
+    other = gumbel_noise(seed_tensor(seed + 1, "cpu"), torch.tensor([step]), 1, vocab)
+    assert (other[0] != noise[0]).float().mean() > 0.99
+    # Gumbel(0, 1): mean = Euler's gamma, variance = pi^2 / 6.
+    assert abs(noise.mean().item() - 0.5772) < 0.01 and abs(noise.var().item() - math.pi**2 / 6) < 0.03
 
 
 def test_generation_stops_at_end_of_text():
@@ -170,9 +214,11 @@ def test_seeded_sampling_through_the_decoder_matches_the_plain_paths():
     cached = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=29)))
     plain = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=29, use_cache=False)))
     assert cached == plain
-    # Past it, the window slides as the plain cached path (model(x, cache=cache) per token) does:
-    # re-prefill the last block_size - 1 tokens, then one token at a time.
+    # Past it too (the window keeps its most recent half on every path), and the same as the
+    # plain cached path (model(x, cache=cache) per token).
     cached = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=100)))
+    plain = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=100, use_cache=False)))
+    assert cached == plain
     decoder = acquire_decoder(model)
     release_decoder(decoder)
     decoder.mode = "legacy"
@@ -187,9 +233,12 @@ def test_decoder_falls_back_when_the_fixed_shape_step_or_the_capture_fails(monke
     plain = list(stream_tokens(model, [1], SamplingConfig(**kw, use_cache=False)))
     # A failed capture (here: no CUDA at all) leaves the eager fixed-shape step.
     decoder = GraphDecoder(model)
+    greedy = SamplingConfig(temperature=0.0)
+    decoder.prefill(model, [1], 0, greedy)
     with pytest.warns(UserWarning, match="capture"):
-        decoder._capture(model)
-    assert decoder.mode == "eager" and decoder.graph is None
+        decoder._capture(model, 4, greedy)
+    assert decoder.mode == "eager" and not decoder.graphs
+    assert decoder.out[:4].tolist() == plain[1:5]  # the eager fallback ran this call's steps
     # A device where even the eager step fails: the plain cached path, same tokens.
     monkeypatch.setattr(type(model), "decode_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
     fresh = build_model("tiny", "gpt_base", seed=7).eval()

@@ -1,0 +1,145 @@
+"""The loss's fused cross-entropy kernel (oelm_core.model._ce_rows_kernel) on one slice of logits.
+
+    PYTHONPATH=. python benchmarks/bench_ce.py --rows 8192 --configs 2048x4 8192x32 --json ce.json
+
+One slice of bf16 logits as the loss sees it (--rows x 50,304 padded columns, 50,257 real). Timed:
+the memory roofline on that slice (a copy: one read, one write; a float32 sum: one read); the kernel
+with WRITE_GRAD for each BLOCKxnum_warps config, at GB/s counting its three passes over the slice
+(two reads, one write), each checked on a fresh copy against float32 torch; and the output layer's
+weight-gradient accumulation for the slice, bf16 matmul + float add vs oelm_core.model._addmm_fp32_.
+Each figure is the median of --reps CUDA-event timings after 3 warm-up runs. CUDA and Triton only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import card_name, commit, median, now, time_blocks  # noqa: E402
+
+from oelm_core import model as oelm_model  # noqa: E402
+
+VOCAB, PADDED, D_MODEL = 50257, 50304, 512
+
+
+def make_slice(rows: int, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(rows, PADDED, device=device, generator=g) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (rows,), device=device, generator=g)
+    targets[::7] = -1
+    inv_n = (1.0 / (targets >= 0).sum().float()).reshape(1)
+    return logits, targets, inv_n
+
+
+def run_kernel(logits, targets, inv_n, loss, block: int, warps: int):
+    oelm_model._ce_rows_kernel[(logits.size(0),)](logits, logits.stride(0), targets, loss, inv_n, VOCAB,
+                                                  PADDED, WRITE_GRAD=True, BLOCK=block, num_warps=warps)
+
+
+def reference(logits, targets, inv_n):
+    """Float32 torch: loss per row (0 where ignored) and (softmax - one_hot) * valid * inv_n."""
+    x = logits[:, :VOCAB].float()
+    valid, safe = targets >= 0, targets.clamp(min=0)
+    lse = torch.logsumexp(x, 1)
+    loss = torch.where(valid, lse - x.gather(1, safe[:, None])[:, 0], 0.0)
+    grad = torch.softmax(x, 1)
+    grad[torch.arange(len(targets), device=x.device), safe] -= 1.0
+    return loss, grad.mul_(valid[:, None] * inv_n)
+
+
+def check(logits, targets, inv_n, ref, block: int, warps: int) -> dict:
+    ref_loss, ref_grad = ref
+    x, loss = logits.clone(), torch.empty(len(targets), device=logits.device)
+    run_kernel(x, targets, inv_n, loss, block, warps)
+    return {"loss_err": float((loss - ref_loss).abs().max()),
+            "grad_err": float((x[:, :VOCAB].float() - ref_grad).abs().max() / ref_grad.abs().max()),
+            "pad_zero": bool((x[:, VOCAB:] == 0).all())}
+
+
+def time_ms(fn, reps: int) -> float:
+    time_blocks(fn, 1, 3, cuda=True)  # warm-up (and Triton's compile for a new config)
+    return 1000 * median(time_blocks(fn, reps, 1, cuda=True))
+
+
+def config(spec: str) -> tuple[int, int]:
+    block, _, warps = spec.partition("x")
+    return int(block), int(warps)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=8192, help="tokens in the slice (the loss's chunk)")
+    ap.add_argument("--configs", nargs="+", default=["2048x4", "8192x32", "1024x2", "4096x4", "2048x8"],
+                    help="BLOCKxnum_warps; 2048x4 is what _ce_forward_cuda uses, 8192x32 the previous setting")
+    ap.add_argument("--reps", type=int, default=20, help="timed runs per figure (the median is reported)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_ce: no CUDA device; the kernel it times runs on CUDA only. Nothing to do.")
+        return
+    if oelm_model.triton is None:
+        print("bench_ce: Triton is not installed, so oelm_core has no fused cross-entropy kernel. Nothing to do.")
+        return
+    meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
+            "triton": oelm_model.triton.__version__, "command": " ".join(sys.argv), "rows": args.rows}
+    print(json.dumps(meta), flush=True)
+
+    logits, targets, inv_n = make_slice(args.rows, "cuda")
+    gb = logits.numel() * logits.element_size() / 1e9
+    other = torch.empty_like(logits)
+    copy_ms = time_ms(lambda: other.copy_(logits), args.reps)
+    sum_ms = time_ms(lambda: torch.sum(logits, dtype=torch.float32), args.reps)
+    roofline = {"slice_gb": gb, "copy_ms": copy_ms, "copy_gbs": 2 * gb / copy_ms * 1e3,
+                "sum_ms": sum_ms, "sum_gbs": gb / sum_ms * 1e3}
+
+    ref = reference(logits, targets, inv_n)
+    work, loss = logits.clone(), torch.empty(args.rows, device="cuda")
+    kernel = []
+    for block, warps in map(config, args.configs):
+        # In place: later runs see the previous run's gradient, which times the same.
+        ms = time_ms(lambda: run_kernel(work, targets, inv_n, loss, block, warps), args.reps)
+        kernel.append({"block": block, "num_warps": warps, "ms": ms, "gbs": 3 * gb / ms * 1e3,
+                       "x_copy": ms / copy_ms, **check(logits, targets, inv_n, ref, block, warps)})
+    del ref  # 3.3 GB of float32 reference at 8,192 rows
+
+    x = torch.randn(args.rows, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    acc = torch.zeros(PADDED, D_MODEL, device="cuda")
+    plain_ms = time_ms(lambda: acc.add_((logits.T @ x).float()), args.reps)
+    fused_ms = time_ms(lambda: oelm_model._addmm_fp32_(acc, logits.T, x), args.reps)
+    acc.zero_()
+    oelm_model._addmm_fp32_(acc, logits.T, x)
+    exact = logits.T.float() @ x.float()
+    dw = {"bf16_mm_float_add_ms": plain_ms, "addmm_fp32_ms": fused_ms,
+          "addmm_fp32_rel_err": float((acc - exact).norm() / exact.norm()),
+          # False: this torch lacks the mixed-dtype addmm and _addmm_fp32_ fell back to (a).
+          "mixed_dtype_addmm": oelm_model._HAS_ADDMM_OUT_DTYPE}
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "roofline": roofline, "kernel": kernel, "dw": dw}, f, indent=1)
+    print_tables(meta, roofline, kernel, dw)
+
+
+def print_tables(meta, roofline, kernel, dw):
+    r = roofline
+    print(f"\n{meta['card']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  commit {meta['commit']}")
+    print(f"slice {meta['rows']} x {PADDED} bf16 ({r['slice_gb']:.2f} GB): copy {r['copy_ms']:.3f} ms "
+          f"({r['copy_gbs']:.0f} GB/s), float32 sum {r['sum_ms']:.3f} ms ({r['sum_gbs']:.0f} GB/s)")
+    print(f"\n{'BLOCK x warps':>13s} {'ms':>7s} {'GB/s':>6s} {'x copy':>6s} {'loss err':>9s} {'grad err':>9s} {'pad 0':>5s}")
+    for k in kernel:
+        print(f"{k['block']:>8d} x {k['num_warps']:<2d} {k['ms']:7.3f} {k['gbs']:6.0f} {k['x_copy']:6.2f} "
+              f"{k['loss_err']:9.2e} {k['grad_err']:9.2e} {'yes' if k['pad_zero'] else 'NO':>5s}")
+    print(f"\ndW += logits.T @ x ({PADDED} x {D_MODEL} float32): bf16 mm + float add {dw['bf16_mm_float_add_ms']:.3f} ms, "
+          f"_addmm_fp32_ {dw['addmm_fp32_ms']:.3f} ms (rel err {dw['addmm_fp32_rel_err']:.1e}"
+          f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})")
+
+
+if __name__ == "__main__":
+    main()
