@@ -119,17 +119,20 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
         graphs = counters["stats"]["unique_graphs"]
     except Exception:
         pass
+    breakdown = None
     if args.profile and cuda and v["label"] in args.profile:
         from torch.profiler import ProfilerActivity, profile
+        steps = 3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
+            for _ in range(steps):
                 one()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80)
+        events = prof.key_averages()
+        breakdown = kernel_breakdown(events, steps)
+        table = events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80)
         name = f"profile_{v['label'].replace(':', '_').replace(',', '_').replace('=', '-')}_b{batch}.txt"
         with open(os.path.join(args.out_dir, name), "w") as f:
             f.write(table)
-        print(table[:6000], flush=True)
     s = median(secs)
     tokens = batch * cfg.block_size
     fpt = flops_per_token(cfg)["total"]
@@ -139,13 +142,38 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
          "ms_min": 1000 * min(secs), "ms_max": 1000 * max(secs),
          "mfu": (tokens / s * fpt / peak) if peak else None, "flops_per_token": fpt,
          "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-         "compile_s": compile_s, "loss": loss, "dynamo_graphs": graphs, "options": {k: v[k] for k in v if k not in ("label",)}}
+         "compile_s": compile_s, "loss": loss, "kernel_ms_per_step": breakdown, "dynamo_graphs": graphs, "options": {k: v[k] for k in v if k not in ("label",)}}
     del step, model, fwd
     gc.collect()
     torch._dynamo.reset()
     if cuda:
         torch.cuda.empty_cache()
     return r
+
+
+# Kernel families of a training step, matched on the profiler's kernel names, in this order.
+KERNEL_FAMILIES = [
+    ("fused loss kernel", ("_ce_rows_kernel",)),
+    ("compiled cross-entropy", ("log_softmax", "nll_loss")),
+    ("attention", ("sdpa", "fmha", "flash", "cudnn")),
+    ("GEMM", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce")),
+    ("optimizer and clipping", ("multi_tensor_apply",)),
+]
+
+
+def kernel_breakdown(events, steps: int) -> dict:
+    """GPU milliseconds per step by kernel family (the rest is "other elementwise and reductions")."""
+    out = {name: 0.0 for name, _ in KERNEL_FAMILIES} | {"other elementwise and reductions": 0.0}
+    for e in events:
+        us = e.self_device_time_total
+        if us <= 0:
+            continue
+        key = e.key.lower()
+        family = next((name for name, pats in KERNEL_FAMILIES if any(p in key for p in pats)),
+                      "other elementwise and reductions")
+        out[family] += us / 1000 / steps
+    out["total"] = sum(out.values())
+    return out
 
 
 def rel(a, b):
@@ -251,6 +279,13 @@ def print_table(meta, results):
         mem = f"{r['peak_mem_gb']:7.2f}" if r["peak_mem_gb"] is not None else "      -"
         x = f"{r['tokens_per_s'] / ref[r['batch']]:6.2f}" if r["batch"] in ref else "     -"
         print(f"{r['label']:44s} {r['batch']:5d} {r['tokens_per_s']:10.0f} {r['ms_per_step']:8.2f} {mfu} {mem} {x} {r['compile_s']:6.0f}")
+    profiled = [r for r in results if r.get("kernel_ms_per_step")]
+    if profiled:
+        families = list(profiled[0]["kernel_ms_per_step"])
+        print("\nGPU time per step by kernel family (ms, from the CUDA profiler):")
+        print(f"{'family':34s}" + "".join(f" {r['label'][:18]:>18s}" for r in profiled))
+        for fam in families:
+            print(f"{fam:34s}" + "".join(f" {r['kernel_ms_per_step'][fam]:18.2f}" for r in profiled))
 
 
 if __name__ == "__main__":

@@ -33,15 +33,33 @@ def train_table(d):
     return "\n".join(out)
 
 
+def breakdown_table(d):
+    rows = [r for r in d["results"] if r.get("kernel_ms_per_step")]
+    if not rows:
+        return ""
+    out = [f"GPU time per step by kernel family, ms (CUDA profiler, 3 steps; **{d['meta']['card']}**, "
+           f"commit `{d['meta']['commit']}`):", "",
+           "| kernel family | " + " | ".join(f"{r['label']} ({r['batch']} x 512)" for r in rows) + " |",
+           "|---|" + "---:|" * len(rows)]
+    for fam in rows[0]["kernel_ms_per_step"]:
+        out.append(f"| {fam} | " + " | ".join(f"{r['kernel_ms_per_step'][fam]:.2f}" for r in rows) + " |")
+    return "\n".join(out)
+
+
 def gen_table(d):
     rows = d["results"]
-    out = [f"Device: **{d['meta']['card']}** ({d['meta']['device']}), {d['meta']['date']}", "",
-           "| preset | KV cache | new tokens | time to first token (ms) | tokens/s | cached / uncached |",
-           "|---|---|---:|---:|---:|---:|"]
+    t = rows[0].get("temperature", 0.0)
+    sampling = "greedy" if not t else f"temperature {t}, top-k {rows[0].get('top_k', 0)}"
+    out = [f"Device: **{d['meta']['card']}** ({d['meta']['device']}), {d['meta']['date']}, commit "
+           f"`{d['meta']['commit']}`, {rows[0].get('dtype', 'float32')}, {sampling}", "",
+           "| preset | decoding | new tokens | time to first token (ms) | ms/token | tokens/s | cached / uncached |",
+           "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = next(q for q in rows if q["preset"] == r["preset"] and not q["cache"])
-        out.append(f"| {r['preset']} | {'yes' if r['cache'] else 'no'} | {r['new_tokens']} | {r['ttft_ms']:.1f} | "
-                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.1f}x |")
+        how = "uncached" if not r["cache"] else f"cached, {r.get('decoder', r.get('mode'))}"
+        out.append(f"| {r['preset']} | {how} | {r['new_tokens']} | {r['ttft_ms']:.1f} | "
+                   f"{r['decode_ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['tokens_per_s'] / base['tokens_per_s']:.1f}x |")
     return "\n".join(out)
 
 
@@ -68,10 +86,11 @@ def ddp_table(paths):
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    for name in ("train.json", "train_extra.json", "t64.json", "t8.json"):
+    for name in ("train.json", "train_extra.json", "train_profile.json"):
         if load(out / name):
             print(train_table(load(out / name)), "\n")
-    for name in ("generate.json", "gen.json", "generate_cpu.json"):
+            print(breakdown_table(load(out / name)), "\n")
+    for name in ("generate.json", "generate_topk.json", "generate_cpu.json"):
         if load(out / name):
             print(gen_table(load(out / name)), "\n")
     if len(sys.argv) > 2:

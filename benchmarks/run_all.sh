@@ -20,12 +20,18 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   python3 benchmarks/bench_train.py --batch $BATCHES --groups $GROUPS_ --check \
       --json "$OUT/train.json" 2>&1 | grep -v '^{' | tee "$OUT/train.log"
   [ -n "$EXTRA_B8" ] && python3 benchmarks/bench_train.py --batch 8 --groups $EXTRA_B8 \
-      --json "$OUT/train_extra.json" --profile gpt_base:cuda_graph=0 --out-dir "$OUT" 2>&1 \
-      | grep -v '^{' | grep -v '^ \|^--\|Name' | tee -a "$OUT/train.log"
+      --json "$OUT/train_extra.json" 2>&1 | grep -v '^{' | tee -a "$OUT/train.log"
+  # Where the time goes at 64 x 512: kernel families of the reference and the trainer's step.
+  python3 benchmarks/bench_train.py --batch 64 --groups reference gpt_base:cuda_graph=0 --steps 5 --blocks 3 \
+      --warmup 3 --profile reference gpt_base:cuda_graph=0 --out-dir "$OUT" --json "$OUT/train_profile.json" 2>&1 \
+      | grep -v '^{' | tee -a "$OUT/train.log"
 fi
 if [ "${SKIP_GEN:-0}" != 1 ]; then
-  python3 benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256 \
+  python3 benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256 --modes graph eager \
       --json "$OUT/generate.json" 2>&1 | grep -v '^{' | tee "$OUT/generate.log"
+  # Sampling (temperature 0.8, top-k 50) instead of greedy: the sampler's cost on top.
+  python3 benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256 --temperature 0.8 --top-k 50 \
+      --json "$OUT/generate_topk.json" 2>&1 | grep -v '^{' | tee -a "$OUT/generate.log"
 fi
 if [ "${DDP:-0}" = 1 ]; then
   N=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -15,7 +15,10 @@ the keys and values of tokens already seen. After the prompt's prefill, tokens c
 a position held in a device tensor, attention over the whole block_size cache under a position
 mask) followed by the sampler, ``CHUNK`` steps captured as one CUDA graph on GPUs, so the host
 launches one replay and reads ``CHUNK`` token ids back instead of launching ~100 kernels and
-reading 50,257 logits per token. Elsewhere the same steps run eagerly.
+reading 50,257 logits per token. Elsewhere the same steps run eagerly. Where
+``oelm_core.decode_kernels`` supports the model (CUDA with Triton; dot attention through plain
+Q/K projections), the step is its 5 fused kernels per layer instead of PyTorch's ~19, checked
+against ``GPT.decode_step`` before it is used.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from oelm_core import decode_kernels
 from oelm_core.data import EOT, get_tokenizer  # EOT ends every story in the training data
 from oelm_core.model import GPT
 
@@ -152,9 +156,17 @@ class GraphDecoder:
         self.seed = torch.zeros(1, dtype=torch.long, device=dev)
         self.out = torch.zeros(CHUNK, dtype=torch.long, device=dev)
         self.mode = None            # None (untried), "graph", "eager", "legacy"
+        # The fused Triton step where it applies (checked against GPT.decode_step before its first use).
+        self.scratch = decode_kernels.DecodeScratch(model) if decode_kernels.supports(model) else None
+        self.fused_checked = False
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.busy = False
+
+    @property
+    def kernels(self) -> str:
+        """What computes a decoding step: "triton" (oelm_core.decode_kernels) or "torch"."""
+        return "triton" if self.scratch is not None else "torch"
 
     @property
     def length(self) -> int:
@@ -185,10 +197,31 @@ class GraphDecoder:
         """n decoding steps on the device state; fixed shapes throughout."""
         noise = self._noise(cfg, n)
         for i in range(n):
-            logits = model.decode_step(self.token, self.state[:1], self.cache)
+            logits = self._decode(model)
             self.out[i:i + 1].copy_(sample(logits, cfg, None if noise is None else noise[i]))
             self.token.copy_(self.out[i:i + 1].view(1, 1))
             self.state += 1
+
+    def _decode(self, model: GPT) -> torch.Tensor:
+        if self.scratch is not None:
+            return decode_kernels.decode_step(model, self.token, self.state[:1], self.cache, self.scratch)
+        return model.decode_step(self.token, self.state[:1], self.cache)
+
+    def _check_fused(self, model: GPT) -> None:
+        """Compare one fused step with ``GPT.decode_step`` on the current state (both write the
+        same keys and values at pos); on a mismatch or an error, decode with PyTorch instead."""
+        try:
+            fused = decode_kernels.decode_step(model, self.token, self.state[:1], self.cache, self.scratch)
+            ref = model.decode_step(self.token, self.state[:1], self.cache).float()
+            # float32 agrees to ~1e-6; bfloat16 to ~1e-2, the fused path keeping float32 inside.
+            tol = (1e-3 if model.wte.weight.dtype == torch.float32 else 5e-2) * max(1.0, float(ref.abs().max()))
+            err = float((fused - ref).abs().max())
+            if not err <= tol:
+                raise RuntimeError(f"max |difference| {err:.2e} > {tol:.2e}")
+        except Exception as e:
+            warnings.warn(f"the fused decode kernels disagree with GPT.decode_step or failed ({e}); "
+                          f"decoding with PyTorch")
+            self.scratch = None
 
     def _legacy_steps(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
         noise = self._noise(cfg, n)
@@ -237,6 +270,9 @@ class GraphDecoder:
         if self.length + n > self.block:
             raise ValueError(f"the context of {self.block} tokens is full; reset and prefill")
         key = (n, cfg.temperature, cfg.top_k, cfg.top_p)
+        if self.scratch is not None and not self.fused_checked:
+            self._check_fused(model)
+            self.fused_checked = True
         if self.mode in (None, "graph") and key not in self.graphs and self.cuda and not model.training:
             self._capture(model, n, cfg)
         elif self.mode in (None, "graph") and key in self.graphs:
