@@ -109,6 +109,7 @@ def main():
             n = runs[0][2]
             row = {"preset": preset, "cache": use_cache, "mode": mode or "uncached",
                    "decoder": decoder.mode if decoder is not None else "-",
+                   "kernels": decoder.kernels if decoder is not None else "torch",
                    "new_tokens": n, "ttft_ms": 1000 * ttft,
                    "decode_ms_per_token": 1000 * median([(r[1] - r[0]) / max(r[2] - 1, 1) for r in runs]),
                    "total_s": total, "tokens_per_s": n / total, "dtype": args.dtype,

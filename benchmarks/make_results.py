@@ -57,6 +57,8 @@ def gen_table(d):
     for r in rows:
         base = next(q for q in rows if q["preset"] == r["preset"] and not q["cache"])
         how = "uncached" if not r["cache"] else f"cached, {r.get('decoder', r.get('mode'))}"
+        if r["cache"] and r.get("kernels") == "triton":
+            how += " (fused Triton step)"
         out.append(f"| {r['preset']} | {how} | {r['new_tokens']} | {r['ttft_ms']:.1f} | "
                    f"{r['decode_ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | "
                    f"{r['tokens_per_s'] / base['tokens_per_s']:.1f}x |")

@@ -338,7 +338,8 @@ def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Ite
     for step in range(cfg.max_new_tokens):
         if len(ids) - start > block:
             start = len(ids) - block // 2  # the window policy of the cached path (see _stream_cached)
-        logits = model(torch.tensor([ids[start:]], device=device))[:, -1]
+        # The output layer for the last position only: the others' logits are never used.
+        logits = model.logits(model.hidden(torch.tensor([ids[start:]], device=device))[:, -1])
         noise = None if cfg.temperature == 0 else \
             gumbel_noise(seed_t, torch.tensor([step], device=device), 1, model.cfg.vocab_size)[0]
         token = int(sample(logits, cfg, noise))
