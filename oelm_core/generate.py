@@ -186,7 +186,7 @@ class GraphDecoder:
     def prefill(self, model: GPT, ids: list[int], step: int, cfg: SamplingConfig) -> int:
         """Run ``ids`` from position ``length`` and sample token number ``step`` after them."""
         x = torch.tensor([ids], device=self.token.device)
-        logits = model(x, cache=self.cache)[:, -1]
+        logits = model.logits(model.hidden(x, self.cache)[:, -1])  # the last position's only
         self.state.copy_(torch.tensor([self.cache.length, step]))
         noise = self._noise(cfg, 1)
         self.token.copy_(sample(logits, cfg, None if noise is None else noise[0]).view(1, 1))
