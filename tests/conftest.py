@@ -1,6 +1,8 @@
 """Shared test set-up: the offline GPT-2 BPE files, and tiny corpora the tests write themselves."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,19 @@ _SHARED_TOKENIZER = REPO.parent / "shared" / "data" / "tokenizer" / "tiktoken_ca
 # checkout beside ../shared gets it here so `pytest` alone works too.
 if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_TOKENIZER.is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(_SHARED_TOKENIZER)
+
+def run_in_triton_interpreter(script: Path, *args: str) -> None:
+    """``python script args...`` under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set
+    before any kernel is defined, hence a subprocess). Skips where the interpreter itself cannot
+    run: Triton 3.5/3.6's fails on numpy >= 2.4 ("only 0-dimensional arrays ...")."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 and "only 0-dimensional arrays can be converted" in proc.stderr:
+        pytest.skip("Triton's CPU interpreter does not run with this numpy (>= 2.4)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
 
 STORIES = [
     "Once upon a time there was a little cat named Tom. Tom liked to play in the sun.",

@@ -6,8 +6,6 @@ kernels are defined, i.e. before oelm_core is imported) on the ``tiny`` preset. 
 (CI) the file is skipped.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import run_in_triton_interpreter  # noqa: E402
 from oelm_core import build_model  # noqa: E402
 from oelm_core.decode_kernels import DecodeScratch, decode_step, supports  # noqa: E402
 
@@ -133,11 +132,7 @@ def _run(check: str, *args: str) -> None:
     if CUDA:
         globals()[check](*args, "cuda")
         return
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, check, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_in_triton_interpreter(Path(__file__), check, *args)
 
 
 @pytest.mark.parametrize("name", list(CASES))
