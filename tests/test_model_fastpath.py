@@ -135,8 +135,12 @@ def test_the_triton_loss_kernel_equals_cross_entropy():
     """On a GPU here; without one, on the CPU through Triton's interpreter (skipped without Triton)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
-        with torch.backends.cuda.matmul.flags(allow_tf32=False):
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs, to compare within 1e-5
+        try:
             check_loss_kernel("cuda")
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
     else:
         from conftest import run_in_triton_interpreter
         run_in_triton_interpreter(Path(__file__), "check_loss_kernel")
