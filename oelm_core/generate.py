@@ -193,11 +193,13 @@ class GraphDecoder:
         self.state[1] += 1
         return int(self.token)
 
-    def _steps(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
-        """n decoding steps on the device state; fixed shapes throughout."""
+    def _steps(self, model: GPT, n: int, cfg: SamplingConfig, decode=None) -> None:
+        """n decoding steps on the device state; fixed shapes throughout. ``decode(model)`` gives
+        the logits (1, vocab) of ``token`` at ``state[0]``; by default the fixed-shape step."""
+        decode = decode or self._decode
         noise = self._noise(cfg, n)
         for i in range(n):
-            logits = self._decode(model)
+            logits = decode(model)
             self.out[i:i + 1].copy_(sample(logits, cfg, None if noise is None else noise[i]))
             self.token.copy_(self.out[i:i + 1].view(1, 1))
             self.state += 1
@@ -224,13 +226,9 @@ class GraphDecoder:
             self.scratch = None
 
     def _legacy_steps(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
-        noise = self._noise(cfg, n)
-        for i in range(n):
-            logits = model(self.token, cache=self.cache)[:, -1]
-            self.out[i:i + 1].copy_(sample(logits, cfg, None if noise is None else noise[i]))
-            self.token.copy_(self.out[i:i + 1].view(1, 1))
-            self.state += 1
-        self.cache.length -= n  # run() advances it for every mode
+        """The steps through the growing-cache path, ``model.hidden(x, cache)``."""
+        self._steps(model, n, cfg, lambda m: m.logits(m.hidden(self.token, self.cache)[:, -1]))
+        self.cache.length -= n  # model.hidden advanced it; run() advances it for every mode
 
     def _capture(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
         """Warm up on a side stream, capture ``_steps(n)`` and check one replay against the
