@@ -132,13 +132,14 @@ class GraphDecoder:
     Device state: ``token`` (1, 1), the last sampled id, not yet fed to the model; ``state`` =
     [pos, step], the position that token takes in the cache and the index of the next sample
     (which picks its noise); ``seed``; ``out`` (CHUNK,), the ids of the last ``run``.
-    ``prefill(model, ids, step, cfg)`` runs ids through the ordinary cached path
-    (``model(x, cache=cache)``) and samples the next token; ``run(model, n, cfg)`` feeds the
-    token and samples the next one, n times (``GPT.decode_step`` + ``sample``), and returns the n
-    new ids. On CUDA each (n, sampling setting) is captured once as a CUDA graph (after a
-    warm-up on a side stream, checked against the eager run) and replayed; elsewhere, in training
-    mode, or if the capture fails or disagrees, the same steps run eagerly; if even that fails,
-    one token at a time through ``model(x, cache=cache)`` ("legacy").
+    ``prefill(model, ids, step, cfg)`` runs ids through the ordinary growing-cache path
+    (``model.hidden(x, cache)``) and samples the next token; ``run(model, n, cfg)`` feeds the
+    token and samples the next one, n times (the fused Triton step of ``decode_kernels`` where it
+    applies, else ``GPT.decode_step``; then ``sample``), and returns the n new ids. On CUDA each
+    (n, sampling setting) is captured once as a CUDA graph (after a warm-up on a side stream,
+    checked against the eager run) and replayed; elsewhere, in training mode, or if the capture
+    fails or disagrees, the same steps run eagerly; if even that fails, one token at a time
+    through the growing-cache path ("legacy").
 
     The decoder holds no reference to the model (it is passed in), so ``_DECODERS`` can keep one
     per model, weakly, across calls: capture happens once, not once per generation.
