@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import card_name, commit, median, now  # noqa: E402
 
+from oelm_core import sample_kernels  # noqa: E402
 from oelm_core.generate import SamplingConfig, acquire_decoder, release_decoder, stream_tokens  # noqa: E402
 from oelm_core.model import build_model  # noqa: E402
 
@@ -100,6 +101,9 @@ def main():
             decoder = set_mode(model, mode) if use_cache else None
             reps = args.repeats if use_cache or args.uncached_repeats is None else args.uncached_repeats
             sampling = dict(temperature=args.temperature, top_k=args.top_k)
+            top_k = args.top_k if args.top_k < model.cfg.vocab_size else 0
+            sampler = "argmax" if args.temperature == 0 else \
+                ("triton" if sample_kernels.supports(model.wte.weight, top_k, 1.0) else "torch")
             # Warm-up: the whole length with the cache (captures every graph the runs use).
             run_once(model, prompt, args.new_tokens if use_cache else min(8, args.new_tokens), use_cache,
                      cuda, **sampling)
@@ -113,7 +117,7 @@ def main():
                    "new_tokens": n, "ttft_ms": 1000 * ttft,
                    "decode_ms_per_token": 1000 * median([(r[1] - r[0]) / max(r[2] - 1, 1) for r in runs]),
                    "total_s": total, "tokens_per_s": n / total, "dtype": args.dtype,
-                   "temperature": args.temperature, "top_k": args.top_k}
+                   "temperature": args.temperature, "top_k": args.top_k, "sampler": sampler}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del model

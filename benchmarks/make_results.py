@@ -49,7 +49,8 @@ def breakdown_table(d):
 def gen_table(d):
     rows = d["results"]
     t = rows[0].get("temperature", 0.0)
-    sampling = "greedy" if not t else f"temperature {t}, top-k {rows[0].get('top_k', 0)}"
+    sampling = "greedy" if not t else f"temperature {t}, top-k {rows[0].get('top_k', 0)}, sampler " \
+        f"{rows[0].get('sampler', 'torch')}"
     out = [f"Device: **{d['meta']['card']}** ({d['meta']['device']}), {d['meta']['date']}, commit "
            f"`{d['meta']['commit']}`, {rows[0].get('dtype', 'float32')}, {sampling}", "",
            "| preset | decoding | new tokens | time to first token (ms) | ms/token | tokens/s | cached / uncached |",
@@ -62,6 +63,18 @@ def gen_table(d):
         out.append(f"| {r['preset']} | {how} | {r['new_tokens']} | {r['ttft_ms']:.1f} | "
                    f"{r['decode_ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | "
                    f"{r['tokens_per_s'] / base['tokens_per_s']:.1f}x |")
+    return "\n".join(out)
+
+
+def sample_table(d):
+    out = [f"Card: **{d['meta']['card']}**, {d['meta']['date']}, commit `{d['meta']['commit']}` (one draw "
+           f"over 50,257 logits, 16 draws per CUDA graph)", "",
+           "| temperature | top-k | top-p | torch ops (us) | Triton kernels (us) | speed-up | same token |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["results"]:
+        out.append(f"| {r['temperature']} | {r['top_k'] or 'off'} | {r['top_p'] if r['top_p'] < 1 else 'off'} | "
+                   f"{r['torch_us']:.1f} | {r['triton_us']:.1f} | {r['torch_us'] / r['triton_us']:.1f}x | "
+                   f"{r['agree_of_256']}/256 |")
     return "\n".join(out)
 
 
@@ -92,9 +105,11 @@ if __name__ == "__main__":
         if load(out / name):
             print(train_table(load(out / name)), "\n")
             print(breakdown_table(load(out / name)), "\n")
-    for name in ("generate.json", "generate_topk.json", "generate_cpu.json"):
+    for name in ("generate.json", "generate_topk.json", "generate_t08.json", "generate_cpu.json"):
         if load(out / name):
             print(gen_table(load(out / name)), "\n")
+    if load(out / "sample.json"):
+        print(sample_table(load(out / "sample.json")), "\n")
     if len(sys.argv) > 2:
         ddp = Path(sys.argv[2])
         print(ddp_table(sorted(ddp.glob("ddp*.json"))))

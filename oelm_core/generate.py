@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from oelm_core import decode_kernels
+from oelm_core import decode_kernels, sample_kernels
 from oelm_core.data import EOT, get_tokenizer  # EOT ends every story in the training data
 from oelm_core.model import GPT
 
@@ -84,22 +84,45 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, n_steps: int, vocab: in
     """(n_steps, vocab) float32 Gumbel noise for sampling steps step, step + 1, ...
 
     seed, step: one-element int64 tensors on the device where the noise is wanted. Entry (i, v)
-    is -log(-log(u)) with u in (0, 1) from 24 bits of a hash of (seed, step + i, v)."""
+    is -log(-log(u)) with u in (0, 1) from 23 bits of a hash of (seed, step + i, v): (m + 0.5) /
+    2^23 is exact in float32, so u stays below 1 (from 24 bits the top value rounded to 1.0, an
+    infinite noise that picked a uniformly random token in ~0.3% of draws over 50,257 ids)."""
     steps = step + torch.arange(n_steps, device=step.device)
     key = _hash32((_hash32(seed) + steps * 0x9E3779B9) & _M32)              # (n_steps,)
     ids = torch.arange(vocab, device=step.device)
     h = _hash32((key[:, None] + ids[None, :] * 0x85EBCA77) & _M32)          # (n_steps, vocab)
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(_uniform(h)))
 
 
-def sample(logits: torch.Tensor, cfg: SamplingConfig, noise: Optional[torch.Tensor]) -> torch.Tensor:
-    """logits (..., vocab), noise (vocab,) from ``gumbel_noise`` (unused when greedy) -> token
-    ids (...,) int64 on the same device. No host synchronisation and no data-dependent shape,
-    so it can be captured in a CUDA graph."""
+def _uniform(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 tensor) -> float32 in (0, 1), strictly, from their top 23 bits."""
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tensor] = None,
+           step: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits (..., vocab); seed, step: one-element int64 tensors on the logits' device, the
+    noise of draw number ``step`` (unused when greedy) -> token ids (...,) int64 on that device.
+    No host synchronisation and no data-dependent shape, so it can be captured in a CUDA graph.
+    On CUDA (with Triton) the two kernels of ``sample_kernels`` where they apply, else
+    ``sample_from_noise``: the same draw."""
     if cfg.temperature == 0:
         return logits.argmax(-1)
-    x = logits.float() / cfg.temperature
+    top_k = cfg.top_k if cfg.top_k and cfg.top_k < logits.size(-1) else 0
+    if sample_kernels.supports(logits, top_k, cfg.top_p):
+        return sample_kernels.sample(logits, _inv_temperature(cfg), top_k, cfg.top_p, seed, step)
+    return sample_from_noise(logits, cfg, gumbel_noise(seed, step, 1, logits.size(-1))[0])
+
+
+def _inv_temperature(cfg: SamplingConfig) -> float:
+    """1 / T rounded to float32: logits are scaled by one float32 multiply on every path."""
+    return float(torch.tensor(1.0 / cfg.temperature, dtype=torch.float32))
+
+
+def sample_from_noise(logits: torch.Tensor, cfg: SamplingConfig, noise: torch.Tensor) -> torch.Tensor:
+    """The draw in torch ops, given the noise (vocab,) from ``gumbel_noise``: argmax of
+    logits / T + noise over the ids that top-k and then top-p keep."""
+    x = logits.float() * _inv_temperature(cfg)
     if cfg.top_k and cfg.top_k < x.size(-1):
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -181,16 +204,12 @@ class GraphDecoder:
     def set_seed(self, seed: int) -> None:
         self.seed.copy_(seed_tensor(seed, "cpu"))
 
-    def _noise(self, cfg: SamplingConfig, n: int) -> Optional[torch.Tensor]:
-        return None if cfg.temperature == 0 else gumbel_noise(self.seed, self.state[1:], n, self.vocab)
-
     def prefill(self, model: GPT, ids: list[int], step: int, cfg: SamplingConfig) -> int:
         """Run ``ids`` from position ``length`` and sample token number ``step`` after them."""
         x = torch.tensor([ids], device=self.token.device)
         logits = model.logits(model.hidden(x, self.cache)[:, -1])  # the last position's only
         self.state.copy_(torch.tensor([self.cache.length, step]))
-        noise = self._noise(cfg, 1)
-        self.token.copy_(sample(logits, cfg, None if noise is None else noise[0]).view(1, 1))
+        self.token.copy_(sample(logits, cfg, self.seed, self.state[1:]).view(1, 1))
         self.state[1] += 1
         return int(self.token)
 
@@ -198,10 +217,9 @@ class GraphDecoder:
         """n decoding steps on the device state; fixed shapes throughout. ``decode(model)`` gives
         the logits (1, vocab) of ``token`` at ``state[0]``; by default the fixed-shape step."""
         decode = decode or self._decode
-        noise = self._noise(cfg, n)
         for i in range(n):
             logits = decode(model)
-            self.out[i:i + 1].copy_(sample(logits, cfg, None if noise is None else noise[i]))
+            self.out[i:i + 1].copy_(sample(logits, cfg, self.seed, self.state[1:]))
             self.token.copy_(self.out[i:i + 1].view(1, 1))
             self.state += 1
 
@@ -339,9 +357,7 @@ def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Ite
             start = len(ids) - block // 2  # the window policy of the cached path (see _stream_cached)
         # The output layer for the last position only: the others' logits are never used.
         logits = model.logits(model.hidden(torch.tensor([ids[start:]], device=device))[:, -1])
-        noise = None if cfg.temperature == 0 else \
-            gumbel_noise(seed_t, torch.tensor([step], device=device), 1, model.cfg.vocab_size)[0]
-        token = int(sample(logits, cfg, noise))
+        token = int(sample(logits, cfg, seed_t, torch.tensor([step], device=device)))
         if cfg.stop_at_eot and token == EOT:
             return
         ids.append(token)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from oelm_core import build_model
-from oelm_core.generate import (EOT, SamplingConfig, generate, gumbel_noise, sample, seed_tensor, stream,
-                                stream_tokens)
+from oelm_core.generate import (EOT, SamplingConfig, _uniform, generate, gumbel_noise, sample, sample_from_noise, seed_tensor,
+                                stream, stream_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_stream_pieces_join_to_the_whole_text(smoke_model):
 
 def _draws(logits, cfg, n=300, seed=0):
     noise = gumbel_noise(seed_tensor(seed, "cpu"), torch.tensor([0]), n, logits.numel())
-    return [int(sample(logits, cfg, noise[i])) for i in range(n)]
+    return [int(sample_from_noise(logits, cfg, noise[i])) for i in range(n)]
 
 
 def test_top_k_and_top_p_keep_only_the_allowed_tokens():
@@ -61,7 +61,7 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     # p = softmax: [0.636, 0.234, 0.086, ...]; top_p 0.8 keeps the first two only.
     assert set(_draws(logits, SamplingConfig(top_p=0.8, temperature=1.0))) == {0, 1}
     assert set(_draws(logits, SamplingConfig(temperature=1.0))) == {0, 1, 2, 3, 4}
-    assert int(sample(logits, SamplingConfig(temperature=0.0), None)) == 0
+    assert int(sample(logits, SamplingConfig(temperature=0.0))) == 0
 
 
 def test_gumbel_max_sampling_draws_from_the_softmax():
@@ -91,13 +91,16 @@ def test_noise_is_a_pure_function_of_seed_step_and_token_bit_for_bit():
     for i, v in [(0, 0), (1, 17), (2, vocab - 1), (0, 31337)]:
         key = _hash32_reference((_hash32_reference(s32) + (step + i) * 0x9E3779B9) & 0xFFFFFFFF)
         h = _hash32_reference((key + v * 0x85EBCA77) & 0xFFFFFFFF)
-        u = ((h >> 8) + 0.5) / 2**24
+        u = ((h >> 9) + 0.5) / 2**23
         assert abs(noise[i, v].item() - (-math.log(-math.log(u)))) < 1e-5
     # Steps are independent draws: the same noise again for the same (seed, step) only.
     again = gumbel_noise(seed_tensor(seed, "cpu"), torch.tensor([step + 1]), 2, vocab)
     assert torch.equal(again, noise[1:])
     other = gumbel_noise(seed_tensor(seed + 1, "cpu"), torch.tensor([step]), 1, vocab)
     assert (other[0] != noise[0]).float().mean() > 0.99
+    # Finite even at the hash's extremes (24 bits made u = 1.0 and the noise +inf there).
+    u = _uniform(torch.tensor([0, 2**32 - 1]))
+    assert 0.0 < u[0].item() and u[1].item() < 1.0 and torch.isfinite(-torch.log(-torch.log(u))).all()
     # Gumbel(0, 1): mean = Euler's gamma, variance = pi^2 / 6.
     assert abs(noise.mean().item() - 0.5772) < 0.01 and abs(noise.var().item() - math.pi**2 / 6) < 0.03
 

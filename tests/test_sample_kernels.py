@@ -1,0 +1,101 @@
+"""The Triton sampler (oelm_core.sample_kernels) draws the tokens of ``generate.sample_from_noise``.
+
+On a GPU the checks run in this process; without one, with Triton installed, under Triton's CPU
+interpreter in a subprocess (as tests/test_decode_kernels.py); without Triton (CI) the file is
+skipped.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import run_in_triton_interpreter  # noqa: E402
+from oelm_core import sample_kernels  # noqa: E402
+from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+# (vocab, temperature, top_k, top_p): no cut; top-k small and large (20,000 / 2,048-column chunks
+# x 1,024 candidates would pass one sort's 8,192: the chunks widen); top-k then top-p; a hot
+# temperature, where the noise decides; top-k 1. (Small vocabularies: the interpreter is slow.)
+CONFIGS = [(3000, 0.8, 0, 1.0), (3000, 1.0, 50, 1.0), (20000, 0.7, 1000, 1.0), (3000, 0.7, 40, 0.9),
+           (3000, 5.0, 0, 1.0), (3000, 1.0, 1, 1.0)]
+
+
+def check_draws_equal_torch(device: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    for vocab, temperature, top_k, top_p in CONFIGS:
+        cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        assert sample_kernels.supports(torch.empty(1, vocab, device=device), top_k, top_p)
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = (torch.randn(3, vocab, generator=g) * 3).to(device, dtype)
+            for seed, step in [(0, 0), (7, 1), (2**40 + 5, 123)]:
+                seed_t, step_t = seed_tensor(seed, device), torch.tensor([step], device=device)
+                noise = gumbel_noise(seed_t, step_t, 1, vocab)[0]
+                got = sample(logits, cfg, seed_t, step_t)
+                assert got.shape == (3,) and got.dtype == torch.int64
+                expect = sample_from_noise(logits, cfg, noise)
+                assert torch.equal(got, expect), (vocab, temperature, top_k, top_p, dtype, seed, got, expect)
+    # One row, shaped as the decoder's logits (1, vocab), and a batch of (2, 2, vocab).
+    logits = torch.randn(2, 2, 300, generator=g).to(device)
+    cfg = SamplingConfig(temperature=1.0, top_k=20, top_p=0.8)
+    seed_t, step_t = seed_tensor(3, device), torch.tensor([4], device=device)
+    expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 300)[0])
+    assert torch.equal(sample(logits, cfg, seed_t, step_t), expect)
+    assert torch.equal(sample(logits[:1, 0], cfg, seed_t, step_t), expect[:1, 0])
+
+
+def check_ties_at_the_cut_are_kept(device: str) -> None:
+    """torch keeps every x equal to the k-th largest; so must the kernels (all-equal logits:
+    every token stays, and the noise alone picks one)."""
+    logits = torch.zeros(1, 3000, device=device)
+    logits[0, :3] = 1.0
+    for top_k in (2, 3, 5, 100):
+        cfg = SamplingConfig(temperature=1.0, top_k=top_k)
+        for step in range(20):
+            seed_t, step_t = seed_tensor(11, device), torch.tensor([step], device=device)
+            expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 3000)[0])
+            assert torch.equal(sample(logits, cfg, seed_t, step_t), expect), (top_k, step)
+
+
+def check_supports(device: str) -> None:
+    row = torch.empty(1, 5000, device=device)
+    assert sample_kernels.supports(row, 0, 1.0) and sample_kernels.supports(row, 1024, 0.5)
+    assert not sample_kernels.supports(row, 0, 0.9)        # top-p alone sorts the whole vocabulary
+    assert not sample_kernels.supports(row, 1025, 1.0)
+
+
+def _run(check: str) -> None:
+    if CUDA:
+        globals()[check]("cuda")
+        return
+    run_in_triton_interpreter(Path(__file__), check)
+
+
+def test_fused_draws_equal_the_torch_draws():
+    _run("check_draws_equal_torch")
+
+
+def test_ties_at_the_top_k_cut_are_kept_as_torch_keeps_them():
+    _run("check_ties_at_the_cut_are_kept")
+
+
+def test_supports_plain_temperature_and_top_k_only():
+    _run("check_supports")
+
+
+def test_cpu_tensors_outside_the_interpreter_are_not_supported():
+    if sample_kernels.triton is None:
+        pytest.skip("no Triton")
+    import os
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter runs CPU tensors")
+    assert not sample_kernels.supports(torch.empty(1, 10), 5, 1.0)
+
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py CHECK
+    globals()[sys.argv[1]]("cpu")
