@@ -102,8 +102,8 @@ def main():
             reps = args.repeats if use_cache or args.uncached_repeats is None else args.uncached_repeats
             sampling = dict(temperature=args.temperature, top_k=args.top_k)
             top_k = args.top_k if args.top_k < model.cfg.vocab_size else 0
-            sampler = "argmax" if args.temperature == 0 else \
-                ("triton" if sample_kernels.supports(model.wte.weight, top_k, 1.0) else "torch")
+            fused = sample_kernels.supports(model.wte.weight, 0 if args.temperature == 0 else top_k, 1.0)
+            sampler = "triton" if fused else ("argmax" if args.temperature == 0 else "torch")
             # Warm-up: the whole length with the cache (captures every graph the runs use).
             run_once(model, prompt, args.new_tokens if use_cache else min(8, args.new_tokens), use_cache,
                      cuda, **sampling)

@@ -27,6 +27,7 @@ tests/test_sample_kernels.py checks it.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -83,21 +84,24 @@ if triton is not None:
     @triton.jit
     def _scores_kernel(logits_ptr, stride, seed_ptr, step_ptr, inv_t, x_ptr, s_ptr,
                        cx_ptr, cs_ptr, ci_ptr, over_ptr, vocab,
-                       TOP_K: tl.constexpr, KM: tl.constexpr, CH: tl.constexpr, INTERPRET: tl.constexpr):
-        """Columns [chunk * CH, (chunk + 1) * CH) of row ``row``: x and x + g into x, s (batch,
-        vocab); the chunk's candidates, KM slots of (x, x + g, id) at cx, cs, ci[row, chunk]:
+                       NOISE: tl.constexpr, TOP_K: tl.constexpr, KM: tl.constexpr, CH: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+        """Columns [chunk * CH, (chunk + 1) * CH) of row ``row``: x and x + g (x without NOISE)
+        into x, s (batch, vocab); the chunk's candidates, KM slots of (x, x + g, id) at cx, cs, ci[row, chunk]:
         with TOP_K its KM largest x (and, at over[row, chunk], the KM-th largest key if ties
         left more than KM at or above it, else INT32_MIN), without it its largest x + g."""
         chunk, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
         cols = chunk * CH + tl.arange(0, CH)
         ok = cols < vocab
         x = tl.load(logits_ptr + row * stride + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        seed = tl.load(seed_ptr).to(tl.uint32)
-        step = tl.load(step_ptr).to(tl.uint32)
-        key = _hash32(_hash32(seed) + step * 0x9E3779B9)
-        h = _hash32(key + cols.to(tl.uint32) * 0x85EBCA77)
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        s = tl.where(ok, x + -_log(-_log(u, INTERPRET), INTERPRET), float("-inf"))
+        s = x
+        if NOISE:
+            seed = tl.load(seed_ptr).to(tl.uint32)
+            step = tl.load(step_ptr).to(tl.uint32)
+            key = _hash32(_hash32(seed) + step * 0x9E3779B9)
+            h = _hash32(key + cols.to(tl.uint32) * 0x85EBCA77)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            s = tl.where(ok, x + -_log(-_log(u, INTERPRET), INTERPRET), float("-inf"))
         tl.store(x_ptr + row * vocab + cols, x, mask=ok)
         tl.store(s_ptr + row * vocab + cols, s, mask=ok)
         slot = (row * tl.num_programs(0) + chunk) * KM
@@ -235,11 +239,12 @@ def _launch_shape(vocab: int, top_k: int) -> tuple[int, int]:
     return km, ch
 
 
-def sample(logits: torch.Tensor, inv_t: float, top_k: int, top_p: float, seed: torch.Tensor,
-           step: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, inv_t: float, top_k: int, top_p: float, seed: Optional[torch.Tensor],
+           step: Optional[torch.Tensor]) -> torch.Tensor:
     """logits (..., vocab) float32/bfloat16; inv_t the float32 1 / temperature; top_k 0 (none)
     or below vocab; seed and step one-element int64 tensors on the logits' device -> token ids
-    (...,) int64: ``generate.sample``'s draw (see the module docstring).
+    (...,) int64: ``generate.sample``'s draw (see the module docstring). seed None: no noise, the
+    first index of the largest logit (greedy, as ``argmax``; one launch fewer than torch's).
     Requires ``supports(logits, top_k, top_p)``."""
     vocab = logits.size(-1)
     rows = logits.reshape(-1, vocab)
@@ -258,8 +263,9 @@ def sample(logits: torch.Tensor, inv_t: float, top_k: int, top_p: float, seed: t
     # No fused multiply-add: x + g is rounded after x, as torch computes it. Warps: each of the
     # 32 bisection rounds is one block-wide sum; on an H200 (top-k 50: 2,048 columns a chunk,
     # 1,600 candidates) 8 / 4 warps took 10.5 / 9.8 us a kernel, 2 warps twice that.
-    _scores_kernel[(n_chunks, batch)](rows, rows.stride(0), seed, step, inv_t, x, s, cx, cs, ci, over, vocab,
-                                      TOP_K=bool(top_k), KM=km, CH=ch, INTERPRET=_INTERPRET,
+    noise = seed is not None
+    _scores_kernel[(n_chunks, batch)](rows, rows.stride(0), seed if noise else out, step if noise else out, inv_t,
+                                      x, s, cx, cs, ci, over, vocab, NOISE=noise, TOP_K=bool(top_k), KM=km, CH=ch, INTERPRET=_INTERPRET,
                                       num_warps=8 if cx.size(1) > 2048 else 4, enable_fp_fusion=False)
     _pick_kernel[(batch,)](x, s, vocab, cx, cs, ci, cx.size(1), over, n_chunks, out, top_k, top_p,
                            TOP_K=bool(top_k), TOP_P=bool(top_k) and top_p < 1.0,

@@ -49,6 +49,18 @@ def check_draws_equal_torch(device: str) -> None:
     assert torch.equal(sample(logits[:1, 0], cfg, seed_t, step_t), expect[:1, 0])
 
 
+def check_greedy_is_argmax(device: str) -> None:
+    """Greedy through the kernels: the first index of the largest logit, as torch.argmax."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 5000, generator=g).to(device)
+    logits[1, [7, 4000]] = 100.0            # a tie in two chunks: the first wins
+    logits[2, [2100, 2101]] = 100.0         # a tie inside one chunk
+    logits[3] = 0.0                         # all equal
+    for dtype in (torch.float32, torch.bfloat16):
+        got = sample(logits.to(dtype), SamplingConfig(temperature=0.0))
+        assert torch.equal(got, logits.to(dtype).argmax(-1)) and got.tolist()[1:] == [7, 2100, 0]
+
+
 def check_ties_at_the_cut_are_kept(device: str) -> None:
     """torch keeps every x equal to the k-th largest; so must the kernels (all-equal logits:
     every token stays, and the noise alone picks one)."""
@@ -78,6 +90,10 @@ def _run(check: str) -> None:
 
 def test_fused_draws_equal_the_torch_draws():
     _run("check_draws_equal_torch")
+
+
+def test_greedy_through_the_kernels_is_argmax():
+    _run("check_greedy_is_argmax")
 
 
 def test_ties_at_the_top_k_cut_are_kept_as_torch_keeps_them():
