@@ -104,10 +104,11 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tenso
     """logits (..., vocab); seed, step: one-element int64 tensors on the logits' device, the
     noise of draw number ``step`` (unused when greedy) -> token ids (...,) int64 on that device.
     No host synchronisation and no data-dependent shape, so it can be captured in a CUDA graph.
-    On CUDA (with Triton) the two kernels of ``sample_kernels`` where they apply (greedy too),
-    else ``sample_from_noise`` (or ``argmax``): the same draw."""
+    On CUDA (with Triton) the two kernels of ``sample_kernels`` where they apply (greedy only
+    inside a CUDA graph), else ``sample_from_noise`` (or ``argmax``): the same draw."""
     if cfg.temperature == 0:
-        if sample_kernels.supports(logits, 0, 1.0):
+        # In a CUDA graph the kernels are one launch fewer; eagerly, one argmax costs the host less.
+        if logits.is_cuda and torch.cuda.is_current_stream_capturing() and sample_kernels.supports(logits, 0, 1.0):
             return sample_kernels.sample(logits, 1.0, 0, 1.0, None, None)
         return logits.argmax(-1)
     top_k = cfg.top_k if cfg.top_k and cfg.top_k < logits.size(-1) else 0

@@ -50,14 +50,15 @@ def check_draws_equal_torch(device: str) -> None:
 
 
 def check_greedy_is_argmax(device: str) -> None:
-    """Greedy through the kernels: the first index of the largest logit, as torch.argmax."""
+    """Greedy through the kernels (as the decoder's CUDA graphs run it): the first index of the
+    largest logit, as torch.argmax."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 5000, generator=g).to(device)
     logits[1, [7, 4000]] = 100.0            # a tie in two chunks: the first wins
     logits[2, [2100, 2101]] = 100.0         # a tie inside one chunk
     logits[3] = 0.0                         # all equal
     for dtype in (torch.float32, torch.bfloat16):
-        got = sample(logits.to(dtype), SamplingConfig(temperature=0.0))
+        got = sample_kernels.sample(logits.to(dtype), 1.0, 0, 1.0, None, None)
         assert torch.equal(got, logits.to(dtype).argmax(-1)) and got.tolist()[1:] == [7, 2100, 0]
 
 
