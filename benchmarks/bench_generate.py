@@ -103,6 +103,8 @@ def main():
             sampling = dict(temperature=args.temperature, top_k=args.top_k)
             top_k = args.top_k if args.top_k < model.cfg.vocab_size else 0
             fused = sample_kernels.supports(model.wte.weight, 0 if args.temperature == 0 else top_k, 1.0)
+            if args.temperature == 0:  # generate.sample: the kernels for greedy inside CUDA graphs only
+                fused = fused and mode == "graph"
             sampler = "triton" if fused else ("argmax" if args.temperature == 0 else "torch")
             # Warm-up: the whole length with the cache (captures every graph the runs use).
             run_once(model, prompt, args.new_tokens if use_cache else min(8, args.new_tokens), use_cache,

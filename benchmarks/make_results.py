@@ -50,7 +50,9 @@ def gen_table(d):
     rows = d["results"]
     t = rows[0].get("temperature", 0.0)
     sampling = "greedy" if not t else f"temperature {t}, top-k {rows[0].get('top_k', 0)}"
-    sampling += f", sampler {rows[0].get('sampler', 'argmax' if not t else 'torch')}"
+    sampler = rows[0].get("sampler", "argmax" if not t else "torch")
+    sampling += ", sampler: " + ("Triton kernels in CUDA graphs, argmax otherwise" if not t and sampler == "triton"
+                                 else sampler)
     out = [f"Device: **{d['meta']['card']}** ({d['meta']['device']}), {d['meta']['date']}, commit "
            f"`{d['meta']['commit']}`, {rows[0].get('dtype', 'float32')}, {sampling}", "",
            "| preset | decoding | new tokens | time to first token (ms) | ms/token | tokens/s | cached / uncached |",

@@ -18,7 +18,8 @@ launches one replay and reads ``CHUNK`` token ids back instead of launching ~100
 reading 50,257 logits per token. Elsewhere the same steps run eagerly. Where
 ``oelm_core.decode_kernels`` supports the model (CUDA with Triton; dot attention through plain
 Q/K projections), the step is its 5 fused kernels per layer instead of PyTorch's ~19, checked
-against ``GPT.decode_step`` before it is used.
+against ``GPT.decode_step`` before it is used, and on CUDA the draw is the two kernels of
+``oelm_core.sample_kernels`` (the same tokens as the torch ops of ``sample_from_noise``).
 """
 
 from __future__ import annotations
