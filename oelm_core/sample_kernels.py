@@ -261,14 +261,17 @@ def sample(logits: torch.Tensor, inv_t: float, top_k: int, top_p: float, seed: O
     over = torch.empty((batch, n_chunks), dtype=torch.int32, device=device)
     out = torch.empty(batch, dtype=torch.int64, device=device)
     # No fused multiply-add: x + g is rounded after x, as torch computes it. Warps: each of the
-    # 32 bisection rounds is one block-wide sum; on an H200 (top-k 50: 2,048 columns a chunk,
-    # 1,600 candidates) 8 / 4 warps took 10.5 / 9.8 us a kernel, 2 warps twice that.
+    # 32 bisection rounds is one block-wide sum. On an H200, top-k 50 (2,048 columns a chunk,
+    # 1,600 candidates): 11.2 / 9.8 us (scores / pick) with 4 warps, 10.5 / 10.2 with 8, twice
+    # that with 2; top-k 1,000 (8,192 columns, 7,168 candidates): 25.6 / 22.2 us with 8, 4 twice.
     noise = seed is not None
-    _scores_kernel[(n_chunks, batch)](rows, rows.stride(0), seed if noise else out, step if noise else out, inv_t,
-                                      x, s, cx, cs, ci, over, vocab, NOISE=noise, TOP_K=bool(top_k), KM=km, CH=ch, INTERPRET=_INTERPRET,
-                                      num_warps=8 if cx.size(1) > 2048 else 4, enable_fp_fusion=False)
+    warps = 8 if cx.size(1) > 2048 else 4
+    _scores_kernel[(n_chunks, batch)](rows, rows.stride(0), seed if noise else out, step if noise else out,
+                                      inv_t, x, s, cx, cs, ci, over, vocab, NOISE=noise, TOP_K=bool(top_k),
+                                      KM=km, CH=ch, INTERPRET=_INTERPRET, num_warps=warps,
+                                      enable_fp_fusion=False)
     _pick_kernel[(batch,)](x, s, vocab, cx, cs, ci, cx.size(1), over, n_chunks, out, top_k, top_p,
                            TOP_K=bool(top_k), TOP_P=bool(top_k) and top_p < 1.0,
                            BLOCK=triton.next_power_of_2(max(cx.size(1), n_chunks)), INTERPRET=_INTERPRET,
-                           num_warps=8 if cx.size(1) > 2048 else 4, enable_fp_fusion=False)
+                           num_warps=warps, enable_fp_fusion=False)
     return out.view(logits.shape[:-1])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from oelm_core import build_model
-from oelm_core.generate import (EOT, SamplingConfig, _uniform, generate, gumbel_noise, sample, sample_from_noise, seed_tensor,
-                                stream, stream_tokens)
+from oelm_core.generate import (EOT, SamplingConfig, _uniform, generate, gumbel_noise, sample, sample_from_noise,
+                                seed_tensor, stream, stream_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ interpreter in a subprocess (as tests/test_decode_kernels.py); without Triton (C
 skipped.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -105,13 +106,14 @@ def test_supports_plain_temperature_and_top_k_only():
     _run("check_supports")
 
 
-def test_cpu_tensors_outside_the_interpreter_are_not_supported():
-    if sample_kernels.triton is None:
-        pytest.skip("no Triton")
-    import os
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter runs CPU tensors")
-    assert not sample_kernels.supports(torch.empty(1, 10), 5, 1.0)
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs CPU tensors")
+def test_cpu_tensors_are_drawn_by_the_torch_ops():
+    logits = torch.randn(2, 10)
+    assert not sample_kernels.supports(logits, 5, 1.0)
+    cfg = SamplingConfig(temperature=1.0, top_k=5)
+    seed_t, step_t = seed_tensor(0, "cpu"), torch.tensor([3])
+    expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 10)[0])
+    assert torch.equal(sample(logits, cfg, seed_t, step_t), expect)
 
 
 if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py CHECK
