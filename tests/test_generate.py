@@ -1,6 +1,7 @@
 """Sampling: the KV cache changes speed, not results; seeds, filters, limits and streaming."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -75,6 +76,20 @@ def test_gumbel_max_sampling_draws_from_the_softmax():
     counts = torch.bincount(torch.tensor(_draws(logits, SamplingConfig(temperature=2.0), n=n, seed=4)), minlength=4)
     p = torch.softmax(logits / 2, 0)
     assert ((counts / n - p).abs() < 4 * (p * (1 - p) / n).sqrt()).all()
+
+
+def test_sample_on_the_cpu_is_the_torch_draw():
+    """Without CUDA (and outside Triton's interpreter) sample() is sample_from_noise with the
+    step's noise; GPUs draw the same tokens through oelm_core.sample_kernels (its tests)."""
+    from oelm_core import sample_kernels
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    cfg = SamplingConfig(temperature=1.0, top_k=5)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert not sample_kernels.supports(logits, 5, 1.0)
+    for step in range(5):
+        seed_t, step_t = seed_tensor(9, "cpu"), torch.tensor([step])
+        expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 10)[0])
+        assert torch.equal(sample(logits, cfg, seed_t, step_t), expect)
 
 
 def _hash32_reference(h: int) -> int:

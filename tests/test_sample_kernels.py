@@ -5,7 +5,6 @@ interpreter in a subprocess (as tests/test_decode_kernels.py); without Triton (C
 skipped.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -104,16 +103,6 @@ def test_ties_at_the_top_k_cut_are_kept_as_torch_keeps_them():
 
 def test_supports_plain_temperature_and_top_k_only():
     _run("check_supports")
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs CPU tensors")
-def test_cpu_tensors_are_drawn_by_the_torch_ops():
-    logits = torch.randn(2, 10)
-    assert not sample_kernels.supports(logits, 5, 1.0)
-    cfg = SamplingConfig(temperature=1.0, top_k=5)
-    seed_t, step_t = seed_tensor(0, "cpu"), torch.tensor([3])
-    expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 10)[0])
-    assert torch.equal(sample(logits, cfg, seed_t, step_t), expect)
 
 
 if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py CHECK
