@@ -101,7 +101,7 @@ def main():
             decoder = set_mode(model, mode) if use_cache else None
             reps = args.repeats if use_cache or args.uncached_repeats is None else args.uncached_repeats
             sampling = dict(temperature=args.temperature, top_k=args.top_k)
-            top_k = args.top_k if args.top_k < model.cfg.vocab_size else 0
+            top_k = SamplingConfig(**sampling).top_k_for(model.cfg.vocab_size)
             fused = sample_kernels.supports(model.wte.weight, 0 if args.temperature == 0 else top_k, 1.0)
             if args.temperature == 0:  # generate.sample: the kernels for greedy inside CUDA graphs only
                 fused = fused and mode == "graph"

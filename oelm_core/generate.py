@@ -24,6 +24,7 @@ against ``GPT.decode_step`` before it is used, and on CUDA the draw is the two k
 
 from __future__ import annotations
 
+import struct
 import threading
 import warnings
 import weakref
@@ -59,6 +60,10 @@ class SamplingConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         return self
+
+    def top_k_for(self, vocab: int) -> int:
+        """The top-k cut over ``vocab`` ids; 0 where there is none (off, or k >= vocab)."""
+        return self.top_k if 0 < self.top_k < vocab else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,22 +117,23 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tenso
         if logits.is_cuda and torch.cuda.is_current_stream_capturing() and sample_kernels.supports(logits, 0, 1.0):
             return sample_kernels.sample(logits, 1.0, 0, 1.0, None, None)
         return logits.argmax(-1)
-    top_k = cfg.top_k if cfg.top_k and cfg.top_k < logits.size(-1) else 0
+    top_k = cfg.top_k_for(logits.size(-1))
     if sample_kernels.supports(logits, top_k, cfg.top_p):
         return sample_kernels.sample(logits, _inv_temperature(cfg), top_k, cfg.top_p, seed, step)
     return sample_from_noise(logits, cfg, gumbel_noise(seed, step, 1, logits.size(-1))[0])
 
 
 def _inv_temperature(cfg: SamplingConfig) -> float:
-    """1 / T rounded to float32: logits are scaled by one float32 multiply on every path."""
-    return float(torch.tensor(1.0 / cfg.temperature, dtype=torch.float32))
+    """1 / T rounded to float32: logits are scaled by one float32 multiply on every path.
+    (struct, not a tensor: the uncached path asks once per token.)"""
+    return struct.unpack("f", struct.pack("f", 1.0 / cfg.temperature))[0]
 
 
 def sample_from_noise(logits: torch.Tensor, cfg: SamplingConfig, noise: torch.Tensor) -> torch.Tensor:
     """The draw in torch ops, given the noise (vocab,) from ``gumbel_noise``: argmax of
     logits / T + noise over the ids that top-k and then top-p keep."""
     x = logits.float() * _inv_temperature(cfg)
-    if cfg.top_k and cfg.top_k < x.size(-1):
+    if cfg.top_k_for(x.size(-1)):
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if cfg.top_p < 1.0:
