@@ -6,7 +6,8 @@ A group may carry options after a colon: ``gpt_base:loss=full,step=graph,compile
 (loss: chunked|full; step: trainer = oelm_core.train's step, graph = forward, backward, clip and
 AdamW captured whole in one CUDA graph, plain = that step uncaptured; compile: a torch.compile
 mode or "none", for the graph/plain steps; cuda_graph: 0/1 sets TrainConfig.cuda_graph for the
-trainer's step - the reference defaults to 0, as the issue defines it: compiled, no CUDA graph). Each figure is the median of --blocks
+trainer's step - the reference defaults to 0, as the issue defines it: compiled, no CUDA graph;
+pad: 0/1, the reference's vocabulary padded to 50,304 as nanoGPT does, default 1). Each figure is the median of --blocks
 blocks of --steps steps after warm-up, timed with CUDA events; peak memory is
 torch.cuda.max_memory_allocated over the timed steps. Prints a table last; --json writes all.
 """
@@ -47,7 +48,7 @@ def parse_variant(spec: str, args) -> dict:
 def build(v: dict, preset: str, device):
     if v["group"] == "reference":
         cfg = model_config(preset, "gpt_base")
-        model = ReferenceGPT(cfg)
+        model = ReferenceGPT(cfg, pad_vocab=bool(int(v.get("pad", 1))))
     else:
         over = {"loss_impl": v["loss"]}
         if "chunk" in v:

@@ -1,8 +1,10 @@
 """The plain reference: the same GPT written the straightforward (nanoGPT) way.
 
 One fused QKV nn.Linear, SDPA attention, full logits and F.cross_entropy, GELU(tanh), pre-LN,
-learned positions, tied embeddings padded to ``cfg.padded_vocab_size`` (as nanoGPT pads to
-50,304). It computes the same function as ``oelm_core.model.GPT`` (GPT-Base and OELM-NoFreeze;
+learned positions, tied embeddings. ``pad_vocab=True`` (the default) pads the embedding to
+``cfg.padded_vocab_size`` as nanoGPT pads to 50,304, which hands the reference one of the levers
+issue 8 lists for the fast path; ``pad_vocab=False`` is the model exactly as the issue lists it
+(50,257 rows, an output row stride that is not 16-byte aligned). It computes the same function as ``oelm_core.model.GPT`` (GPT-Base and OELM-NoFreeze;
 frozen Q/K are simply not given to the optimiser), so ``copy_from`` makes the two equal and the
 benchmarks can run them side by side on one card. Not used by the toolkit itself.
 """
@@ -48,10 +50,10 @@ class RefBlock(nn.Module):
 
 
 class ReferenceGPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, pad_vocab: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.wte = nn.Embedding(cfg.padded_vocab_size if pad_vocab else cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
         self.blocks = nn.ModuleList(RefBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
@@ -81,7 +83,7 @@ class ReferenceGPT(nn.Module):
 def copy_from(ref: ReferenceGPT, model) -> ReferenceGPT:
     """Load an ``oelm_core`` GPT's weights into the reference (frozen Q/K included)."""
     d = model.cfg.d_model
-    ref.wte.weight.copy_(model.wte.weight)
+    ref.wte.weight.copy_(model.wte.weight[: ref.wte.num_embeddings])
     ref.wpe.weight.copy_(model.wpe.weight)
     ref.ln_f.load_state_dict(model.ln_f.state_dict())
     for rb, b in zip(ref.blocks, model.blocks):
