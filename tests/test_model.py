@@ -83,6 +83,29 @@ def test_attention_path_matches_sdpa(variant):
     assert torch.all(maps[0].triu(1) == 0)  # causal
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
+    """A decoding step's logits come from a transposed copy of the output weight: equal to the
+    plain product, and remade when the weight changes in place (as an optimiser step does)."""
+    torch.manual_seed(0)
+    model = build_model("tiny", "gpt_base", tie_embeddings=tie).eval()
+    h = torch.randn(1, 1, model.cfg.d_model)
+    vocab, weight = model.cfg.vocab_size, model.output_weight
+    with torch.no_grad():
+        plain = torch.nn.functional.linear(h, weight)[..., :vocab]
+        assert torch.allclose(model.logits(h), plain, atol=1e-6)
+        copy = model._output_t[1]
+        assert copy.is_contiguous() and copy.shape == (model.cfg.d_model, model.cfg.padded_vocab_size)
+        weight.mul_(-2.0)
+        assert torch.allclose(model.logits(h), -2.0 * plain, atol=1e-5)
+        assert model._output_t[1] is not copy
+        h3 = torch.randn(2, 3, model.cfg.d_model)  # many rows: the plain product, no copy involved
+        assert torch.allclose(model.logits(h3), torch.nn.functional.linear(h3, weight)[..., :vocab])
+    grad_h = h.clone().requires_grad_()
+    model.logits(grad_h).sum().backward()  # with gradients: the plain product, differentiable
+    assert weight.grad is not None and grad_h.grad.shape == h.shape
+
+
 def test_chunked_loss_equals_full_logits_loss():
     torch.manual_seed(0)
     chunked = build_model("tiny", "gpt_base", loss_chunk_tokens=7)
