@@ -46,7 +46,9 @@ _MAX_CANDIDATES = 8192  # one _pick_kernel block: chunks are widened to keep a r
 
 if triton is not None:
     # libdevice's log and exp are CUDA's logf and expf, which torch uses: the same noise bits.
-    # Triton's CPU interpreter (tests) has no libdevice; numpy's functions stand in there.
+    # Triton's CPU interpreter (tests) has no libdevice; numpy's functions stand in there. Two
+    # jit functions, not `_log = tl.log if ... else libdevice.log`: a builtin called through a
+    # module-level alias fails inside a kernel ("Did you forget to add @triton.jit?").
     @triton.jit
     def _log(x, INTERPRET: tl.constexpr):
         if INTERPRET:
