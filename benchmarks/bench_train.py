@@ -7,9 +7,9 @@ A group may carry options after a colon: ``gpt_base:loss=full,step=graph,compile
 AdamW captured whole in one CUDA graph, plain = that step uncaptured; compile: a torch.compile
 mode or "none", for the graph/plain steps; cuda_graph: 0/1 sets TrainConfig.cuda_graph for the
 trainer's step - the reference defaults to 0, as the issue defines it: compiled, no CUDA graph;
-pad: 0/1, the reference's vocabulary padded to 50,304 as nanoGPT does, default 1). Each figure is the median of --blocks
-blocks of --steps steps after warm-up, timed with CUDA events; peak memory is
-torch.cuda.max_memory_allocated over the timed steps. Prints a table last; --json writes all.
+pad: 0/1, the reference's vocabulary padded to 50,304 as nanoGPT does, default 1). Each figure is
+the median of --blocks blocks of --steps steps after warm-up, timed with CUDA events; peak memory
+is torch.cuda.max_memory_allocated over the timed steps. Prints a table last; --json writes all.
 """
 
 from __future__ import annotations
