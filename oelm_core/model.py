@@ -26,6 +26,37 @@ from oelm_core.orthogonal import init_qk
 
 
 # --------------------------------------------------------------------------------------------
+# One-row products on the CPU (a decoding step)
+# --------------------------------------------------------------------------------------------
+
+def _one_cpu_row(x: torch.Tensor) -> bool:
+    """True for a decoding step's activation on the CPU: one row, no gradient taken."""
+    return x.device.type == "cpu" and x.numel() == x.size(-1) and not torch.is_grad_enabled()
+
+
+class TransposedCopy:
+    """Weights (out_i, in) concatenated along out and stored transposed, one contiguous
+    (in, sum of out_i) tensor, remade whenever one of them moves or changes in place (its
+    version counter, which an optimiser step bumps).
+
+    Why: a decoding step on the CPU is a chain of matrix-vector products whose speed is how fast
+    the weights stream from memory. MKL reads ``x @ W.T`` with W stored (out, 512) at ~10 GB/s
+    on an AMD EPYC, and the transposed copy at 20-25 GB/s once out >= 1,024 (a plain sum streams
+    at ~30 GB/s). Costs one more copy of those weights in memory.
+    """
+
+    def __init__(self):
+        self._key: Optional[tuple] = None
+        self._value: Optional[torch.Tensor] = None
+
+    def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+        if key != self._key:
+            self._key, self._value = key, torch.cat([w.detach() for w in weights]).t().contiguous()
+        return self._value
+
+
+# --------------------------------------------------------------------------------------------
 # Q/K projections
 # --------------------------------------------------------------------------------------------
 
@@ -120,6 +151,7 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(d, d, bias=cfg.attn_bias)
         self.proj = nn.Linear(d, d, bias=cfg.attn_bias)
         self.dropout = cfg.dropout
+        self._qkv_t = TransposedCopy()  # [W_q; W_k; W_v] for one-row products on the CPU
         if cfg.attention != "dot":
             # Synthesizer (Tay et al. 2021): per-head logits that do not depend on the input.
             shapes = {"synth_random": [(h, t, t)],
@@ -147,6 +179,9 @@ class CausalSelfAttention(nn.Module):
         d = self.cfg.d_model
         if self.qk is None:
             return None, None, self.v(x)
+        if isinstance(self.qk, QKProjection) and _one_cpu_row(x):
+            q, k, v = (x @ self._qkv_t(self.qk.weight, self.v.weight)).split(d, dim=-1)
+            return q, k, v if self.v.bias is None else v + self.v.bias
         if (isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None
                 and torch.is_grad_enabled()):
             # One matmul for q, k and v when all three are trained. Without gradients (eval,
@@ -198,9 +233,9 @@ class CausalSelfAttention(nn.Module):
 
     def decode(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One new token at position ``pos`` with shapes that never change (CUDA-graph friendly):
-        x (B, 1, d_model); k, v written into the cache at ``pos``; attention over the whole
-        block_size cache with the additive ``mask`` (1, 1, 1, block_size), 0 at positions <= pos
-        and -inf after. Returns the heads' output (B, 1, d_model) *before* the output projection
+        x (B, 1, d_model); k, v written into the cache at ``pos``; attention over the cache's
+        first t positions with the additive ``mask`` (1, 1, 1, t), 0 at positions <= pos and -inf
+        after (t = block_size for a fixed shape, or pos + 1). Returns the heads' output (B, 1, d_model) *before* the output projection
         (``Block.decode`` fuses that with the residual add). With ``self.proj`` applied, the same
         numbers as ``forward(x, cache)`` with ``cache.length == pos``."""
         b = x.size(0)
@@ -208,17 +243,20 @@ class CausalSelfAttention(nn.Module):
         v = self._heads(v)
         # The Synthesizer has no keys; its key slot in the cache holds the values again.
         k_all, v_all = cache.write(self.layer, pos, v if k is None else self._heads(k), v)
+        t = mask.size(-1)
+        k_all, v_all = k_all[:, :, :t], v_all[:, :, :t]
         if self.qk is not None:
             # One query per head: a batched GEMV with the mask added (baddbmm), a softmax and a
             # second GEMV. SDPA's fused kernels are built for many queries; in float32 over 512
             # keys its memory-efficient kernel took several times longer per layer (H200).
-            h, t, dh = self.cfg.n_head, self.cfg.block_size, self.cfg.d_head
+            h, dh = self.cfg.n_head, self.cfg.d_head
             logits = torch.baddbmm(mask.to(q.dtype).view(1, 1, t), self._heads(q).reshape(b * h, 1, dh),
                                    k_all.reshape(b * h, t, dh).transpose(1, 2), alpha=1.0 / math.sqrt(dh))
             logits = logits.view(b, h, 1, t)
         else:
-            rows = self.synth_0.index_select(1, pos)  # (H, 1, T) or (H, 1, rank)
-            logits = rows if self.cfg.attention == "synth_random" else rows @ self.synth_1.transpose(1, 2)
+            rows = self.synth_0.index_select(1, pos)  # (H, 1, block_size) or (H, 1, rank)
+            logits = (rows[..., :t] if self.cfg.attention == "synth_random"
+                      else rows @ self.synth_1[:, :t].transpose(1, 2))
             logits = logits.unsqueeze(0) + mask
         att = torch.softmax(logits.float(), dim=-1).to(v_all.dtype)
         y = F.dropout(att, self.dropout, self.training) @ v_all
@@ -239,9 +277,15 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        # fc transposed for one-row products on the CPU. Not proj: stored (d_model, d_ff), its
+        # rows are long enough for MKL to stream it as it is.
+        self._fc_t = TransposedCopy()
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_model) -> GELU(fc(x)) (..., d_ff), the input of the output projection."""
+        if _one_cpu_row(x):
+            fc = x @ self._fc_t(self.fc.weight)
+            return F.gelu(fc if self.fc.bias is None else fc + self.fc.bias, approximate="tanh")
         return F.gelu(self.fc(x), approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -457,7 +501,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self._init_weights(generator)
-        self._output_t: Optional[tuple] = None  # (key, tensor): see _output_weight_t
+        self._output_t = TransposedCopy()  # the output weight, for one-row logits on the CPU
 
     def _init_weights(self, generator: torch.Generator) -> None:
         # GPT-2's scheme: N(0, 0.02) everywhere, residual output projections shrunk by
@@ -510,23 +554,11 @@ class GPT(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: (..., d_model) -> logits (..., vocab_size), the padding columns cut off."""
-        if h.device.type == "cpu" and h.numel() == h.size(-1) and not torch.is_grad_enabled():
-            # One row on the CPU, i.e. a decoding step: a matrix-vector product over the largest
-            # matrix of the model, whose speed is how fast the weight is read.
-            return (h @ self._output_weight_t())[..., : self.cfg.vocab_size]
+        if _one_cpu_row(h):
+            # A decoding step: the largest matrix-vector product of the model (medium512: 103 MB,
+            # 9.3 ms stored as it is, 3.8 ms transposed, on an AMD EPYC core).
+            return (h @ self._output_t(self.output_weight))[..., : self.cfg.vocab_size]
         return F.linear(h, self.output_weight)[..., : self.cfg.vocab_size]
-
-    def _output_weight_t(self) -> torch.Tensor:
-        """The output weight as a contiguous (d_model, padded vocab) copy, remade whenever the
-        weight moves or changes in place (its version counter). Why: BLAS's matrix-vector
-        product reads x @ W.T with W stored (vocab, d_model) at a fraction of the memory's speed
-        on some CPUs (MKL on an AMD EPYC: 9.3 ms for medium512's 103 MB, 11 GB/s), the
-        transposed copy at ~27 GB/s (3.8 ms). Costs one more copy of that weight in memory."""
-        w = self.output_weight
-        key = (w.data_ptr(), w._version, w.dtype)
-        if self._output_t is None or self._output_t[0] != key:
-            self._output_t = (key, w.detach().t().contiguous())
-        return self._output_t[1]
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None):
@@ -538,20 +570,26 @@ class GPT(nn.Module):
                                         self.cfg.vocab_size, self.cfg.loss_chunk_tokens)
         return F.cross_entropy(self.logits(h).flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
 
-    def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per sequence with fixed shapes, for CUDA-graph capture (oelm_core.generate).
+    def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                    fixed_shape: Optional[bool] = None) -> torch.Tensor:
+        """One token per sequence (oelm_core.generate's decoding step).
 
         idx: (B, 1) token ids at position ``pos`` (a 1-element LongTensor on the model's device,
         < block_size); cache: a ``KVCache`` whose positions < pos hold the earlier tokens.
-        Writes this token's keys/values at ``pos`` and attends over the whole block_size cache
-        through one additive mask (0 where ``arange(block_size) <= pos``, -inf after), built once
-        for all layers, so no shape depends on the position.
+        Writes this token's keys/values at ``pos``. With ``fixed_shape`` (the default on CUDA,
+        for CUDA-graph capture) it attends over the whole block_size cache through one additive
+        mask (0 where ``arange(block_size) <= pos``, -inf after), built once for all layers, so
+        no shape depends on the position. Otherwise (the default elsewhere; ``pos`` is read on
+        the host) it attends over positions <= pos only: a 16-token context then reads 1/32 of
+        a 512-position cache.
         Returns logits (B, vocab_size). Neither reads nor updates ``cache.length``.
         """
         x = self.wte(idx) + self.wpe(pos)
         if self.drop.p > 0:
             x = self.drop(x)
-        future = torch.arange(self.cfg.block_size, device=idx.device) > pos
+        fixed_shape = idx.is_cuda if fixed_shape is None else fixed_shape
+        t = self.cfg.block_size if fixed_shape else int(pos) + 1
+        future = torch.arange(t, device=idx.device) > pos
         mask = torch.zeros(future.shape, dtype=self.wte.weight.dtype, device=idx.device)
         mask = mask.masked_fill_(future, float("-inf")).view(1, 1, 1, -1)
         for block in self.blocks:

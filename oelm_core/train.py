@@ -31,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -204,15 +204,26 @@ class TrainStep:
     ``model`` is the plain module (state_dict and hooks come from it); the forward runs through
     ``self.module``, its compiled and/or DDP wrapper, rebuilt by ``wrap()`` whenever the
     parameter set changes (progressive unfreezing).
+
+    With ``cuda_graph`` the whole step is captured once and replayed: at small batches the step
+    is bound by the host launching kernels, and a replay costs one launch. Under DDP (NCCL) the
+    gradient all-reduce is captured with it; every rank captures or none does.
     """
+
+    # Eager steps before the capture: two let compile and the optimiser state settle; DDP asks
+    # for 11 (PyTorch's CUDA-graph notes: its reducer rebuilds buckets and finishes its
+    # bookkeeping over the first iterations, and a capture must see the steady state).
+    WARMUP_STEPS, WARMUP_STEPS_DDP = 2, 11
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float,
                  autocast, compile: bool = False, ddp: bool = False, cuda_graph: bool = False):
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.autocast, self.compile, self.ddp = autocast, compile, ddp
-        # The whole step (forward, backward, clip, AdamW) as one CUDA graph: at small batches the
-        # step is launch-bound, and a replay costs one launch. CUDA without DDP only.
-        self.cuda_graph = cuda_graph and not ddp and torch.cuda.is_available()
+        self.cuda_graph = cuda_graph and torch.cuda.is_available() and (
+            not ddp or dist.get_backend() == "nccl")  # NCCL (>= 2.9) collectives can be captured
+        # DDP is built, warmed up and captured on this one stream: the default stream cannot
+        # take part in a capture, and the reducer's hooks run on the stream DDP was built on.
+        self.stream = torch.cuda.Stream() if self.cuda_graph else None
         self.wrap()
 
     def wrap(self) -> None:
@@ -223,16 +234,29 @@ class TrainStep:
             device = next(self.model.parameters()).device
             # broadcast_buffers=False: the only float buffers are frozen Q/K, identical on every
             # rank by construction (same seed); re-broadcasting them each forward is wasted traffic.
-            module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-                         broadcast_buffers=False)
+            with self._on_stream():
+                module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+                             broadcast_buffers=False)
         self.module = module
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.hooks = [m.after_optimizer_step for m in self.model.modules()
                       if callable(getattr(m, "after_optimizer_step", None))]
         # torch.compile fails lazily, at the first call; until one call succeeded we may fall back.
         self._compile_verified = not self.compile
-        self._graph = None      # captured after two warm-up steps; a new parameter set recaptures
+        self._graph = None      # captured after the warm-up steps; a new parameter set recaptures
         self._graph_warm = 0
+
+    @contextmanager
+    def _on_stream(self):
+        """Run the block on ``self.stream`` (ordered after the current stream's work, and the
+        current stream after it); a no-op without CUDA graphs."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
 
     def _forward_backward(self, batches: list) -> torch.Tensor:
         total = torch.zeros((), device=batches[0][0].device)
@@ -264,36 +288,42 @@ class TrainStep:
                 group["lr"].fill_(lr)
             self._graph.replay()
             return self._graph_out[0].clone(), self._graph_out[1].clone()
-        if self._graph_warm < 2:  # capture needs warmed-up kernels, compile and optimiser state
+        if self._graph_warm < (self.WARMUP_STEPS_DDP if self.ddp else self.WARMUP_STEPS):
             self._graph_warm += 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                out = self._eager_step(batches, lr)
-            torch.cuda.current_stream().wait_stream(side)
-            return out
+            with self._on_stream():
+                return self._eager_step(batches, lr)
+        device = batches[0][0].device
+        self._graph_inputs = [(x.clone(), y.clone()) for x, y in batches]
+        for group in self.optimizer.param_groups:
+            group["lr"] = torch.tensor(float(lr), device=device)
+            group["capturable"] = True
+        self.optimizer.zero_grad(set_to_none=True)
+        graph, error = torch.cuda.CUDAGraph(), None
         try:
-            device = batches[0][0].device
-            self._graph_inputs = [(x.clone(), y.clone()) for x, y in batches]
-            for group in self.optimizer.param_groups:
-                group["lr"] = torch.tensor(float(lr), device=device)
-                group["capturable"] = True
-            self.optimizer.zero_grad(set_to_none=True)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: NCCL's watchdog thread keeps querying events during the capture.
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 loss = self._forward_backward(self._graph_inputs)
                 norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
                 self.optimizer.step()
-            self._graph, self._graph_shapes, self._graph_out = graph, shapes, (loss, norm)
         except Exception as exc:  # an op that cannot be captured: stay eager, correct either way
-            log.warning("CUDA graph capture failed (%s: %s); continuing without it",
-                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if self.ddp:  # a rank replaying its collectives alone would wait forever: agree first
+            failed = torch.tensor(float(error is not None), device=device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failed.item() and error is None:
+                error = "another rank could not capture its step"
+        if error is not None:
+            log.warning("CUDA graph capture failed (%s); continuing without it", error)
             torch.cuda.synchronize()
-            self.cuda_graph, self._graph = False, None
+            self.cuda_graph, self._graph, self.stream = False, None, None
             for group in self.optimizer.param_groups:
                 group["capturable"] = False
             self.optimizer.zero_grad(set_to_none=True)
+            if self.ddp:
+                self.wrap()  # a reducer stopped mid-backward cannot run again; a new one can
             return None
+        self._graph, self._graph_shapes, self._graph_out = graph, shapes, (loss, norm)
+        log.info("captured the training step as a CUDA graph%s", " with DDP's all-reduce" if self.ddp else "")
         return self._graph_step(batches, lr)
 
     def _eager_step(self, batches: list, lr: float) -> tuple[torch.Tensor, torch.Tensor]:

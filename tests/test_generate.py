@@ -161,8 +161,11 @@ def _decode_model(variant):
     return model
 
 
+@pytest.mark.parametrize("fixed_shape", [True, False])
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
-def test_fixed_shape_decode_step_equals_the_full_forward_at_every_step(variant):
+def test_decode_step_equals_the_full_forward_at_every_step(variant, fixed_shape):
+    """Both ways of attending (the whole cache under a mask, as CUDA graphs need, or the keys
+    up to pos only) give the full forward's logits."""
     model = _decode_model(variant)
     block = model.cfg.block_size
     idx = torch.randint(0, 128, (1, block), generator=torch.Generator().manual_seed(1))
@@ -175,13 +178,13 @@ def test_fixed_shape_decode_step_equals_the_full_forward_at_every_step(variant):
         prefix = model(idx[:, :5], cache=cache)[0]
         assert (prefix - full[:5]).abs().max().item() < 1e-5
         for t in range(5, block):  # up to the last position of the context
-            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache)
+            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache, fixed_shape)
             assert logits.shape == (1, model.cfg.vocab_size)
             assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
         # From an empty cache too (a one-token prompt starts at position 0).
         cache = model.new_cache()
         for t in range(block):
-            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache)
+            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache, fixed_shape)
             assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
 
 

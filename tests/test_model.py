@@ -94,16 +94,43 @@ def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
     with torch.no_grad():
         plain = torch.nn.functional.linear(h, weight)[..., :vocab]
         assert torch.allclose(model.logits(h), plain, atol=1e-6)
-        copy = model._output_t[1]
+        copy = model._output_t._value
         assert copy.is_contiguous() and copy.shape == (model.cfg.d_model, model.cfg.padded_vocab_size)
         weight.mul_(-2.0)
         assert torch.allclose(model.logits(h), -2.0 * plain, atol=1e-5)
-        assert model._output_t[1] is not copy
+        assert model._output_t._value is not copy
         h3 = torch.randn(2, 3, model.cfg.d_model)  # many rows: the plain product, no copy involved
         assert torch.allclose(model.logits(h3), torch.nn.functional.linear(h3, weight)[..., :vocab])
     grad_h = h.clone().requires_grad_()
     model.logits(grad_h).sum().backward()  # with gradients: the plain product, differentiable
     assert weight.grad is not None and grad_h.grad.shape == h.shape
+
+
+@pytest.mark.parametrize("variant,bias", [("gpt_base", True), ("oelm_freeze", False)])
+def test_one_row_layer_products_on_the_cpu_equal_the_plain_ones(variant, bias):
+    """q, k, v and the MLP's hidden layer of one row on the CPU come from transposed copies of
+    the weights (q/k/v concatenated): the same numbers as the per-weight products, also after
+    the weights change in place, with and without biases."""
+    torch.manual_seed(0)
+    block = build_model("tiny", variant, bias=bias, attn_bias=bias).eval().blocks[0]
+    attn, mlp = block.attn, block.mlp
+    x = torch.randn(1, 1, attn.cfg.d_model)
+    d = attn.cfg.d_model
+
+    def plain():
+        q, k = torch.nn.functional.linear(x, attn.qk.weight).split(d, dim=-1)
+        return q, k, attn.v(x), torch.nn.functional.gelu(mlp.fc(x), approximate="tanh")
+
+    with torch.no_grad():
+        for step in range(2):
+            got = (*attn._qkv(x), mlp.hidden(x))
+            for a, b in zip(got, plain()):
+                assert a.shape == b.shape and (a - b).abs().max().item() < 1e-6
+            assert attn._qkv_t._value.shape == (d, 3 * d) and mlp._fc_t._value.shape == (d, attn.cfg.d_ff)
+            for w in (attn.qk.weight, attn.v.weight, mlp.fc.weight):
+                w.mul_(-1.5)  # an in-place change, as an optimiser step makes: the copies follow
+    with torch.enable_grad():  # with gradients: the plain products, no copy
+        assert (mlp.hidden(x) - plain()[3]).abs().max().item() == 0.0
 
 
 def test_chunked_loss_equals_full_logits_loss():

@@ -150,6 +150,32 @@ def test_ddp_matches_single_process(tmp_path, folded):
     assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded):
+    """2 NCCL ranks x grad_accum 1 == 1 GPU x grad_accum 2 (float32), both with the whole step in
+    a CUDA graph: under DDP the all-reduce is captured after 11 eager steps, and steps 12-20
+    replay it."""
+    common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32")
+    single = params(tmp_path, folded, out="single", grad_accum=2, **common)
+    run(single)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(port), "-m", "oelm_core.train",
+         "--params", str(write_params(tmp_path / "ddp.yaml", ddp))],
+        cwd=REPO, env={**os.environ, "NCCL_NVLS_ENABLE": "0"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "captured the training step as a CUDA graph with DDP's all-reduce" in proc.stderr
+    assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
+    a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 21))
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-4, (step, a[step], b[step])
+
+
 def test_resume_reproduces_uninterrupted_run(tmp_path, folded):
     full = params(tmp_path, folded, out="full", steps=12, ckpt_every=4)
     run(full)
