@@ -3,9 +3,10 @@
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/bench_ddp.py --batch 8 64 --json out.json
 
 Each rank runs --batch sequences of block_size tokens per step (weak scaling, as the trainer's
-batch_size is per GPU); the model is wrapped in DistributedDataParallel
-(gradient_as_bucket_view, static_graph) and torch.compile'd; the step is the same forward +
-backward + clip + fused AdamW as bench_train.py. Rank 0 prints the global tokens/s (median of
+batch_size is per GPU). --impl trainer (the default) times oelm_core.train's own step with
+ddp=True: the compiled model inside DistributedDataParallel, forward + backward + all-reduce +
+clip + fused AdamW captured as one CUDA graph after 11 eager steps. --impl tuned wraps DDP first
+(gradient_as_bucket_view, static_graph, --bucket-mb), compiles that and runs without a graph. Rank 0 prints the global tokens/s (median of
 --blocks blocks after warm-up, timed with CUDA events and a barrier). Run it once with
 --nproc_per_node 1 and once with N; efficiency = tok/s(N) / (N x tok/s(1)).
 """
@@ -13,6 +14,7 @@ backward + clip + fused AdamW as bench_train.py. Rank 0 prints the global tokens
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -31,6 +33,29 @@ from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.model import GPT  # noqa: E402
 
 
+def make_ddp_step(args, cfg, batch: int, device: torch.device):
+    """step(x, y) -> loss for one model of ``cfg`` under DDP, as --impl says; step.warmup(x, y, n)."""
+    model = GPT(cfg).to(device)
+    tc = TrainConfig(compile=args.compile_mode != "none")
+    if args.impl == "tuned":
+        ddp = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True, static_graph=True,
+                  bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+        fwd = ddp if args.compile_mode == "none" else torch.compile(
+            ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
+        return TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
+    # oelm_core.train's own step with its DDP wrapper (ddp=True).
+    from oelm_core.train import configure_optimizer, make_step
+    tstep = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=True)
+    count = [0]
+
+    def step(x, y):
+        count[0] += 1
+        return tstep([(x.to(device, non_blocking=True), y.to(device, non_blocking=True))],
+                     tc.lr, count[0])[0]
+    step.warmup = lambda x, y, n=3: [step(x, y) for _ in range(n)]
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="medium512")
@@ -42,7 +67,7 @@ def main():
     ap.add_argument("--compile-mode", default="default")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--impl", default="trainer", choices=["trainer", "tuned"],
-                    help="trainer: oelm_core.train's step (ddp=True); tuned: DDP with "
+                    help="trainer: oelm_core.train's step (ddp=True, CUDA graph); tuned: DDP with "
                          "gradient_as_bucket_view, static_graph and --bucket-mb, then torch.compile")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -58,25 +83,7 @@ def main():
         for batch in args.batch:
             torch.manual_seed(0)
             cfg = model_config(args.preset, group)
-            model = GPT(cfg).to(device)
-            tc = TrainConfig(compile=args.compile_mode != "none")
-            if args.impl == "trainer":
-                # oelm_core.train's own step with its DDP wrapper (ddp=True).
-                from oelm_core.train import configure_optimizer, make_step
-                tstep = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=True)
-                count = [0]
-
-                def step(x, y):
-                    count[0] += 1
-                    return tstep([(x.to(device, non_blocking=True), y.to(device, non_blocking=True))],
-                                 tc.lr, count[0])[0]
-                step.warmup = lambda x, y, n=3: [step(x, y) for _ in range(n)]
-            else:
-                ddp = DDP(model, device_ids=[local], gradient_as_bucket_view=True, static_graph=True,
-                          bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
-                fwd = ddp if args.compile_mode == "none" else torch.compile(
-                    ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
-                step = TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
+            step = make_ddp_step(args, cfg, batch, device)
             gen = torch.Generator().manual_seed(rank + 1)
             data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(4)]
             xs = [d[:, :-1].contiguous().pin_memory() for d in data]
@@ -110,7 +117,10 @@ def main():
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-            del step, model
+            # step and step.warmup form a cycle: collect it, so that no DDP reducer or captured
+            # graph outlives the process group (destroying the group under one can hang at exit).
+            del step
+            gc.collect()
             torch._dynamo.reset()
             torch.cuda.empty_cache()
     if rank == 0:

@@ -243,7 +243,12 @@ class TrainStep:
                       if callable(getattr(m, "after_optimizer_step", None))]
         # torch.compile fails lazily, at the first call; until one call succeeded we may fall back.
         self._compile_verified = not self.compile
-        self._graph = None      # captured after the warm-up steps; a new parameter set recaptures
+        self.release()  # a new parameter set is captured anew, after new warm-up steps
+
+    def release(self) -> None:
+        """Drop the captured step and the memory its graph holds (the next call warms up and
+        captures again)."""
+        self._graph = self._graph_inputs = self._graph_out = None
         self._graph_warm = 0
 
     @contextmanager
@@ -729,6 +734,8 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     schedule = check_train_config(cfg)  # before any process group exists: fail fast, everywhere
     d = setup_distributed(cfg.train)
     try:
+        # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
+        # process group is destroyed below (destroying it under them can hang at exit).
         return Trainer(cfg, d, schedule).fit(resume)
     finally:
         if d.owns_group:
