@@ -262,9 +262,9 @@ class TrainConfig:
     device: str = "auto"         # "auto": cuda when there is one, else cpu
     dtype: str = "auto"          # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
     compile: bool = False        # torch.compile the model (falls back to eager if it fails)
-    # Capture the whole step (forward, backward, clip, AdamW) in one CUDA graph after two warm-up
-    # steps and replay it: small batches are launch-bound (benchmarks/RESULTS.md). CUDA without
-    # DDP only; falls back to eager if capture fails.
+    # Capture the whole step (forward, backward, clip, AdamW; under DDP with NCCL the gradient
+    # all-reduce too) in one CUDA graph after 2 warm-up steps (11 under DDP) and replay it: small
+    # batches are launch-bound (benchmarks/RESULTS.md). Falls back to eager if capture fails.
     cuda_graph: bool = True
     backend: str = "auto"        # DDP backend: "auto" = nccl on CUDA, gloo on CPU
     progress: bool = True        # tqdm bar on rank 0
