@@ -234,9 +234,11 @@ class TrainStep:
             device = next(self.model.parameters()).device
             # broadcast_buffers=False: the only float buffers are frozen Q/K, identical on every
             # rank by construction (same seed); re-broadcasting them each forward is wasted traffic.
+            # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, instead
+            # of being copied into them and back every step.
             with self._on_stream():
                 module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-                             broadcast_buffers=False)
+                             broadcast_buffers=False, gradient_as_bucket_view=True)
         self.module = module
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.hooks = [m.after_optimizer_step for m in self.model.modules()
