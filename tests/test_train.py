@@ -81,6 +81,18 @@ def write_params(path: Path, values: dict) -> Path:
     return path
 
 
+def torchrun_train(tmp_path: Path, values: dict, **env: str) -> subprocess.CompletedProcess:
+    """The CLI under torchrun, 2 processes on a free local port, with ``env`` added."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(port), "-m", "oelm_core.train",
+         "--params", str(write_params(tmp_path / "ddp.yaml", values))],
+        cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+
 def test_lr_schedule():
     tc = TrainConfig(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
     assert lr_at(0, tc) == pytest.approx(0.1) and lr_at(9, tc) == pytest.approx(1.0)
@@ -133,14 +145,7 @@ def test_ddp_matches_single_process(tmp_path, folded):
     single = params(tmp_path, folded, out="single", grad_accum=2, **common)
     run(single)
     ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-         "127.0.0.1", "--master_port", str(port), "-m", "oelm_core.train",
-         "--params", str(write_params(tmp_path / "ddp.yaml", ddp))],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 7))
@@ -159,14 +164,7 @@ def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, fol
     single = params(tmp_path, folded, out="single", grad_accum=2, **common)
     run(single)
     ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-         "127.0.0.1", "--master_port", str(port), "-m", "oelm_core.train",
-         "--params", str(write_params(tmp_path / "ddp.yaml", ddp))],
-        cwd=REPO, env={**os.environ, "NCCL_NVLS_ENABLE": "0"}, capture_output=True, text=True, timeout=300)
+    proc = torchrun_train(tmp_path, ddp, NCCL_NVLS_ENABLE="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "captured the training step as a CUDA graph with DDP's all-reduce" in proc.stderr
     assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
