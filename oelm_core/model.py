@@ -232,12 +232,13 @@ class CausalSelfAttention(nn.Module):
 
 
     def decode(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One new token at position ``pos`` with shapes that never change (CUDA-graph friendly):
-        x (B, 1, d_model); k, v written into the cache at ``pos``; attention over the cache's
-        first t positions with the additive ``mask`` (1, 1, 1, t), 0 at positions <= pos and -inf
-        after (t = block_size for a fixed shape, or pos + 1). Returns the heads' output (B, 1, d_model) *before* the output projection
-        (``Block.decode`` fuses that with the residual add). With ``self.proj`` applied, the same
-        numbers as ``forward(x, cache)`` with ``cache.length == pos``."""
+        """One new token at position ``pos``: x (B, 1, d_model); k, v written into the cache at
+        ``pos``; attention over the cache's first t positions with the additive ``mask``
+        (1, 1, 1, t), 0 at positions <= pos and -inf after (t = block_size gives shapes that never
+        change, for CUDA graphs; t = pos + 1 reads only the keys in use). Returns the heads'
+        output (B, 1, d_model) *before* the output projection (``Block.decode`` fuses that with
+        the residual add). With ``self.proj`` applied, the same numbers as ``forward(x, cache)``
+        with ``cache.length == pos``."""
         b = x.size(0)
         q, k, v = self._qkv(x)
         v = self._heads(v)

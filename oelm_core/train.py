@@ -245,12 +245,7 @@ class TrainStep:
                       if callable(getattr(m, "after_optimizer_step", None))]
         # torch.compile fails lazily, at the first call; until one call succeeded we may fall back.
         self._compile_verified = not self.compile
-        self.release()  # a new parameter set is captured anew, after new warm-up steps
-
-    def release(self) -> None:
-        """Drop the captured step and the memory its graph holds (the next call warms up and
-        captures again)."""
-        self._graph = self._graph_inputs = self._graph_out = None
+        self._graph = None  # a new parameter set is captured anew, after new warm-up steps
         self._graph_warm = 0
 
     @contextmanager
