@@ -180,6 +180,7 @@ class CausalSelfAttention(nn.Module):
         if self.qk is None:
             return None, None, self.v(x)
         if isinstance(self.qk, QKProjection) and _one_cpu_row(x):
+            # A decoding step on the CPU: one product over a kept transposed [W_q; W_k; W_v].
             q, k, v = (x @ self._qkv_t(self.qk.weight, self.v.weight)).split(d, dim=-1)
             return q, k, v if self.v.bias is None else v + self.v.bias
         if (isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None

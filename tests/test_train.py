@@ -81,14 +81,16 @@ def write_params(path: Path, values: dict) -> Path:
     return path
 
 
-def torchrun_train(tmp_path: Path, values: dict, **env: str) -> subprocess.CompletedProcess:
-    """The CLI under torchrun, 2 processes on a free local port, with ``env`` added."""
+def torchrun_train(tmp_path: Path, values: dict, entry: tuple = ("-m", "oelm_core.train"),
+                   **env: str) -> subprocess.CompletedProcess:
+    """The CLI (or the script ``entry`` names) under torchrun, 2 processes on a free local port,
+    with ``env`` added."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-         "127.0.0.1", "--master_port", str(port), "-m", "oelm_core.train",
+         "127.0.0.1", "--master_port", str(port), *entry,
          "--params", str(write_params(tmp_path / "ddp.yaml", values))],
         cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
 
@@ -155,19 +157,41 @@ def test_ddp_matches_single_process(tmp_path, folded):
     assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
 
 
+# Rank 1 cannot capture (torch.cuda.graph raises there); rank 0 can. Then the training CLI.
+REFUSE_ON_RANK_1 = """import os, sys, torch
+if os.environ["RANK"] == "1":
+    def refuse(*args, **kwargs):
+        raise RuntimeError("capture refused on purpose")
+    torch.cuda.graph = refuse
+from oelm_core.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded):
+@pytest.mark.parametrize("one_rank_fails", [False, True])
+def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, one_rank_fails):
     """2 NCCL ranks x grad_accum 1 == 1 GPU x grad_accum 2 (float32), both with the whole step in
     a CUDA graph: under DDP the all-reduce is captured after 11 eager steps, and steps 12-20
-    replay it."""
+    replay it. If one rank cannot capture, neither replays (no hang): both go on eagerly, with
+    the same losses."""
     common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32")
     single = params(tmp_path, folded, out="single", grad_accum=2, **common)
     run(single)
     ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
-    proc = torchrun_train(tmp_path, ddp, NCCL_NVLS_ENABLE="0")
+    entry = ("-m", "oelm_core.train")
+    if one_rank_fails:
+        (tmp_path / "refuse.py").write_text(REFUSE_ON_RANK_1)
+        entry = (str(tmp_path / "refuse.py"),)
+    proc = torchrun_train(tmp_path, ddp, entry, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(REPO))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "captured the training step as a CUDA graph with DDP's all-reduce" in proc.stderr
-    assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
+    if one_rank_fails:
+        assert "capture refused on purpose" in proc.stderr, proc.stderr[-3000:]
+        assert "another rank could not capture its step" in proc.stderr, proc.stderr[-3000:]
+        assert "captured the training step" not in proc.stderr
+    else:
+        assert "captured the training step as a CUDA graph with DDP's all-reduce" in proc.stderr
+        assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
     a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 21))
     for step in a:
