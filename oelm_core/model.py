@@ -15,7 +15,7 @@ optimizer never sees them, and they travel with ``state_dict`` like any weight.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -430,9 +430,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, targets, vocab: int, chunk: int):
+    def forward(ctx, x, w, targets, vocab: int, chunk: int, w_grad_hook):
         dtype = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ctx.w_grad_hook = w_grad_hook
         if x.is_cuda and triton is not None:
             loss, grad_x, grad_w = _ce_forward_cuda(x, w, targets, vocab, chunk, dtype, need_grad)
             if need_grad:
@@ -467,18 +468,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        return ((grad_x * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None, None)
+        grad_w = (grad_w * grad_loss).to(w_dtype)
+        if ctx.w_grad_hook is not None:
+            ctx.w_grad_hook(grad_w)
+            grad_w = None
+        return (grad_x * grad_loss).to(x_dtype), grad_w, None, None, None, None
 
 
 @torch.compiler.disable
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
-                         chunk: int = 8192) -> torch.Tensor:
+                         chunk: int = 8192, w_grad_hook: Optional[Callable] = None) -> torch.Tensor:
     """x: (N, d), w: (V_padded, d), targets: (N,) -> scalar mean loss (nats/token).
+
+    ``w_grad_hook``: if given, w's gradient (float32 or w's dtype, w's shape, already scaled by
+    the incoming gradient) is handed to it when the backward pass reaches the loss, its first
+    step, instead of flowing back to w through autograd.
 
     Runs outside torch.compile (a clean graph break: the transformer body is compiled, the loss
     is a few large cuBLAS matmuls and one Triton kernel that the compiler would not improve).
     """
-    return _LinearCrossEntropy.apply(x, w, targets, vocab, chunk)
+    return _LinearCrossEntropy.apply(x, w, targets, vocab, chunk, w_grad_hook)
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,6 +513,7 @@ class GPT(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self._init_weights(generator)
         self._output_t = TransposedCopy()  # the output weight, for one-row logits on the CPU
+        self._tied_grad_hook: Optional[Callable[[torch.Tensor], None]] = None
 
     def _init_weights(self, generator: torch.Generator) -> None:
         # GPT-2's scheme: N(0, 0.02) everywhere, residual output projections shrunk by
@@ -528,6 +538,24 @@ class GPT(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def split_tied_gradient(self, hook: Optional[Callable[[torch.Tensor], None]]) -> Optional[nn.Parameter]:
+        """Hand the output layer's share of the tied weight's gradient to ``hook`` instead of
+        adding it to ``wte.weight.grad``, which then holds the embedding's share alone: nonzero
+        only in the rows of the batch's tokens. ``hook(g)`` gets g (padded_vocab, d_model),
+        float32, when the backward pass starts (the chunked loss computes it in the forward).
+
+        Why: with tied weights the gradient of the largest tensor of the model is complete only
+        after the embedding's backward, the very last step, so a data-parallel all-reduce of it
+        could not overlap anything; split, the dense share can be reduced while the backward
+        runs, and the rest is a few rows (``oelm_core.train.TiedGradReducer``).
+        Returns the tied weight, or None when there is nothing to split (untied output layer, or
+        ``loss_impl="full"``); ``hook=None`` joins the shares again.
+        """
+        if self.lm_head is not None or self.cfg.loss_impl != "chunked":
+            return None
+        self._tied_grad_hook = hook
+        return self.wte.weight
 
     def hidden(self, idx: torch.Tensor, cache: Optional[KVCache] = None,
                return_attention: bool = False):
@@ -569,7 +597,8 @@ class GPT(nn.Module):
             return self.logits(h)
         if self.cfg.loss_impl == "chunked":
             return linear_cross_entropy(h.flatten(0, 1), self.output_weight, targets.flatten(),
-                                        self.cfg.vocab_size, self.cfg.loss_chunk_tokens)
+                                        self.cfg.vocab_size, self.cfg.loss_chunk_tokens,
+                                        self._tied_grad_hook)
         return F.cross_entropy(self.logits(h).flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
 
     def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache,
