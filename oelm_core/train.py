@@ -205,7 +205,8 @@ class TiedGradReducer:
       starts then, on NCCL's stream, while the rest of the backward runs (``_on_output_grad``);
     - the embedding's share is nonzero only in the rows of this rank's tokens: ``finish``
       gathers those rows from every rank (tokens x d_model floats: 8 MB at 8 x 512 instead of
-      103 MB) and adds them to the reduced output share.
+      103 MB) and adds them to the reduced output share. When the ranks' tokens outnumber the
+      weight's rows, an all-reduce of the whole share is cheaper, and ``finish`` does that.
 
     Each row is sent once (a repeated token adds an exact zero) and every rank adds the ranks'
     rows in the same order, so the weights stay bitwise equal across ranks. Works with NCCL
@@ -213,8 +214,9 @@ class TiedGradReducer:
     """
 
     def __init__(self, model: nn.Module, weight: nn.Parameter):
-        self.model, self.weight = model, weight
-        self.world = dist.get_world_size()
+        self.weight, self.world = weight, dist.get_world_size()
+        # NCCL averages within the all-reduce; gloo has no AVG: sum, then scale.
+        self.average = dist.get_backend() == "nccl"
         self.sync = True  # False on micro-steps that only accumulate (DDP's no_sync)
         self._out: Optional[torch.Tensor] = None
         self._work = None
@@ -227,29 +229,44 @@ class TiedGradReducer:
         weight = split(None) if split is not None else None
         return cls(model, weight) if weight is not None and weight.requires_grad else None
 
+    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        op = dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM
+        return dist.all_reduce(tensor, op=op, async_op=async_op)
+
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._out = grad if self._out is None else self._out.add_(grad)
-        if self.sync:  # SUM, scaled in finish: gloo has no AVG
-            self._work = dist.all_reduce(self._out, async_op=True)
+        if self.sync:
+            self._work = self._all_reduce(self._out, async_op=True)
 
     def finish(self, tokens: list[torch.Tensor]) -> None:
         """After the last micro-step's backward, set ``weight.grad`` to the mean over ranks of the
         whole gradient. ``tokens``: this rank's input ids, one (B, T) tensor per micro-step."""
-        grad = self.weight.grad  # the embedding's share, this rank's
-        ids = torch.cat([t.flatten() for t in tokens]).sort().values
-        first = torch.ones_like(ids, dtype=torch.bool)
-        first[1:] = ids[1:] != ids[:-1]
-        rows = grad[ids] * first.unsqueeze(1)
-        # Flat along dim 0: gloo's all_gather_into_tensor takes no stacked output.
-        all_ids = ids.new_empty(self.world * ids.numel())
-        all_rows = rows.new_empty((self.world * rows.size(0), rows.size(1)))
-        dist.all_gather_into_tensor(all_ids, ids)
-        dist.all_gather_into_tensor(all_rows, rows)
-        self._work.wait()
+        emb, out = self.weight.grad, self._out  # this rank's embedding share; the output share
         scale = 1.0 / self.world
-        torch.mul(self._out, scale, out=grad)
-        for ids_r, rows_r in zip(all_ids.chunk(self.world), all_rows.chunk(self.world)):
-            grad.index_add_(0, ids_r, rows_r, alpha=scale)
+        ids = torch.cat([t.flatten() for t in tokens])
+        if self.world * ids.numel() <= emb.size(0):
+            ids = ids.sort().values
+            first = torch.ones_like(ids, dtype=torch.bool)
+            first[1:] = ids[1:] != ids[:-1]
+            rows = emb[ids] * first.unsqueeze(1)
+            # Flat along dim 0: gloo's all_gather_into_tensor takes no stacked output.
+            all_ids = ids.new_empty(self.world * ids.numel())
+            all_rows = rows.new_empty((self.world * rows.size(0), rows.size(1)))
+            dist.all_gather_into_tensor(all_ids, ids)
+            dist.all_gather_into_tensor(all_rows, rows)
+            self._work.wait()
+            if not self.average:
+                out.mul_(scale)
+            for ids_r, rows_r in zip(all_ids.chunk(self.world), all_rows.chunk(self.world)):
+                out.index_add_(0, ids_r, rows_r, alpha=scale)
+        else:
+            self._all_reduce(emb)
+            self._work.wait()
+            if self.average:
+                out.add_(emb)
+            else:
+                out.add_(emb).mul_(scale)
+        self.weight.grad = out  # the output share's buffer becomes the gradient: no copy
         self._out = self._work = None
 
 

@@ -81,16 +81,19 @@ def write_params(path: Path, values: dict) -> Path:
     return path
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def torchrun_train(tmp_path: Path, values: dict, entry: tuple = ("-m", "oelm_core.train"),
                    **env: str) -> subprocess.CompletedProcess:
     """The CLI (or the script ``entry`` names) under torchrun, 2 processes on a free local port,
     with ``env`` added."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-         "127.0.0.1", "--master_port", str(port), *entry,
+         "127.0.0.1", "--master_port", str(free_port()), *entry,
          "--params", str(write_params(tmp_path / "ddp.yaml", values))],
         cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
 
@@ -155,6 +158,52 @@ def test_ddp_matches_single_process(tmp_path, folded):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
     summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
+
+
+# Two micro-steps per rank with repeated tokens; the reduced tied-weight gradient against the
+# mean of the ranks' plain gradients, and bitwise the same on both ranks.
+TIED_REDUCER = """import sys, torch, torch.distributed as dist
+from oelm_core.model import build_model
+from oelm_core.train import TiedGradReducer
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+seq = int(sys.argv[1])
+split, plain = (build_model("tiny", "gpt_base", block_size=64, loss_chunk_tokens=48) for _ in range(2))
+reducer = TiedGradReducer.for_model(split)
+gen = torch.Generator().manual_seed(rank)
+batches = [torch.randint(0, 40, (2, seq + 1), generator=gen) for _ in range(2)]
+for i, b in enumerate(batches):
+    reducer.sync = i == 1
+    (split(b[:, :-1], b[:, 1:]) / 2).backward()
+    (plain(b[:, :-1], b[:, 1:]) / 2).backward()
+reducer.finish([b[:, :-1] for b in batches])
+got, mine = split.wte.weight.grad, plain.wte.weight.grad
+everyone, expected = [torch.empty_like(got) for _ in range(world)], torch.empty_like(mine)
+dist.all_gather(everyone, got)
+dist.all_reduce(mine)
+assert all(torch.equal(g, got) for g in everyone), "ranks differ"
+err = ((got - mine / world).abs().max() / mine.abs().max()).item()
+assert err < 1e-6, err
+if rank == 0:
+    print("rows" if world * 4 * seq <= got.size(0) else "dense", err)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("seq, path", [(8, "rows"), (48, "dense")])
+def test_tied_gradient_reducer_equals_the_mean_gradient(tmp_path, seq, path):
+    """Two gloo ranks: the tied weight's gradient from TiedGradReducer (output share all-reduced,
+    embedding share as gathered rows, or dense when the tokens outnumber the rows) equals the
+    mean of the ranks' plain gradients, over two micro-steps, and is the same on both ranks."""
+    script = tmp_path / "tied.py"
+    script.write_text(TIED_REDUCER)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                           str(script), str(seq)],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == path, proc.stdout
 
 
 # Rank 1 cannot capture (torch.cuda.graph raises there); rank 0 can. Then the training CLI.
