@@ -205,8 +205,7 @@ class TiedGradReducer:
       starts then, on NCCL's stream, while the rest of the backward runs (``_on_output_grad``);
     - the embedding's share is nonzero only in the rows of this rank's tokens: ``finish``
       gathers those rows from every rank (tokens x d_model floats: 8 MB at 8 x 512 instead of
-      103 MB) and adds them to the reduced output share. When the ranks' tokens outnumber the
-      weight's rows, an all-reduce of the whole share is cheaper, and ``finish`` does that.
+      103 MB) and adds them to the reduced output share (``begin`` says when rows pay).
 
     Each row is sent once (a repeated token adds an exact zero) and every rank adds the ranks'
     rows in the same order, so the weights stay bitwise equal across ranks. Works with NCCL
@@ -218,6 +217,8 @@ class TiedGradReducer:
         # NCCL averages within the all-reduce; gloo has no AVG: sum, then scale.
         self.average = dist.get_backend() == "nccl"
         self.sync = True  # False on micro-steps that only accumulate (DDP's no_sync)
+        self._ids: Optional[torch.Tensor] = None  # this step's tokens, when its rows are gathered
+        self._first = self._all_ids = self._ids_work = None
         self._out: Optional[torch.Tensor] = None
         self._work = None
         model.split_tied_gradient(self._on_output_grad)
@@ -233,41 +234,48 @@ class TiedGradReducer:
         op = dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM
         return dist.all_reduce(tensor, op=op, async_op=async_op)
 
+    def begin(self, tokens: list[torch.Tensor]) -> None:
+        """Before a step's first backward. ``tokens``: this rank's input ids, one (B, T) tensor
+        per micro-step. When the ranks' tokens outnumber the weight's rows (medium512: from 25k
+        tokens per GPU on 2 GPUs) the rows are no cheaper to send than the whole share; then both
+        shares are added and all-reduced once at the end, as DDP would."""
+        ids = torch.cat([t.flatten() for t in tokens])
+        if self.world * ids.numel() > self.weight.size(0):
+            self._ids = None
+            return
+        # Sorted, and each id's first place marked: a row is sent once. The ids travel now, while
+        # the forward pass runs; the rows once the backward is done.
+        self._ids = ids.sort().values
+        self._first = torch.ones_like(self._ids, dtype=torch.bool)
+        self._first[1:] = self._ids[1:] != self._ids[:-1]
+        # Flat along dim 0: gloo's all_gather_into_tensor takes no stacked output.
+        self._all_ids = ids.new_empty(self.world * ids.numel())
+        self._ids_work = dist.all_gather_into_tensor(self._all_ids, self._ids, async_op=True)
+
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._out = grad if self._out is None else self._out.add_(grad)
-        if self.sync:
+        if self.sync and self._ids is not None:
             self._work = self._all_reduce(self._out, async_op=True)
 
-    def finish(self, tokens: list[torch.Tensor]) -> None:
-        """After the last micro-step's backward, set ``weight.grad`` to the mean over ranks of the
-        whole gradient. ``tokens``: this rank's input ids, one (B, T) tensor per micro-step."""
+    def finish(self) -> None:
+        """After the last micro-step's backward: ``weight.grad`` := the mean over ranks."""
         emb, out = self.weight.grad, self._out  # this rank's embedding share; the output share
-        scale = 1.0 / self.world
-        ids = torch.cat([t.flatten() for t in tokens])
-        if self.world * ids.numel() <= emb.size(0):
-            ids = ids.sort().values
-            first = torch.ones_like(ids, dtype=torch.bool)
-            first[1:] = ids[1:] != ids[:-1]
-            rows = emb[ids] * first.unsqueeze(1)
-            # Flat along dim 0: gloo's all_gather_into_tensor takes no stacked output.
-            all_ids = ids.new_empty(self.world * ids.numel())
+        if self._ids is None:
+            self._all_reduce(out.add_(emb))
+            if not self.average:
+                out.mul_(1.0 / self.world)
+        else:
+            rows = emb[self._ids] * self._first.unsqueeze(1)
             all_rows = rows.new_empty((self.world * rows.size(0), rows.size(1)))
-            dist.all_gather_into_tensor(all_ids, ids)
             dist.all_gather_into_tensor(all_rows, rows)
+            self._ids_work.wait()
             self._work.wait()
             if not self.average:
-                out.mul_(scale)
-            for ids_r, rows_r in zip(all_ids.chunk(self.world), all_rows.chunk(self.world)):
-                out.index_add_(0, ids_r, rows_r, alpha=scale)
-        else:
-            self._all_reduce(emb)
-            self._work.wait()
-            if self.average:
-                out.add_(emb)
-            else:
-                out.add_(emb).mul_(scale)
+                out.mul_(1.0 / self.world)
+            for ids_r, rows_r in zip(self._all_ids.chunk(self.world), all_rows.chunk(self.world)):
+                out.index_add_(0, ids_r, rows_r, alpha=1.0 / self.world)
         self.weight.grad = out  # the output share's buffer becomes the gradient: no copy
-        self._out = self._work = None
+        self._ids = self._first = self._all_ids = self._ids_work = self._out = self._work = None
 
 
 class TrainStep:
@@ -285,7 +293,9 @@ class TrainStep:
 
     With ``cuda_graph`` the whole step is captured once and replayed: at small batches the step
     is bound by the host launching kernels, and a replay costs one launch. Under DDP (NCCL) the
-    gradient all-reduce is captured with it; every rank captures or none does.
+    gradient all-reduce is captured with it; every rank captures or none does. Under DDP a tied
+    embedding/output weight is reduced by ``TiedGradReducer`` (most of it during the backward
+    pass), every other parameter by DDP.
     """
 
     # Eager steps before the capture: two let compile and the optimiser state settle; DDP asks
@@ -344,6 +354,8 @@ class TrainStep:
 
     def _forward_backward(self, batches: list) -> torch.Tensor:
         total = torch.zeros((), device=batches[0][0].device)
+        if self.tied is not None:
+            self.tied.begin([x for x, _ in batches])
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             if self.tied is not None:
@@ -355,7 +367,7 @@ class TrainStep:
                 (loss / len(batches)).backward()
             total += loss.detach().float()
         if self.tied is not None:
-            self.tied.finish([x for x, _ in batches])
+            self.tied.finish()
         return total / len(batches)
 
     def __call__(self, batches: list, lr: float, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,11 +172,12 @@ split, plain = (build_model("tiny", "gpt_base", block_size=64, loss_chunk_tokens
 reducer = TiedGradReducer.for_model(split)
 gen = torch.Generator().manual_seed(rank)
 batches = [torch.randint(0, 40, (2, seq + 1), generator=gen) for _ in range(2)]
+reducer.begin([b[:, :-1] for b in batches])
 for i, b in enumerate(batches):
     reducer.sync = i == 1
     (split(b[:, :-1], b[:, 1:]) / 2).backward()
     (plain(b[:, :-1], b[:, 1:]) / 2).backward()
-reducer.finish([b[:, :-1] for b in batches])
+reducer.finish()
 got, mine = split.wte.weight.grad, plain.wte.weight.grad
 everyone, expected = [torch.empty_like(got) for _ in range(world)], torch.empty_like(mine)
 dist.all_gather(everyone, got)
