@@ -4,8 +4,9 @@
 
 Each rank runs --batch sequences of block_size tokens per step (weak scaling, as the trainer's
 batch_size is per GPU). --impl trainer (the default) times oelm_core.train's own step with
-ddp=True: the compiled model inside DistributedDataParallel, forward + backward + all-reduce +
-clip + fused AdamW captured as one CUDA graph after 11 eager steps. --impl tuned wraps DDP first
+ddp=True: the compiled model inside DistributedDataParallel (the tied embedding/output weight
+reduced by oelm_core.train.TiedGradReducer instead), forward + backward + all-reduce + clip +
+fused AdamW captured as one CUDA graph after 11 eager steps. --impl tuned wraps DDP first
 (gradient_as_bucket_view, static_graph, --bucket-mb), compiles that and runs without a graph.
 Rank 0 prints the global tokens/s (median of --blocks blocks after warm-up, timed with CUDA
 events and a barrier). Run it once with --nproc_per_node 1 and once with N; efficiency =
