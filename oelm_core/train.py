@@ -322,6 +322,7 @@ class TrainStep:
         if self.tied is not None:  # reduced by self.tied, not by DDP
             DDP._set_params_and_buffers_to_ignore_for_model(
                 module, [name for name, p in module.named_parameters() if p is self.tied.weight])
+            log.info("DDP: the tied embedding/output weight is reduced in two shares (TiedGradReducer)")
         if self.ddp:
             device = next(self.model.parameters()).device
             # broadcast_buffers=False: the only float buffers are frozen Q/K, identical on every

@@ -152,6 +152,8 @@ def test_ddp_matches_single_process(tmp_path, folded):
     ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
     proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The tied weight goes through TiedGradReducer, before and after DDP is re-wrapped.
+    assert proc.stderr.count("reduced in two shares (TiedGradReducer)") == 2, proc.stderr[-3000:]
     a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 7))
     for step in a:
