@@ -143,13 +143,15 @@ def test_frozen_qk_stay_fixed(tmp_path, folded):
     assert summary["params"]["frozen"] == 2 * 2 * 64 * 64
 
 
-def test_ddp_matches_single_process(tmp_path, folded):
-    """2 gloo ranks x grad_accum 1 == 1 process x grad_accum 2, through torchrun and the CLI; an
-    unfreeze mid-run checks that DDP is re-wrapped around the new parameters."""
-    common = dict(steps=6, unfreeze_schedule={3: "all"}, eval_every=3, ckpt_every=3)
-    single = params(tmp_path, folded, out="single", grad_accum=2, **common)
+@pytest.mark.parametrize("accum, batch", [(1, 4), (2, 2)])
+def test_ddp_matches_single_process(tmp_path, folded, accum, batch):
+    """2 gloo ranks x grad_accum A == 1 process x grad_accum 2A, through torchrun and the CLI; an
+    unfreeze mid-run checks that DDP is re-wrapped around the new parameters. 128 tokens per
+    rank and step: TiedGradReducer sends the embedding's rows (2 x 128 <= 256 rows)."""
+    common = dict(steps=6, unfreeze_schedule={3: "all"}, eval_every=3, ckpt_every=3, batch_size=batch)
+    single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
     run(single)
-    ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, **common)
     proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The tied weight goes through TiedGradReducer, before and after DDP is re-wrapped.
