@@ -7,7 +7,8 @@ From Python: ``summary = train(load_run_config("parameters/X.yaml"))``.
 
 Like minGPT's trainer it knows nothing about the model beyond ``build_model``, ``model(x, y)`` ->
 mean loss, ``model.unfreeze_qk(layers)`` -> new parameters and, duck-typed, the
-``module.after_optimizer_step(step)`` hook and (DDP only) ``model.split_tied_gradient(hook)``. A run folder (``RunConfig.out_dir``) holds:
+``module.after_optimizer_step(step)`` hook and (under DDP) ``model.split_tied_gradient(hook)``.
+A run folder (``RunConfig.out_dir``) holds:
 
     config.yaml            the RunConfig as run
     metrics.jsonl          one JSON object per logged step (train figures; eval rows add val_*)
