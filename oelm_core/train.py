@@ -226,10 +226,13 @@ class TiedGradReducer:
 
     @classmethod
     def for_model(cls, model: nn.Module) -> Optional["TiedGradReducer"]:
-        """A reducer for ``model``'s tied weight, or None if it has none to split."""
+        """A reducer for ``model``'s tied weight, or None if it has none to split or there is one
+        rank (nothing to reduce: gathering rows would be work for nothing)."""
         split = getattr(model, "split_tied_gradient", None)
-        weight = split(None) if split is not None else None
-        return cls(model, weight) if weight is not None and weight.requires_grad else None
+        weight = split(None) if split is not None else None  # also drops an earlier reducer's hook
+        if weight is None or not weight.requires_grad or dist.get_world_size() == 1:
+            return None
+        return cls(model, weight)
 
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         op = dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM

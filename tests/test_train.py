@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 
 from oelm_core.accounting import count_parameters
@@ -193,6 +194,18 @@ if rank == 0:
     print("rows" if world * 4 * seq <= got.size(0) else "dense", err)
 dist.destroy_process_group()
 """
+
+
+def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
+    """With one rank there is nothing to reduce: DDP keeps the tied weight, no hook is left."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_model("tiny", "gpt_base")
+        step = make_step(model, configure_optimizer(model, TrainConfig(), torch.device("cpu")),
+                         TrainConfig(), torch.device("cpu"), ddp=True)
+        assert step.tied is None and model._tied_grad_hook is None
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("seq, path", [(8, "rows"), (48, "dense")])
