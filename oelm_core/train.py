@@ -204,9 +204,10 @@ class TiedGradReducer:
 
     - the output layer's share (dense) arrives as the backward pass starts, and its all-reduce
       starts then, on NCCL's stream, while the rest of the backward runs (``_on_output_grad``);
-    - the embedding's share is nonzero only in the rows of this rank's tokens: ``finish``
-      gathers those rows from every rank (tokens x d_model floats: 8 MB at 8 x 512 instead of
-      103 MB) and adds them to the reduced output share (``begin`` says when rows pay).
+    - the embedding's share is nonzero only in the rows of this rank's tokens: as soon as it
+      is written (``_on_embedding_grad``) those rows are gathered from every rank (tokens x
+      d_model floats: 8 MB at 8 x 512 instead of 103 MB), and ``finish`` adds them to the
+      reduced output share (``begin`` says when rows pay).
 
     Each row is sent once (a repeated token adds an exact zero) and every rank adds the ranks'
     rows in the same order, so the weights stay bitwise equal across ranks. Works with NCCL
@@ -221,8 +222,11 @@ class TiedGradReducer:
         self._ids: Optional[torch.Tensor] = None  # this step's tokens, when its rows are gathered
         self._first = self._all_ids = self._ids_work = None
         self._out: Optional[torch.Tensor] = None
-        self._work = None
+        self._work = self._rows = self._rows_work = None
         model.split_tied_gradient(self._on_output_grad)
+        # Fires when the embedding's backward has written its share, still inside the backward
+        # pass: the rows then queue on NCCL ahead of DDP's last buckets instead of after them.
+        self._hook = weight.register_post_accumulate_grad_hook(self._on_embedding_grad)
 
     @classmethod
     def for_model(cls, model: nn.Module) -> Optional["TiedGradReducer"]:
@@ -233,6 +237,10 @@ class TiedGradReducer:
         if weight is None or not weight.requires_grad or dist.get_world_size() == 1:
             return None
         return cls(model, weight)
+
+    def remove(self) -> None:
+        """Detach from the weight (before another reducer or none takes over)."""
+        self._hook.remove()
 
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         op = dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM
@@ -248,7 +256,7 @@ class TiedGradReducer:
             self._ids = None
             return
         # Sorted, and each id's first place marked: a row is sent once. The ids travel now, while
-        # the forward pass runs; the rows once the backward is done.
+        # the forward pass runs; the rows once the embedding's backward has run.
         self._ids = ids.sort().values
         self._first = torch.ones_like(self._ids, dtype=torch.bool)
         self._first[1:] = self._ids[1:] != self._ids[:-1]
@@ -261,6 +269,15 @@ class TiedGradReducer:
         if self.sync and self._ids is not None:
             self._work = self._all_reduce(self._out, async_op=True)
 
+    def _on_embedding_grad(self, weight: torch.Tensor) -> None:
+        if self.sync and self._ids is not None:
+            self._gather_rows(weight.grad)
+
+    def _gather_rows(self, emb: torch.Tensor) -> None:
+        rows = emb[self._ids] * self._first.unsqueeze(1)
+        self._rows = rows.new_empty((self.world * rows.size(0), rows.size(1)))
+        self._rows_work = dist.all_gather_into_tensor(self._rows, rows, async_op=True)
+
     def finish(self) -> None:
         """After the last micro-step's backward: ``weight.grad`` := the mean over ranks."""
         emb, out = self.weight.grad, self._out  # this rank's embedding share; the output share
@@ -269,17 +286,17 @@ class TiedGradReducer:
             if not self.average:
                 out.mul_(1.0 / self.world)
         else:
-            rows = emb[self._ids] * self._first.unsqueeze(1)
-            all_rows = rows.new_empty((self.world * rows.size(0), rows.size(1)))
-            dist.all_gather_into_tensor(all_rows, rows)
-            self._ids_work.wait()
-            self._work.wait()
+            if self._rows_work is None:  # the hook did not run (no embedding gradient reached it)
+                self._gather_rows(emb)
+            for work in (self._ids_work, self._work, self._rows_work):
+                work.wait()
             if not self.average:
                 out.mul_(1.0 / self.world)
-            for ids_r, rows_r in zip(self._all_ids.chunk(self.world), all_rows.chunk(self.world)):
+            for ids_r, rows_r in zip(self._all_ids.chunk(self.world), self._rows.chunk(self.world)):
                 out.index_add_(0, ids_r, rows_r, alpha=1.0 / self.world)
         self.weight.grad = out  # the output share's buffer becomes the gradient: no copy
         self._ids = self._first = self._all_ids = self._ids_work = self._out = self._work = None
+        self._rows = self._rows_work = None
 
 
 class TrainStep:
@@ -322,6 +339,8 @@ class TrainStep:
         module = self.model
         if self.compile:
             module = torch.compile(module)
+        if getattr(self, "tied", None) is not None:
+            self.tied.remove()
         self.tied = TiedGradReducer.for_model(self.model) if self.ddp else None
         if self.tied is not None:  # reduced by self.tied, not by DDP
             DDP._set_params_and_buffers_to_ignore_for_model(
