@@ -144,7 +144,7 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
          "mfu": (tokens / s * fpt / peak) if peak else None, "flops_per_token": fpt,
          "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
          "compile_s": compile_s, "loss": loss, "kernel_ms_per_step": breakdown, "dynamo_graphs": graphs, "options": {k: v[k] for k in v if k not in ("label",)}}
-    del step, model, fwd
+    step = model = fwd = None  # the closures hold step: drop it before freeing the cache
     gc.collect()
     torch._dynamo.reset()
     if cuda:

@@ -39,16 +39,42 @@ STORIES = [
 ]
 
 
-@pytest.fixture
-def story_folder(tmp_path: Path) -> Path:
-    """A corpus in the TinyStories text layout: train/ and validation/ with <|endoftext|> separators."""
-    root = tmp_path / "stories"
+def write_corpus(root: Path) -> Path:
+    """A corpus in the TinyStories text layout at ``root``: train/ and validation/ with
+    <|endoftext|> separators."""
     (root / "train").mkdir(parents=True)
     (root / "validation").mkdir()
-    train = (STORIES * 20)
-    (root / "train" / "part.txt").write_text("\n<|endoftext|>\n".join(train) + "\n<|endoftext|>\n")
+    (root / "train" / "part.txt").write_text("\n<|endoftext|>\n".join(STORIES * 20) + "\n<|endoftext|>\n")
     (root / "validation" / "part.txt").write_text("<|endoftext|>".join(STORIES[:3] * 10))
     return root
+
+
+@pytest.fixture
+def story_folder(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "stories")
+
+
+SMOKE_STUDY = REPO / "parameters" / "study_smoke.yaml"
+SMOKE_STEPS = 24
+
+
+@pytest.fixture(scope="session")
+def smoke_study(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`python -m oelm_core.study parameters/study_smoke.yaml` on a tiny corpus, once per test
+    session (test_study and test_notebooks check it): (its output folder, the process)."""
+    base = tmp_path_factory.getbasetemp() / "smoke_study"
+    corpus = write_corpus(base / "stories")
+    out = base / "study"
+    env = dict(os.environ, OELM_DATA=str(corpus), PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "oelm_core.study", str(SMOKE_STUDY), "--out", str(out),
+           "--set", f"train.steps={SMOKE_STEPS}", "--set", "train.eval_every=12", "--set", "train.log_every=4",
+           "--set", "train.ckpt_every=24", "--set", "train.eval_batches=2",
+           "--set", f"data.out_dir={base / 'data'}",
+           "--set", "study.parameters.01_theory.d=64", "--set", "study.parameters.01_theory.jl_points=24"]
+    proc = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=900)
+    (base / "study.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"study failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+    return out, proc
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Every notebook executes headless with smoke parameters, and none keeps outputs in git.
 
 03_training and 04_analysis need trainings: they are checked in the copies that the smoke study
-(tests/test_study.py, run once per session) executed through papermill. 01 and 02 also run here
+(tests/conftest.py's ``smoke_study``, run once per session) executed through papermill. 01 and 02 also run here
 directly through papermill's Python API, from the notebooks/ folder, as a user would.
 """
 
@@ -9,7 +9,6 @@ import nbformat
 import pytest
 
 from conftest import REPO
-from test_study import smoke_study  # noqa: F401  (the session's one study run)
 
 NOTEBOOKS = ["01_theory", "02_model", "03_training", "04_analysis"]
 
@@ -47,7 +46,7 @@ def test_notebook_runs_standalone(name, parameters, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_study_executed_every_notebook(smoke_study, name):  # noqa: F811
+def test_study_executed_every_notebook(smoke_study, name):
     out, _ = smoke_study
     paths = ([out / "notebooks" / f"{name}.ipynb"] if name != "03_training"
              else sorted((out / "runs").glob("*/03_training.ipynb")))

@@ -4,57 +4,20 @@ The end-to-end study runs once per test session (``smoke_study``): the smoke stu
 story corpus, 24 steps per run. tests/test_notebooks.py checks the notebooks it executed.
 """
 
-import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, STORIES
+from conftest import REPO
+from conftest import SMOKE_STEPS as STEPS
+from conftest import SMOKE_STUDY as STUDY_FILE
 from oelm_core.config import ConfigError
 from oelm_core.study import StudyError, execute_notebook, failed_cell, load_study, train_command
 
-STUDY_FILE = REPO / "parameters" / "study_smoke.yaml"
-STEPS = 24
-
-
-def write_corpus(root: Path) -> Path:
-    (root / "train").mkdir(parents=True)
-    (root / "validation").mkdir()
-    (root / "train" / "part.txt").write_text("\n<|endoftext|>\n".join(STORIES * 20) + "\n<|endoftext|>\n")
-    (root / "validation" / "part.txt").write_text("<|endoftext|>".join(STORIES[:3] * 10))
-    return root
-
-
-@functools.lru_cache(maxsize=1)
-def run_smoke_study(base: str) -> tuple[Path, subprocess.CompletedProcess]:
-    """Run `python -m oelm_core.study parameters/study_smoke.yaml` once, into ``base``/study."""
-    base = Path(base)
-    corpus = write_corpus(base / "stories")
-    out = base / "study"
-    env = dict(os.environ, OELM_DATA=str(corpus), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "oelm_core.study", str(STUDY_FILE), "--out", str(out),
-           "--set", f"train.steps={STEPS}", "--set", "train.eval_every=12", "--set", "train.log_every=4",
-           "--set", "train.ckpt_every=24", "--set", "train.eval_batches=2",
-           "--set", f"data.out_dir={base / 'data'}",
-           "--set", "study.parameters.01_theory.d=64", "--set", "study.parameters.01_theory.jl_points=24"]
-    proc = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=900)
-    (base / "study.log").write_text(proc.stdout + proc.stderr)
-    return out, proc
-
-
-@pytest.fixture(scope="session")
-def smoke_study(tmp_path_factory):
-    out, proc = run_smoke_study(str(tmp_path_factory.getbasetemp() / "smoke_study"))
-    assert proc.returncode == 0, f"study failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
-    return out, proc
-
-
 # --- end to end -------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_smoke_study_writes_study_json_and_runs(smoke_study):
