@@ -1,8 +1,9 @@
 """Every notebook executes headless with smoke parameters, and none keeps outputs in git.
 
 03_training and 04_analysis need trainings: they are checked in the copies that the smoke study
-(tests/conftest.py's ``smoke_study``, run once per session) executed through papermill. 01 and 02 also run here
-directly through papermill's Python API, from the notebooks/ folder, as a user would.
+(``smoke_study`` in tests/conftest.py, run once per session) executed through papermill. 01 and
+02 also run here directly through papermill's Python API, from the notebooks/ folder, as a user
+would.
 """
 
 import nbformat
