@@ -271,12 +271,9 @@ class TiedGradReducer:
 
     def _on_embedding_grad(self, weight: torch.Tensor) -> None:
         if self.sync and self._ids is not None:
-            self._gather_rows(weight.grad)
-
-    def _gather_rows(self, emb: torch.Tensor) -> None:
-        rows = emb[self._ids] * self._first.unsqueeze(1)
-        self._rows = rows.new_empty((self.world * rows.size(0), rows.size(1)))
-        self._rows_work = dist.all_gather_into_tensor(self._rows, rows, async_op=True)
+            rows = weight.grad[self._ids] * self._first.unsqueeze(1)
+            self._rows = rows.new_empty((self.world * rows.size(0), rows.size(1)))
+            self._rows_work = dist.all_gather_into_tensor(self._rows, rows, async_op=True)
 
     def finish(self) -> None:
         """After the last micro-step's backward: ``weight.grad`` := the mean over ranks."""
@@ -286,8 +283,6 @@ class TiedGradReducer:
             if not self.average:
                 out.mul_(1.0 / self.world)
         else:
-            if self._rows_work is None:  # the hook did not run (no embedding gradient reached it)
-                self._gather_rows(emb)
             for work in (self._ids_work, self._work, self._rows_work):
                 work.wait()
             if not self.average:
@@ -333,13 +328,14 @@ class TrainStep:
         # DDP is built, warmed up and captured on this one stream: the default stream cannot
         # take part in a capture, and the reducer's hooks run on the stream DDP was built on.
         self.stream = torch.cuda.Stream() if self.cuda_graph else None
+        self.tied: Optional[TiedGradReducer] = None
         self.wrap()
 
     def wrap(self) -> None:
         module = self.model
         if self.compile:
             module = torch.compile(module)
-        if getattr(self, "tied", None) is not None:
+        if self.tied is not None:
             self.tied.remove()
         self.tied = TiedGradReducer.for_model(self.model) if self.ddp else None
         if self.tied is not None:  # reduced by self.tied, not by DDP
