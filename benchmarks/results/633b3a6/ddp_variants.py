@@ -1,6 +1,8 @@
-"""Scratch: DDP step variants at BATCH x 512/GPU on HEAD. torchrun --nproc_per_node N ddp_carve.py V1 V2 ...
+"""Scratch: DDP step variants at BATCH x 512/GPU on HEAD. torchrun --nproc_per_node N ddp_variants.py V1 V2 ...
 V: base | plain | carveN (SM carveout N for cuBLAS during the backward) | carveallN (whole step)
    | dense (the tied weight's shares added and all-reduced after the backward, no overlap)
+   | noddpopt (torch._dynamo.config.optimize_ddp = False)
+TRACE=DIR: also write a chrome trace of 4 steps per rank (trace_<variant>_w<world>_r<rank>.json)
 """
 import gc, json, os, sys, time
 import torch, torch.distributed as dist
@@ -82,12 +84,19 @@ def main():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             secs.append(float(t))
         secs.sort()
+        if os.environ.get("TRACE"):
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(4):
+                    one(i)
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(f"{os.environ['TRACE']}/trace_{v}_w{world}_r{rank}.json")
         if rank == 0:
             print(json.dumps({"variant": v, "world": world, "batch": batch, "ms": round(secs[3], 3),
                               "min": round(secs[0], 3), "max": round(secs[-1], 3),
                               "graph": step._graph is not None, "loss": float(loss),
                               "setup_s": round(setup, 1)}), flush=True)
-        del step, one
+        step = one = None
         gc.collect()
         torch._dynamo.reset()
         torch.cuda.empty_cache()
