@@ -188,9 +188,10 @@ def configure_optimizer(model: nn.Module, tc: TrainConfig, device: torch.device)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # Fused AdamW: one kernel for all tensors instead of a launch per tensor and op (CUDA only).
+    # Fused AdamW: one kernel for all tensors instead of a launch per tensor and op; it also
+    # applies the gradient clipping inside that kernel (TrainStep._clip_and_step).
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                             fused=True if device.type == "cuda" else None)
+                             fused=True if device.type in ("cuda", "cpu") else None)
 
 
 class TiedGradReducer:
@@ -424,8 +425,7 @@ class TrainStep:
             # thread_local: NCCL's watchdog thread keeps querying events during the capture.
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 loss = self._forward_backward(self._graph_inputs)
-                norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
-                self.optimizer.step()
+                norm = self._clip_and_step()
         except Exception as exc:  # an op that cannot be captured: stay eager, correct either way
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if self.ddp:  # a rank replaying its collectives alone would wait forever: agree first
@@ -461,13 +461,34 @@ class TrainStep:
                 self.wrap()
                 loss = self._forward_backward(batches)
             self._compile_verified = True
-        # max_norm=inf when clipping is off: the norm is still computed (and logged), scale 1.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        grad_norm = self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
+
+    def _clip_and_step(self) -> torch.Tensor:
+        """Scale the gradients down to a global norm of at most ``grad_clip`` and take the
+        optimiser step. Returns the norm before clipping (0-dim tensor; computed and logged even
+        when clipping is off).
+
+        A fused AdamW takes the clip as its ``grad_scale`` (the divisor AMP's GradScaler hands
+        it): the gradients are divided inside its one kernel, which saves clip_grad_norm_'s
+        separate read and write of every gradient, ~0.1 ms a step at medium512 (RESULTS.md)."""
+        max_norm = self.grad_clip or float("inf")
+        if not all(group.get("fused") for group in self.optimizer.param_groups):
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            self.optimizer.step()
+            return norm
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        # clip_grad_norm_'s factor, max_norm / (norm + 1e-6) capped at 1, as a divisor.
+        self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale
+        return norm
 
 
 def restart_optimizer_state(optimizer: torch.optim.Optimizer, params) -> int:
