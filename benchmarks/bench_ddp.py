@@ -3,14 +3,15 @@
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/bench_ddp.py --batch 8 64 --json out.json
 
 Each rank runs --batch sequences of block_size tokens per step (weak scaling, as the trainer's
-batch_size is per GPU). --impl trainer (the default) times oelm_core.train's own step with
-ddp=True: the compiled model inside DistributedDataParallel (the tied embedding/output weight
-reduced by oelm_core.train.TiedGradReducer instead), forward + backward + all-reduce + clip +
-fused AdamW captured as one CUDA graph after 11 eager steps. --impl tuned wraps DDP first
-(gradient_as_bucket_view, static_graph, --bucket-mb), compiles that and runs without a graph.
+batch_size is per GPU). --impl trainer (the default) times what oelm_core.train runs: on one GPU
+its plain step (no DDP: one process has nothing to reduce), on N its step with ddp=True, the
+compiled model inside DistributedDataParallel (the tied embedding/output weight reduced by
+oelm_core.train.TiedGradReducer instead), forward + backward + all-reduce + clip + fused AdamW
+captured as one CUDA graph after 11 eager steps. --impl tuned wraps DDP first (also on one GPU;
+gradient_as_bucket_view, static_graph, --bucket-mb), compiles that and runs without a graph.
 Rank 0 prints the global tokens/s (median of --blocks blocks after warm-up, timed with CUDA
 events and a barrier). Run it once with --nproc_per_node 1 and once with N; efficiency =
-tok/s(N) / (N x tok/s(1)).
+tok/s(N) / (N x tok/s(1)), what N GPUs give over one (benchmarks/ddp_efficiency.py).
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def make_ddp_step(args, cfg, batch: int, device: torch.device):
         fwd = ddp if args.compile_mode == "none" else torch.compile(
             ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
         return TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
-    # oelm_core.train's own step with its DDP wrapper (ddp=True).
+    # oelm_core.train's own step, with DDP where the trainer uses it (more than one process).
     from oelm_core.train import configure_optimizer, make_step
-    tstep = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=True)
+    tstep = make_step(model, configure_optimizer(model, tc, device), tc, device,
+                      ddp=dist.get_world_size() > 1)
     count = [0]
 
     def step(x, y):
@@ -62,7 +64,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="medium512")
     ap.add_argument("--groups", nargs="+", default=["gpt_base"])
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=10)

@@ -98,6 +98,8 @@ def ddp_table(paths):
         eff = f"{100 * r['tokens_per_s'] / (r['world'] * b):.1f}%" if b else "-"
         out.append(f"| {r.get('impl', '-')} | {r['group']} | {r['batch_per_gpu']} | {r['world']} | {r['tokens_per_s']:,.0f} | "
                    f"{r['ms_per_step']:.2f} | {eff} |")
+    out += ["", "Efficiency: tokens/s over GPUs x tokens/s of the same step on one GPU (for `trainer`, "
+            "the plain step one process runs)."]
     return "\n".join(out)
 
 
