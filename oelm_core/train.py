@@ -76,8 +76,9 @@ def check_train_config(cfg: RunConfig) -> dict[int, Any]:
     for name in ("warmup_steps", "stop_after", "early_stop_patience", "grad_clip", "weight_decay", "min_lr"):
         if getattr(tc, name) < 0:
             raise ConfigError(f"train.{name} must be 0 or positive, got {getattr(tc, name)}")
-    if tc.lr <= 0:
-        raise ConfigError(f"train.lr must be positive, got {tc.lr}")
+    for name in ("lr", "ddp_bucket_mb"):
+        if getattr(tc, name) <= 0:
+            raise ConfigError(f"train.{name} must be positive, got {getattr(tc, name)}")
     if tc.dtype not in DTYPES:
         raise ConfigError(f"train.dtype must be one of {DTYPES}, got {tc.dtype!r}")
     if tc.backend not in BACKENDS:
@@ -321,9 +322,10 @@ class TrainStep:
     WARMUP_STEPS, WARMUP_STEPS_DDP = 2, 11
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float,
-                 autocast, compile: bool = False, ddp: bool = False, cuda_graph: bool = False):
+                 autocast, compile: bool = False, ddp: bool = False, cuda_graph: bool = False,
+                 bucket_mb: float = TrainConfig.ddp_bucket_mb):
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
-        self.autocast, self.compile, self.ddp = autocast, compile, ddp
+        self.autocast, self.compile, self.ddp, self.bucket_mb = autocast, compile, ddp, bucket_mb
         self.cuda_graph = cuda_graph and torch.cuda.is_available() and (
             not ddp or dist.get_backend() == "nccl")  # NCCL (>= 2.9) collectives can be captured
         # DDP is built, warmed up and captured on this one stream: the default stream cannot
@@ -352,7 +354,8 @@ class TrainStep:
             # the compiled backward returns fresh tensors; 0.15 ms a step at 8 x 512, RESULTS.md.)
             with self._on_stream():
                 module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-                             broadcast_buffers=False, gradient_as_bucket_view=True)
+                             broadcast_buffers=False, gradient_as_bucket_view=True,
+                             bucket_cap_mb=self.bucket_mb)
         self.module = module
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.hooks = [m.after_optimizer_step for m in self.model.modules()
@@ -511,7 +514,8 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfi
               device: torch.device, ddp: bool = False) -> TrainStep:
     """The trainer's step for ``model`` (already on ``device``) as TrainConfig configures it."""
     return TrainStep(model, optimizer, grad_clip=tc.grad_clip, autocast=autocast_context(tc.dtype, device),
-                     compile=tc.compile, ddp=ddp, cuda_graph=tc.cuda_graph and device.type == "cuda")
+                     compile=tc.compile, ddp=ddp, cuda_graph=tc.cuda_graph and device.type == "cuda",
+                     bucket_mb=tc.ddp_bucket_mb)
 
 
 # --------------------------------------------------------------------------------------------

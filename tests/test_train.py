@@ -199,13 +199,16 @@ dist.destroy_process_group()
 
 
 def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
-    """With one rank there is nothing to reduce: DDP keeps the tied weight, no hook is left."""
+    """With one rank there is nothing to reduce: DDP keeps the tied weight, no hook is left.
+    DDP gets train.ddp_bucket_mb as its bucket size."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = build_model("tiny", "gpt_base")
-        step = make_step(model, configure_optimizer(model, TrainConfig(), torch.device("cpu")),
-                         TrainConfig(), torch.device("cpu"), ddp=True)
+        tc = TrainConfig(ddp_bucket_mb=12.5)
+        step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")),
+                         tc, torch.device("cpu"), ddp=True)
         assert step.tied is None and model._tied_grad_hook is None
+        assert step.module.bucket_bytes_cap == 12.5 * 2**20
     finally:
         dist.destroy_process_group()
 
@@ -366,6 +369,10 @@ def test_clear_errors(tmp_path, folded, capsys):
     assert main(["--params", str(good), "--set", "train.steps=abc"]) == 2
     err = capsys.readouterr().err
     assert "train.steps should be int" in err and "'abc'" in err
+
+    # A value the loop cannot use.
+    assert main(["--params", str(good), "--set", "train.ddp_bucket_mb=0"]) == 2
+    assert "train.ddp_bucket_mb must be positive, got 0" in capsys.readouterr().err
 
     # Missing data folder.
     missing = dict(params(tmp_path, tmp_path / "nowhere"), out_dir=str(tmp_path / "other"))
