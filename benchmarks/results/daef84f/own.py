@@ -1,4 +1,4 @@
-"""Scratch: the trainer's DDP step against gradients all-reduced without DDP (after the backward,
+"""Scratch (variants bX: DDP with X MB buckets, default 25): the trainer's DDP step against gradients all-reduced without DDP (after the backward,
 in place), at BATCH x 512 per GPU. torchrun --nproc_per_node 2 own.py base own_coal own_flat"""
 import gc, json, os, sys, time
 import torch, torch.distributed as dist
@@ -11,8 +11,15 @@ from oelm_core import train as T
 VAR = {}
 orig_wrap, orig_fb = T.TrainStep.wrap, T.TrainStep._forward_backward
 
+DDP0 = T.DDP
+
+class DDPcap(DDP0):  # DDP with bucket_cap_mb from the variant name "bX"
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, bucket_cap_mb=float(VAR["v"][1:]), **kwargs)
+
 def wrap(self):
     if not VAR["v"].startswith("own"):
+        T.DDP = DDPcap if VAR["v"][0] == "b" and VAR["v"][1:].replace(".", "").isdigit() else DDP0
         return orig_wrap(self)
     module = torch.compile(self.model) if self.compile else self.model
     if getattr(self, "tied", None) is not None:
