@@ -269,8 +269,8 @@ class TrainConfig:
     backend: str = "auto"        # DDP backend: "auto" = nccl on CUDA, gloo on CPU
     # DDP's gradient buckets, MB: each is all-reduced as soon as its gradients are ready, and
     # torch.compile splits the model at the bucket boundaries so that they are ready early. At
-    # medium512 on 2 H200s, 50 (two buckets besides DDP's 1 MB first one) beat PyTorch's 25 by
-    # 0.09 ms a step at 8 and 16 x 512 per GPU; 2-10 were slower (benchmarks/RESULTS.md).
+    # medium512 on 2 H200s, 50 beat PyTorch's 25 by 0.09 ms a step at 8 and 16 x 512 per GPU;
+    # 2-10 were slower (benchmarks/RESULTS.md, "DDP scaling").
     ddp_bucket_mb: float = 50.0
     progress: bool = True        # tqdm bar on rank 0
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
