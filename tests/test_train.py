@@ -328,33 +328,31 @@ def test_step_hook_and_make_step():
 @pytest.mark.parametrize("grad_clip", [0.05, 0.0])
 def test_clip_inside_the_fused_optimizer_equals_clip_grad_norm(grad_clip):
     """The step divides the gradients by the clip factor inside fused AdamW (its grad_scale):
-    the same norms and weights as clip_grad_norm_ then the same fused step, over 4 steps with the clip binding (0.05 is far below this model's norm) and off."""
+    the same norms and weights as clip_grad_norm_ then the same fused step, over 4 steps with
+    the clip binding (0.05 is far below this model's norm) and with it off."""
     x = torch.randint(0, FOLDED_VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     batches = [(x[:, :-1], x[:, 1:])]
     tc = TrainConfig(grad_clip=grad_clip, lr=1e-2)
-    models, norms = [], []
-    for inside in (True, False):
-        model = build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
-        opt = configure_optimizer(model, tc, torch.device("cpu"))
-        assert all(group["fused"] for group in opt.param_groups)
-        step = make_step(model, opt, tc, torch.device("cpu"))
-        if inside:
-            got = [float(step(batches, tc.lr, n)[1]) for n in range(1, 5)]
-        else:
-            got = []
-            for _ in range(4):
-                opt.zero_grad(set_to_none=True)
-                model(*batches[0]).backward()
-                got.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))))
-                opt.step()
-        models.append(model)
-        norms.append(got)
-    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
-    assert min(norms[0]) > 10 * 0.05  # the 0.05 clip binds on every step
+    models = [build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
+              for _ in range(2)]
+    opts = [configure_optimizer(model, tc, torch.device("cpu")) for model in models]
+    assert all(group["fused"] for opt in opts for group in opt.param_groups)
+
+    step = make_step(models[0], opts[0], tc, torch.device("cpu"))
+    inside = [float(step(batches, tc.lr, n)[1]) for n in range(1, 5)]
+    outside = []
+    for _ in range(4):
+        opts[1].zero_grad(set_to_none=True)
+        models[1](*batches[0]).backward()
+        outside.append(float(torch.nn.utils.clip_grad_norm_(models[1].parameters(), grad_clip or float("inf"))))
+        opts[1].step()
+
+    assert inside == pytest.approx(outside, rel=1e-5)
+    assert min(inside) > 10 * 0.05  # the 0.05 clip binds on every step
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert (a - b).abs().max() <= 1e-6 * (1 + b.abs().max()), name
-    # The step leaves no stale divisor behind for a later non-fused use of the optimizer.
-    assert not hasattr(opt, "grad_scale")
+    # The step leaves no stale divisor behind for a later use of its optimizer.
+    assert not hasattr(opts[0], "grad_scale")
 
 
 def test_clear_errors(tmp_path, folded, capsys):
