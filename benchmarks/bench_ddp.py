@@ -34,6 +34,7 @@ from common import TrainStep, card_name, commit, median, now  # noqa: E402
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
 from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.model import GPT  # noqa: E402
+from oelm_core.train import DDP_NO_BUFFER_SYNC, configure_optimizer, make_step  # noqa: E402
 
 
 def make_ddp_step(args, cfg, batch: int, device: torch.device):
@@ -42,12 +43,11 @@ def make_ddp_step(args, cfg, batch: int, device: torch.device):
     tc = TrainConfig(compile=args.compile_mode != "none")
     if args.impl == "tuned":
         ddp = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True, static_graph=True,
-                  bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+                  bucket_cap_mb=args.bucket_mb, **DDP_NO_BUFFER_SYNC)
         fwd = ddp if args.compile_mode == "none" else torch.compile(
             ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
         return TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
     # oelm_core.train's own step, with DDP where the trainer uses it (more than one process).
-    from oelm_core.train import configure_optimizer, make_step
     tstep = make_step(model, configure_optimizer(model, tc, device), tc, device,
                       ddp=dist.get_world_size() > 1)
     count = [0]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -195,6 +196,14 @@ def configure_optimizer(model: nn.Module, tc: TrainConfig, device: torch.device)
                              fused=True if device.type in ("cuda", "cpu") else None)
 
 
+# The only float buffers are frozen Q/K, identical on every rank by construction (same seed):
+# broadcasting them before each forward is wasted traffic. torch 2.13 renamed the switch and warns
+# on the old name (its new one still syncs once, at construction, which is harmless).
+DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})
+
+
 class TiedGradReducer:
     """The data-parallel mean of the tied embedding/output weight's gradient, reduced in two
     shares so that most of it overlaps the backward pass; DDP reduces every other parameter.
@@ -347,15 +356,13 @@ class TrainStep:
             log.info("DDP: the tied embedding/output weight is reduced in two shares (TiedGradReducer)")
         if self.ddp:
             device = next(self.model.parameters()).device
-            # broadcast_buffers=False: the only float buffers are frozen Q/K, identical on every
-            # rank by construction (same seed); re-broadcasting them each forward is wasted traffic.
             # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, so they
             # are not copied back out after each all-reduce. (The copy in, scaled by 1/world, stays:
             # the compiled backward returns fresh tensors; 0.15 ms a step at 8 x 512, RESULTS.md.)
             with self._on_stream():
                 module = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-                             broadcast_buffers=False, gradient_as_bucket_view=True,
-                             bucket_cap_mb=self.bucket_mb)
+                             gradient_as_bucket_view=True, bucket_cap_mb=self.bucket_mb,
+                             **DDP_NO_BUFFER_SYNC)
         self.module = module
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.hooks = [m.after_optimizer_step for m in self.model.modules()

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -200,15 +201,19 @@ dist.destroy_process_group()
 
 def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
     """With one rank there is nothing to reduce: DDP keeps the tied weight, no hook is left.
-    DDP gets train.ddp_bucket_mb as its bucket size."""
+    DDP gets train.ddp_bucket_mb as its bucket size, does not sync buffers before each forward,
+    and is built without a deprecation warning on the installed torch."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = build_model("tiny", "gpt_base")
         tc = TrainConfig(ddp_bucket_mb=12.5)
-        step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")),
-                         tc, torch.device("cpu"), ddp=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")),
+                             tc, torch.device("cpu"), ddp=True)
         assert step.tied is None and model._tied_grad_hook is None
         assert step.module.bucket_bytes_cap == 12.5 * 2**20
+        assert step.module.broadcast_buffers is False
     finally:
         dist.destroy_process_group()
 
