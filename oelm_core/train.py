@@ -196,9 +196,10 @@ def configure_optimizer(model: nn.Module, tc: TrainConfig, device: torch.device)
                              fused=True if device.type in ("cuda", "cpu") else None)
 
 
-# The only float buffers are frozen Q/K, identical on every rank by construction (same seed):
-# broadcasting them before each forward is wasted traffic. torch 2.13 renamed the switch and warns
-# on the old name (its new one still syncs once, at construction, which is harmless).
+# The model's buffers (frozen Q/K, POET's reference weights and permutations) are identical on
+# every rank by construction (same seed, same updates): broadcasting them before each forward is
+# wasted traffic. torch 2.13 renamed the switch and warns on the old name (its new one still syncs
+# once, at construction, which is harmless).
 DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                       if "forward_sync_buffers" in inspect.signature(DDP).parameters
                       else {"broadcast_buffers": False})
