@@ -7,7 +7,9 @@ batch_size is per GPU). --impl trainer (the default) times what oelm_core.train 
 its plain step (no DDP: one process has nothing to reduce), on N its step with ddp=True, the
 compiled model inside DistributedDataParallel (the tied embedding/output weight reduced by
 oelm_core.train.TiedGradReducer instead), forward + backward + all-reduce + clip + fused AdamW
-captured as one CUDA graph after 11 eager steps. --impl tuned wraps DDP first (also on one GPU;
+captured as one CUDA graph after 11 eager steps; on two GPUs of one host with peer access its
+gradients go by NVLink copies instead of DDP (oelm_core.peer_grads; --grad-exchange ddp auto
+times both in one run). --impl tuned wraps DDP first (also on one GPU;
 gradient_as_bucket_view, static_graph, --bucket-mb), compiles that and runs without a graph.
 Rank 0 prints the global tokens/s (median of --blocks blocks after warm-up, timed with CUDA
 events and a barrier). Run it once with --nproc_per_node 1 and once with N; efficiency =
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -37,16 +40,19 @@ from oelm_core.model import GPT  # noqa: E402
 from oelm_core.train import DDP_NO_BUFFER_SYNC, configure_optimizer, make_step  # noqa: E402
 
 
-def make_ddp_step(args, cfg, batch: int, device: torch.device):
-    """step(x, y) -> loss for one model of ``cfg`` under DDP, as --impl says; step.warmup(x, y, n)."""
+def make_ddp_step(args, cfg, batch: int, device: torch.device, exchange: str = "auto"):
+    """step(x, y) -> loss for one model of ``cfg`` under DDP, as --impl says; step.warmup(x, y, n);
+    step.reducer: what reduced the gradients."""
     model = GPT(cfg).to(device)
-    tc = TrainConfig(compile=args.compile_mode != "none")
+    tc = TrainConfig(compile=args.compile_mode != "none", grad_exchange=exchange)
     if args.impl == "tuned":
         ddp = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True, static_graph=True,
                   bucket_cap_mb=args.bucket_mb, **DDP_NO_BUFFER_SYNC)
         fwd = ddp if args.compile_mode == "none" else torch.compile(
             ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
-        return TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
+        step = TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
+        step.reducer = "DDP (tuned)"
+        return step
     # oelm_core.train's own step, with DDP where the trainer uses it (more than one process).
     tstep = make_step(model, configure_optimizer(model, tc, device), tc, device,
                       ddp=dist.get_world_size() > 1)
@@ -57,6 +63,8 @@ def make_ddp_step(args, cfg, batch: int, device: torch.device):
         return tstep([(x.to(device, non_blocking=True), y.to(device, non_blocking=True))],
                      tc.lr, count[0])[0]
     step.warmup = lambda x, y, n=3: [step(x, y) for _ in range(n)]
+    step.reducer = ("none" if not tstep.ddp else type(tstep.grads).__name__
+                    if not isinstance(tstep.module, DDP) else "DDP")
     return step
 
 
@@ -73,6 +81,8 @@ def main():
     ap.add_argument("--impl", default="trainer", choices=["trainer", "tuned"],
                     help="trainer: oelm_core.train's step (ddp=True, CUDA graph); tuned: DDP with "
                          "gradient_as_bucket_view, static_graph and --bucket-mb, then torch.compile")
+    ap.add_argument("--grad-exchange", nargs="+", default=["auto"], choices=["auto", "ddp", "peer"],
+                    help="--impl trainer: train.grad_exchange, each in turn")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -83,50 +93,49 @@ def main():
     device = torch.device("cuda", local)
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
-    for group in args.groups:
-        for batch in args.batch:
-            torch.manual_seed(0)
-            cfg = model_config(args.preset, group)
-            step = make_ddp_step(args, cfg, batch, device)
-            gen = torch.Generator().manual_seed(rank + 1)
-            data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(4)]
-            xs = [d[:, :-1].contiguous().pin_memory() for d in data]
-            ys = [d[:, 1:].contiguous().pin_memory() for d in data]
-            t0 = time.perf_counter()
-            step.warmup(xs[0], ys[0], n=3)
+    for group, batch, exchange in itertools.product(args.groups, args.batch, args.grad_exchange):
+        torch.manual_seed(0)
+        cfg = model_config(args.preset, group)
+        step = make_ddp_step(args, cfg, batch, device, exchange)
+        gen = torch.Generator().manual_seed(rank + 1)
+        data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(4)]
+        xs = [d[:, :-1].contiguous().pin_memory() for d in data]
+        ys = [d[:, 1:].contiguous().pin_memory() for d in data]
+        t0 = time.perf_counter()
+        step.warmup(xs[0], ys[0], n=3)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        for i in range(args.warmup):
+            step(xs[i % 4], ys[i % 4])
+        secs = []
+        for _ in range(args.blocks):
+            dist.barrier()
             torch.cuda.synchronize()
-            compile_s = time.perf_counter() - t0
-            for i in range(args.warmup):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(args.steps):
                 step(xs[i % 4], ys[i % 4])
-            secs = []
-            for _ in range(args.blocks):
-                dist.barrier()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for i in range(args.steps):
-                    step(xs[i % 4], ys[i % 4])
-                end.record()
-                end.synchronize()
-                t = torch.tensor(start.elapsed_time(end) / 1000 / args.steps, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                secs.append(float(t))
-            s = median(secs)
-            tokens = world * batch * cfg.block_size
-            peak = peak_flops(device)
-            row = {"impl": args.impl, "group": group, "world": world, "batch_per_gpu": batch, "ms_per_step": 1000 * s,
-                   "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
-                   "mfu": tokens / s / world * flops_per_token(cfg)["total"] / peak if peak else None,
-                   "compile_s": compile_s, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
-            rows.append(row)
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-            # step and step.warmup form a cycle: collect it, so that no DDP reducer or captured
-            # graph outlives the process group (destroying the group under one can hang at exit).
-            del step
-            gc.collect()
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+            end.record()
+            end.synchronize()
+            t = torch.tensor(start.elapsed_time(end) / 1000 / args.steps, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            secs.append(float(t))
+        s = median(secs)
+        tokens = world * batch * cfg.block_size
+        peak = peak_flops(device)
+        row = {"impl": args.impl, "reducer": step.reducer, "group": group, "world": world, "batch_per_gpu": batch, "ms_per_step": 1000 * s,
+               "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
+               "mfu": tokens / s / world * flops_per_token(cfg)["total"] / peak if peak else None,
+               "compile_s": compile_s, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+        # step and step.warmup form a cycle: collect it, so that no DDP reducer or captured
+        # graph outlives the process group (destroying the group under one can hang at exit).
+        del step
+        gc.collect()
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
     if rank == 0:
         meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
                 "command": " ".join(sys.argv), "world": world}
@@ -136,7 +145,7 @@ def main():
         print(f"\n{meta['card']} x{world}  {meta['date']}")
         for r in rows:
             print(f"{r['group']:14s} world {r['world']} batch/GPU {r['batch_per_gpu']:3d}: "
-                  f"{r['tokens_per_s']:10.0f} tok/s  {r['ms_per_step']:7.2f} ms/step")
+                  f"{r['tokens_per_s']:10.0f} tok/s  {r['ms_per_step']:7.2f} ms/step  ({r['reducer']})")
     dist.destroy_process_group()
 
 

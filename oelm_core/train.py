@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -51,11 +52,13 @@ from oelm_core.config import (ConfigError, ModelConfig, RunConfig, TrainConfig, 
                               run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.model import build_model
+from oelm_core.peer_grads import PeerGradExchange
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bf16")
 BACKENDS = ("auto", "nccl", "gloo")
+GRAD_EXCHANGES = ("auto", "ddp", "peer")
 
 
 class TrainingDiverged(RuntimeError):
@@ -84,6 +87,8 @@ def check_train_config(cfg: RunConfig) -> dict[int, Any]:
         raise ConfigError(f"train.dtype must be one of {DTYPES}, got {tc.dtype!r}")
     if tc.backend not in BACKENDS:
         raise ConfigError(f"train.backend must be one of {BACKENDS}, got {tc.backend!r}")
+    if tc.grad_exchange not in GRAD_EXCHANGES:
+        raise ConfigError(f"train.grad_exchange must be one of {GRAD_EXCHANGES}, got {tc.grad_exchange!r}")
     schedule = {}
     for key, layers in tc.unfreeze_schedule.items():
         try:
@@ -321,9 +326,12 @@ class TrainStep:
 
     With ``cuda_graph`` the whole step is captured once and replayed: at small batches the step
     is bound by the host launching kernels, and a replay costs one launch. Under DDP (NCCL) the
-    gradient all-reduce is captured with it; every rank captures or none does. Under DDP a tied
-    embedding/output weight is reduced by ``TiedGradReducer`` (most of it during the backward
-    pass), every other parameter by DDP.
+    gradient exchange is captured with it; every rank captures or none does.
+
+    Data parallel (``ddp``): two CUDA GPUs of one host exchange the gradients through NVLink
+    copies (``peer_grads.PeerGradExchange``; ``grad_exchange="auto"`` or ``"peer"``); otherwise
+    DDP reduces them, the tied embedding/output weight by ``TiedGradReducer`` (most of it during
+    the backward pass), every other parameter by DDP's buckets.
     """
 
     # Eager steps before the capture: two let compile and the optimiser state settle; DDP asks
@@ -333,30 +341,44 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float,
                  autocast, compile: bool = False, ddp: bool = False, cuda_graph: bool = False,
-                 bucket_mb: float = TrainConfig.ddp_bucket_mb):
+                 bucket_mb: float = TrainConfig.ddp_bucket_mb,
+                 grad_exchange: str = TrainConfig.grad_exchange):
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.autocast, self.compile, self.ddp, self.bucket_mb = autocast, compile, ddp, bucket_mb
+        self.grad_exchange = grad_exchange
         self.cuda_graph = cuda_graph and torch.cuda.is_available() and (
             not ddp or dist.get_backend() == "nccl")  # NCCL (>= 2.9) collectives can be captured
         # DDP is built, warmed up and captured on this one stream: the default stream cannot
         # take part in a capture, and the reducer's hooks run on the stream DDP was built on.
         self.stream = torch.cuda.Stream() if self.cuda_graph else None
-        self.tied: Optional[TiedGradReducer] = None
+        # What reduces the gradients besides DDP, if anything: begin(tokens) / sync / finish().
+        self.grads: Optional[PeerGradExchange | TiedGradReducer] = None
         self.wrap()
 
     def wrap(self) -> None:
+        if self.grads is not None:
+            self.grads.remove()
+            self.grads = None
+        device = next(self.model.parameters()).device
+        if self.ddp and self.grad_exchange != "ddp":
+            self.grads = PeerGradExchange.for_model(self.model, device)
+            if self.grads is None and self.grad_exchange == "peer":
+                raise ConfigError("train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
+                                  "access (NVLink) under NCCL; use auto to fall back to DDP")
         module = self.model
         if self.compile:
             module = torch.compile(module)
-        if self.tied is not None:
-            self.tied.remove()
-        self.tied = TiedGradReducer.for_model(self.model) if self.ddp else None
-        if self.tied is not None:  # reduced by self.tied, not by DDP
-            DDP._set_params_and_buffers_to_ignore_for_model(
-                module, [name for name, p in module.named_parameters() if p is self.tied.weight])
-            log.info("DDP: the tied embedding/output weight is reduced in two shares (TiedGradReducer)")
-        if self.ddp:
-            device = next(self.model.parameters()).device
+        if self.grads is not None:
+            log.info("gradients exchanged by NVLink copies during the backward (PeerGradExchange)")
+            with torch.no_grad():  # what DDP's constructor does: every rank starts from rank 0's state
+                for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+                    dist.broadcast(t, 0)
+        elif self.ddp:
+            self.grads = TiedGradReducer.for_model(self.model)
+            if self.grads is not None:  # reduced by self.grads, not by DDP
+                DDP._set_params_and_buffers_to_ignore_for_model(
+                    module, [name for name, p in module.named_parameters() if p is self.grads.weight])
+                log.info("DDP: the tied embedding/output weight is reduced in two shares (TiedGradReducer)")
             # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, so they
             # are not copied back out after each all-reduce. (The copy in, scaled by 1/world, stays:
             # the compiled backward returns fresh tensors; 0.15 ms a step at 8 x 512, RESULTS.md.)
@@ -387,20 +409,20 @@ class TrainStep:
 
     def _forward_backward(self, batches: list) -> torch.Tensor:
         total = torch.zeros((), device=batches[0][0].device)
-        if self.tied is not None:
-            self.tied.begin([x for x, _ in batches])
+        if self.grads is not None:
+            self.grads.begin([x for x, _ in batches])
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
-            if self.tied is not None:
-                self.tied.sync = last
+            if self.grads is not None:
+                self.grads.sync = last
             # no_sync: accumulate locally, all-reduce once on the last micro-step (covers backward).
-            with self.module.no_sync() if self.ddp and not last else nullcontext():
+            with self.module.no_sync() if isinstance(self.module, DDP) and not last else nullcontext():
                 with self.autocast:
                     loss = self.module(x, y)
                 (loss / len(batches)).backward()
             total += loss.detach().float()
-        if self.tied is not None:
-            self.tied.finish()
+        if self.grads is not None:
+            self.grads.finish()
         return total / len(batches)
 
     def __call__(self, batches: list, lr: float, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,7 +477,9 @@ class TrainStep:
                 self.wrap()  # a reducer stopped mid-backward cannot run again; a new one can
             return None
         self._graph, self._graph_shapes, self._graph_out = graph, shapes, (loss, norm)
-        log.info("captured the training step as a CUDA graph%s", " with DDP's all-reduce" if self.ddp else "")
+        log.info("captured the training step as a CUDA graph%s", "" if not self.ddp else
+                 " with the NVLink gradient exchange" if isinstance(self.grads, PeerGradExchange)
+                 else " with DDP's all-reduce")
         return self._graph_step(batches, lr)
 
     def _eager_step(self, batches: list, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,16 +510,20 @@ class TrainStep:
         A fused AdamW takes the clip as its ``grad_scale`` (the divisor AMP's GradScaler hands
         it): the gradients are divided inside its one kernel, which saves clip_grad_norm_'s
         separate scaling pass over every gradient: 0.05 ms of a 4.2 ms step at medium512, 8 x 512
-        (RESULTS.md)."""
+        (RESULTS.md). Gradients that hold a sum over ranks (``grad_divisor``, the NVLink exchange)
+        are averaged by the same divisor."""
         max_norm = self.grad_clip or float("inf")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        divisor = getattr(self.grads, "grad_divisor", 1.0)
         if not all(group.get("fused") for group in self.optimizer.param_groups):
+            if divisor != 1.0:
+                torch._foreach_mul_(grads, 1.0 / divisor)
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             self.optimizer.step()
             return norm
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) / divisor
         # clip_grad_norm_'s factor, max_norm / (norm + 1e-6) capped at 1, as a divisor.
-        self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        self.optimizer.grad_scale = divisor * torch.clamp((norm + 1e-6) / max_norm, min=1.0)
         try:
             self.optimizer.step()
         finally:
@@ -523,7 +551,7 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfi
     """The trainer's step for ``model`` (already on ``device``) as TrainConfig configures it."""
     return TrainStep(model, optimizer, grad_clip=tc.grad_clip, autocast=autocast_context(tc.dtype, device),
                      compile=tc.compile, ddp=ddp, cuda_graph=tc.cuda_graph and device.type == "cuda",
-                     bucket_mb=tc.ddp_bucket_mb)
+                     bucket_mb=tc.ddp_bucket_mb, grad_exchange=tc.grad_exchange)
 
 
 # --------------------------------------------------------------------------------------------

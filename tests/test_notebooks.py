@@ -40,7 +40,8 @@ def test_notebook_runs_standalone(name, parameters, tmp_path):
     out = tmp_path / f"{name}.ipynb"
     pm.execute_notebook(str(REPO / "notebooks" / f"{name}.ipynb"), str(out),
                         parameters={**parameters, "fig_dir": str(tmp_path / "figures")},
-                        cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3")
+                        cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3",
+                        execution_timeout=600)
     nb = nbformat.read(out, as_version=4)
     assert not errors(nb)
 

@@ -22,7 +22,7 @@ import yaml
 
 from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import load_checkpoint, model_from_state
-from oelm_core.config import DataConfig, TrainConfig, run_config_from_dict
+from oelm_core.config import ConfigError, DataConfig, TrainConfig, run_config_from_dict
 from oelm_core.data import prepare
 from oelm_core.model import GPT, build_model
 from oelm_core.train import configure_optimizer, lr_at, main, make_step, train
@@ -202,7 +202,8 @@ dist.destroy_process_group()
 def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
     """With one rank there is nothing to reduce: DDP keeps the tied weight, no hook is left.
     DDP gets train.ddp_bucket_mb as its bucket size, does not sync buffers before each forward,
-    and is built without a deprecation warning on the installed torch."""
+    and is built without a deprecation warning on the installed torch. The NVLink exchange
+    (grad_exchange auto) steps aside on the CPU; asked for by name (peer), it says why not."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = build_model("tiny", "gpt_base")
@@ -211,9 +212,13 @@ def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
             warnings.simplefilter("error", FutureWarning)
             step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")),
                              tc, torch.device("cpu"), ddp=True)
-        assert step.tied is None and model._tied_grad_hook is None
+        assert step.grads is None and model._tied_grad_hook is None
         assert step.module.bucket_bytes_cap == 12.5 * 2**20
         assert step.module.broadcast_buffers is False
+        tc = TrainConfig(grad_exchange="peer")
+        with pytest.raises(ConfigError, match="grad_exchange: peer needs two CUDA GPUs of one host"):
+            make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"), ddp=True)
+        assert [type(m) for m in model.modules()] == [type(m) for m in build_model("tiny", "gpt_base").modules()]
     finally:
         dist.destroy_process_group()
 
@@ -246,16 +251,22 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("one_rank_fails", [False, True])
-def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, one_rank_fails):
-    """2 NCCL ranks x grad_accum 1 == 1 GPU x grad_accum 2 (float32), both with the whole step in
-    a CUDA graph: under DDP the all-reduce is captured after 11 eager steps, and steps 12-20
-    replay it. If one rank cannot capture, neither replays (no hang): both go on eagerly, with
-    the same losses."""
-    common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32")
-    single = params(tmp_path, folded, out="single", grad_accum=2, **common)
+@pytest.mark.parametrize("exchange, one_rank_fails, batch, accum, compile", [
+    ("ddp", False, 4, 1, False),
+    ("peer", False, 4, 1, True),   # the tied weight's rows; the sends inside the compiled backward
+    ("peer", True, 8, 2, False),   # the tied weight dense; accumulated micro-steps
+])
+def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, exchange,
+                                                                    one_rank_fails, batch, accum, compile):
+    """2 NCCL ranks x grad_accum A == 1 GPU x grad_accum 2A (float32), both with the whole step in
+    a CUDA graph: on two ranks the gradient exchange (DDP's all-reduce, or the NVLink copies) is
+    captured after 11 eager steps, and steps 12-20 replay it. If one rank cannot capture, neither
+    replays (no hang): both go on eagerly, with the same losses."""
+    common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32",
+                  batch_size=batch, compile=compile)
+    single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
     run(single)
-    ddp = params(tmp_path, folded, out="ddp", grad_accum=1, **common)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, grad_exchange=exchange, **common)
     entry = ("-m", "oelm_core.train")
     if one_rank_fails:
         (tmp_path / "refuse.py").write_text(REFUSE_ON_RANK_1)
@@ -267,7 +278,8 @@ def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, fol
         assert "another rank could not capture its step" in proc.stderr, proc.stderr[-3000:]
         assert "captured the training step" not in proc.stderr
     else:
-        assert "captured the training step as a CUDA graph with DDP's all-reduce" in proc.stderr
+        by = "DDP's all-reduce" if exchange == "ddp" else "the NVLink gradient exchange"
+        assert f"captured the training step as a CUDA graph with {by}" in proc.stderr
         assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
     a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 21))

@@ -1,0 +1,280 @@
+"""Data parallelism on two GPUs without NCCL in the step: each gradient is copied into the other
+GPU's memory by the copy engines (NVLink), from inside the compiled backward pass, as soon as the
+kernel that wrote it has run.
+
+Why not DDP: at medium512 with 8 x 512 tokens per GPU a step takes ~4.2 ms on one H200, and DDP
+made it 4.76 ms on two (88%). The bytes are not the problem (180 MB each way take the copy
+engines 0.5 ms, and only ~0.1 ms of the step's time when they run beside it); DDP's work on the
+compute stream is: the copies of every gradient into its buckets, the NCCL kernels' SMs, and the
+buckets still in flight when the backward ends. Here the copy engines move the gradients while
+the SMs compute, and what is left after the backward is one barrier and one foreach add:
+4.55-4.59 ms (91-92%; benchmarks/RESULTS.md, "DDP scaling").
+
+Two pieces:
+
+- ``ParameterTap``: every access of a tapped parameter inside the model returns an identity view
+  whose backward hands the gradient to a callback, through a custom op, so that under
+  ``torch.compile`` the call sits in the compiled backward graph right after the gradient's kernel
+  (a tensor hook would run only when the whole compiled backward has returned). The parameters,
+  their names and the state_dict stay as they are.
+- ``PeerGradExchange``: the sends into the peer's symmetric-memory receive buffer, the tied
+  embedding/output weight's two shares (the dense output share as the backward starts, then only
+  the rows of the batch's tokens, as ``train.TiedGradReducer`` does over NCCL), and ``finish``:
+  after a barrier each rank adds the peer's copy to its own. Both ranks add the same two numbers,
+  so the sums (and the weights) stay bitwise equal.
+
+``finish`` leaves the *sum* over the two ranks in ``.grad`` (``grad_divisor`` = 2): the halving
+rides in the fused AdamW's divisor (``train.TrainStep._clip_and_step``) instead of a pass over
+every gradient. Works inside the trainer's whole-step CUDA graph (copies, barriers and all).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+# The live taps, by id: the custom op carries the id (an int) so that the compiled graph holds
+# no Python object.
+_TAPS: "weakref.WeakValueDictionary[int, ParameterTap]" = weakref.WeakValueDictionary()
+_TAP_IDS = itertools.count()
+
+
+@torch.library.custom_op("oelm::tap_grad", mutates_args=("grad",))
+def _tap_grad(grad: torch.Tensor, tap: int, slot: int) -> None:
+    # Declared as mutating ``grad`` so that the compiler neither drops the call (it returns
+    # nothing) nor moves it after a later write of the gradient.
+    _TAPS[tap].on_grad(slot, grad)
+
+
+@_tap_grad.register_fake
+def _(grad, tap, slot):
+    return None
+
+
+class _Tap(torch.autograd.Function):
+    """Identity in the forward; hands the incoming gradient to tap ``tap`` in the backward."""
+
+    @staticmethod
+    def forward(ctx, weight, tap, slot):
+        ctx.tap, ctx.slot = tap, slot
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.ops.oelm.tap_grad(grad, ctx.tap, ctx.slot)
+        return grad, None, None
+
+
+class ParameterTap:
+    """Call ``on_grad(slot, grad)`` with the gradient of ``params[slot]`` during each backward.
+
+    Each module holding one of ``params`` gets a subclass (same name) whose property of that
+    attribute returns ``_Tap(param)``: what ``torch.nn.utils.parametrize`` does, without renaming
+    the parameter in the state_dict. ``grad`` is the gradient of this backward alone (before it
+    is added to ``.grad``); its memory is handed on to ``.grad`` afterwards, so a callback that
+    keeps using it asynchronously must keep it alive without holding the tensor (autograd copies
+    a gradient that is referenced elsewhere instead of taking it over). ``remove()`` restores the
+    modules. A parameter must be read once per forward (a second read would send a part).
+    """
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter],
+                 on_grad: Callable[[int, torch.Tensor], None]):
+        self.id, self.on_grad = next(_TAP_IDS), on_grad
+        slot_of = {id(p): i for i, p in enumerate(params)}
+        self._modules: list[tuple[nn.Module, type]] = []
+        tapped = 0
+        for module in model.modules():
+            names = {name: slot_of[id(p)] for name, p in module.named_parameters(recurse=False)
+                     if id(p) in slot_of}
+            if names:
+                cls = type(module)
+                props = {name: property(lambda m, n=name, t=self.id, s=slot: _Tap.apply(m._parameters[n], t, s))
+                         for name, slot in names.items()}
+                module.__class__ = type(cls.__name__, (cls,), {**props, "__module__": cls.__module__})
+                self._modules.append((module, cls))
+                tapped += len(names)
+        _TAPS[self.id] = self
+        if tapped != len(params):
+            self.remove()
+            raise ValueError(f"{len(params) - tapped} of the parameters to tap are not in the model")
+
+    def remove(self) -> None:
+        for module, cls in self._modules:
+            module.__class__ = cls
+        self._modules = []
+        _TAPS.pop(self.id, None)
+
+
+def _first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (N,) -> (sorted ids, bool mask of each id's first place): a gathered row is sent once,
+    and the repeats add an exact zero."""
+    ids = ids.sort().values
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    return ids, first
+
+
+class PeerGradExchange:
+    """The data-parallel gradient of two ranks on two GPUs with peer access (see the module).
+
+    Use: ``begin(tokens)`` before a step's first backward; ``sync = False`` on micro-steps that
+    only accumulate (nothing is sent then; the last one sends the accumulated gradient);
+    ``finish()`` after the last backward. Then every trainable parameter's ``.grad`` holds the
+    sum over the two ranks, bitwise the same on both.
+    """
+
+    grad_divisor = 2.0
+
+    @classmethod
+    def for_model(cls, model: nn.Module, device: torch.device) -> Optional["PeerGradExchange"]:
+        """An exchange for ``model`` on this rank, or None (logged) where it cannot run: not two
+        ranks on CUDA GPUs of one host with peer access, or no symmetric memory in this torch.
+        Collective: both ranks call it and both get an exchange or both None."""
+        reason = None
+        if device.type != "cuda" or dist.get_world_size() != 2 or dist.get_backend() != "nccl":
+            reason = "it pairs two CUDA GPUs under NCCL"
+        exchange = None
+        if reason is None:
+            try:
+                exchange = cls(model, device)
+            except Exception as exc:  # no symmetric memory, no peer access, another host...
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        failed = torch.tensor(float(reason is not None), device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            if exchange is not None:
+                exchange.remove()
+            log.info("gradients by DDP: no NVLink copy exchange (%s)", reason or "not on the other rank")
+            return None
+        return exchange
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.rank, self.device = dist.get_rank(), device
+        self._group = dist.group.WORLD.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.8
+            symm_mem.enable_symm_mem_for_group(self._group)
+        self._split = getattr(model, "split_tied_gradient", None)
+        self.tied = self._split(None) if self._split is not None else None
+        if self.tied is None and getattr(getattr(model, "cfg", None), "tie_embeddings", False):
+            # Not split (loss_impl "full"): the embedding and the output layer would each send a part.
+            raise ValueError("the tied embedding/output weight is not split (model.loss_impl full)")
+        if self.tied is not None and not self.tied.requires_grad:
+            self.tied = None
+        self.params = [p for p in model.parameters() if p.requires_grad and p is not self.tied]
+        if any(p.dtype != torch.float32 for p in self.params + ([self.tied] if self.tied is not None else [])):
+            raise TypeError("the exchange sends float32 gradients; the model has other parameters")
+        sizes = [p.numel() for p in self.params]
+        self._recv, peer = self._buffer(sum(sizes), torch.float32)
+        self._peer_slots = list(peer.split(sizes))
+        self._recv_slots = [r.view_as(p) for r, p in zip(self._recv.split(sizes), self.params)]
+        self._stream = torch.cuda.Stream(device)
+        self._keep: list[torch.Tensor] = []  # memory of gradients in flight, until finish()
+        self.sync = True
+        self._out = self._ids = None
+        if self.tied is not None:
+            v, d = self.tied.shape
+            self._recv_out, self._peer_out = self._buffer(v * d, torch.float32)
+            self._rows_capacity = 0
+        self._tap = ParameterTap(model, self.params, self._on_grad)
+        if self.tied is not None:
+            self._split(self._on_output_grad)
+            self._hook = self.tied.register_post_accumulate_grad_hook(self._on_embedding_grad)
+
+    def remove(self) -> None:
+        """Restore the model's modules and hooks (before another exchange, DDP or none takes over)."""
+        self._tap.remove()
+        if self.tied is not None:
+            self._hook.remove()
+            self._split(None)
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's receive buffer, the peer's as a tensor this GPU can write). Collective."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        mine = symm_mem.empty(numel, dtype=dtype, device=self.device)
+        self._handle = symm_mem.rendezvous(mine, self._group)
+        return mine, self._handle.get_buffer(1 - self.rank, (numel,), dtype)
+
+    def _send(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` (dst: the peer's memory) on the copy stream, after what the current
+        stream has queued so far; ``src``'s memory is kept until ``finish`` joins the stream."""
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src.reshape(-1))
+        # An alias of the storage, not src: were src referenced, autograd would copy a gradient
+        # into .grad instead of taking it over.
+        self._keep.append(src.new_empty(0).set_(src.untyped_storage()))
+
+    def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
+        if not self.sync:
+            return
+        self._sent[slot] += 1
+        earlier = self.params[slot].grad  # earlier micro-steps' share (grad_accum > 1)
+        self._send(self._peer_slots[slot], grad if earlier is None else grad + earlier)
+
+    def begin(self, tokens: list[torch.Tensor]) -> None:
+        """Before a step's first backward. ``tokens``: this rank's input ids, one (B, T) tensor
+        per micro-step. The embedding share goes as rows while the two ranks' tokens are fewer
+        than the weight's rows (medium512: up to 25k tokens per GPU), else densely at the end."""
+        self._sent = [0] * len(self.params)
+        if self.tied is None:
+            return
+        ids = torch.cat([t.flatten() for t in tokens])
+        self._ids = None
+        if 2 * ids.numel() > self.tied.size(0):
+            return
+        if ids.numel() > self._rows_capacity:  # the first step of a shape: both ranks in step
+            d = self.tied.size(1)
+            self._recv_rows, self._peer_rows = self._buffer(ids.numel() * d, torch.float32)
+            self._recv_ids, self._peer_ids = self._buffer(ids.numel(), torch.int64)
+            self._rows_capacity = ids.numel()
+        self._ids, self._first = _first_of_each(ids)
+        self._send(self._peer_ids[: ids.numel()], self._ids)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._out = grad if self._out is None else self._out.add_(grad)
+        if self.sync and self._ids is not None:
+            self._send(self._peer_out, self._out)
+
+    def _on_embedding_grad(self, weight: torch.Tensor) -> None:
+        if self.sync and self._ids is not None:
+            self._rows = weight.grad[self._ids] * self._first.unsqueeze(1)
+            self._send(self._peer_rows[: self._rows.numel()], self._rows)
+
+    def finish(self) -> None:
+        """After the last micro-step's backward: every ``.grad`` := the sum over the two ranks."""
+        if self._sent != [1] * len(self.params):  # runs while eager and while captured, not replayed
+            twice = [i for i, n in enumerate(self._sent) if n != 1]
+            raise RuntimeError(f"{len(twice)} parameters' gradients were not sent exactly once in "
+                               f"this step (a parameter read twice in the forward, or unused); "
+                               f"set train.grad_exchange: ddp")
+        if self.tied is not None and self._ids is None:  # the dense way: both shares in one
+            self._out.add_(self.tied.grad)
+            self._send(self._peer_out, self._out)
+        current = torch.cuda.current_stream()
+        current.wait_stream(self._stream)
+        self._keep.clear()
+        self._handle.barrier(channel=0)  # the peer's copies into this rank's buffers are complete
+        torch._foreach_add_([p.grad for p in self.params], self._recv_slots)
+        if self.tied is not None:
+            out = self._out.add_(self._recv_out.view_as(self._out))
+            if self._ids is not None:
+                n = self._ids.numel()
+                ids = {self.rank: self._ids, 1 - self.rank: self._recv_ids[:n]}
+                rows = {self.rank: self._rows, 1 - self.rank: self._recv_rows[: self._rows.numel()].view_as(self._rows)}
+                for r in (0, 1):  # the same order on both ranks
+                    out.index_add_(0, ids[r], rows[r])
+            self.tied.grad = out  # the output share's buffer becomes the gradient: no copy
+        self._handle.barrier(channel=1)  # read before the peer's next step writes it again
+        self._out = self._ids = self._first = self._rows = None

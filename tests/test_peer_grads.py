@@ -1,0 +1,129 @@
+"""oelm_core.peer_grads on the CPU: the parameter tap that starts each gradient's copy from inside
+the (compiled) backward, and the trainer's handling of gradients that hold a sum over ranks.
+The copies between two GPUs themselves: tests/test_train.py's two-GPU test (grad_exchange peer)."""
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oelm_core import VARIANTS, build_model
+from oelm_core.config import ConfigError, RunConfig, TrainConfig
+from oelm_core.peer_grads import ParameterTap
+from oelm_core.train import TrainStep, check_train_config, configure_optimizer
+
+
+def body(model):
+    """The parameters the exchange taps: every trainable one except the tied embedding/output."""
+    return [p for p in model.parameters() if p.requires_grad and p is not model.wte.weight]
+
+
+def batch(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    return [torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g) for _ in range(2)]
+
+
+class Recorder:
+    """Each gradient the tap hands over, and how many had reached .grad by then."""
+
+    def __init__(self, params):
+        self.params, self.sent = params, {}
+        self.accumulated_at_first_send = None
+
+    def __call__(self, slot, grad):
+        if self.accumulated_at_first_send is None:
+            self.accumulated_at_first_send = sum(p.grad is not None for p in self.params)
+        assert slot not in self.sent, f"slot {slot} sent twice"
+        self.sent[slot] = grad.clone()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tap_hands_over_each_gradient_once_and_leaves_the_model_as_it_was(variant):
+    model = build_model("tiny", variant, seed=0)
+    x, y = batch(model)
+    keys, classes = list(model.state_dict()), [type(m) for m in model.modules()]
+    reference = model(x, y)
+    reference.backward()
+    expected = [p.grad.clone() for p in body(model)]
+    model.zero_grad(set_to_none=True)
+
+    params = body(model)
+    recorder = Recorder(params)
+    tap = ParameterTap(model, params, recorder)
+    loss = model(x, y)
+    loss.backward()
+    assert torch.equal(loss, reference)
+    assert sorted(recorder.sent) == list(range(len(params)))
+    for slot, p in enumerate(params):
+        assert torch.equal(recorder.sent[slot], p.grad)
+        torch.testing.assert_close(p.grad, expected[slot], rtol=1e-5, atol=1e-7)  # op order
+    assert list(model.state_dict()) == keys and list(model.parameters())[1] is params[0]
+    tap.remove()
+    assert [type(m) for m in model.modules()] == classes
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inside dynamo
+def test_under_compile_every_gradient_is_sent_before_any_reaches_grad():
+    """The sends sit in the compiled backward graph, each right after its gradient's kernel: all
+    of them have run when the compiled backward returns and autograd starts filling .grad."""
+    model = build_model("tiny", "oelm_freeze", seed=0)
+    x, y = batch(model)
+    params = body(model)
+    model(x, y).backward()
+    expected = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+
+    recorder = Recorder(params)
+    tap = ParameterTap(model, params, recorder)
+    compiled = torch.compile(model)
+    for _ in range(2):  # the second call runs the cached graphs
+        recorder.sent, recorder.accumulated_at_first_send = {}, None
+        compiled(x, y).backward()
+        assert recorder.accumulated_at_first_send == 0
+        assert len(recorder.sent) == len(params)
+        for slot, p in enumerate(params):
+            assert torch.equal(recorder.sent[slot], p.grad)
+            torch.testing.assert_close(p.grad, expected[slot], rtol=1e-4, atol=1e-6)
+        model.zero_grad(set_to_none=True)
+    tap.remove()
+
+
+def test_tap_refuses_a_parameter_the_model_does_not_hold():
+    model = build_model("tiny", "gpt_base", seed=0)
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match="1 of the parameters to tap are not in the model"):
+        ParameterTap(model, body(model) + [stranger], lambda slot, grad: None)
+    assert [type(m) for m in model.modules()] == classes
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_gradient_sum_over_two_ranks_steps_as_their_mean(fused):
+    """The exchange leaves g0 + g1 in .grad and grad_divisor = 2; the clip and AdamW step then
+    equal those of the mean (g0 + g1) / 2, bit for bit (halving is exact), clipped or not."""
+    tc = TrainConfig(grad_clip=0.05)
+    models, steps = [], []
+    for divisor in (1.0, 2.0):
+        model = build_model("tiny", "gpt_base", seed=0)
+        optimizer = configure_optimizer(model, tc, torch.device("cpu"))
+        for group in optimizer.param_groups:
+            group["fused"] = fused
+        step = TrainStep(model, optimizer, grad_clip=tc.grad_clip, autocast=nullcontext())
+        step.grads = SimpleNamespace(grad_divisor=divisor)
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * divisor
+        models.append(model)
+        steps.append(step)
+    norms = [step._clip_and_step() for step in steps]
+    assert norms[0] > tc.grad_clip and torch.equal(norms[0], norms[1])
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)
+
+
+def test_grad_exchange_setting_is_checked():
+    cfg = RunConfig(preset="tiny", train=TrainConfig(grad_exchange="nvlink"))
+    with pytest.raises(ConfigError, match=r"train.grad_exchange must be one of \('auto', 'ddp', 'peer'\)"):
+        check_train_config(cfg)
