@@ -51,7 +51,7 @@ def make_ddp_step(args, cfg, batch: int, device: torch.device, exchange: str = "
         fwd = ddp if args.compile_mode == "none" else torch.compile(
             ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
         step = TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
-        step.reducer = "DDP (tuned)"
+        step.reducer = "ddp (tuned)"
         return step
     # oelm_core.train's own step, with DDP where the trainer uses it (more than one process).
     tstep = make_step(model, configure_optimizer(model, tc, device), tc, device,
@@ -63,8 +63,7 @@ def make_ddp_step(args, cfg, batch: int, device: torch.device, exchange: str = "
         return tstep([(x.to(device, non_blocking=True), y.to(device, non_blocking=True))],
                      tc.lr, count[0])[0]
     step.warmup = lambda x, y, n=3: [step(x, y) for _ in range(n)]
-    step.reducer = ("none" if not tstep.ddp else type(tstep.grads).__name__
-                    if not isinstance(tstep.module, DDP) else "DDP")
+    step.reducer = tstep.gradients_by
     return step
 
 

@@ -162,8 +162,9 @@ class PeerGradExchange:
 
         self.rank, self.device = dist.get_rank(), device
         self._group = dist.group.WORLD.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.8
-            symm_mem.enable_symm_mem_for_group(self._group)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not hasattr(enable, "__deprecated__"):  # older torch needs it
+            enable(self._group)
         self._split = getattr(model, "split_tied_gradient", None)
         self.tied = self._split(None) if self._split is not None else None
         if self.tied is None and getattr(getattr(model, "cfg", None), "tie_embeddings", False):

@@ -395,6 +395,13 @@ class TrainStep:
         self._graph = None  # a new parameter set is captured anew, after new warm-up steps
         self._graph_warm = 0
 
+    @property
+    def gradients_by(self) -> str:
+        """What exchanges the gradients between ranks: "nvlink copies", "ddp" or "none"."""
+        if isinstance(self.grads, PeerGradExchange):
+            return "nvlink copies"
+        return "ddp" if isinstance(self.module, DDP) else "none"
+
     @contextmanager
     def _on_stream(self):
         """Run the block on ``self.stream`` (ordered after the current stream's work, and the
@@ -886,7 +893,7 @@ class Trainer:
             "tokens_per_s": statistics.median(self.throughput) if self.throughput else None,
             "mfu": statistics.median(self.mfus) if self.mfus else None,
             "peak_mem_mb": self._peak_mem_mb(), "wall_time_s": wall_s,
-            "world_size": self.d.world_size,
+            "world_size": self.d.world_size, "gradients_by": self.step_fn.gradients_by,
             "device": (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                        else f"cpu ({torch.get_num_threads()} threads)"),
             "tokens_seen": tokens_seen, "epochs": tokens_seen / self.meta["train_tokens"],

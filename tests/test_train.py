@@ -121,6 +121,7 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
     assert summary["status"] == "completed" and summary["steps"] == 30
     assert summary["final_val_loss"] < 8.0 and summary["best_val_loss"] <= summary["final_val_loss"]
     assert summary["final_val_bpb"] > 0 and summary["mfu"] is None and summary["tokens_per_s"] > 0
+    assert summary["gradients_by"] == "none"
     assert summary["checkpoint_bytes"] == (out / "ckpt" / "step_0000030.pt").stat().st_size
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"lr", "grad_norm", "tokens_per_s", "tokens_seen", "epochs", "val_ppl", "val_bpb"} <= set(row)
@@ -164,6 +165,7 @@ def test_ddp_matches_single_process(tmp_path, folded, accum, batch):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
     summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
+    assert summary["gradients_by"] == "ddp"  # the NVLink exchange steps aside on the CPU
 
 
 # Two micro-steps per rank with repeated tokens; the reduced tied-weight gradient against the
@@ -212,7 +214,7 @@ def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
             warnings.simplefilter("error", FutureWarning)
             step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")),
                              tc, torch.device("cpu"), ddp=True)
-        assert step.grads is None and model._tied_grad_hook is None
+        assert step.grads is None and model._tied_grad_hook is None and step.gradients_by == "ddp"
         assert step.module.bucket_bytes_cap == 12.5 * 2**20
         assert step.module.broadcast_buffers is False
         tc = TrainConfig(grad_exchange="peer")
@@ -281,6 +283,8 @@ def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, fol
         by = "DDP's all-reduce" if exchange == "ddp" else "the NVLink gradient exchange"
         assert f"captured the training step as a CUDA graph with {by}" in proc.stderr
         assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
+    assert summary["gradients_by"] == ("ddp" if exchange == "ddp" else "nvlink copies")
     a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 21))
     for step in a:
