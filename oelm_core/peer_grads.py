@@ -2,13 +2,14 @@
 GPU's memory by the copy engines (NVLink), from inside the compiled backward pass, as soon as the
 kernel that wrote it has run.
 
-Why not DDP: at medium512 with 8 x 512 tokens per GPU a step takes ~4.2 ms on one H200, and DDP
-made it 4.76 ms on two (88%). The bytes are not the problem (180 MB each way take the copy
+Why not DDP: at medium512 with 8 x 512 tokens per GPU a step takes ~4.16 ms on one H200, and DDP
+made it 4.76-4.79 ms on two (87-88%). The bytes are not the problem (180 MB each way take the copy
 engines 0.5 ms, and only ~0.1 ms of the step's time when they run beside it); DDP's work on the
 compute stream is: the copies of every gradient into its buckets, the NCCL kernels' SMs, and the
 buckets still in flight when the backward ends. Here the copy engines move the gradients while
 the SMs compute, and what is left after the backward is one barrier and one foreach add:
-4.55-4.59 ms (91-92%; benchmarks/RESULTS.md, "DDP scaling").
+4.56 ms against DDP's 4.79 on two H200s (91% against 87% of two one-GPU steps; 93% / 96% at
+16 / 64 x 512; benchmarks/RESULTS.md, "DDP scaling").
 
 Two pieces:
 

@@ -528,9 +528,13 @@ class TrainStep:
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             self.optimizer.step()
             return norm
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) / divisor
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if divisor != 1.0:
+            norm = norm / divisor
         # clip_grad_norm_'s factor, max_norm / (norm + 1e-6) capped at 1, as a divisor.
-        self.optimizer.grad_scale = divisor * torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        if divisor != 1.0:
+            self.optimizer.grad_scale = self.optimizer.grad_scale * divisor
         try:
             self.optimizer.step()
         finally:
