@@ -714,13 +714,17 @@ class Trainer:
         return t
 
     def _train_figures(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
-                       window_steps: int, window_s: float) -> dict:
+                       window_steps: int, window_t0: float) -> dict:
         """The log row's training figures; raises TrainingDiverged on a NaN/inf loss or norm.
+        ``window_t0``: perf_counter() when the window of ``window_steps`` steps began.
 
         The all-reduced values are the same on every rank, so all ranks stop together.
         """
         loss_v = self._mean_across_ranks(loss).item()
         norm_v = grad_norm.item()
+        # Only now: the GPU runs behind the host (a captured step returns at once), and reading
+        # the loss waited for the window's last step.
+        window_s = time.perf_counter() - window_t0
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             kept = self._checkpoints()
             raise TrainingDiverged(
@@ -850,8 +854,7 @@ class Trainer:
             if not (evaluate or save or self.step % tc.log_every == 0 or self.step == 1):
                 continue  # step 1 is logged too: the curve's starting point
             # Every checkpoint step is a logged step: the divergence check runs before any save.
-            row = self._train_figures(loss, grad_norm, lr, self.step - window_start,
-                                      time.perf_counter() - window_t0)
+            row = self._train_figures(loss, grad_norm, lr, self.step - window_start, window_t0)
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             improved = stop = False
             if evaluate:

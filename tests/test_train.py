@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -98,6 +99,28 @@ def torchrun_train(tmp_path: Path, values: dict, entry: tuple = ("-m", "oelm_cor
          "127.0.0.1", "--master_port", str(free_port()), *entry,
          "--params", str(write_params(tmp_path / "ddp.yaml", values))],
         cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+
+def test_throughput_window_ends_after_waiting_for_the_device(tmp_path, folded, monkeypatch):
+    """On a GPU a captured step returns before it has run; reading the loss at a log step waits
+    for it. The reported tokens/s must count that wait (it once did not: a CUDA-graph run logged
+    23.8M tokens/s on two GPUs that did 1.7M). Here the read is made to take 0.25 s."""
+    from oelm_core.train import Trainer
+
+    read = Trainer._mean_across_ranks
+
+    def slow_read(self, t):
+        time.sleep(0.25)
+        return read(self, t)
+
+    monkeypatch.setattr(Trainer, "_mean_across_ranks", slow_read)
+    values = params(tmp_path, folded, steps=4, log_every=2, eval_every=4, ckpt_every=4)
+    run(values)
+    rows = [json.loads(line) for line in (Path(values["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    tokens_per_step = 4 * 32
+    for row in rows:  # windows of 1 (step 1) and 2 steps, each with one 0.25 s read
+        steps = 1 if row["step"] == 1 else 2
+        assert row["tokens_per_s"] <= steps * tokens_per_step / 0.25, row
 
 
 def test_lr_schedule():
