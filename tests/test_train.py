@@ -276,19 +276,21 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("exchange, one_rank_fails, batch, accum, compile", [
-    ("ddp", False, 4, 1, False),
-    ("peer", False, 4, 1, True),   # the tied weight's rows; the sends inside the compiled backward
-    ("peer", True, 8, 2, False),   # the tied weight dense; accumulated micro-steps
+@pytest.mark.parametrize("exchange, one_rank_fails, batch, accum, compile, unfreeze", [
+    ("ddp", False, 4, 1, False, {}),
+    # the tied weight's rows; the sends inside the compiled backward; a new exchange for the
+    # parameters that unfreezing adds at step 5 (captured after 11 more eager steps)
+    ("peer", False, 4, 1, True, {5: "all"}),
+    ("peer", True, 8, 2, False, {}),   # the tied weight dense; accumulated micro-steps
 ])
-def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, exchange,
-                                                                    one_rank_fails, batch, accum, compile):
+def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, exchange, one_rank_fails,
+                                                                    batch, accum, compile, unfreeze):
     """2 NCCL ranks x grad_accum A == 1 GPU x grad_accum 2A (float32), both with the whole step in
     a CUDA graph: on two ranks the gradient exchange (DDP's all-reduce, or the NVLink copies) is
-    captured after 11 eager steps, and steps 12-20 replay it. If one rank cannot capture, neither
-    replays (no hang): both go on eagerly, with the same losses."""
+    captured after 11 eager steps, and the later steps replay it. If one rank cannot capture,
+    neither replays (no hang): both go on eagerly, with the same losses."""
     common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32",
-                  batch_size=batch, compile=compile)
+                  batch_size=batch, compile=compile, unfreeze_schedule=unfreeze)
     single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
     run(single)
     ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, grad_exchange=exchange, **common)
@@ -306,6 +308,9 @@ def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, fol
         by = "DDP's all-reduce" if exchange == "ddp" else "the NVLink gradient exchange"
         assert f"captured the training step as a CUDA graph with {by}" in proc.stderr
         assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
+    if exchange == "peer":  # rank 0 logs each exchange it builds: the first, and one per re-wrap
+        builds = 1 + len(unfreeze) + one_rank_fails
+        assert proc.stderr.count("gradients exchanged by NVLink copies") == builds, proc.stderr[-3000:]
     summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
     assert summary["gradients_by"] == ("ddp" if exchange == "ddp" else "nvlink copies")
     a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
