@@ -77,7 +77,9 @@ class QKProjection(nn.Module):
 
     @property
     def frozen(self) -> bool:
-        return not isinstance(self.weight, nn.Parameter)
+        # Asked of the module's own tables, not of what ``self.weight`` returns: a wrapper of the
+        # parameter (oelm_core.peer_grads.ParameterTap) is no nn.Parameter, yet trainable.
+        return "weight" in self._buffers
 
     def unfreeze(self) -> Optional[nn.Parameter]:
         if not self.frozen:

@@ -58,7 +58,7 @@ def test_tap_hands_over_each_gradient_once_and_leaves_the_model_as_it_was(varian
     assert sorted(recorder.sent) == list(range(len(params)))
     for slot, p in enumerate(params):
         assert torch.equal(recorder.sent[slot], p.grad)
-        torch.testing.assert_close(p.grad, expected[slot], rtol=1e-5, atol=1e-7)  # op order
+        assert torch.equal(p.grad, expected[slot])  # the same ops: the model cannot tell
     assert list(model.state_dict()) == keys and list(model.parameters())[1] is params[0]
     tap.remove()
     assert [type(m) for m in model.modules()] == classes
