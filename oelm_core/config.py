@@ -273,9 +273,10 @@ class TrainConfig:
     # 2-10 were slower (benchmarks/RESULTS.md, "DDP scaling").
     ddp_bucket_mb: float = 50.0
     # How two CUDA GPUs of one host exchange gradients. "auto": by NVLink copies straight into
-    # the other GPU's memory during the backward (oelm_core/peer_grads.py; 91-92% scaling at
-    # medium512, 8 x 512 per GPU, where DDP reached 88%), DDP wherever that cannot run (other
+    # the other GPU's memory during the backward (oelm_core/peer_grads.py; 91% scaling at
+    # medium512, 8 x 512 per GPU, where DDP reached 87%), DDP wherever that cannot run (other
     # world sizes, no peer access, CPU). "ddp": always DDP. "peer": the copies or an error.
+    # Measured on NVLink only: where peer access goes over PCIe, time both before choosing.
     grad_exchange: str = "auto"
     progress: bool = True        # tqdm bar on rank 0
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
