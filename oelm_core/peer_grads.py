@@ -159,13 +159,8 @@ class PeerGradExchange:
         return exchange
 
     def __init__(self, model: nn.Module, device: torch.device):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.rank, self.device = dist.get_rank(), device
-        self._group = dist.group.WORLD.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not hasattr(enable, "__deprecated__"):  # older torch needs it
-            enable(self._group)
+        self.device = device
+        self._connect()
         self._split = getattr(model, "split_tied_gradient", None)
         self.tied = self._split(None) if self._split is not None else None
         if self.tied is None and getattr(getattr(model, "cfg", None), "tie_embeddings", False):
@@ -180,7 +175,6 @@ class PeerGradExchange:
         self._recv, peer = self._buffer(sum(sizes), torch.float32)
         self._peer_slots = list(peer.split(sizes))
         self._recv_slots = [r.view_as(p) for r, p in zip(self._recv.split(sizes), self.params)]
-        self._stream = torch.cuda.Stream(device)
         self._keep: list[torch.Tensor] = []  # memory of gradients in flight, until finish()
         self.sync = True
         self._out = self._ids = None
@@ -200,6 +194,20 @@ class PeerGradExchange:
             self._hook.remove()
             self._split(None)
 
+    # The link to the peer: symmetric memory and a copy stream. Five small methods, so that the
+    # arithmetic above them can be tested on the CPU with two exchanges in one process
+    # (tests/test_peer_grads.py).
+    def _connect(self) -> None:
+        """This rank, symmetric memory for the process group, the copy stream."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.rank = dist.get_rank()
+        self._group = dist.group.WORLD.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not hasattr(enable, "__deprecated__"):  # older torch needs it
+            enable(self._group)
+        self._stream = torch.cuda.Stream(self.device)
+
     def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's receive buffer, the peer's as a tensor this GPU can write). Collective."""
         import torch.distributed._symmetric_memory as symm_mem
@@ -217,6 +225,15 @@ class PeerGradExchange:
         # An alias of the storage, not src: were src referenced, autograd would copy a gradient
         # into .grad instead of taking it over.
         self._keep.append(src.new_empty(0).set_(src.untyped_storage()))
+
+    def _join(self) -> None:
+        """The current stream waits for every copy this rank has started; their sources are free."""
+        torch.cuda.current_stream().wait_stream(self._stream)
+        self._keep.clear()
+
+    def _barrier(self, channel: int) -> None:
+        """Both ranks' current streams meet here (each after its own earlier work)."""
+        self._handle.barrier(channel=channel)
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         if not self.sync:
@@ -264,10 +281,8 @@ class PeerGradExchange:
         if self.tied is not None and self._ids is None:  # the dense way: both shares in one
             self._out.add_(self.tied.grad)
             self._send(self._peer_out, self._out)
-        current = torch.cuda.current_stream()
-        current.wait_stream(self._stream)
-        self._keep.clear()
-        self._handle.barrier(channel=0)  # the peer's copies into this rank's buffers are complete
+        self._join()
+        self._barrier(0)  # the peer's copies into this rank's buffers are complete
         torch._foreach_add_([p.grad for p in self.params], self._recv_slots)
         if self.tied is not None:
             out = self._out.add_(self._recv_out.view_as(self._out))
@@ -278,5 +293,5 @@ class PeerGradExchange:
                 for r in (0, 1):  # the same order on both ranks
                     out.index_add_(0, ids[r], rows[r])
             self.tied.grad = out  # the output share's buffer becomes the gradient: no copy
-        self._handle.barrier(channel=1)  # read before the peer's next step writes it again
+        self._barrier(1)  # read before the peer's next step writes it again
         self._out = self._ids = self._first = self._rows = None

@@ -1,7 +1,10 @@
 """oelm_core.peer_grads on the CPU: the parameter tap that starts each gradient's copy from inside
-the (compiled) backward, and the trainer's handling of gradients that hold a sum over ranks.
-The copies between two GPUs themselves: tests/test_train.py's two-GPU test (grad_exchange peer)."""
+the (compiled) backward; the exchange's arithmetic with two exchanges in one process (what the
+GPUs add, streams and symmetric memory, left out); the trainer's handling of gradients that hold
+a sum over ranks. The copies between two GPUs themselves: tests/test_train.py's two-GPU test."""
 
+import copy
+import threading
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -10,7 +13,7 @@ import torch
 
 from oelm_core import VARIANTS, build_model
 from oelm_core.config import ConfigError, RunConfig, TrainConfig
-from oelm_core.peer_grads import ParameterTap
+from oelm_core.peer_grads import ParameterTap, PeerGradExchange
 from oelm_core.train import TrainStep, check_train_config, configure_optimizer
 
 
@@ -97,6 +100,123 @@ def test_tap_refuses_a_parameter_the_model_does_not_hold():
     with pytest.raises(ValueError, match="1 of the parameters to tap are not in the model"):
         ParameterTap(model, body(model) + [stranger], lambda slot, grad: None)
     assert [type(m) for m in model.modules()] == classes
+
+
+class InProcessPair:
+    """Two PeerGradExchanges in one process: each one's "peer memory" is the other's receive
+    buffers, a copy is immediate, and the barrier is a threading.Barrier (the two finish() calls
+    run in two threads). What the GPUs add (streams, copy engines, symmetric memory) is left out;
+    the arithmetic is the library's."""
+
+    def __init__(self, models):
+        self.models, self.buffers, self.meet = models, {}, threading.Barrier(2)
+        self.exchanges = [self._exchange(model, rank) for rank, model in enumerate(models)]
+
+    def _exchange(self, model, rank):
+        pair = self
+
+        class InProcess(PeerGradExchange):
+            def _connect(self):
+                self.rank, self._allocated = rank, 0
+
+            def _buffer(self, numel, dtype):
+                i, self._allocated = self._allocated, self._allocated + 1
+                return tuple(pair.buffers.setdefault((r, i), torch.full((numel,), -1).to(dtype))
+                             for r in (self.rank, 1 - self.rank))
+
+            def _send(self, dst, src):
+                dst.copy_(src.reshape(-1))
+
+            def _join(self):
+                pass
+
+            def _barrier(self, channel):
+                pair.meet.wait(timeout=60)
+
+        return InProcess(model, torch.device("cpu"))
+
+    def backward(self, rank, micro):
+        """Rank ``rank``'s micro-batches [(x, y), ...], as TrainStep runs them."""
+        exchange, model = self.exchanges[rank], self.models[rank]
+        exchange.begin([x for x, _ in micro])
+        for i, (x, y) in enumerate(micro):
+            exchange.sync = i == len(micro) - 1
+            (model(x, y) / len(micro)).backward()
+
+    def finish(self):
+        """Both ranks' finish(), side by side; the first rank's error, if any, is raised."""
+        errors = [None, None]
+
+        def run(rank):
+            try:
+                self.exchanges[rank].finish()
+            except Exception as exc:  # a failed rank must not leave the other at the barrier
+                errors[rank] = exc
+                self.meet.abort()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        raised = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+        if raised:
+            raise raised[0]
+
+    def remove(self):
+        for exchange in self.exchanges:
+            exchange.remove()
+
+
+def micro_batches(model, rank, n_micro, batch):
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = [torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.block_size + 1), generator=g)
+           for _ in range(n_micro)]
+    return [(t[:, :-1], t[:, 1:]) for t in ids]
+
+
+@pytest.mark.parametrize("variant, n_micro, batch, rows", [
+    ("oelm_freeze", 1, 2, True),      # 2 ranks x 64 tokens <= 128 rows: the tied weight as rows
+    ("gpt_base", 1, 4, False),        # 2 x 128 > 128: the tied weight's shares in one, densely
+    ("oelm_nofreeze", 2, 1, True),    # two micro-steps: the last sends the accumulated gradient
+    ("oelm_poet", 2, 2, False),
+])
+def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(variant, n_micro, batch, rows):
+    """The exchange's arithmetic (tapped sends, the tied weight's shares, finish) against the
+    gradients of the two ranks' batches computed apart: .grad = their sum, the same on both."""
+    base = build_model("tiny", variant, seed=0)
+    batches = [micro_batches(base, r, n_micro, batch) for r in range(2)]
+    expected = []
+    for micro in batches:  # each rank's own gradient, without an exchange
+        alone = copy.deepcopy(base)
+        for x, y in micro:
+            (alone(x, y) / n_micro).backward()
+        expected.append([p.grad for p in alone.parameters() if p.requires_grad])
+
+    pair = InProcessPair([copy.deepcopy(base) for _ in range(2)])
+    for rank in range(2):
+        pair.backward(rank, batches[rank])
+    pair.finish()
+    assert all((e._rows_capacity > 0) == rows for e in pair.exchanges)  # the path taken
+    grads = [[p.grad for p in m.parameters() if p.requires_grad] for m in pair.models]
+    for g0, g1, a, b in zip(*grads, *expected):
+        assert torch.equal(g0, g1)  # bitwise: the weights stay equal across ranks
+        torch.testing.assert_close(g0, a + b, rtol=1e-5, atol=1e-7)
+    pair.remove()
+
+
+def test_exchange_refuses_what_it_cannot_send_once():
+    """A tied weight that the model does not split would be sent in two parts; a step whose
+    backward did not send every gradient stops before anything is added."""
+    with pytest.raises(ValueError, match="not split"):
+        InProcessPair([build_model("tiny", "gpt_base", seed=0, loss_impl="full") for _ in range(2)])
+    pair = InProcessPair([build_model("tiny", "gpt_base", seed=0) for _ in range(2)])
+    x = torch.zeros(1, pair.models[0].cfg.block_size, dtype=torch.long)
+    pair.backward(0, [(x, x)])
+    pair.exchanges[1].begin([x])  # rank 1 runs no backward
+    with pytest.raises(RuntimeError, match="not sent exactly once"):
+        pair.finish()
+    pair.remove()
 
 
 @pytest.mark.parametrize("fused", [True, False])
