@@ -32,8 +32,9 @@ every gradient. Works inside the trainer's whole-step CUDA graph (copies, barrie
 from __future__ import annotations
 
 import itertools
-import weakref
 import logging
+import os
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -199,6 +200,10 @@ class PeerGradExchange:
     # (tests/test_peer_grads.py).
     def _connect(self) -> None:
         """This rank, symmetric memory for the process group, the copy stream."""
+        # Peer pointers and barriers are all the exchange uses: no NVLink multicast objects
+        # (NVSwitch resources, which a crashed program can leave held on a shared host).
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank = dist.get_rank()
