@@ -116,9 +116,9 @@ class ParameterTap:
         _TAPS.pop(self.id, None)
 
 
-def _first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (N,) -> (sorted ids, bool mask of each id's first place): a gathered row is sent once,
-    and the repeats add an exact zero."""
+def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (N,) -> (sorted ids, bool mask of each id's first place): the tied weight's embedding
+    rows are sent once each (here and by ``train.TiedGradReducer``), the repeats as exact zeros."""
     ids = ids.sort().values
     first = torch.ones_like(ids, dtype=torch.bool)
     first[1:] = ids[1:] != ids[:-1]
@@ -141,15 +141,14 @@ class PeerGradExchange:
         """An exchange for ``model`` on this rank, or None (logged) where it cannot run: not two
         ranks on CUDA GPUs of one host with peer access, or no symmetric memory in this torch.
         Collective: both ranks call it and both get an exchange or both None."""
-        reason = None
         if device.type != "cuda" or dist.get_world_size() != 2 or dist.get_backend() != "nccl":
-            reason = "it pairs two CUDA GPUs under NCCL"
-        exchange = None
-        if reason is None:
-            try:
-                exchange = cls(model, device)
-            except Exception as exc:  # no symmetric memory, no peer access, another host...
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            log.info("gradients by DDP: the NVLink copy exchange pairs two CUDA GPUs under NCCL")
+            return None  # the same on every rank: no need to agree
+        exchange = reason = None
+        try:
+            exchange = cls(model, device)
+        except Exception as exc:  # no symmetric memory, no peer access, another host...
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         failed = torch.tensor(float(reason is not None), device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
@@ -263,7 +262,7 @@ class PeerGradExchange:
             self._recv_rows, self._peer_rows = self._buffer(ids.numel() * d, torch.float32)
             self._recv_ids, self._peer_ids = self._buffer(ids.numel(), torch.int64)
             self._rows_capacity = ids.numel()
-        self._ids, self._first = _first_of_each(ids)
+        self._ids, self._first = first_of_each(ids)
         self._send(self._peer_ids[: ids.numel()], self._ids)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ from oelm_core.config import (ConfigError, ModelConfig, RunConfig, TrainConfig, 
                               run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.model import build_model
-from oelm_core.peer_grads import PeerGradExchange
+from oelm_core.peer_grads import PeerGradExchange, first_of_each
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +274,7 @@ class TiedGradReducer:
             return
         # Sorted, and each id's first place marked: a row is sent once. The ids travel now, while
         # the forward pass runs; the rows once the embedding's backward has run.
-        self._ids = ids.sort().values
-        self._first = torch.ones_like(self._ids, dtype=torch.bool)
-        self._first[1:] = self._ids[1:] != self._ids[:-1]
+        self._ids, self._first = first_of_each(ids)
         # Flat along dim 0: gloo's all_gather_into_tensor takes no stacked output.
         self._all_ids = ids.new_empty(self.world * ids.numel())
         self._ids_work = dist.all_gather_into_tensor(self._all_ids, self._ids, async_op=True)
