@@ -85,7 +85,8 @@ class ParameterTap:
     is added to ``.grad``); its memory is handed on to ``.grad`` afterwards, so a callback that
     keeps using it asynchronously must keep it alive without holding the tensor (autograd copies
     a gradient that is referenced elsewhere instead of taking it over). ``remove()`` restores the
-    modules. A parameter must be read once per forward (a second read would send a part).
+    modules; keep the object until then (the modules hold only its id). A parameter must be read
+    once per forward (a second read would send a part).
     """
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter],
