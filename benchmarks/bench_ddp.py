@@ -122,8 +122,8 @@ def main():
         s = median(secs)
         tokens = world * batch * cfg.block_size
         peak = peak_flops(device)
-        row = {"impl": args.impl, "reducer": step.reducer, "group": group, "world": world, "batch_per_gpu": batch, "ms_per_step": 1000 * s,
-               "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
+        row = {"impl": args.impl, "reducer": step.reducer, "group": group, "world": world,
+               "batch_per_gpu": batch, "ms_per_step": 1000 * s, "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
                "mfu": tokens / s / world * flops_per_token(cfg)["total"] / peak if peak else None,
                "compile_s": compile_s, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
         rows.append(row)

@@ -76,6 +76,11 @@ class _Tap(torch.autograd.Function):
         return grad, None, None
 
 
+def _tapped(name: str, tap: int, slot: int) -> property:
+    """The attribute ``name`` of a tapped module: its parameter seen through ``_Tap``."""
+    return property(lambda module: _Tap.apply(module._parameters[name], tap, slot))
+
+
 class ParameterTap:
     """Call ``on_grad(slot, grad)`` with the gradient of ``params[slot]`` during each backward.
 
@@ -100,8 +105,7 @@ class ParameterTap:
                      if id(p) in slot_of}
             if names:
                 cls = type(module)
-                props = {name: property(lambda m, n=name, t=self.id, s=slot: _Tap.apply(m._parameters[n], t, s))
-                         for name, slot in names.items()}
+                props = {name: _tapped(name, self.id, slot) for name, slot in names.items()}
                 module.__class__ = type(cls.__name__, (cls,), {**props, "__module__": cls.__module__})
                 self._modules.append((module, cls))
                 tapped += len(names)
@@ -170,7 +174,7 @@ class PeerGradExchange:
         if self.tied is not None and not self.tied.requires_grad:
             self.tied = None
         self.params = [p for p in model.parameters() if p.requires_grad and p is not self.tied]
-        if any(p.dtype != torch.float32 for p in self.params + ([self.tied] if self.tied is not None else [])):
+        if any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad):
             raise TypeError("the exchange sends float32 gradients; the model has other parameters")
         sizes = [p.numel() for p in self.params]
         self._recv, peer = self._buffer(sum(sizes), torch.float32)
@@ -294,7 +298,8 @@ class PeerGradExchange:
             if self._ids is not None:
                 n = self._ids.numel()
                 ids = {self.rank: self._ids, 1 - self.rank: self._recv_ids[:n]}
-                rows = {self.rank: self._rows, 1 - self.rank: self._recv_rows[: self._rows.numel()].view_as(self._rows)}
+                peer_rows = self._recv_rows[: self._rows.numel()].view_as(self._rows)
+                rows = {self.rank: self._rows, 1 - self.rank: peer_rows}
                 for r in (0, 1):  # the same order on both ranks
                     out.index_add_(0, ids[r], rows[r])
             self.tied.grad = out  # the output share's buffer becomes the gradient: no copy
