@@ -392,6 +392,9 @@ class TrainStep:
         self._compile_verified = not self.compile
         self._graph = None  # a new parameter set is captured anew, after new warm-up steps
         self._graph_warm = 0
+        # A captured step leaves its gradients in .grad (the graph's static outputs); the next
+        # eager step would add its own to them.
+        self.optimizer.zero_grad(set_to_none=True)
 
     @property
     def gradients_by(self) -> str:
