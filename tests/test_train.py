@@ -382,7 +382,7 @@ def test_a_step_after_rewrapping_takes_only_its_own_gradients():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_unfreezing_under_a_captured_step_matches_eager_steps(tmp_path, folded):
+def test_unfreezing_under_a_captured_step_matches_eager_steps(tmp_path, folded, caplog):
     """One GPU, float32: the captured step (two warm-up steps, captured at step 3, re-captured
     after the unfreeze at step 5) against eager steps. The first eager step after an unfreeze once
     added the last replay's gradients to its own (1.2e-3 apart at step 7)."""
@@ -390,7 +390,9 @@ def test_unfreezing_under_a_captured_step_matches_eager_steps(tmp_path, folded):
                   unfreeze_schedule={5: "all"})
     graph = params(tmp_path, folded, out="graph", cuda_graph=True, **common)
     eager = params(tmp_path, folded, out="eager", cuda_graph=False, **common)
-    run(graph)
+    with caplog.at_level("INFO", logger="oelm_core.train"):
+        run(graph)
+    assert caplog.text.count("captured the training step as a CUDA graph") == 2, caplog.text
     run(eager)
     a, b = losses(graph["out_dir"]), losses(eager["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 10))
