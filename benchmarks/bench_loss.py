@@ -19,11 +19,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_ce import D_MODEL, PADDED, VOCAB  # noqa: E402
 from common import card_name, commit, median, now, time_blocks  # noqa: E402
 
 from oelm_core.model import linear_cross_entropy  # noqa: E402
-
-VOCAB, PADDED, D_MODEL = 50257, 50304, 512
 
 
 def main():

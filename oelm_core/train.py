@@ -499,9 +499,8 @@ class TrainStep:
             except Exception as exc:  # Dynamo/Inductor raise many types; eager is always correct
                 log.warning("torch.compile failed (%s: %s); continuing in eager mode",
                             type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
-                self.optimizer.zero_grad(set_to_none=True)
                 self.compile = False
-                self.wrap()
+                self.wrap()  # also drops the failed backward's partial gradients
                 loss = self._forward_backward(batches)
             self._compile_verified = True
         for group in self.optimizer.param_groups:

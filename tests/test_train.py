@@ -6,6 +6,7 @@ prepared tokens are folded into a 256-token vocabulary (id % 256, same files, sa
 that the CPU time goes to the trainer rather than to a 50,257-way output layer.
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -377,6 +378,34 @@ def test_a_step_after_rewrapping_takes_only_its_own_gradients():
         step.optimizer.add_param_group({"params": model.unfreeze_qk("all"), "weight_decay": tc.weight_decay})
         step.wrap()
         step(batches, 1e-3, 2)
+    for a, b in zip(*(m.state_dict().values() for m in models)):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_compile_falls_back_to_eager_with_only_its_own_gradients(monkeypatch):
+    """torch.compile fails lazily, in the first step: the step goes on eagerly. Whatever the failed
+    call left in .grad (here: noise written before it raised) must not reach the update: the
+    weights equal those of a twin that ran eagerly from the start."""
+    tc = TrainConfig(grad_clip=1.0, lr=1e-3)
+    x = torch.randint(0, FOLDED_VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    batches = [(x[:, :-1], x[:, 1:])]
+
+    def failing_compile(module, **kwargs):
+        def call(*args, **kw):
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.grad = torch.randn_like(p)
+            raise RuntimeError("inductor said no")
+        return call
+
+    models = [build_model("smoke", "gpt_base", block_size=16, vocab_size=FOLDED_VOCAB) for _ in range(2)]
+    for fails, model in enumerate(models):
+        step_tc = dataclasses.replace(tc, compile=bool(fails))
+        if fails:
+            monkeypatch.setattr(torch, "compile", failing_compile)
+        step = make_step(model, configure_optimizer(model, step_tc, torch.device("cpu")), step_tc, torch.device("cpu"))
+        step(batches, 1e-3, 1)
+        assert not step.compile  # the failed one fell back to eager
     for a, b in zip(*(m.state_dict().values() for m in models)):
         assert torch.equal(a, b)
 
