@@ -40,9 +40,11 @@ from oelm_core.model import GPT  # noqa: E402
 from oelm_core.train import DDP_NO_BUFFER_SYNC, configure_optimizer, make_step  # noqa: E402
 
 
-def make_ddp_step(args, cfg, batch: int, device: torch.device, exchange: str = "auto"):
+def make_ddp_step(args, cfg, batch: int, device: torch.device, exchange: str = "auto",
+                  accum: int = 1):
     """step(x, y) -> loss for one model of ``cfg`` under DDP, as --impl says; step.warmup(x, y, n);
-    step.reducer: what reduced the gradients."""
+    step.reducer: what reduced the gradients. With ``accum`` > 1 (--impl trainer) one step is that
+    many micro-steps on (x, y), the gradients exchanged once, after the last."""
     model = GPT(cfg).to(device)
     tc = TrainConfig(compile=args.compile_mode != "none", grad_exchange=exchange)
     if args.impl == "tuned":
@@ -60,8 +62,8 @@ def make_ddp_step(args, cfg, batch: int, device: torch.device, exchange: str = "
 
     def step(x, y):
         count[0] += 1
-        return tstep([(x.to(device, non_blocking=True), y.to(device, non_blocking=True))],
-                     tc.lr, count[0])[0]
+        batch_on_device = (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        return tstep([batch_on_device] * accum, tc.lr, count[0])[0]
     step.warmup = lambda x, y, n=3: [step(x, y) for _ in range(n)]
     step.reducer = tstep.gradients_by
     return step
@@ -82,8 +84,13 @@ def main():
                          "gradient_as_bucket_view, static_graph and --bucket-mb, then torch.compile")
     ap.add_argument("--grad-exchange", nargs="+", default=["auto"], choices=["auto", "ddp", "peer"],
                     help="--impl trainer: train.grad_exchange, each in turn")
+    ap.add_argument("--grad-accum", type=int, nargs="+", default=[1],
+                    help="--impl trainer: micro-steps per optimiser step (train.grad_accum), each in "
+                         "turn; the gradients cross between GPUs once a step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.impl == "tuned" and args.grad_accum != [1]:
+        ap.error("--grad-accum is for --impl trainer")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,10 +99,11 @@ def main():
     device = torch.device("cuda", local)
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
-    for group, batch, exchange in itertools.product(args.groups, args.batch, args.grad_exchange):
+    for group, batch, exchange, accum in itertools.product(args.groups, args.batch, args.grad_exchange,
+                                                           args.grad_accum):
         torch.manual_seed(0)
         cfg = model_config(args.preset, group)
-        step = make_ddp_step(args, cfg, batch, device, exchange)
+        step = make_ddp_step(args, cfg, batch, device, exchange, accum)
         gen = torch.Generator().manual_seed(rank + 1)
         data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(4)]
         xs = [d[:, :-1].contiguous().pin_memory() for d in data]
@@ -120,10 +128,10 @@ def main():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             secs.append(float(t))
         s = median(secs)
-        tokens = world * batch * cfg.block_size
+        tokens = world * accum * batch * cfg.block_size
         peak = peak_flops(device)
         row = {"impl": args.impl, "reducer": step.reducer, "group": group, "world": world,
-               "batch_per_gpu": batch, "ms_per_step": 1000 * s, "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
+               "batch_per_gpu": batch, "grad_accum": accum, "ms_per_step": 1000 * s, "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
                "mfu": tokens / s / world * flops_per_token(cfg)["total"] / peak if peak else None,
                "compile_s": compile_s, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
         rows.append(row)
@@ -143,7 +151,7 @@ def main():
                 json.dump({"meta": meta, "results": rows}, f, indent=1)
         print(f"\n{meta['card']} x{world}  {meta['date']}")
         for r in rows:
-            print(f"{r['group']:14s} world {r['world']} batch/GPU {r['batch_per_gpu']:3d}: "
+            print(f"{r['group']:14s} world {r['world']} batch/GPU {r['batch_per_gpu']:3d} x{r['grad_accum']}: "
                   f"{r['tokens_per_s']:10.0f} tok/s  {r['ms_per_step']:7.2f} ms/step  ({r['reducer']})")
     dist.destroy_process_group()
 

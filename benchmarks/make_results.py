@@ -90,17 +90,19 @@ def ddp_table(paths):
             meta = meta or d["meta"]
     if not rows:
         return "(not run)"
-    one = {(r.get("impl"), r["group"], r["batch_per_gpu"]): r["tokens_per_s"] for r in rows if r["world"] == 1}
+    # The one-GPU step without accumulation: what one process runs at that micro-batch.
+    one = {(r.get("impl"), r["group"], r["batch_per_gpu"]): r["tokens_per_s"]
+           for r in rows if r["world"] == 1 and r.get("grad_accum", 1) == 1}
     out = [f"Card: **{meta['card']}**, {meta['date']}", "",
-           "| step | gradients by | group | batch/GPU | GPUs | tokens/s (all GPUs) | ms/step | efficiency |",
-           "|---|---|---|---:|---:|---:|---:|---:|"]
+           "| step | gradients by | group | batch/GPU | micro-steps | GPUs | tokens/s (all GPUs) | ms/step | efficiency |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = one.get((r.get("impl"), r["group"], r["batch_per_gpu"]))
         eff = f"{100 * r['tokens_per_s'] / (r['world'] * b):.1f}%" if b else "-"
-        out.append(f"| {r.get('impl', '-')} | {r.get('reducer', '-')} | {r['group']} | {r['batch_per_gpu']} | {r['world']} | {r['tokens_per_s']:,.0f} | "
-                   f"{r['ms_per_step']:.2f} | {eff} |")
+        out.append(f"| {r.get('impl', '-')} | {r.get('reducer', '-')} | {r['group']} | {r['batch_per_gpu']} | "
+                   f"{r.get('grad_accum', 1)} | {r['world']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | {eff} |")
     out += ["", "Efficiency: tokens/s over GPUs x tokens/s of the same step on one GPU (for `trainer`, "
-            "the plain step one process runs)."]
+            "the plain step one process runs, one micro-step)."]
     return "\n".join(out)
 
 
