@@ -65,13 +65,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"(best.pt or an earlier step) or train again") from exc
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
         raise CheckpointError(f"{path} is not an OELM checkpoint (no 'model' / 'model_config' entries)")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {state.get('format_version')!r}; this "
+                              f"oelm_core reads format {FORMAT_VERSION}: load it with the oelm_core "
+                              f"version that wrote it")
     return state
 
 
 def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> GPT:
     """Rebuild the GPT a checkpoint holds. ``model_config`` describes the model as saved: a run
     that unfroze Q/K on a schedule saves ``freeze_qk`` with the layers still frozen then."""
-    cfg: ModelConfig = _build(ModelConfig, dict(state["model_config"]), "model_config")
+    cfg: ModelConfig = _build(ModelConfig, dict(state["model_config"]), "model_config").validate()
     model = GPT(cfg)
     model.load_state_dict(state["model"])
     return model.to(device)

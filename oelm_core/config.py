@@ -12,7 +12,9 @@ says which type was expected.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -110,6 +112,10 @@ class ModelConfig:
         if isinstance(self.freeze_qk, str) and self.freeze_qk not in FREEZE_QK_NAMES:
             raise ConfigError(f"model.freeze_qk must be one of {FREEZE_QK_NAMES} or a list of layer "
                               f"indices, got {self.freeze_qk!r}")
+        if isinstance(self.freeze_qk, list) and not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.freeze_qk):
+            raise ConfigError(f"model.freeze_qk must list layer indices as integers (e.g. [0, 1]), "
+                              f"got {self.freeze_qk!r}")
         bad = [i for i in self.frozen_layers() if not 0 <= i < self.n_layer]
         if bad:
             raise ConfigError(f"model.freeze_qk names layers {bad}, but the model has layers "
@@ -234,6 +240,12 @@ class DataConfig:
     text_field: str = "text"     # the column of .jsonl/.parquet/hub rows that holds a story
     num_proc: int = 0            # tokenising processes (0: one per CPU core, at most 8)
 
+    def validate(self) -> "DataConfig":
+        for name in ("max_train_stories", "max_val_stories", "num_proc"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data.{name} must be 0 or positive, got {getattr(self, name)}")
+        return self
+
 
 @dataclass
 class TrainConfig:
@@ -273,8 +285,8 @@ class TrainConfig:
     # 2-10 were slower (benchmarks/RESULTS.md, "DDP scaling").
     ddp_bucket_mb: float = 50.0
     # How two CUDA GPUs of one host exchange gradients. "auto": by NVLink copies straight into
-    # the other GPU's memory during the backward (oelm_core/peer_grads.py; 91% scaling at
-    # medium512, 8 x 512 per GPU, where DDP reached 87%), DDP wherever that cannot run (other
+    # the other GPU's memory during the backward (oelm_core/peer_grads.py; 92% scaling at
+    # medium512, 8 x 512 per GPU, where DDP reached 87%: benchmarks/RESULTS.md), DDP wherever that cannot run (other
     # world sizes, no peer access, CPU). "ddp": always DDP. "peer": the copies or an error.
     # Measured on NVLink only: where peer access goes over PCIe, time both before choosing.
     grad_exchange: str = "auto"
@@ -282,6 +294,54 @@ class TrainConfig:
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
     # follows `steps`, so a later --resume continues the same curve (time-boxed jobs, tests).
     stop_after: int = 0
+
+    def validate(self, n_layer: int) -> "TrainConfig":
+        """Raise ConfigError for values the loop cannot use (types are checked on loading);
+        ``n_layer``: the model's depth, which bounds the unfreeze schedule's layer indices."""
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "ckpt_every",
+                     "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "stop_after", "early_stop_patience", "grad_clip", "weight_decay", "min_lr"):
+            if not getattr(self, name) >= 0:  # "not >=": NaN fails too
+                raise ConfigError(f"train.{name} must be 0 or positive, got {getattr(self, name)}")
+        for name in ("lr", "eps", "ddp_bucket_mb"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be in [0, 1) (AdamW's moment decay, e.g. 0.9), "
+                                  f"got {getattr(self, name)}")
+        for name, allowed in (("dtype", DTYPES), ("backend", BACKENDS), ("grad_exchange", GRAD_EXCHANGES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.unfreeze_plan(n_layer)
+        return self
+
+    def unfreeze_plan(self, n_layer: int) -> dict[int, Any]:
+        """``unfreeze_schedule`` as {step: "all" | sorted layer list}, in step order."""
+        plan = {}
+        for key, layers in self.unfreeze_schedule.items():
+            try:
+                step = int(key)
+            except (TypeError, ValueError):
+                step = -1
+            if step < 0:
+                raise ConfigError(f"train.unfreeze_schedule key {key!r} is not a step number; write "
+                                  f"e.g. {{1000: all}} or {{1000: [0, 1]}}")
+            if layers != "all":
+                if not isinstance(layers, list) or not all(
+                        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in layers):
+                    raise ConfigError(f"train.unfreeze_schedule[{key}] must be 'all' or a list of layer "
+                                      f"indices in 0..{n_layer - 1}, got {layers!r}")
+                layers = sorted(set(layers))
+            plan[step] = layers
+        return dict(sorted(plan.items()))
+
+
+DTYPES = ("auto", "float32", "bf16")
+BACKENDS = ("auto", "nccl", "gloo")
+GRAD_EXCHANGES = ("auto", "ddp", "peer")
 
 
 @dataclass
@@ -298,6 +358,13 @@ class RunConfig:
 
     def model_config(self) -> ModelConfig:
         return model_config(self.preset, self.variant, **self.model)
+
+    def validate(self) -> "RunConfig":
+        """Check the model, data and loop settings together: every entry point (CLI, study,
+        sweep, notebooks) fails here, before anything runs."""
+        self.data.validate()
+        self.train.validate(self.model_config().n_layer)
+        return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -322,6 +389,21 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def _yaml_float(text: str, where: str) -> float:
+    """YAML 1.1 (PyYAML) reads 3e-4, without a dot, as a string: take it as the number meant."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{where} should be a number, got the string {text!r}; fix the value in "
+                          f"the parameter file or --set") from None
+
+
 def _build(cls: type, values: dict, where: str):
     """Instantiate dataclass ``cls`` from ``values``, checking every key and type."""
     if not isinstance(values, dict):
@@ -335,11 +417,12 @@ def _build(cls: type, values: dict, where: str):
     kwargs = {}
     for key, value in values.items():
         hint = hints[key]
+        if hint is float and isinstance(value, str):
+            value = _yaml_float(value, f"{where}.{key}")
         if dataclasses.is_dataclass(hint):
             value = _build(hint, value, f"{where}.{key}")
         elif not _type_ok(value, hint):
-            expected = getattr(hint, "__name__", str(hint))
-            raise ConfigError(f"{where}.{key} should be {expected}, got {type(value).__name__} "
+            raise ConfigError(f"{where}.{key} should be {_type_name(hint)}, got {type(value).__name__} "
                               f"{value!r}; fix the value in the parameter file or --set")
         elif hint is float:
             value = float(value)
@@ -349,9 +432,7 @@ def _build(cls: type, values: dict, where: str):
 
 def run_config_from_dict(values: dict) -> RunConfig:
     """A RunConfig from a nested mapping (a parsed YAML file), with every key checked."""
-    cfg = _build(RunConfig, values or {}, "params")
-    cfg.model_config()  # an invalid model (bad preset, variant, shape) fails here, not mid-run
-    return cfg
+    return _build(RunConfig, values or {}, "params").validate()
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -366,8 +447,8 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def apply_overrides(values: dict, overrides: list[str]) -> dict:
-    """Apply ``key.sub=value`` strings (values parsed as YAML) to a nested mapping."""
-    values = dict(values)
+    """A copy of a nested mapping with ``key.sub=value`` strings (values parsed as YAML) applied."""
+    values = copy.deepcopy(values)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")

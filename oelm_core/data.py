@@ -278,12 +278,6 @@ def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | No
     return counts
 
 
-def _check_config(cfg: DataConfig) -> None:
-    for name in ("max_train_stories", "max_val_stories", "num_proc"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"data.{name} must be 0 or positive, got {getattr(cfg, name)}")
-
-
 def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> dict:
     """Tokenise the stories into out_dir/{train,val}.bin and meta.json; return the meta.
 
@@ -291,7 +285,7 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
     for a local folder a hash of the story texts, for the hub a hash of (name, column, caps),
     which needs no network. `force=True` rebuilds. Under DDP call it on one rank and wait for it on the others.
     """
-    _check_config(cfg)
+    cfg.validate()
     source = resolve_source(cfg)
     out = Path(cfg.out_dir)
     key = {"format": FORMAT_VERSION, "tokenizer": TOKENIZER,

@@ -8,8 +8,8 @@ engines 0.5 ms, and only ~0.1 ms of the step's time when they run beside it); DD
 compute stream is: the copies of every gradient into its buckets, the NCCL kernels' SMs, and the
 buckets still in flight when the backward ends. Here the copy engines move the gradients while
 the SMs compute, and what is left after the backward is one barrier and one foreach add:
-4.56 ms against DDP's 4.79 on two H200s (91% against 87% of two one-GPU steps; 93% / 96% at
-16 / 64 x 512; benchmarks/RESULTS.md, "DDP scaling").
+4.52 ms against DDP's 4.80 on two H200s (92.2% against 86.7% of two one-GPU steps; 92.9% against
+88.8% at 16 x 512; at 64 x 512 both 93.3%; benchmarks/RESULTS.md, "DDP scaling").
 
 Two pieces:
 

@@ -56,55 +56,9 @@ from oelm_core.peer_grads import PeerGradExchange, first_of_each
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bf16")
-BACKENDS = ("auto", "nccl", "gloo")
-GRAD_EXCHANGES = ("auto", "ddp", "peer")
-
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; the run stopped and its last good checkpoint stays."""
-
-
-# --------------------------------------------------------------------------------------------
-# Checks of the loop's settings (the schema's types are checked by config.py already)
-# --------------------------------------------------------------------------------------------
-
-def check_train_config(cfg: RunConfig) -> dict[int, Any]:
-    """Raise ConfigError for settings the loop cannot use; return the unfreeze schedule
-    normalised to {step: "all" | sorted layer list}."""
-    tc, n_layer = cfg.train, cfg.model_config().n_layer
-    for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "ckpt_every",
-                 "keep_last", "log_every"):
-        if getattr(tc, name) < 1:
-            raise ConfigError(f"train.{name} must be at least 1, got {getattr(tc, name)}")
-    for name in ("warmup_steps", "stop_after", "early_stop_patience", "grad_clip", "weight_decay", "min_lr"):
-        if getattr(tc, name) < 0:
-            raise ConfigError(f"train.{name} must be 0 or positive, got {getattr(tc, name)}")
-    for name in ("lr", "ddp_bucket_mb"):
-        if getattr(tc, name) <= 0:
-            raise ConfigError(f"train.{name} must be positive, got {getattr(tc, name)}")
-    if tc.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype must be one of {DTYPES}, got {tc.dtype!r}")
-    if tc.backend not in BACKENDS:
-        raise ConfigError(f"train.backend must be one of {BACKENDS}, got {tc.backend!r}")
-    if tc.grad_exchange not in GRAD_EXCHANGES:
-        raise ConfigError(f"train.grad_exchange must be one of {GRAD_EXCHANGES}, got {tc.grad_exchange!r}")
-    schedule = {}
-    for key, layers in tc.unfreeze_schedule.items():
-        try:
-            step = int(key)
-        except (TypeError, ValueError):
-            step = -1
-        if step < 0:
-            raise ConfigError(f"train.unfreeze_schedule key {key!r} is not a step number; write "
-                              f"e.g. {{1000: all}} or {{1000: [0, 1]}}")
-        if layers != "all":
-            if not isinstance(layers, list) or not all(isinstance(i, int) and 0 <= i < n_layer for i in layers):
-                raise ConfigError(f"train.unfreeze_schedule[{key}] must be 'all' or a list of layer "
-                                  f"indices in 0..{n_layer - 1}, got {layers!r}")
-            layers = sorted(set(layers))
-        schedule[step] = layers
-    return dict(sorted(schedule.items()))
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -578,6 +532,17 @@ def _step_number(path: Path) -> int:
     return int(path.stem.split("_")[1])
 
 
+# What --resume may change: where and how fast the steps run, how often the run reports, and
+# how long it goes on. Everything else shapes the curve (seed, batch, optimiser, schedule, data)
+# and must be the run's own, or the resumed run would continue a curve it is not part of.
+RESUMABLE_CHANGES = {
+    "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
+              "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
+              "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum"},
+    "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
+}
+
+
 class Trainer:
     """State of one training session; ``fit`` runs it. Use ``train()`` rather than this directly."""
 
@@ -611,6 +576,11 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_cfg)["total"]
 
         self.step = 0
+        # Figures carried over sessions: (step, tokens seen then) at the restored checkpoint (the
+        # batch may differ between sessions: grad_accum, world size), and earlier sessions' time.
+        self.tokens_base = (0, 0)
+        self.wall_before = 0.0
+        self.t_start = time.perf_counter()
         self.best_val_loss = float("inf")
         self.bad_evals = 0             # evaluations since the best one (early stopping)
         self.train_loss = float("nan")
@@ -660,13 +630,23 @@ class Trainer:
         except CheckpointError as exc:
             raise CheckpointError(f"cannot resume: {exc}. To resume from the checkpoint before it, "
                                   f"delete {path}") from None
-        saved = run_config_from_dict(state["run_config"]).model_config()
-        now = self.cfg.model_config()
+        saved_cfg = run_config_from_dict(state["run_config"])
+        saved, now = saved_cfg.model_config(), self.cfg.model_config()
         if saved != now:
             diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(now, f.name)]
             raise ConfigError(f"{path} was trained with a different model (model keys {diff} differ); "
                               f"resume with the run's own parameters ({self.out / 'config.yaml'}) "
                               f"or set out_dir to a new folder")
+        changed = [f"{section}.{key}: {getattr(getattr(saved_cfg, section), key)!r} -> {value!r}"
+                   for section in ("train", "data")
+                   for key, value in dataclasses.asdict(getattr(self.cfg, section)).items()
+                   if key not in RESUMABLE_CHANGES[section]
+                   and getattr(getattr(saved_cfg, section), key) != value]
+        if changed:
+            raise ConfigError(f"{path} was trained with other settings ({'; '.join(changed)}); resume "
+                              f"with the run's own parameters ({self.out / 'config.yaml'}) or set "
+                              f"out_dir to a new folder. Only these may change on resume: "
+                              f"{', '.join(f'{s}.{k}' for s in RESUMABLE_CHANGES for k in sorted(RESUMABLE_CHANGES[s]))}")
         self.step = int(state["step"])
         # Replay the unfreezes already done so the parameters and optimiser groups match the saved ones.
         for at, layers in self.schedule.items():
@@ -692,7 +672,19 @@ class Trainer:
         self.bad_evals = m.get("bad_evals", 0)
         self.train_loss = m["train_loss"] if m.get("train_loss") is not None else float("nan")
         self.last_eval = {k: m[k] for k in ("val_loss", "val_ppl", "val_bpb") if m.get(k) is not None}
+        self.tokens_base = (self.step, int(m.get("tokens_seen", self.step * self.tokens_per_step)))
+        self.wall_before = float(m.get("wall_time_s") or 0.0)
         log.info("resumed %s at step %d", path, self.step)
+
+    def _tokens_seen(self) -> int:
+        step, tokens = self.tokens_base
+        return tokens + (self.step - step) * self.tokens_per_step
+
+    def _finished(self) -> Optional[str]:
+        """How the restored run ended ("completed", "stopped_early"), or None: it has steps to go."""
+        if 0 < self.tc.early_stop_patience <= self.bad_evals:
+            return "stopped_early"
+        return "completed" if self.step >= self.tc.steps else None
 
     def _start_files(self, resumed: bool) -> None:
         """config.yaml; metrics.jsonl fresh, or cut back to the resumed step (no duplicate rows)."""
@@ -701,9 +693,18 @@ class Trainer:
         metrics = self.out / "metrics.jsonl"
         kept = []
         if resumed and metrics.is_file():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.step]
-        metrics.write_text("".join(line + "\n" for line in kept))
+            for line in filter(str.strip, metrics.read_text().splitlines()):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a row cut short when the run was killed mid-write
+                    log.warning("metrics.jsonl: dropped a row that is not JSON: %.80s", line)
+                    continue
+                if row["step"] <= self.step:
+                    kept.append(line)
+        # Through a temporary file: a kill during the rewrite keeps the old rows.
+        tmp = metrics.with_name(metrics.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics)
 
     # --- measuring ------------------------------------------------------------------------------
     def _mean_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
@@ -739,7 +740,7 @@ class Trainer:
         self.throughput.append(tokens_per_s)
         if mfu is not None:
             self.mfus.append(mfu)
-        tokens_seen = self.step * self.tokens_per_step
+        tokens_seen = self._tokens_seen()
         return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": self._peak_mem_mb(),
                 "tokens_seen": tokens_seen, "epochs": tokens_seen / self.meta["train_tokens"]}
@@ -780,8 +781,9 @@ class Trainer:
         sampler = {**self.samplers[0].state_dict(), "virtual_world": self.d.world_size * self.tc.grad_accum}
         metrics = {**self.last_eval, "best_val_loss": _json_safe(self.best_val_loss),
                    "bad_evals": self.bad_evals, "train_loss": _json_safe(self.train_loss),
-                   "tokens_seen": self.step * self.tokens_per_step,
-                   "epochs": self.step * self.tokens_per_step / self.meta["train_tokens"]}
+                   "tokens_seen": self._tokens_seen(),
+                   "epochs": self._tokens_seen() / self.meta["train_tokens"],
+                   "wall_time_s": self.wall_before + time.perf_counter() - self.t_start}
         return {"model": self.model.state_dict(),
                 "model_config": dataclasses.asdict(self._model_config_now()),
                 "run_config": self.cfg.to_dict(), "step": self.step,
@@ -806,7 +808,7 @@ class Trainer:
 
     # --- the session ----------------------------------------------------------------------------
     def fit(self, resume: bool) -> dict:
-        t_start = time.perf_counter()
+        self.t_start = time.perf_counter()
         existing = self._checkpoints()
         if existing and not resume:
             raise ConfigError(f"{self.out} already holds a run (checkpoints up to step "
@@ -816,6 +818,14 @@ class Trainer:
             self._restore(existing[-1])
         elif resume:
             log.info("nothing to resume in %s; starting at step 0", self.ckpt_dir)
+        finished = self._finished()
+        if finished:
+            log.info("%s already ended (%s at step %d): nothing to train; raise train.steps (or "
+                     "train.early_stop_patience) to go on", self.out, finished, self.step)
+            summary = self.out / "summary.json"
+            if summary.is_file():
+                return json.loads(summary.read_text())
+            return self._write_summary(finished, 0.0)
         start = self.step
         if self.d.is_main:
             self._start_files(resumed=start > 0)
@@ -831,11 +841,11 @@ class Trainer:
                 status = self._loop(start, end, bar, status)
         except TrainingDiverged as exc:
             if self.d.is_main:
-                self._write_summary("diverged", time.perf_counter() - t_start, error=str(exc))
+                self._write_summary("diverged", time.perf_counter() - self.t_start, error=str(exc))
             raise
         finally:
             bar.close()
-        return self._write_summary(status, time.perf_counter() - t_start)
+        return self._write_summary(status, time.perf_counter() - self.t_start)
 
     def _loop(self, start: int, end: int, bar, status: str) -> str:
         tc = self.tc
@@ -849,7 +859,9 @@ class Trainer:
             self.step += 1
             bar.update(1)
 
-            evaluate = self.step % tc.eval_every == 0 or self.step == end
+            # Not at a pause (stop_after): an extra evaluation would move best.pt and early stopping
+            # away from those of the uninterrupted run.
+            evaluate = self.step % tc.eval_every == 0 or self.step == tc.steps
             save = self.step % tc.ckpt_every == 0 or self.step == end
             if not (evaluate or save or self.step % tc.log_every == 0 or self.step == 1):
                 continue  # step 1 is logged too: the curve's starting point
@@ -884,9 +896,10 @@ class Trainer:
         return status
 
     def _write_summary(self, status: str, wall_s: float, error: Optional[str] = None) -> dict:
+        """summary.json; ``wall_s``: this session's seconds (earlier sessions' are added)."""
         best = self.best_val_loss
         ckpts = self._checkpoints()
-        tokens_seen = self.step * self.tokens_per_step
+        tokens_seen = self._tokens_seen()
         summary = {
             "name": self.cfg.name, "variant": self.cfg.variant, "preset": self.cfg.preset,
             "status": status, "params": count_parameters(self.model),
@@ -899,7 +912,7 @@ class Trainer:
             "final_train_loss": self.train_loss,
             "tokens_per_s": statistics.median(self.throughput) if self.throughput else None,
             "mfu": statistics.median(self.mfus) if self.mfus else None,
-            "peak_mem_mb": self._peak_mem_mb(), "wall_time_s": wall_s,
+            "peak_mem_mb": self._peak_mem_mb(), "wall_time_s": self.wall_before + wall_s,
             "world_size": self.d.world_size, "gradients_by": self.step_fn.gradients_by,
             "device": (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                        else f"cpu ({torch.get_num_threads()} threads)"),
@@ -923,7 +936,8 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     none). Raises ConfigError / CheckpointError for unusable settings or files and
     TrainingDiverged for a NaN/inf loss.
     """
-    schedule = check_train_config(cfg)  # before any process group exists: fail fast, everywhere
+    # Before any process group exists: fail fast, everywhere.
+    schedule = cfg.validate().train.unfreeze_plan(cfg.model_config().n_layer)
     d = setup_distributed(cfg.train)
     try:
         # A temporary: the Trainer, its DDP reducer and captured graph are freed before the

@@ -47,3 +47,39 @@ def test_missing_file_and_bad_override(tmp_path):
         load_run_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="expects key=value"):
         apply_overrides({}, ["train.steps"])
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("train.beta1", 1.5, r"train\.beta1 must be in \[0, 1\)"),
+    ("train.eps", -1, r"train\.eps must be positive"),
+    ("train.lr", 0, r"train\.lr must be positive"),
+    ("train.lr", float("nan"), r"train\.lr must be positive"),
+    ("train.dtype", "fp64", r"train\.dtype must be one of \('auto', 'float32', 'bf16'\)"),
+    ("train.unfreeze_schedule", {200: [9]}, r"unfreeze_schedule\[200\] must be 'all' or a list of layer indices in 0\.\.5"),
+    ("data.num_proc", -1, r"data\.num_proc must be 0 or positive"),
+    ("model.freeze_qk", ["a"], r"model\.freeze_qk must list layer indices as integers"),
+    ("model.freeze_qk", [1.7], r"model\.freeze_qk must list layer indices as integers"),
+    ("model.freeze_qk", True, r"model\.freeze_qk should be str or list, got bool True"),
+])
+def test_unusable_values_fail_at_load_time(key, value, message):
+    """Every entry point (CLI, study, sweep, notebooks) loads through here: a value the loop or
+    the model cannot use fails before anything runs, naming the key."""
+    values = {}
+    section, name = key.split(".")
+    values[section] = {name: value}
+    with pytest.raises(ConfigError, match=message):
+        run_config_from_dict(values)
+
+
+def test_exponent_floats_without_a_dot_are_numbers():
+    # YAML 1.1 reads 3e-4 as a string; the value meant is the number.
+    cfg = load_run_config(None, ["train.lr=3e-4", "train.min_lr=1E-5"])
+    assert cfg.train.lr == 3e-4 and cfg.train.min_lr == 1e-5
+    with pytest.raises(ConfigError, match=r"params\.train\.lr should be a number, got the string 'fast'"):
+        load_run_config(None, ["train.lr=fast"])
+
+
+def test_overrides_leave_the_callers_mapping_alone():
+    values = {"train": {"steps": 1}}
+    assert apply_overrides(values, ["train.steps=2"]) == {"train": {"steps": 2}}
+    assert values == {"train": {"steps": 1}}

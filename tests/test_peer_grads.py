@@ -14,7 +14,7 @@ import torch
 from oelm_core import VARIANTS, build_model
 from oelm_core.config import ConfigError, RunConfig, TrainConfig
 from oelm_core.peer_grads import ParameterTap, PeerGradExchange
-from oelm_core.train import TrainStep, check_train_config, configure_optimizer
+from oelm_core.train import TrainStep, configure_optimizer
 
 
 def body(model):
@@ -246,4 +246,4 @@ def test_a_gradient_sum_over_two_ranks_steps_as_their_mean(fused):
 def test_grad_exchange_setting_is_checked():
     cfg = RunConfig(preset="tiny", train=TrainConfig(grad_exchange="nvlink"))
     with pytest.raises(ConfigError, match=r"train.grad_exchange must be one of \('auto', 'ddp', 'peer'\)"):
-        check_train_config(cfg)
+        cfg.validate()

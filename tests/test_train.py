@@ -334,6 +334,99 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, folded):
         assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
 
 
+def metric_rows(out_dir: str) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}
+
+
+def test_a_killed_run_resumes_where_it_stopped(tmp_path, folded, monkeypatch):
+    """Killed at step 7 (past the checkpoint of step 4, with dropout so that the restored random
+    state matters, and a half-written metrics row), resumed: the same train and val figures,
+    best.pt and tokens as the run that was never stopped."""
+    common = dict(steps=12, ckpt_every=4, eval_every=3)
+    full = params(tmp_path, folded, out="full", **common)
+    full["model"]["dropout"] = 0.1
+    run(full)
+    killed = params(tmp_path, folded, out="killed", **common)
+    killed["model"]["dropout"] = 0.1
+
+    from oelm_core.train import TrainStep
+    real_call = TrainStep.__call__
+
+    def dies_at_step_7(self, batches, lr, step):
+        if step == 7:
+            raise KeyboardInterrupt("killed")
+        return real_call(self, batches, lr, step)
+
+    monkeypatch.setattr(TrainStep, "__call__", dies_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        run(killed)
+    monkeypatch.setattr(TrainStep, "__call__", real_call)
+    with open(Path(killed["out_dir"]) / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "train_lo')  # the kill cut a row short
+    done = run(killed, resume=True)
+
+    a, b = metric_rows(full["out_dir"]), metric_rows(killed["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 13))
+    for step in a:
+        for key in ("train_loss", "val_loss", "tokens_seen"):
+            assert (a[step].get(key) is None) == (b[step].get(key) is None), (step, key)
+            if a[step].get(key) is not None:
+                assert abs(a[step][key] - b[step][key]) <= 1e-6, (step, key, a[step][key], b[step][key])
+    first = json.loads((Path(full["out_dir"]) / "summary.json").read_text())
+    assert done["best_val_loss"] == first["best_val_loss"] and done["tokens_seen"] == first["tokens_seen"]
+    best = [load_checkpoint(Path(v["out_dir"]) / "best.pt") for v in (full, killed)]
+    assert best[0]["step"] == best[1]["step"]
+
+
+def test_a_pause_changes_neither_evaluations_nor_early_stopping(tmp_path, folded):
+    """A session ended by stop_after checkpoints but does not evaluate: an extra evaluation at the
+    pause would move best.pt and the early stop away from the uninterrupted run's."""
+    common = dict(steps=20, eval_every=5, ckpt_every=5, lr=0.03, early_stop_patience=1)
+    full = params(tmp_path, folded, out="full", **common)
+    straight = run(full)
+    split = params(tmp_path, folded, out="split", **common)
+    paused = run({**split, "train": {**split["train"], "stop_after": 7}})
+    assert paused["status"] == "paused" and paused["steps"] == 7
+    resumed = run(split, resume=True)
+    a, b = metric_rows(full["out_dir"]), metric_rows(split["out_dir"])
+    assert [s for s in a if "val_loss" in a[s]] == [s for s in b if "val_loss" in b[s]]
+    assert all(s % 5 == 0 for s in a if "val_loss" in a[s])
+    for key in ("status", "steps", "best_val_loss"):
+        assert straight[key] == resumed[key], key
+    assert (load_checkpoint(Path(full["out_dir"]) / "best.pt")["step"]
+            == load_checkpoint(Path(split["out_dir"]) / "best.pt")["step"])
+
+
+def test_resuming_a_run_that_ended_changes_nothing(tmp_path, folded):
+    values = params(tmp_path, folded, steps=6, ckpt_every=3, eval_every=3)
+    first = run(values)
+    out = Path(values["out_dir"])
+    before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    again = run(values, resume=True)
+    assert again == first and first["tokens_per_s"] is not None
+    assert {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+    # Going on is one key away: more steps continue the run from its last checkpoint.
+    longer = run({**values, "train": {**values["train"], "steps": 9}}, resume=True)
+    assert longer["status"] == "completed" and longer["steps"] == 9
+    assert longer["wall_time_s"] > first["wall_time_s"]  # both sessions' time
+    assert longer["tokens_seen"] == 9 * 4 * 32
+
+
+def test_resume_refuses_settings_that_shape_the_curve(tmp_path, folded, capsys):
+    values = params(tmp_path, folded, steps=8, ckpt_every=2)
+    good = write_params(tmp_path / "p.yaml", values)
+    assert main(["--params", str(good), "--set", "train.stop_after=4"]) == 0
+    capsys.readouterr()
+    assert main(["--params", str(good), "--resume", "--set", "train.batch_size=2", "train.seed=7"]) == 2
+    err = capsys.readouterr().err
+    assert "train.seed: 42 -> 7" in err and "train.batch_size: 4 -> 2" in err and "config.yaml" in err
+    assert yaml.safe_load((Path(values["out_dir"]) / "config.yaml").read_text())["train"]["seed"] == 42
+    # How often it reports and for how long it goes on may change.
+    assert main(["--params", str(good), "--resume", "--set", "train.log_every=2", "train.steps=10"]) == 0
+    assert json.loads((Path(values["out_dir"]) / "summary.json").read_text())["steps"] == 10
+
+
 def test_progressive_unfreezing_and_resume_across_it(tmp_path, folded):
     values = params(tmp_path, folded, out="full", steps=8, ckpt_every=1,
                     unfreeze_schedule={5: "all"})

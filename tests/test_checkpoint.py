@@ -1,0 +1,53 @@
+"""Checkpoints: a round trip rebuilds the same model, a failed write keeps the previous file,
+and files of another format or shape are refused with an error that says what to do."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from oelm_core.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from oelm_core.model import build_model
+
+
+def state_of(model) -> dict:
+    return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg), "step": 3}
+
+
+def test_round_trip_rebuilds_the_same_model(tmp_path):
+    model = build_model("tiny", "oelm_freeze", seed=1).eval()
+    save_checkpoint(state_of(model), tmp_path / "m.pt")
+    loaded, state = load_model(tmp_path / "m.pt")
+    x = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    assert state["step"] == 3 and state["format_version"] == 1
+    assert torch.equal(loaded(x), model(x))  # logits, frozen Q/K buffers included
+    assert [n for n, _ in loaded.named_buffers()] == [n for n, _ in model.named_buffers()]
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(state_of(build_model("tiny", seed=1)), path)
+    before = path.read_bytes()
+
+    def dies_half_way(obj, f):
+        f.write(b"\x00" * 100)
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(state_of(build_model("tiny", seed=2)), path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary left behind
+
+
+def test_other_formats_and_shapes_are_refused(tmp_path):
+    model = build_model("tiny", seed=1)
+    future = tmp_path / "future.pt"
+    torch.save({"format_version": 2, **state_of(model)}, future)
+    with pytest.raises(CheckpointError, match="has checkpoint format 2; this oelm_core reads format 1"):
+        load_checkpoint(future)
+    bad_shape = state_of(model)
+    bad_shape["model_config"]["n_head"] = 3  # does not divide d_model: no model to rebuild
+    save_checkpoint(bad_shape, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="does not divide"):
+        load_model(tmp_path / "bad.pt")
