@@ -580,7 +580,6 @@ class Trainer:
         # batch may differ between sessions: grad_accum, world size), and earlier sessions' time.
         self.tokens_base = (0, 0)
         self.wall_before = 0.0
-        self.t_start = time.perf_counter()
         self.best_val_loss = float("inf")
         self.bad_evals = 0             # evaluations since the best one (early stopping)
         self.train_loss = float("nan")
