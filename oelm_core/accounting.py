@@ -82,8 +82,23 @@ def _counted_tensors(model: nn.Module):
             yield name, b.numel() - _padding(model, name), False
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile's and (Distributed)DataParallel's wrappers, however nested:
+    their names carry a prefix (``_orig_mod.``, ``module.``) that hid every component and the
+    vocabulary padding from the counts."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
 def count_parameters(model: nn.Module) -> dict:
-    """{'trainable', 'frozen', 'total', 'by_component': {component: {'trainable', 'frozen'}}}."""
+    """{'trainable', 'frozen', 'total', 'by_component': {component: {'trainable', 'frozen'}}};
+    of the model itself when given its compiled or DDP wrapper."""
+    model = _unwrap(model)
     by_component: dict = defaultdict(lambda: {"trainable": 0, "frozen": 0})
     for name, n, trainable in _counted_tensors(model):
         by_component[_component(name)]["trainable" if trainable else "frozen"] += n

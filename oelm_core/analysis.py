@@ -228,8 +228,14 @@ def parameter_table(preset: str = "medium512", variants: Iterable[str] | None = 
 
 
 def analytic_parameters(cfg) -> dict:
-    """Trainable/frozen/total parameters of a dot-attention GPT from its shape alone (no weights
-    are built, so the explorer can show Large in an instant); equals ``count_parameters``."""
+    """Trainable/frozen/total parameters of a dot-attention GPT with plain Q/K projections from
+    its shape alone (no weights are built, so the explorer can show Large in an instant); equals
+    ``count_parameters``. ValueError for POET and Synthesizer configs, whose Q/K differ."""
+    if cfg.poet_block_size or cfg.attention != "dot":
+        what = (f"POET (poet_block_size={cfg.poet_block_size}) learns Q/K through R and P"
+                if cfg.poet_block_size else f"attention {cfg.attention!r} has no Q/K")
+        raise ValueError(f"analytic_parameters counts plain Q/K projections, but {what}; count a "
+                         f"built model instead: count_parameters(build_model(cfg))")
     d, ff, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layer, cfg.vocab_size, cfg.block_size
     ln = 2 * d if cfg.bias else d
     attn_other = 2 * d * d + (2 * d if cfg.attn_bias else 0)      # V and output projections
@@ -262,42 +268,52 @@ def flops_table(preset: str = "medium512", variants: Iterable[str] | None = None
 
 
 def gradient_flow_check(preset: str = "tiny", variant: str = "oelm_freeze", seed: int = 0) -> dict:
-    """One forward/backward on random tokens: do frozen Q/K stay without gradient while every
-    trainable parameter gets one?
+    """One forward/backward and AdamW step on random tokens: are the Q/K of exactly the layers
+    the config freezes frozen, and does every trainable parameter get a gradient?
 
     Returns {'frozen_qk': [names], 'frozen_without_grad': bool, 'qk_unchanged_by_step': bool,
-    'trainable_with_grad': bool, 'params_without_grad': [names]}.
+    'trainable_with_grad': bool, 'params_without_grad': [names], 'trainable_qk_in_frozen_layers':
+    [names]}. ``frozen_qk`` are the model's Q/K buffers; ``frozen_without_grad`` holds when they
+    are those of ``cfg.frozen_layers()``, without gradient, and no Q/K parameter of those layers
+    is trainable (listed in ``trainable_qk_in_frozen_layers``); ``qk_unchanged_by_step`` when the
+    Q/K of those layers, buffers or not, are bit for bit the same after the step.
     """
     from oelm_core import build_model
 
     model = build_model(preset, variant, seed=seed)
-    frozen = {n: b for n, b in model.named_buffers() if ".attn.qk" in n}
-    before = {n: b.clone() for n, b in frozen.items()}
+    cfg = model.cfg
+    layers = cfg.frozen_layers()  # none for the Synthesizer and POET (ModelConfig.validate)
+    expected = sorted(f"blocks.{i}.attn.qk.weight" for i in layers)
+    frozen = {n: b for n, b in model.named_buffers() if n.endswith(".attn.qk.weight")}
+    prefixes = tuple(f"blocks.{i}.attn.qk." for i in layers)
+    trainable_qk = [n for n, p in model.named_parameters() if p.requires_grad and n.startswith(prefixes)]
+    state = model.state_dict()
+    before = {n: state[n].clone() for n in expected}
     g = _gen(seed)
-    idx = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.block_size), generator=g)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model(idx, idx).backward()
     no_grad = [n for n, p in model.named_parameters()
                if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
     opt.step()
+    state = model.state_dict()
     return {"frozen_qk": sorted(frozen),
-            "frozen_without_grad": all(not b.requires_grad and b.grad is None for b in frozen.values()),
-            "qk_unchanged_by_step": all(torch.equal(before[n], b) for n, b in frozen.items()),
-            "trainable_with_grad": not no_grad, "params_without_grad": no_grad}
+            "frozen_without_grad": (sorted(frozen) == expected and not trainable_qk
+                                    and all(not b.requires_grad and b.grad is None for b in frozen.values())),
+            "qk_unchanged_by_step": all(torch.equal(before[n], state[n]) for n in expected),
+            "trainable_with_grad": not no_grad, "params_without_grad": no_grad,
+            "trainable_qk_in_frozen_layers": trainable_qk}
 
 
-def shape_account(n_layer: int = 6, d_model: int = 512, n_head: int = 8, d_ff: int = 2048,
-                  vocab_size: int = 50257, block_size: int = 512) -> list[dict]:
-    """Counts and FLOPs per token of the three groups at an arbitrary shape (the explorer's rows)."""
+def shape_account(**shape: int) -> list[dict]:
+    """Counts and FLOPs per token of the three groups at Medium-512 with ``shape`` overrides
+    (n_layer, d_model, n_head, d_ff, vocab_size, block_size): the explorer's rows."""
     from oelm_core import flops_per_token
-    from oelm_core.config import ModelConfig
+    from oelm_core.config import model_config
 
     rows = []
     for v in GROUP_LABELS:
-        from oelm_core.config import variant_overrides
-
-        cfg = ModelConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, d_ff=d_ff,
-                          vocab_size=vocab_size, block_size=block_size, **variant_overrides(v)).validate()
+        cfg = model_config("medium512", v, **shape)
         c, f = analytic_parameters(cfg), flops_per_token(cfg)
         rows.append({"variant": GROUP_LABELS[v], "trainable": c["trainable"], "frozen": c["frozen"],
                      "total": c["total"], "trainable_reduction_pct": None,
@@ -320,17 +336,19 @@ def shape_explorer():
     try:
         import ipywidgets as w
     except ImportError:
-        return Markdown(markdown_table(shape_account(n_layer=6, d_model=512, n_head=8, d_ff=2048,
-                                                     vocab_size=50257, block_size=512))
+        return Markdown(markdown_table(shape_account())
                         + "\n\n(install ipywidgets for the interactive explorer)")
 
+    from oelm_core.config import model_config
+
+    start = model_config("medium512")  # the sliders start at the study's shape
     sliders = {
-        "n_layer": w.IntSlider(6, 1, 48, description="layers"),
-        "d_model": w.IntSlider(512, 64, 2048, step=64, description="d_model"),
-        "n_head": w.IntSlider(8, 1, 32, description="heads"),
-        "d_ff": w.IntSlider(2048, 128, 8192, step=128, description="d_ff"),
-        "vocab_size": w.IntSlider(50257, 256, 100_000, step=1, description="vocab"),
-        "block_size": w.IntSlider(512, 32, 4096, step=32, description="context"),
+        "n_layer": w.IntSlider(start.n_layer, 1, 48, description="layers"),
+        "d_model": w.IntSlider(start.d_model, 64, 2048, step=64, description="d_model"),
+        "n_head": w.IntSlider(start.n_head, 1, 32, description="heads"),
+        "d_ff": w.IntSlider(start.d_ff, 128, 8192, step=128, description="d_ff"),
+        "vocab_size": w.IntSlider(start.vocab_size, 256, 100_000, step=1, description="vocab"),
+        "block_size": w.IntSlider(start.block_size, 32, 4096, step=32, description="context"),
     }
     out = w.Output()
 
@@ -639,9 +657,10 @@ def _group_mean(groups, variant, preset, key):
 def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = None,
                h1_claim: float = 0.15, h1_tolerance: float = 0.02, h2_max_gap: float = 0.05,
                h3_min_ratio: float = 0.98, h4_max_gap: float = 0.10) -> list[dict]:
-    """The study's four hypotheses judged from the runs of one preset (default: the first with a
-    GPT-Base or OELM-Freeze run). Each: {id, claim, value, threshold, holds, evidence}; holds is
-    None when the runs needed to judge it are missing.
+    """The study's four hypotheses judged from the runs of one preset (default: the first with an
+    OELM-Freeze run, which every hypothesis needs; without one, the first preset). Each: {id,
+    claim, value, threshold, holds, evidence}; holds is None when the runs needed to judge it
+    are missing.
 
     H1  freezing Q/K cuts trainable parameters by ~15% (holds within +-h1_tolerance of h1_claim)
     H2  OELM-Freeze's perplexity is within 5% of OELM-NoFreeze's (relative gap < h2_max_gap)
@@ -782,18 +801,31 @@ def load_models(runs: Sequence[Run], device: str = "cpu") -> dict[str, Any]:
 
 
 def _encode(text_or_ids, block_size: int, max_tokens: int | None = None) -> list[int]:
+    """The ids of a text (GPT-2 BPE) or a sequence of ids, the first ``max_tokens`` of them if
+    given. The model's learned positions end at ``block_size``: a longer input is refused, not
+    cut at a place the caller did not choose."""
     if isinstance(text_or_ids, str):
         from oelm_core.data import get_tokenizer
 
         ids = get_tokenizer().encode_ordinary(text_or_ids)
     else:
         ids = list(text_or_ids)
-    limit = min(block_size, max_tokens or block_size)
-    return ids[:limit]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if not ids:
+        raise ValueError("no tokens to compute attention over: the text is empty; pass at least one token"
+                         if max_tokens is None or max_tokens > 0 else
+                         f"max_tokens={max_tokens} keeps no tokens; pass max_tokens >= 1")
+    if len(ids) > block_size:
+        raise ValueError(f"{len(ids)} tokens exceed the model's context of {block_size}; pass "
+                         f"max_tokens={block_size} (or fewer) to keep the first tokens, or shorten the text")
+    return ids
 
 
 def attention_maps(model, text_or_ids, max_tokens: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """(token ids, [per layer (n_head, T, T) attention probabilities]) of one text."""
+    """(token ids, [per layer (n_head, T, T) attention probabilities]) of one text or id list:
+    its first ``max_tokens`` tokens if given. ValueError for an empty text or one longer than
+    the model's context (``model.cfg.block_size``)."""
     ids = _encode(text_or_ids, model.cfg.block_size, max_tokens)
     device = next(model.parameters()).device
     was_training = model.training
@@ -805,7 +837,7 @@ def attention_maps(model, text_or_ids, max_tokens: int | None = None) -> tuple[l
 
 def attention_summary(model, text_or_ids, max_tokens: int | None = None) -> list[dict]:
     """Per layer and head: mean attention entropy (nats) and mean attention distance (tokens)
-    over the query positions of one text. Also used by the app."""
+    over the query positions of one text (the tokens of ``attention_maps``). Also used by the app."""
     ids, maps = attention_maps(model, text_or_ids, max_tokens)
     t = len(ids)
     dist = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).clamp(min=0).float()

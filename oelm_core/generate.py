@@ -24,6 +24,8 @@ against ``GPT.decode_step`` before it is used, and on CUDA the draw is the two k
 
 from __future__ import annotations
 
+import math
+import secrets
 import struct
 import threading
 import warnings
@@ -39,11 +41,17 @@ from oelm_core.model import GPT
 
 CHUNK = 16  # decoding steps per CUDA-graph replay: one host round trip per 16 tokens
 
+# Temperatures below this draw the most likely token. For them the noise (< 17) vanished in the
+# float32 rounding of logits / T wherever |logit| > 1e-3 (the draw was greedy already, ties
+# aside), and logits / T overflowed to +inf for every logit above 3.4e38 * T, where argmax took
+# the first of those, not the largest.
+GREEDY_BELOW = 1e-12
+
 
 @dataclass
 class SamplingConfig:
     max_new_tokens: int = 200
-    temperature: float = 0.8     # 0 picks the most likely token (greedy)
+    temperature: float = 0.8     # 0 (or below GREEDY_BELOW) picks the most likely token (greedy)
     top_k: int = 0               # 0: no top-k cut
     top_p: float = 1.0           # 1.0: no nucleus cut
     seed: Optional[int] = None
@@ -53,13 +61,18 @@ class SamplingConfig:
     def validate(self) -> "SamplingConfig":
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         return self
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every draw is the most likely token: temperature 0 or below ``GREEDY_BELOW``."""
+        return self.temperature < GREEDY_BELOW
 
     def top_k_for(self, vocab: int) -> int:
         """The top-k cut over ``vocab`` ids; 0 where there is none (off, or k >= vocab)."""
@@ -112,7 +125,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tenso
     No host synchronisation and no data-dependent shape, so it can be captured in a CUDA graph.
     On CUDA (with Triton) the two kernels of ``sample_kernels`` where they apply (greedy only
     inside a CUDA graph), else ``sample_from_noise`` (or ``argmax``): the same draw."""
-    if cfg.temperature == 0:
+    if cfg.greedy:
         # In a CUDA graph the kernels are one launch fewer; eagerly, one argmax costs the host less.
         if logits.is_cuda and torch.cuda.is_current_stream_capturing() and sample_kernels.supports(logits, 0, 1.0):
             return sample_kernels.sample(logits, 1.0, 0, 1.0, None, None)
@@ -355,7 +368,8 @@ def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Ite
     if len(prompt_ids) >= block:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
                          f"{block} tokens; shorten it to fewer than {block} tokens")
-    seed = cfg.seed if cfg.seed is not None else torch.seed()
+    # Not torch.seed(): that would reseed the global generator the caller may rely on.
+    seed = cfg.seed if cfg.seed is not None else secrets.randbits(64)
     if cfg.use_cache:
         yield from _stream_cached(model, list(prompt_ids), cfg, seed)
         return

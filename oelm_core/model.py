@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from oelm_core.config import ModelConfig, model_config
 from oelm_core.orthogonal import init_qk
@@ -34,10 +35,26 @@ def _one_cpu_row(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.numel() == x.size(-1) and not torch.is_grad_enabled()
 
 
+# Optimizer steps taken in this process, by any torch.optim optimizer: part of every
+# TransposedCopy's key. Fused AdamW (the trainer's, on the CPU too) writes the weights in place
+# without bumping their version counters, so versions alone left decoding on the old weights.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class TransposedCopy:
     """Weights (out_i, in) concatenated along out and stored transposed, one contiguous
     (in, sum of out_i) tensor, remade whenever one of them moves or changes in place (its
-    version counter, which an optimiser step bumps).
+    version counter) and after every optimizer step (``_optimizer_steps``: fused optimizers
+    leave the version counters alone). A write that neither sees (through ``weight.data``, or by
+    an optimizer outside torch.optim) must be followed by ``GPT.drop_transposed_copies()``.
 
     Why: a decoding step on the CPU is a chain of matrix-vector products whose speed is how fast
     the weights stream from memory. MKL reads ``x @ W.T`` with W stored (out, 512) at ~10 GB/s
@@ -50,10 +67,14 @@ class TransposedCopy:
         self._value: Optional[torch.Tensor] = None
 
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
-        key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+        key = (_optimizer_steps, tuple((w.data_ptr(), w._version, w.dtype) for w in weights))
         if key != self._key:
             self._key, self._value = key, torch.cat([w.detach() for w in weights]).t().contiguous()
         return self._value
+
+    def clear(self) -> None:
+        """Drop the copy (and its memory); the next call makes it again."""
+        self._key = self._value = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +220,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None,
                 return_attention: bool = False):
-        """x: (B, T, d_model) -> (B, T, d_model); with ``return_attention`` also (B, H, T, T_total)."""
+        """x: (B, T, d_model) -> (B, T, d_model); with ``return_attention`` also the attention
+        probabilities (B, H, T, T_total), or (1, H, T, T_total) for the Synthesizer, whose
+        attention does not depend on the input (it broadcasts over the batch)."""
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
         v = self._heads(v)
@@ -565,6 +588,11 @@ class GPT(nn.Module):
         t = idx.size(1)
         start = cache.length if cache is not None else 0
         if start + t > self.cfg.block_size:
+            if cache is not None:  # cropping the input to block_size would not make room
+                raise ValueError(f"the KV cache holds {start} of {self.cfg.block_size} positions, no "
+                                 f"room for {t} more tokens; reset it (cache.length = 0, or "
+                                 f"model.new_cache()) and prefill again with at most the last "
+                                 f"{self.cfg.block_size} tokens")
             raise ValueError(f"sequence of {start + t} tokens exceeds the context of "
                              f"{self.cfg.block_size}; crop the input to the last "
                              f"{self.cfg.block_size} tokens")
@@ -631,7 +659,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def forward_with_attention(self, idx: torch.Tensor):
-        """The visualisation path: (logits (B, T, V), [attention probabilities (B, H, T, T)] per layer).
+        """The visualisation path: (logits (B, T, V), [attention probabilities (B, H, T, T)] per
+        layer); (1, H, T, T) per layer for the Synthesizer (the same for every sequence).
 
         Computes softmax(QK^T / sqrt(d_head)) explicitly; its output equals the SDPA path's.
         """
@@ -641,6 +670,15 @@ class GPT(nn.Module):
     def new_cache(self, batch: int = 1) -> KVCache:
         p = self.wte.weight
         return KVCache(self.cfg, batch, p.device, p.dtype)
+
+    def drop_transposed_copies(self) -> None:
+        """Forget the transposed weight copies of one-row CPU products (``TransposedCopy``), so
+        the next decoding step reads the weights as they are now. Needed only after writes that
+        bump no version counter and take no torch.optim step, e.g. ``weight.data.copy_(...)``."""
+        for module in self.modules():
+            for value in vars(module).values():
+                if isinstance(value, TransposedCopy):
+                    value.clear()
 
     def unfreeze_qk(self, layers="all") -> list[nn.Parameter]:
         """Make frozen Q/K of ``layers`` ("all" or indices) trainable; returns the new parameters."""

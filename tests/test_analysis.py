@@ -194,24 +194,72 @@ def test_analytic_parameters_equal_count_parameters(variant, overrides):
     cfg = model_config("tiny", variant, **overrides)
     counted = count_parameters(build_model(cfg))
     assert A.analytic_parameters(cfg) == {k: counted[k] for k in ("trainable", "frozen", "total")}
-    rows = A.shape_account(6, 512, 8, 2048, 50257, 512)
+    rows = A.shape_account()  # Medium-512
+    assert [r["total"] for r in rows] == [44_896_768] * 3
     assert rows[2]["trainable"] == 41_751_040 and rows[2]["trainable_reduction_pct"] == pytest.approx(7.0, abs=0.01)
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("oelm_poet", r"POET \(poet_block_size=32\) learns Q/K through R and P"),
+    ("synth_random", "attention 'synth_random' has no Q/K"),
+])
+def test_analytic_parameters_refuse_what_they_do_not_count(variant, message):
+    """POET trains R, P and freezes W0; the Synthesizer has logit tables instead of Q/K: the
+    plain-Q/K formula gave wrong counts for both, without a word."""
+    cfg = model_config("tiny", variant)
+    with pytest.raises(ValueError, match=message + r".*count_parameters\(build_model\(cfg\)\)"):
+        A.analytic_parameters(cfg)
 
 
 def test_gradient_flow_check_frozen_qk_get_no_gradient():
     flow = A.gradient_flow_check("tiny", "oelm_freeze")
     assert len(flow["frozen_qk"]) == 2 and flow["frozen_without_grad"] and flow["qk_unchanged_by_step"]
-    assert flow["trainable_with_grad"]
+    assert flow["trainable_with_grad"] and flow["trainable_qk_in_frozen_layers"] == []
     assert A.gradient_flow_check("tiny", "gpt_base")["frozen_qk"] == []
 
 
-def test_attention_summary_and_figure(tmp_path):
+def test_gradient_flow_check_catches_trainable_qk_in_a_frozen_layer(monkeypatch):
+    """A model whose layer-1 Q/K the config freezes but which trains them anyway must fail the
+    check (the old checks looked only at the buffers, so they held by construction)."""
+    import oelm_core
+
+    def broken(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        model.unfreeze_qk([1])
+        return model
+
+    monkeypatch.setattr(oelm_core, "build_model", broken)
+    flow = A.gradient_flow_check("tiny", "oelm_freeze")
+    assert not flow["frozen_without_grad"] and not flow["qk_unchanged_by_step"]
+    assert flow["frozen_qk"] == ["blocks.0.attn.qk.weight"]
+    assert flow["trainable_qk_in_frozen_layers"] == ["blocks.1.attn.qk.weight"]
+    assert flow["trainable_with_grad"]  # the trainable copy does get its gradient
+
+
+def test_attention_summary_rows_are_within_bounds():
     model = build_model("tiny", "oelm_freeze").eval()
     ids = list(range(10))
     rows = A.attention_summary(model, ids)
     assert len(rows) == model.cfg.n_layer * model.cfg.n_head
     for r in rows:
         assert 0 <= r["entropy"] <= math.log(10) + 1e-6 and 0 <= r["mean_distance"] <= 9
+
+
+def test_attention_maps_refuse_empty_and_over_long_input():
+    """An empty text was a torch indexing error; one longer than the context was silently cut
+    to its first block_size tokens. max_tokens is the explicit cut, to the first tokens."""
+    model = build_model("tiny", "oelm_freeze").eval()  # context of 32 tokens
+    with pytest.raises(ValueError, match="no tokens to compute attention over: the text is empty"):
+        A.attention_maps(model, "")
+    with pytest.raises(ValueError, match=r"max_tokens=0 keeps no tokens; pass max_tokens >= 1"):
+        A.attention_summary(model, [1, 2], max_tokens=0)
+    long = list(range(40))
+    with pytest.raises(ValueError, match=r"40 tokens exceed the model's context of 32; pass max_tokens=32"):
+        A.attention_summary(model, long)
+    ids, maps = A.attention_maps(model, long, max_tokens=32)
+    assert ids == long[:32] and maps[0].shape == (2, 32, 32)
+    with pytest.raises(ValueError, match="40 tokens exceed the model's context of 32"):
+        A.attention_maps(model, long, max_tokens=100)
 
 
 class UniformAttention(torch.nn.Module):

@@ -139,6 +139,34 @@ def test_limits_give_clear_errors(smoke_model):
         list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=0.0)))
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
         list(stream_tokens(smoke_model, [1], SamplingConfig(max_new_tokens=0)))
+    for bad in (math.nan, math.inf, -math.inf, -0.5):  # NaN passed every comparison
+        with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0 \(0 is greedy\)"):
+            list(stream_tokens(smoke_model, [1], SamplingConfig(temperature=bad)))
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=bad)))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300])
+def test_tiny_temperatures_draw_the_most_likely_token(temperature):
+    """1 / T overflows float32 below ~3e-39, and logits / T long before (10 / 1e-38): the draw
+    took the first logit that became +inf, not the largest."""
+    logits = torch.tensor([[5.0, 10.0, -1.0, 7.0], [0.5, -3.0, 2.0, 1.0]])
+    cfg = SamplingConfig(temperature=temperature, top_k=3).validate()
+    for step in range(5):
+        assert sample(logits, cfg, seed_tensor(step, "cpu"), torch.tensor([step])).tolist() == [1, 2]
+    assert cfg.greedy and not SamplingConfig(temperature=1e-6).greedy
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_unseeded_generation_leaves_the_global_generator_alone(smoke_model, use_cache):
+    cfg = SamplingConfig(max_new_tokens=20, temperature=1.0, stop_at_eot=False, use_cache=use_cache)
+    torch.manual_seed(123)
+    expect = torch.rand(4)
+    torch.manual_seed(123)
+    first = list(stream_tokens(smoke_model, [1, 2], cfg))
+    assert torch.equal(torch.rand(4), expect)  # torch.seed() reseeded it at random
+    assert list(stream_tokens(smoke_model, [1, 2], cfg)) != first  # still a fresh seed per call
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from oelm_core import ConfigError, build_model, count_parameters, flops_per_token, memory_account, model_config
+from oelm_core.generate import SamplingConfig, stream_tokens
 from oelm_core.orthogonal import orthogonality_error
 
 MEDIUM_TOTAL = 44_896_768
@@ -133,6 +134,50 @@ def test_one_row_layer_products_on_the_cpu_equal_the_plain_ones(variant, bias):
         assert (mlp.hidden(x) - plain()[3]).abs().max().item() == 0.0
 
 
+def test_one_row_products_follow_a_fused_optimizer_step():
+    """The trainer's fused AdamW writes the weights without bumping their version counters: the
+    transposed copies must follow it anyway, so cached decoding after training in the same
+    process uses the trained weights (it used the old ones, and drew other tokens)."""
+    torch.manual_seed(0)
+    model = build_model("tiny", "gpt_base", seed=1).eval()
+    h = torch.randn(1, 1, model.cfg.d_model)
+    vocab, weight = model.cfg.vocab_size, model.output_weight
+    kw = dict(max_new_tokens=20, temperature=0.0, stop_at_eot=False)
+    before = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw)))  # makes every copy
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    x = torch.randint(0, 128, (2, 16))
+    model.train()
+    model(x, x.roll(-1, 1)).backward()
+    opt.step()  # torch 2.13: weight._version unchanged
+    model.eval()
+    with torch.no_grad():
+        plain = torch.nn.functional.linear(h, weight)[..., :vocab]
+        assert (model.logits(h) - plain).abs().max().item() < 1e-5
+    cached = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw)))
+    assert cached == list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw, use_cache=False)))
+    assert cached != before  # lr 0.5: the step did change what the model says
+    # A write through .data is seen by neither key: drop_transposed_copies() makes them follow.
+    with torch.no_grad():
+        weight.data.mul_(-2.0)
+        model.drop_transposed_copies()
+        assert (model.logits(h) + 2.0 * plain).abs().max().item() < 1e-5
+
+
+def test_over_long_input_errors_say_what_helps():
+    """Without a cache the input is too long; with one, the cache is what fills the context
+    (the tiny preset holds 32 positions), and only a reset and a new prefill help."""
+    model = build_model("tiny", "gpt_base").eval()
+    with pytest.raises(ValueError, match="sequence of 33 tokens exceeds the context of 32; crop the input"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    cache = model.new_cache()
+    model(torch.zeros(1, 30, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"the KV cache holds 30 of 32 positions, no room for 3 more tokens; "
+                                         r"reset it .* and prefill again with at most the last 32 tokens"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    cache.length = 0  # the advice works
+    assert model(torch.zeros(1, 32, dtype=torch.long), cache=cache).shape == (1, 32, 128)
+
+
 def test_chunked_loss_equals_full_logits_loss():
     torch.manual_seed(0)
     chunked = build_model("tiny", "gpt_base", loss_chunk_tokens=7)
@@ -171,6 +216,25 @@ def test_split_tied_gradient_hands_over_the_output_share():
     assert torch.equal(model.wte.weight.grad, plain)
     for kwargs in ({"tie_embeddings": False}, {"loss_impl": "full"}):  # nothing to split
         assert build_model("tiny", "gpt_base", **kwargs).split_tied_gradient(shares.append) is None
+
+
+def test_counts_see_through_the_compile_and_ddp_wrappers(tmp_path):
+    """The trainer counts ``torch.compile(model)`` or its DDP wrapper: the ``_orig_mod.`` and
+    ``module.`` prefixes hid every component (all "other") and the vocabulary padding."""
+    import torch.distributed as dist
+
+    model = build_model("tiny", "oelm_freeze", vocab_size=100)  # padded to 128 rows
+    bare = count_parameters(model)
+    assert bare["by_component"]["embedding"]["trainable"] == 100 * 32
+    assert bare["by_component"]["attn_qk"]["frozen"] == 2 * 2 * 32 * 32  # 2 layers of [W_q; W_k], d 32
+    compiled = torch.compile(model)  # never called: only the wrapper's names matter
+    assert count_parameters(compiled) == bare
+    assert memory_account(compiled) == memory_account(model)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert count_parameters(torch.nn.parallel.DistributedDataParallel(compiled)) == bare
+    finally:
+        dist.destroy_process_group()
 
 
 def test_flop_account_shows_the_small_saving_of_freezing():
