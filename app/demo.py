@@ -10,12 +10,14 @@ on the GPU when there is one). The page then offers
   the generated text, the same map of every model side by side, and per-head summaries
   (attention entropy, mean attention distance) to compare frozen with trainable Q/K.
 
-A checkpoint that is missing or unreadable does not stop the server: the page shows what went
-wrong and how to fix it instead of the model panels.
+A checkpoint that is missing, unreadable or of another group (its Q/K initialisation or freezing
+is not the group's) does not stop the server: the page shows what went wrong and how to fix it
+instead of the model panels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 
 from oelm_core import VARIANTS, count_parameters  # noqa: E402
 from oelm_core.checkpoint import CheckpointError, load_model  # noqa: E402
+from oelm_core.config import ModelConfig, variant_overrides  # noqa: E402
 from oelm_core.generate import SamplingConfig, stream  # noqa: E402
 
 from oelm_core.analysis import attention_maps, attention_summary  # noqa: E402
@@ -80,7 +83,7 @@ def parse_ckpt_args(items: Sequence[str]) -> dict[str, Path]:
                              f"got {item!r}")
         group, path = item.split("=", 1)
         group = group.strip()
-        if group not in VARIANTS:
+        if group not in GROUPS:
             raise SetupError(f"--ckpt {item!r}: unknown group {group!r}; choose one of {', '.join(GROUPS)}")
         out[group] = Path(path.strip())
     return out
@@ -164,6 +167,26 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
+def group_qk(group: str, cfg: ModelConfig) -> tuple[str, list[int]]:
+    """(qk_init, frozen Q/K layers) of ``group``'s model at the shape of ``cfg``."""
+    spec = {"qk_init": ModelConfig.qk_init, "freeze_qk": ModelConfig.freeze_qk, **variant_overrides(group)}
+    group_cfg = dataclasses.replace(cfg, qk_init=spec["qk_init"], freeze_qk=spec["freeze_qk"])
+    return group_cfg.qk_init, group_cfg.frozen_layers()
+
+
+def group_mismatch(group: str, cfg: ModelConfig) -> str | None:
+    """Why a model of ``cfg`` is not one of ``group`` (another Q/K initialisation or freezing),
+    or None. The page would otherwise label, say, a GPT-Base model OELM-Freeze and compare it so."""
+    have = (cfg.qk_init, cfg.frozen_layers())
+    want = group_qk(group, cfg)
+    if have == want:
+        return None
+    actual = next((g for g in GROUPS if group_qk(g, cfg) == have), None)
+    fix = f"pass it as --ckpt {actual}=PATH" if actual else f"pass the checkpoint of a {group} run"
+    return (f"holds a model with qk_init {have[0]!r} and frozen Q/K layers {have[1]}, but {group} has "
+            f"qk_init {want[0]!r} and frozen layers {want[1]}; {fix}")
+
+
 def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> Lab:
     """Load every checkpoint once; collect what fails instead of raising."""
     lab = Lab(device=pick_device(device), source=source)
@@ -178,6 +201,10 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> 
             lab.errors.append(f"{group_label(group)} ({group}): checkpoint {path} could not be turned into "
                               f"a model ({type(exc).__name__}: {str(exc)[:300]}); it may come from an "
                               f"incompatible version of oelm_core: train it again or pass another file")
+            continue
+        mismatch = group_mismatch(group, model.cfg)
+        if mismatch:
+            lab.errors.append(f"{group_label(group)} ({group}): checkpoint {path} {mismatch}")
             continue
         lab.models.append(LoadedModel(group, group_label(group), path, model, state, count_parameters(model)))
     if not paths:

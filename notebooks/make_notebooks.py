@@ -160,16 +160,21 @@ TRAINING = [
            "`python -m oelm_core.train` for one process, `torchrun` for `nproc > 1` — and streams its "
            "log here line by line. The kernel itself never touches CUDA; `cuda_visible_devices` picks "
            "the GPUs of the child (\"\" hides them: CPU). A non-zero exit fails this notebook. The run "
-           "folder (config, metrics, summary, checkpoints) stays where `run_dir` says."),
+           "folder (config, metrics, summary, checkpoints) stays where `run_dir` says.\n\n"
+           "`overrides` takes `--set` strings such as `\"train.steps=50\"`; `resume=True` continues a run "
+           "that was cut short from its newest checkpoint (`--resume`)."),
+    # No "=" in the comments of the parameters cell: papermill skips a line holding two.
     ("params", "params = \"parameters/smoke/oelm_freeze.yaml\"\n"
-               "overrides = []                 # --set strings, e.g. train.steps=50\n"
+               "overrides = []                 # --set strings (see above)\n"
                "nproc = 1                      # processes (GPUs) of this run\n"
                "cuda_visible_devices = \"\"      # \"\" for CPU, \"0\" for one GPU, \"0,1\" for two\n"
                "run_dir = None                 # None: the parameter file's out_dir\n"
+               "resume = False                 # True: continue the run in run_dir from its newest checkpoint\n"
                "progress_bar = False           # a tqdm bar does not stream well into a notebook"),
     ("code", SETUP + "\nfrom oelm_core import analysis as A\nfrom oelm_core.study import launch_training"),
     ("code", "run_dir = launch_training(params, list(overrides) + [f'train.progress={str(progress_bar).lower()}'],\n"
-             "                          nproc=nproc, cuda_visible_devices=cuda_visible_devices, run_dir=run_dir)\n"
+             "                          nproc=nproc, cuda_visible_devices=cuda_visible_devices, run_dir=run_dir,\n"
+             "                          resume=resume)\n"
              "run_dir"),
     ("md", "## Result"),
     ("code", "run = A.load_run(run_dir)\n"

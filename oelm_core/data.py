@@ -231,8 +231,10 @@ def _hub_stories(name: str, split: str, cap: int, text_field: str) -> Iterator[s
     except ConfigError:
         raise
     except Exception as e:  # no network, unknown name, hub outage: all fixed the same way
+        # "owner/name" may have been meant as a relative path: say that no such folder exists.
+        folder = "" if name == HUB_NAME else f"As a local folder, {Path(name).resolve()} does not exist. "
         raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub "
-                          f"({type(e).__name__}: {e}). Offline? {_LOCAL_HINT}") from e
+                          f"({type(e).__name__}: {e}). {folder}Offline? {_LOCAL_HINT}") from e
 
 
 def resolve_source(cfg: DataConfig) -> str:
@@ -241,8 +243,17 @@ def resolve_source(cfg: DataConfig) -> str:
 
 
 def _is_hub(source: str) -> bool:
-    # An existing path is always local; otherwise "owner/name" is a hub dataset id.
-    return not Path(source).expanduser().exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", source) is not None
+    """Whether ``source`` is a hub dataset id ("owner/name") rather than a local folder."""
+    if Path(source).expanduser().exists():
+        return False
+    if source == HUB_NAME:
+        return True
+    # Written as a path (./, ../, ~, /), or inside a folder that exists: a local folder that is
+    # missing. Sent to the hub it would cost half a minute of retries offline and an error that
+    # never says the folder is missing.
+    if source.startswith(("./", "../", "~", "/")) or Path(source.split("/", 1)[0]).is_dir():
+        return False
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", source) is not None
 
 
 # --------------------------------------------------------------------------------------------

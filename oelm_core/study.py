@@ -6,12 +6,14 @@ A study file has one ``study`` section (see parameters/study_smoke.yaml):
 
     study:
       name: smoke
-      runs: [smoke/gpt_base.yaml, ...]    # parameter files, relative to the study file
+      runs: [smoke/gpt_base.yaml, ...]    # parameter files, relative to the study file, or
+                                           # {params: FILE, name: NAME, overrides: [...]}
       seeds: [42]                          # every run is trained once per seed (train.seed)
       overrides: []                        # --set strings applied to every run
       gpus_per_run: 0                      # 0: CPU; g: g GPUs (torchrun) per run
       notebooks: [01_theory, 02_model, 03_training, 04_analysis]
-      parameters: {01_theory: {...}, ...}  # papermill parameters per notebook
+      parameters: {01_theory: {...}, ...}  # papermill parameters per notebook (the names its
+                                           # parameters cell defines)
 
 ``--set study.KEY=VALUE`` changes the study section; any other ``--set`` is handed to every run
 (e.g. ``--set train.steps=20``). The study folder receives the executed notebooks, figures, one
@@ -145,6 +147,56 @@ class Study:
 
 STUDY_KEYS = {"name", "description", "runs", "seeds", "overrides", "gpus_per_run", "notebooks",
               "parameters"}
+RUN_KEYS = {"params", "name", "overrides"}
+# Notebook parameters the study sets itself (per run, or from the study's folder): a value given
+# under study.parameters would be overwritten without a word.
+STUDY_SET_PARAMETERS = {"03_training": {"params": "study.runs", "overrides": "study.overrides",
+                                        "run_dir": "--out"},
+                        "04_analysis": {"run_dirs": "study.runs", "out_dir": "--out"}}
+
+
+def notebook_parameters(name: str) -> list[str]:
+    """The names that notebooks/<name>.ipynb's parameters cell assigns: the parameters it reads."""
+    import ast
+
+    import nbformat
+
+    nb = nbformat.read(str(NOTEBOOKS / f"{name}.ipynb"), as_version=4)
+    cell = next((c for c in nb.cells if "parameters" in c.metadata.get("tags", [])), None)
+    if cell is None:
+        return []
+    return [t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign)
+            for t in node.targets if isinstance(t, ast.Name)]
+
+
+def _check_parameters(parameters: Any, path: Path) -> dict[str, dict]:
+    """study.parameters, checked against the notebooks and the names their parameters cells define."""
+    if not isinstance(parameters, dict):
+        raise ConfigError(f"{path}: study.parameters must map notebook names to parameters, e.g. "
+                          f"{{01_theory: {{d: 256}}}}; got {parameters!r}")
+    for nb, values in parameters.items():
+        if nb not in ALL_NOTEBOOKS:
+            raise ConfigError(f"{path}: study.parameters names the notebook {nb!r}; choose from "
+                              f"{list(ALL_NOTEBOOKS)}")
+        if not isinstance(values or {}, dict):
+            raise ConfigError(f"{path}: study.parameters.{nb} must map parameter names to values, "
+                              f"got {values!r}")
+        valid = notebook_parameters(nb)
+        for key in values or {}:
+            if key in STUDY_SET_PARAMETERS.get(nb, {}):
+                raise ConfigError(f"{path}: study.parameters.{nb}.{key} is set by the study itself; "
+                                  f"use {STUDY_SET_PARAMETERS[nb][key]} instead")
+            if key not in valid:
+                raise ConfigError(f"{path}: unknown parameter study.parameters.{nb}.{key}; the "
+                                  f"notebook's parameters are {', '.join(valid)}")
+    return {nb: dict(values or {}) for nb, values in parameters.items()}
+
+
+def _str_list(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where} must be a list of key=value strings, e.g. [train.steps=50], "
+                          f"got {value!r}")
+    return value
 
 
 def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[str] = ()) -> Study:
@@ -168,18 +220,31 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
     bad = [n for n in notebooks if n not in ALL_NOTEBOOKS]
     if bad:
         raise ConfigError(f"study.notebooks names {bad}; choose from {list(ALL_NOTEBOOKS)}")
+    gpus_per_run = spec.get("gpus_per_run") or 0
+    if not isinstance(gpus_per_run, int) or isinstance(gpus_per_run, bool) or gpus_per_run < 0:
+        raise ConfigError(f"{path}: study.gpus_per_run must be a whole number of GPUs per run "
+                          f"(0 for CPU), got {gpus_per_run!r}")
+    parameters = _check_parameters(spec.get("parameters") or {}, path)
     seeds = spec.get("seeds") or [None]
     if not isinstance(seeds, list):
         seeds = [seeds]
-    common = list(spec.get("overrides") or []) + run_sets
+    common = _str_list(spec.get("overrides") or [], f"{path}: study.overrides") + run_sets
     runs: list[PlannedRun] = []
-    for entry in spec.get("runs") or []:
-        entry = {"params": entry} if isinstance(entry, str) else dict(entry)
+    for i, entry in enumerate(spec.get("runs") or []):
+        where = f"{path}: study.runs[{i}]"
+        entry = {"params": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, dict) or "params" not in entry:
+            raise ConfigError(f"{where} needs a parameter file: write it as a path, or as "
+                              f"{{params: PATH, name: NAME, overrides: [...]}}; got {entry!r}")
+        unknown = sorted(set(entry) - RUN_KEYS)
+        if unknown:
+            raise ConfigError(f"{where} has unknown key(s) {', '.join(map(str, unknown))}; valid keys: "
+                              f"{', '.join(sorted(RUN_KEYS))}")
         params = Path(entry["params"])
         if not params.is_absolute():
             params = (path.parent / params) if (path.parent / params).is_file() else params
         for seed in seeds:
-            overrides = common + list(entry.get("overrides") or [])
+            overrides = common + _str_list(entry.get("overrides") or [], f"{where}.overrides")
             cfg = load_run_config(params, overrides + ([f"train.seed={seed}"] if seed is not None else []))
             seed = cfg.train.seed
             rname = entry.get("name") or cfg.name
@@ -194,8 +259,8 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
     if "03_training" in notebooks and not runs:
         raise ConfigError(f"{path} lists no runs under study.runs")
     return Study(name=name, path=path.resolve(), out=out, runs=runs, notebooks=notebooks,
-                 gpus_per_run=int(spec.get("gpus_per_run") or 0),
-                 parameters=dict(spec.get("parameters") or {}), description=spec.get("description", ""))
+                 gpus_per_run=gpus_per_run, parameters=parameters,
+                 description=spec.get("description", ""))
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ A sweep file (``parameters/sweeps/*.yaml``) is a training parameter file plus a 
 
 Each (point, variant, seed) becomes one run folder ``out_root/<name>/<key>=<value>/<variant>/seed<S>``
 holding the trainer's files plus ``params.yaml`` (exactly what was trained) and
-``sweep_point.json`` (which point it is). Runs whose ``summary.json`` says "completed" are
-skipped, so an interrupted sweep continues where it stopped.
+``sweep_point.json`` (which point it is). Runs whose ``summary.json`` says they ended
+("completed" or "stopped_early") are skipped and a run cut short resumes from its newest
+checkpoint, so an interrupted sweep continues where it stopped.
 
 Ablations: every ``parameters/ablations/*.yaml`` x seeds, into ``out_root/<file stem>/seed<S>``;
 ``ablation_table`` / ``ablation_figure`` read them back (through ``oelm_core.analysis``).
@@ -90,25 +91,59 @@ def _parse_sets(items: Sequence[str] | None) -> dict:
     return out
 
 
+SWEEP_KEYS = {"name", "key", "variants", "seeds", "points", "smoke"}
+SMOKE_KEYS = {"points", "set"}
+POINT_KEYS = {"value", "set"}
+
+
+def _check_keys(values: dict, valid: set[str], where: str, path: Path) -> None:
+    unknown = sorted(map(str, set(values) - valid))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; valid keys "
+                          f"of {where}: {', '.join(sorted(valid))}")
+
+
+def _check_points(points: Any, where: str, path: Path) -> None:
+    if not isinstance(points, list) or not points or not all(isinstance(p, dict) and "value" in p
+                                                             for p in points):
+        raise ConfigError(f"{path}: {where} must be a list of {{value: v, set: {{key: value}}}}")
+    for i, point in enumerate(points):
+        _check_keys(point, POINT_KEYS, f"{where}[{i}]", path)
+        if not isinstance(point.get("set") or {}, dict):
+            raise ConfigError(f"{path}: {where}[{i}].set must map dotted keys to values, e.g. "
+                              f"{{model.n_layer: 2}}; got {point['set']!r}")
+
+
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file (every point of every variant is validated up front)."""
     path = Path(path)
+    if not path.is_file() and (REPO / path).is_file():  # e.g. notebooks/05_sweep opened from notebooks/
+        path = REPO / path
     if not path.is_file():
         raise ConfigError(f"sweep file {path} not found; see parameters/sweeps/ for examples")
     values = yaml.safe_load(path.read_text()) or {}
     spec = values.pop("sweep", None)
     if not isinstance(spec, dict):
         raise ConfigError(f"{path} has no `sweep:` section; it needs name, key, variants, seeds, points")
+    _check_keys(spec, SWEEP_KEYS, "sweep", path)
     missing = [k for k in ("key", "points") if k not in spec]
     if missing:
         raise ConfigError(f"{path}: sweep section lacks {missing}")
     points = spec["points"]
-    if not points or not all(isinstance(p, dict) and "value" in p for p in points):
-        raise ConfigError(f"{path}: sweep.points must be a list of {{value: v, set: {{key: value}}}}")
+    _check_points(points, "sweep.points", path)
+    smoke = spec.get("smoke") or {}
+    if not isinstance(smoke, dict):
+        raise ConfigError(f"{path}: sweep.smoke must be a mapping with points and set, got {smoke!r}")
+    _check_keys(smoke, SMOKE_KEYS, "sweep.smoke", path)
+    if smoke.get("points"):
+        _check_points(smoke["points"], "sweep.smoke.points", path)
+    if not isinstance(smoke.get("set") or {}, dict):
+        raise ConfigError(f"{path}: sweep.smoke.set must map dotted keys to values, e.g. "
+                          f"{{train.steps: 8}}; got {smoke['set']!r}")
     sweep = Sweep(name=str(spec.get("name", path.stem)), key=str(spec["key"]),
                   variants=list(spec.get("variants", ["gpt_base", "oelm_nofreeze", "oelm_freeze"])),
                   seeds=[int(s) for s in spec.get("seeds", [0])], points=list(points), base=values,
-                  smoke=dict(spec.get("smoke") or {}))
+                  smoke=dict(smoke))
     for smoke in (False, True):
         if smoke and not sweep.smoke:
             continue
@@ -150,14 +185,16 @@ def sweep_runs(sweep: Sweep, out_root: str | Path, *, smoke: bool = False,
 # Running
 # --------------------------------------------------------------------------------------------
 
-def _completed(out_dir: Path) -> bool:
-    f = out_dir / "summary.json"
-    if not f.is_file():
-        return False
+# The trainer's statuses of a run that has ended: nothing is left to train.
+FINISHED = ("completed", "stopped_early")
+
+
+def _status(out_dir: Path) -> Optional[str]:
+    """The status in out_dir/summary.json (None: no readable summary)."""
     try:
-        return json.loads(f.read_text()).get("status") == "completed"
-    except json.JSONDecodeError:
-        return False
+        return json.loads((out_dir / "summary.json").read_text()).get("status")
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def _notebook_path() -> Path:
@@ -174,8 +211,8 @@ def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log
     params_file = out / "params.yaml"
     params_file.write_text(yaml.safe_dump(run.params, sort_keys=False))
     (out / "sweep_point.json").write_text(json.dumps(run.info, indent=2) + "\n")
-    if skip_done and _completed(out):
-        log(f"  skip (completed): {out}")
+    if skip_done and _status(out) in FINISHED:
+        log(f"  skip (finished): {out}")
         return {**run.info, "status": "skipped", "wall_s": 0.0, "out_dir": str(out)}
     t0 = time.perf_counter()
     status, error = "completed", None
@@ -183,14 +220,17 @@ def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log
         if runner == "inprocess":
             from oelm_core.train import train  # imported late: the CLI `table` needs no torch start
 
-            summary = train(run_config_from_dict(run.params))
+            # resume: a run cut short (killed, paused) continues from its newest checkpoint
+            summary = train(run_config_from_dict(run.params), resume=True)
             status = summary.get("status", status)
         elif runner == "subprocess":
-            with open(out / "train.log", "w") as logf:
-                rc = subprocess.call([sys.executable, "-m", "oelm_core.train", "--params", str(params_file)],
-                                     stdout=logf, stderr=subprocess.STDOUT, cwd=os.getcwd())
+            with open(out / "train.log", "a") as logf:
+                rc = subprocess.call([sys.executable, "-m", "oelm_core.train", "--params", str(params_file),
+                                      "--resume"], stdout=logf, stderr=subprocess.STDOUT, cwd=os.getcwd())
             if rc != 0:
                 status, error = "failed", f"exit code {rc}; see {out / 'train.log'}"
+            else:
+                status = _status(out) or status
         else:  # notebook: papermill runs notebooks/03_training.ipynb with the parameter file
             import papermill as pm
 
@@ -202,11 +242,12 @@ def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log
             gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if torch.cuda.is_available() else ""
             pm.execute_notebook(str(nb), str(out / "03_training.ipynb"),
                                 parameters={"params": str(params_file.resolve()), "run_dir": str(out.resolve()),
-                                            "overrides": [], "nproc": 1,
+                                            "overrides": [], "nproc": 1, "resume": True,
                                             "cuda_visible_devices": gpus.split(",")[0]},
                                 cwd=str(REPO), progress_bar=False)
-            if not _completed(out):
-                status, error = "failed", f"no completed summary.json; see {out / '03_training.ipynb'}"
+            status = _status(out)
+            if status is None:
+                status, error = "failed", f"no summary.json; see {out / '03_training.ipynb'}"
     except Exception as exc:  # one failed point must not lose the rest of the sweep
         status, error = "failed", f"{type(exc).__name__}: {exc}"
     wall = time.perf_counter() - t0
@@ -272,7 +313,7 @@ def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str
     """Train every ablation x seed (seed-major, so a cut-short session still has one seed of each).
 
     ``budget_s`` > 0: start no new run once that many seconds have passed (the rest are listed as
-    "not started"; re-running continues with them). ``prune_checkpoints``: delete each completed
+    "not started"; re-running continues with them). ``prune_checkpoints``: delete each finished
     run's rolling ``ckpt/`` folder (its ``best.pt`` stays for analysis).
     """
     import shutil
@@ -288,10 +329,10 @@ def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str
             break
         log(f"[{i + 1}/{len(runs)}, {elapsed:.0f}s] {run.info['label']} seed {run.info['seed']}")
         row = run_one(run, runner, skip_done, log)
-        if prune_checkpoints and row["status"] == "completed":
+        if prune_checkpoints and row["status"] in FINISHED:
             shutil.rmtree(run.out_dir / "ckpt", ignore_errors=True)
         rows.append(row)
-    log(f"ablations: {sum(r['status'] in ('completed', 'skipped') for r in rows)}/{len(runs)} runs done "
+    log(f"ablations: {sum(r['status'] in FINISHED + ('skipped',) for r in rows)}/{len(runs)} runs done "
         f"in {time.perf_counter() - t0:.0f}s")
     return rows
 

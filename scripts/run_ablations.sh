@@ -2,7 +2,7 @@
 # Every issue-7 ablation (parameters/ablations/*.yaml: 15 files) x 2 seeds, sequentially on one GPU,
 # then the table (variant, seed, final val loss/ppl, trainable/frozen params) and a figure.
 #
-#   OELM_DATA=/path/to/tinystories scripts/run_ablations.sh [RESULTS_DIR] [--set key=value ...]
+#   [OELM_DATA=/path/to/tinystories] scripts/run_ablations.sh [RESULTS_DIR] [--set key=value ...]
 #   (quick check: ONLY="gpt_base oelm_poet" SEEDS=0 scripts/run_ablations.sh /tmp/abl --set train.steps=50)
 #
 # RESULTS_DIR (default results/ablations) gets <ablation>/seed<S>/ run folders, ablations.md,
@@ -11,15 +11,19 @@
 # each: ~5-10 s per run on an H100, ~3-5 min for all 30. BUDGET_S (default 450) stops starting
 # new runs after that many seconds so the whole script stays under 8 minutes; running it again
 # skips completed runs and continues. SEEDS (default "0 1") and ONLY ("oelm_poet synth_random")
-# narrow it down.
+# narrow it down. Without OELM_DATA the stories come from shared/data/tinystories beside or inside
+# the checkout when there is one, else from the Hugging Face hub (the parameter files' source).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 RESULTS="${1:-results/ablations}"
 shift || true
-: "${OELM_DATA:?set OELM_DATA to a folder with train/ and validation/ TinyStories files (e.g. ../shared/data/tinystories)}"
-export OELM_DATA
-# Offline tokenizer files (tiktoken's GPT-2 BPE), if the checkout has them beside or inside it.
+# Offline stories and tokenizer files (tiktoken's GPT-2 BPE), if the checkout has them beside or inside it.
+if [ -z "${OELM_DATA:-}" ]; then
+  for d in "$REPO/shared/data/tinystories" "$REPO/../shared/data/tinystories"; do
+    if [ -d "$d" ]; then export OELM_DATA="$d"; break; fi
+  done
+fi
 if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
   for d in "$REPO/shared/data/tokenizer/tiktoken_cache" "$REPO/../shared/data/tokenizer/tiktoken_cache"; do
     if [ -d "$d" ]; then export TIKTOKEN_CACHE_DIR="$d"; break; fi

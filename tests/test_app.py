@@ -250,6 +250,20 @@ def test_study_resolution(tmp_path, checkpoints):
     assert not empty.ok and "no study found" in empty.errors[0]
     bad = lab_from_args(ckpt=["gpt2=x.pt"])
     assert "unknown group 'gpt2'" in bad.errors[0]
+    # a variant that is not one of the three groups is refused as the message says
+    poet = lab_from_args(ckpt=["oelm_poet=x.pt"])
+    assert "unknown group 'oelm_poet'; choose one of gpt_base, oelm_nofreeze, oelm_freeze" in poet.errors[0]
+
+
+def test_checkpoint_of_another_group_is_refused(checkpoints):
+    """A GPT-Base checkpoint passed as OELM-Freeze would be labelled and compared as one."""
+    from app.demo import load_lab
+
+    lab = load_lab({"gpt_base": checkpoints["gpt_base"], "oelm_freeze": checkpoints["gpt_base"]}, "cpu")
+    assert not lab.ok and [m.group for m in lab.models] == ["gpt_base"] and len(lab.errors) == 1
+    msg = lab.errors[0]
+    assert msg.startswith("OELM-Freeze (oelm_freeze): checkpoint") and "qk_init 'normal'" in msg
+    assert "frozen layers [0, 1]" in msg and "pass it as --ckpt gpt_base=PATH" in msg
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

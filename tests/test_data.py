@@ -326,6 +326,37 @@ def test_hub_offline_error(tmp_path, monkeypatch):
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_missing_local_folder_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    """A folder path that does not exist fails at once, saying so; the hub is not tried (offline
+    that costs half a minute of retries and an error about the hub)."""
+    datasets = pytest.importorskip("datasets")
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append(a))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for source in ("data/tinystories", "./mydata/tinystories", "../mydata", "~/no_such_oelm_folder"):
+        with pytest.raises(ConfigError, match=r"data folder .* does not exist"):
+            data.prepare(cfg_for(source, tmp_path / "out"), progress=False)
+    monkeypatch.setenv("OELM_DATA", "data/tinystories")
+    with pytest.raises(ConfigError, match=r"data folder .*data/tinystories does not exist"):
+        data.prepare(DataConfig(out_dir=str(tmp_path / "out")), progress=False)
+    assert calls == []
+
+
+def test_hub_failure_of_a_path_like_source_names_the_missing_folder(tmp_path, monkeypatch):
+    """"mydata/tinystories" may be a hub id or a folder meant relative to the working directory:
+    when the hub fails, the error says that no such folder exists either."""
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'mydata/tinystories' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"Hugging Face hub.*mydata/tinystories does not exist"):
+        data.prepare(cfg_for("mydata/tinystories", tmp_path / "out"), progress=False)
+
+
 # --- metrics ------------------------------------------------------------------------------
 
 def test_bits_per_byte_and_perplexity():

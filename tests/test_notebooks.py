@@ -6,12 +6,30 @@
 would.
 """
 
+import ast
+import importlib.util
+
 import nbformat
 import pytest
 
 from conftest import REPO
 
 NOTEBOOKS = ["01_theory", "02_model", "03_training", "04_analysis"]
+
+
+def _module(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def generated_cells() -> dict[str, list]:
+    """Notebook name -> the (kind, source) cells its generator writes."""
+    nbs = _module(REPO / "notebooks" / "make_notebooks.py")
+    sweep = _module(REPO / "scripts" / "make_sweep_notebook.py")
+    return {"01_theory": nbs.THEORY, "02_model": nbs.MODEL, "03_training": nbs.TRAINING,
+            "04_analysis": nbs.ANALYSIS, "05_sweep": sweep.CELLS}
 
 
 def errors(nb) -> list[str]:
@@ -27,6 +45,26 @@ def test_notebook_is_committed_without_outputs_and_has_parameters(name):
     assert all(not c.outputs and c.execution_count is None for c in code), f"{name} has outputs"
     assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
     assert any(c.cell_type == "markdown" for c in nb.cells)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS + ["05_sweep"])
+def test_papermill_sees_every_parameter_the_generator_defines(name):
+    """The committed notebook is its generator's output, and papermill parses every name of its
+    parameters cell (it skips a line with a second "=", e.g. in a comment, and then warns "Passed
+    unknown parameter" on every run that sets it)."""
+    import papermill as pm
+
+    from oelm_core.study import notebook_parameters
+
+    cells = generated_cells()[name]
+    nb = nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
+    assert [c.source for c in nb.cells] == [src for _, src in cells], f"regenerate {name}"
+    params = next(src for kind, src in cells if kind == "params")
+    names = [t.id for node in ast.parse(params).body if isinstance(node, ast.Assign) for t in node.targets]
+    assert list(pm.inspect_notebook(str(REPO / "notebooks" / f"{name}.ipynb"))) == names
+    assert notebook_parameters(name) == names
+    if name == "03_training":
+        assert {"overrides", "resume"} <= set(names)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import yaml
 from conftest import REPO
 from conftest import SMOKE_STEPS as STEPS
 from conftest import SMOKE_STUDY as STUDY_FILE
-from oelm_core.config import ConfigError
+from oelm_core.config import ConfigError, run_config_from_dict
 from oelm_core.study import StudyError, execute_notebook, failed_cell, load_study, train_command
 
 # --- end to end -------------------------------------------------------------------------------
@@ -74,14 +74,53 @@ def test_load_study_errors_are_clear(tmp_path):
         load_study(STUDY_FILE, sets=["train.stepz=3"])
     with pytest.raises(ConfigError, match="study.notebooks"):
         load_study(STUDY_FILE, sets=["study.notebooks=[05_extra]"])
+    # values the trainer cannot use fail when the study is read, before any notebook runs
+    with pytest.raises(ConfigError, match="train.dtype must be one of"):
+        load_study(STUDY_FILE, sets=["train.dtype=fp64"])
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["study.parameters.05_extra.d=3"], r"study.parameters names the notebook '05_extra'; choose from"),
+    (["study.parameters.01_theory.dd=3"],
+     r"unknown parameter study.parameters.01_theory.dd; the notebook's parameters are d, n_head"),
+    (["study.parameters.03_training.params=x.yaml"], r"03_training.params is set by the study.*study.runs"),
+    (["study.gpus_per_run=two"], r"study.gpus_per_run must be a whole number of GPUs.*'two'"),
+    (["study.overrides=train.steps=3"], r"study.overrides must be a list of key=value strings"),
+    (["study.runs=[{name: a}]"], r"study.runs\[0\] needs a parameter file"),
+    (["study.runs=[{params: smoke/gpt_base.yaml, overide: [train.steps=3]}]"],
+     r"study.runs\[0\] has unknown key\(s\) overide; valid keys: name, overrides, params"),
+])
+def test_load_study_rejects_wrong_keys_and_values(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_study(STUDY_FILE, sets=sets)
+
+
+def test_study_notebook_parameters_are_those_of_the_notebooks():
+    from oelm_core.study import notebook_parameters
+
+    assert notebook_parameters("03_training") == ["params", "overrides", "nproc", "cuda_visible_devices",
+                                                  "run_dir", "resume", "progress_bar"]
+    study = load_study(STUDY_FILE, sets=["study.parameters.03_training.progress_bar=true"])
+    assert study.parameters["03_training"]["progress_bar"] is True
 
 
 def test_parameter_files_load():
+    """Every shipped parameter, sweep and study file loads, and none hard-codes a local data
+    folder: online the stories come from the hub, offline from OELM_DATA."""
     from oelm_core.config import load_run_config
+    from oelm_core.data import HUB_NAME
+    from oelm_core.sweep import load_sweep, sweep_runs
 
-    for path in sorted((REPO / "parameters").glob("*/*.yaml")):
-        if path.parent.name in ("smoke", "medium512", "shapes"):
-            load_run_config(path)
+    files = sorted((REPO / "parameters").glob("*/*.yaml")) + [REPO / "parameters" / "train_smoke.yaml"]
+    assert {p.parent.name for p in files} == {"smoke", "medium512", "shapes", "ablations", "sweeps", "parameters"}
+    for path in files:
+        if path.parent.name == "sweeps":
+            cfgs = [run_config_from_dict(r.params) for r in sweep_runs(load_sweep(path), "/tmp/_check")]
+        else:
+            cfgs = [load_run_config(path)]
+        assert all(cfg.data.source == HUB_NAME for cfg in cfgs), path
+    for path in sorted((REPO / "parameters").glob("study_*.yaml")):
+        load_study(path)
     cfgs = {v: load_run_config(REPO / "parameters" / "medium512" / f"{v}.yaml")
             for v in ("gpt_base", "oelm_nofreeze", "oelm_freeze")}
     for v, cfg in cfgs.items():

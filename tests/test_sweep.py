@@ -45,6 +45,37 @@ def test_sweep_files_plan_valid_runs(path, tmp_path):
         assert len({r.params["train"]["batch_size"] * r.info["value"] for r in runs}) == 1
 
 
+def _sweep_file(tmp_path: Path, **sweep) -> Path:
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}], **sweep},
+            "preset": "smoke", "out_dir": "x"}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize("sweep,message", [
+    ({"variant": ["oelm_freeze"]}, r"unknown key\(s\) sweep.variant; valid keys of sweep: key, name, points"),
+    ({"points": [{"value": 1, "set": {"model.n_layer": 1}}, {"value": 2, "sett": {"model.n_layer": 2}}]},
+     r"unknown key\(s\) sweep.points\[1\].sett; valid keys of sweep.points\[1\]: set, value"),
+    ({"points": [{"value": 2, "set": "model.n_layer=2"}]}, r"sweep.points\[0\].set must map dotted keys"),
+    ({"smoke": {"sets": {"train.steps": 2}}}, r"unknown key\(s\) sweep.smoke.sets; valid keys of sweep.smoke: points, set"),
+    ({"smoke": {"points": [{"value": 1, "st": {}}]}}, r"unknown key\(s\) sweep.smoke.points\[0\].st"),
+    # values the trainer cannot use fail when the file is read, before the first run
+    ({"points": [{"value": 1, "set": {"train.dtype": "fp64"}}]}, r"train.dtype must be one of"),
+])
+def test_load_sweep_rejects_wrong_keys_and_values(tmp_path, sweep, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(_sweep_file(tmp_path, **sweep))
+
+
+def test_load_sweep_from_the_notebooks_folder(monkeypatch):
+    """05_sweep's default sweep_file is relative to the repository; JupyterLab runs the kernel in
+    notebooks/."""
+    monkeypatch.chdir(REPO / "notebooks")
+    assert load_sweep("parameters/sweeps/a6_layers.yaml").name == "a6_layers"
+
+
 def test_ablation_plan_is_seed_major_and_complete(tmp_path):
     runs = ablation_runs(REPO / "parameters" / "ablations", tmp_path, seeds=(0, 1))
     stems = [r.info["label"] for r in runs]
@@ -56,6 +87,8 @@ def test_ablation_plan_is_seed_major_and_complete(tmp_path):
         assert Path(cfg.out_dir) == tmp_path / r.info["label"] / f"seed{r.info['seed']}"
     with pytest.raises(ConfigError, match="no ablation file"):
         ablation_runs(REPO / "parameters" / "ablations", tmp_path, only=["nope"])
+    with pytest.raises(ConfigError, match="train.dtype must be one of"):
+        ablation_runs(REPO / "parameters" / "ablations", tmp_path, overrides={"train.dtype": "fp64"})
 
 
 def _fake_run(folder: Path, label: str, variant: str, seed: int, loss: float, params=(100, 10), extra=None):
@@ -121,6 +154,34 @@ def test_a_tiny_sweep_really_trains(tmp_path, story_folder, monkeypatch):
     assert poet and poet[0]["spectrum_err"] is not None and poet[0]["spectrum_err"] < 1e-4
 
 
+@pytest.mark.parametrize("runner", ["inprocess", pytest.param("subprocess", marks=pytest.mark.slow),
+                                    pytest.param("notebook", marks=pytest.mark.slow)])
+def test_an_interrupted_sweep_resumes_and_finished_runs_are_skipped(tmp_path, story_folder, monkeypatch,
+                                                                    runner):
+    """A run cut short (here: paused by stop_after, leaving a checkpoint as a killed run does)
+    continues from its checkpoint on the next call; an early-stopped run counts as done."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}]},
+            "name": "t", "out_dir": "x", "preset": "smoke", "model": {"block_size": 16},
+            "data": {"out_dir": str(tmp_path / "data")},
+            "train": {"steps": 4, "batch_size": 2, "warmup_steps": 1, "eval_every": 2, "eval_batches": 1,
+                      "ckpt_every": 2, "log_every": 1, "progress": False, "device": "cpu"}}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    quiet = {"runner": runner, "log": lambda *_: None}
+    first = run_sweep(tmp_path / "t.yaml", tmp_path / "runs", overrides={"train.stop_after": 2}, **quiet)
+    out = Path(first[0]["out_dir"])
+    assert first[0]["status"] == "paused" and (out / "ckpt" / "step_0000002.pt").is_file(), first
+    again = run_sweep(tmp_path / "t.yaml", tmp_path / "runs", **quiet)
+    assert again[0]["status"] == "completed", again
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 4  # one curve, continued
+    (out / "summary.json").write_text(json.dumps({**summary, "status": "stopped_early"}))
+    assert [r["status"] for r in run_sweep(tmp_path / "t.yaml", tmp_path / "runs", **quiet)] == ["skipped"]
+
+
 def test_sweep_notebook_is_committed_without_outputs():
     import nbformat
 
@@ -143,7 +204,7 @@ def test_sweep_notebook_runs_the_smoke_sweep(tmp_path, story_folder, monkeypatch
     pm.execute_notebook(str(REPO / "notebooks" / "05_sweep.ipynb"), str(out),
                         parameters={"smoke": True, "out_root": str(tmp_path / "runs"),
                                     "overrides": {"data.out_dir": str(tmp_path / "data"), "train.device": "cpu"}},
-                        cwd=str(REPO), progress_bar=False, kernel_name="python3")
+                        cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3")
     nb = nbformat.read(out, as_version=4)
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                 if o.get("output_type") == "error"]
