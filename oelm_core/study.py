@@ -393,7 +393,9 @@ def _train_all(study: Study) -> None:
         try:
             _say(f"[study] training {i + 1}/{len(study.runs)}: {run.name} ({run.variant}, seed {run.seed})"
                  + (f" on GPUs {gpus}" if gpus is not None else ""))
-            params = {**nb_params, "params": str(run.params), "overrides": run.overrides,
+            # resume: a study run again continues its runs that were cut short and leaves those
+            # that ended as they are (the trainer refuses a run folder trained with other settings).
+            params = {"resume": True, **nb_params, "params": str(run.params), "overrides": run.overrides,
                       "run_dir": str(run.run_dir.resolve()),
                       "nproc": max(1, g) if g > 0 else int(nb_params.get("nproc", 1)),
                       "cuda_visible_devices": gpus if gpus is not None else nb_params.get("cuda_visible_devices", "")}

@@ -63,18 +63,26 @@ def smoke_study(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`python -m oelm_core.study parameters/study_smoke.yaml` on a tiny corpus, once per test
     session (test_study and test_notebooks check it): (its output folder, the process)."""
     base = tmp_path_factory.getbasetemp() / "smoke_study"
-    corpus = write_corpus(base / "stories")
+    write_corpus(base / "stories")
     out = base / "study"
-    env = dict(os.environ, OELM_DATA=str(corpus), PYTHONPATH=str(REPO))
+    proc = run_smoke_study(base, out)
+    (base / "study.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"study failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+    return out, proc
+
+
+def run_smoke_study(base: Path, out: Path, *sets: str) -> subprocess.CompletedProcess:
+    """The smoke study of ``smoke_study`` (stories and token files in ``base``) into ``out``, with
+    ``sets`` added as --set options."""
+    env = dict(os.environ, OELM_DATA=str(base / "stories"), PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "oelm_core.study", str(SMOKE_STUDY), "--out", str(out),
            "--set", f"train.steps={SMOKE_STEPS}", "--set", "train.eval_every=12", "--set", "train.log_every=4",
            "--set", "train.ckpt_every=24", "--set", "train.eval_batches=2",
            "--set", f"data.out_dir={base / 'data'}",
            "--set", "study.parameters.01_theory.d=64", "--set", "study.parameters.01_theory.jl_points=24"]
-    proc = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=900)
-    (base / "study.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"study failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
-    return out, proc
+    for item in sets:
+        cmd += ["--set", item]
+    return subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture

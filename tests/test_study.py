@@ -5,12 +5,13 @@ story corpus, 24 steps per run. tests/test_notebooks.py checks the notebooks it 
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, run_smoke_study
 from conftest import SMOKE_STEPS as STEPS
 from conftest import SMOKE_STUDY as STUDY_FILE
 from oelm_core.config import ConfigError, run_config_from_dict
@@ -50,6 +51,19 @@ def test_smoke_study_results_judge_h1_to_h4(smoke_study):
     assert len(results["table"]) == 3
     for fig in ("jl_distortion.png", "curves.png", "attention.png"):
         assert (out / "figures" / fig).is_file(), fig
+
+
+@pytest.mark.slow
+def test_a_study_run_again_leaves_its_finished_trainings_alone(smoke_study, tmp_path):
+    out, _ = smoke_study
+    again = tmp_path / "study"
+    shutil.copytree(out, again)  # a copy: the other tests read the first run's files
+    files = {p: p.stat().st_mtime_ns for p in again.rglob("*") if p.suffix == ".pt" or p.name == "summary.json"}
+    assert len([p for p in files if p.name == "summary.json"]) == 3
+    proc = run_smoke_study(out.parent, again, "study.notebooks=[03_training]")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "already ended (completed at step 24)" in proc.stdout + proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in files} == files  # no step trained, nothing rewritten
 
 
 # --- plumbing (fast) -----------------------------------------------------------------------------
