@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import card_name, commit, median, now, time_blocks  # noqa: E402
+from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
 from oelm_core import model as oelm_model  # noqa: E402
 
@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--rows", type=int, default=8192, help="tokens in the slice (the loss's chunk)")
     ap.add_argument("--configs", nargs="+", default=["2048x4", "8192x32", "1024x2", "4096x4", "2048x8"],
                     help="BLOCKxnum_warps; 2048x4 is what _ce_forward_cuda uses, 8192x32 the previous setting")
-    ap.add_argument("--reps", type=int, default=20, help="timed runs per figure (the median is reported)")
+    ap.add_argument("--reps", type=at_least(1), default=20, help="timed runs per figure (the median is reported)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

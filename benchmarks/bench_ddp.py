@@ -12,14 +12,14 @@ gradients go by NVLink copies instead of DDP (oelm_core.peer_grads; --grad-excha
 times both in one run). --impl tuned wraps DDP first (also on one GPU;
 gradient_as_bucket_view, static_graph, --bucket-mb), compiles that and runs without a graph.
 Rank 0 prints the global tokens/s (median of --blocks blocks after warm-up, timed with CUDA
-events and a barrier). Run it once with --nproc_per_node 1 and once with N; efficiency =
+events and a barrier) and the peak memory above what was allocated before the row began. CUDA
+only. Run it once with --nproc_per_node 1 and once with N; efficiency =
 tok/s(N) / (N x tok/s(1)), what N GPUs give over one (benchmarks/ddp_efficiency.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import os
@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import TrainStep, card_name, commit, median, now  # noqa: E402
+from common import TrainStep, at_least, card_name, commit, free_between_runs, median, now  # noqa: E402
 
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
 from oelm_core.config import TrainConfig, model_config  # noqa: E402
@@ -74,9 +74,9 @@ def main():
     ap.add_argument("--preset", default="medium512")
     ap.add_argument("--groups", nargs="+", default=["gpt_base"])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16, 32, 64])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--blocks", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=at_least(1), default=10)
+    ap.add_argument("--blocks", type=at_least(1), default=5)
+    ap.add_argument("--warmup", type=at_least(0), default=10)
     ap.add_argument("--compile-mode", default="default")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--impl", default="trainer", choices=["trainer", "tuned"],
@@ -91,8 +91,11 @@ def main():
     args = ap.parse_args()
     if args.impl == "tuned" and args.grad_accum != [1]:
         ap.error("--grad-accum is for --impl trainer")
+    if not torch.cuda.is_available():
+        print("bench_ddp: needs CUDA (one GPU per process, NCCL); there is no CUDA device here. Nothing to do.")
+        return
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
@@ -102,6 +105,8 @@ def main():
     for group, batch, exchange, accum in itertools.product(args.groups, args.batch, args.grad_exchange,
                                                            args.grad_accum):
         torch.manual_seed(0)
+        torch.cuda.reset_peak_memory_stats(device)
+        base_mem = torch.cuda.memory_allocated(device)  # held before this row began: not its own
         cfg = model_config(args.preset, group)
         step = make_ddp_step(args, cfg, batch, device, exchange, accum)
         gen = torch.Generator().manual_seed(rank + 1)
@@ -133,16 +138,14 @@ def main():
         row = {"impl": args.impl, "reducer": step.reducer, "group": group, "world": world,
                "batch_per_gpu": batch, "grad_accum": accum, "ms_per_step": 1000 * s, "tokens_per_s": tokens / s, "tokens_per_s_per_gpu": tokens / s / world,
                "mfu": tokens / s / world * flops_per_token(cfg)["total"] / peak if peak else None,
-               "compile_s": compile_s, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+               "compile_s": compile_s, "peak_mem_gb": (torch.cuda.max_memory_allocated(device) - base_mem) / 2**30}
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
         # step and step.warmup form a cycle: collect it, so that no DDP reducer or captured
         # graph outlives the process group (destroying the group under one can hang at exit).
         del step
-        gc.collect()
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
+        free_between_runs(cuda=True)
     if rank == 0:
         meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
                 "command": " ".join(sys.argv), "world": world}

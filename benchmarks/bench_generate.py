@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import card_name, commit, median, now  # noqa: E402
+from common import at_least, card_name, commit, median, now  # noqa: E402
 
 from oelm_core import sample_kernels  # noqa: E402
 from oelm_core.generate import SamplingConfig, acquire_decoder, release_decoder, stream_tokens  # noqa: E402
@@ -70,8 +70,8 @@ def main():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--uncached-repeats", type=int, default=None)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
+    ap.add_argument("--uncached-repeats", type=at_least(1), default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-k", type=int, default=0)
@@ -85,11 +85,9 @@ def main():
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     cuda = device.type == "cuda"
-    meta = {"card": card_name() if cuda else card_name().replace("CUDA", ""), "device": str(device),
+    # After --threads: on CPU the card names the thread count the figures were taken with.
+    meta = {"card": card_name(device), "device": str(device),
             "date": now(), "commit": commit(), "torch": torch.__version__, "command": " ".join(sys.argv)}
-    if not cuda:
-        import platform
-        meta["card"] = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
     print(json.dumps(meta), flush=True)
     rows = []
     for preset in args.presets:

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import card_name, commit, median, now, time_blocks  # noqa: E402
+from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
 from oelm_core import sample_kernels  # noqa: E402
 from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor  # noqa: E402
@@ -45,7 +45,7 @@ def graph_of(fn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=at_least(1), default=50)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available() or sample_kernels.triton is None:

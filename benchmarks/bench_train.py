@@ -7,16 +7,18 @@ A group may carry options after a colon: ``gpt_base:loss=full,step=graph,compile
 AdamW captured whole in one CUDA graph, plain = that step uncaptured; compile: a torch.compile
 mode or "none", for the graph/plain steps; cuda_graph: 0/1 sets TrainConfig.cuda_graph for the
 trainer's step - the reference defaults to 0, as the issue defines it: compiled, no CUDA graph;
-pad: 0/1, the reference's vocabulary padded to 50,304 as nanoGPT does, default 1). Each figure is
+pad: 0/1, the reference's vocabulary padded to 50,304 as nanoGPT does, default 1; chunk: tokens
+per loss slice). The JSON's options.cuda_graph says whether the timed step replayed a CUDA graph
+(never on CPU, nor where the capture failed). Each figure is
 the median of --blocks blocks of --steps steps after warm-up, timed with CUDA events; peak memory
-is torch.cuda.max_memory_allocated over the timed steps. Prints a table last; --json writes all.
+is torch.cuda.max_memory_allocated over building, compiling, capturing and the timed steps, less
+what was allocated before the variant began. Prints a table last; --json writes all.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -27,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import TrainStep, card_name, commit, median, now, time_blocks  # noqa: E402
+from common import TrainStep, at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
 from reference import ReferenceGPT, copy_from, reference_grads_as_model  # noqa: E402
 
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
@@ -35,11 +37,27 @@ from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.model import GPT  # noqa: E402
 
 
+# A group's options after the colon (the module docstring says what they do) and, where the set
+# is closed, the values each takes; compile takes any mode torch.compile knows, or "none".
+OPTIONS = {"loss": ("chunked", "full"), "step": ("trainer", "graph", "plain"), "compile": None,
+           "cuda_graph": ("0", "1"), "pad": ("0", "1"), "chunk": None}
+
+
 def parse_variant(spec: str, args) -> dict:
+    """``group:key=value,...`` -> the variant's settings; ValueError names what is wrong."""
     group, _, opts = spec.partition(":")
     v = {"group": group, "loss": args.loss, "step": args.step, "compile": args.compile_mode}
     for item in filter(None, opts.split(",")):
         k, _, val = item.partition("=")
+        if k not in OPTIONS:
+            raise ValueError(f"{spec}: unknown option {k!r}; a group's options are "
+                             f"{', '.join(OPTIONS)} (e.g. gpt_base:loss=full,cuda_graph=0)")
+        if OPTIONS[k] and val not in OPTIONS[k]:
+            raise ValueError(f"{spec}: {k}={val} is not one of {'|'.join(OPTIONS[k])}")
+        if k == "chunk" and not (val.isdigit() and int(val) > 0):
+            raise ValueError(f"{spec}: chunk={val} must be a positive integer (tokens per loss slice)")
+        if not val:
+            raise ValueError(f"{spec}: {k} needs a value ({k}=...)")
         v[k] = int(val) if val.isdigit() else val
     v["label"] = spec
     return v
@@ -60,10 +78,12 @@ def build(v: dict, preset: str, device):
 
 def bench_one(v: dict, batch: int, args, device) -> dict:
     torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()  # peak over build, compile, capture and the timed steps
-    cfg, model = build(v, args.preset, device)
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # peak over build, compile, capture and the timed steps
+        base_mem = torch.cuda.memory_allocated()  # held before this variant began: not its own
+    graphs_before = dynamo_graphs()
+    cfg, model = build(v, args.preset, device)
     fwd = model
     mode = v["compile"]
     t0 = time.perf_counter()
@@ -73,7 +93,6 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     if "cuda_graph" in {f.name for f in dataclasses.fields(TrainConfig)}:
         # The reference is timed as the issue defines it (compiled, no CUDA graph) unless asked.
         tc.cuda_graph = bool(int(v.get("cuda_graph", 0 if v["group"] == "reference" else int(tc.cuda_graph))))
-    v["cuda_graph"] = getattr(tc, "cuda_graph", None)
     n_batches = 4
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(n_batches)]
@@ -110,16 +129,16 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     if cuda:
         torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
+    # Whether the timed step replays a CUDA graph: what was asked for, unless there is no CUDA or
+    # the capture failed (either step then runs eagerly).
+    v["cuda_graph"] = (getattr(step, "cuda_graph", None) if v["step"] == "trainer"
+                       else step.g is not None)
 
     time_blocks(one, 1, args.warmup, cuda)  # more warm-up
     secs = time_blocks(one, args.blocks, args.steps, cuda)
     loss = float(last[0].detach())
-    graphs = None
-    try:
-        from torch._dynamo.utils import counters
-        graphs = counters["stats"]["unique_graphs"]
-    except Exception:
-        pass
+    graphs_after = dynamo_graphs()
+    graphs = graphs_after - graphs_before if graphs_after is not None else None
     breakdown = None
     if args.profile and cuda and v["label"] in args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -142,14 +161,20 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
          "ms_per_step": 1000 * s, "tokens_per_s": tokens / s,
          "ms_min": 1000 * min(secs), "ms_max": 1000 * max(secs),
          "mfu": (tokens / s * fpt / peak) if peak else None, "flops_per_token": fpt,
-         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+         "peak_mem_gb": (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None,
          "compile_s": compile_s, "loss": loss, "kernel_ms_per_step": breakdown, "dynamo_graphs": graphs, "options": {k: v[k] for k in v if k not in ("label",)}}
-    step = model = fwd = None  # the closures hold step: drop it before freeing the cache
-    gc.collect()
-    torch._dynamo.reset()
-    if cuda:
-        torch.cuda.empty_cache()
+    step = model = fwd = last[0] = None  # the closures hold step and the last loss: drop them first
+    free_between_runs(cuda)
     return r
+
+
+def dynamo_graphs():
+    """Graphs torch.compile has captured in this process so far (None where torch does not count them)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return counters["stats"]["unique_graphs"]
 
 
 # Kernel families of a training step, matched on the profiler's kernel names, in this order.
@@ -182,7 +207,8 @@ def rel(a, b):
 
 
 def agreement(preset: str, device, dtype_autocast: bool, batch: int = 4) -> dict:
-    """Loss and gradients of the fast path vs the full-logits path vs the reference (copied weights)."""
+    """Loss and gradients of the fast path vs the full-logits path vs the reference (copied weights),
+    on one batch of ``batch`` x block_size tokens (each comparison records both)."""
     out = {}
     torch.manual_seed(0)
     for variant in ("gpt_base", "oelm_freeze"):
@@ -205,7 +231,8 @@ def agreement(preset: str, device, dtype_autocast: bool, batch: int = 4) -> dict
         for other in ("full", "reference"):
             out[f"{variant}: chunked vs {other}"] = {
                 "loss_abs_diff": abs(losses["chunked"] - losses[other]),
-                "max_grad_rel_diff": max(rel(grads["chunked"][n], grads[other][n]) for n in names)}
+                "max_grad_rel_diff": max(rel(grads["chunked"][n], grads[other][n]) for n in names),
+                "batch": batch, "block_size": t}
     return out
 
 
@@ -214,9 +241,9 @@ def main():
     ap.add_argument("--preset", default="medium512")
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--groups", nargs="+", default=["reference", "gpt_base", "oelm_nofreeze", "oelm_freeze"])
-    ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    ap.add_argument("--blocks", type=int, default=7, help="timed blocks (the median is reported)")
-    ap.add_argument("--warmup", type=int, default=10, help="steps after compilation before timing")
+    ap.add_argument("--steps", type=at_least(1), default=10, help="steps per timed block")
+    ap.add_argument("--blocks", type=at_least(1), default=7, help="timed blocks (the median is reported)")
+    ap.add_argument("--warmup", type=at_least(0), default=10, help="steps after compilation before timing")
     ap.add_argument("--compile-mode", default="default", help="torch.compile mode, or 'none'")
     ap.add_argument("--loss", default="chunked", choices=["chunked", "full"])
     ap.add_argument("--step", default="trainer", choices=["trainer", "graph", "plain"],
@@ -229,6 +256,10 @@ def main():
     ap.add_argument("--cache-in", default=None, help="torch.compiler cache artifacts to load first")
     ap.add_argument("--cache-out", default=None, help="write torch.compiler cache artifacts here")
     args = ap.parse_args()
+    try:  # every variant checked before anything runs
+        variants = [parse_variant(spec, args) for spec in args.groups]
+    except ValueError as e:
+        ap.error(f"--groups {e}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -243,8 +274,8 @@ def main():
         checks["bf16" if device.type == "cuda" else "float32"] = agreement(args.preset, device, device.type == "cuda")
         print(json.dumps(checks, indent=1), flush=True)
     for batch in args.batch:
-        for spec in args.groups:
-            v = parse_variant(spec, args)
+        for spec, parsed in zip(args.groups, variants):
+            v = dict(parsed)  # bench_one records what applied in it
             try:
                 r = bench_one(v, batch, args, device)
             except Exception as e:  # keep the other figures

@@ -12,12 +12,17 @@ def load(path):
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def context(rows):
+    """Tokens per sequence of a bench_train.py run (one preset a file); 512 (medium512) where unknown."""
+    return next((r["tokens_per_step"] // r["batch"] for r in rows if r.get("tokens_per_step")), 512)
+
+
 def train_table(d):
     rows = [r for r in d["results"] if "error" not in r]
     ref = {r["batch"]: r["tokens_per_s"] for r in rows if r["label"] == "reference"}
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r["label"] == "gpt_base"}
     out = [f"Card: **{d['meta']['card']}**, torch {d['meta']['torch']}, {d['meta']['date']}, commit `{d['meta']['commit']}`", "",
-           "| variant | batch x 512 | tokens/s | ms/step | MFU | peak mem (GiB) | x reference | x GPT-Base |",
+           f"| variant | batch x {context(rows)} | tokens/s | ms/step | MFU | peak mem (GiB) | x reference | x GPT-Base |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
@@ -26,7 +31,10 @@ def train_table(d):
         xb = f"{r['tokens_per_s'] / base[r['batch']]:.3f}" if r["batch"] in base else "-"
         out.append(f"| {r['label']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | {mfu} | {mem} | {x} | {xb} |")
     for kind, checks in d.get("checks", {}).items():
-        out += ["", f"Agreement with copied weights ({kind}, one batch of 4 x 512):", "",
+        # Files written before agreement() recorded its shape all checked 4 x 512 (medium512).
+        first = next(iter(checks.values()))
+        shape = f"{first.get('batch', 4)} x {first.get('block_size', 512)}"
+        out += ["", f"Agreement with copied weights ({kind}, one batch of {shape}):", "",
                 "| comparison | abs. loss difference | max relative gradient difference |", "|---|---:|---:|"]
         for name, c in checks.items():
             out.append(f"| {name} | {c['loss_abs_diff']:.2e} | {c['max_grad_rel_diff']:.2e} |")
@@ -39,7 +47,7 @@ def breakdown_table(d):
         return ""
     out = [f"GPU time per step by kernel family, ms (CUDA profiler, 3 steps; **{d['meta']['card']}**, "
            f"commit `{d['meta']['commit']}`):", "",
-           "| kernel family | " + " | ".join(f"{r['label']} ({r['batch']} x 512)" for r in rows) + " |",
+           "| kernel family | " + " | ".join(f"{r['label']} ({r['batch']} x {context(rows)})" for r in rows) + " |",
            "|---|" + "---:|" * len(rows)]
     for fam in rows[0]["kernel_ms_per_step"]:
         out.append(f"| {fam} | " + " | ".join(f"{r['kernel_ms_per_step'][fam]:.2f}" for r in rows) + " |")
@@ -55,7 +63,7 @@ def gen_table(d):
                                  else sampler)
     out = [f"Device: **{d['meta']['card']}** ({d['meta']['device']}), {d['meta']['date']}, commit "
            f"`{d['meta']['commit']}`, {rows[0].get('dtype', 'float32')}, {sampling}", "",
-           "| preset | decoding | new tokens | time to first token (ms) | ms/token | tokens/s | cached / uncached |",
+           "| preset | decoding | new tokens | time to first token (ms) | ms/token | tokens/s | tokens/s, cached / uncached |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = next(q for q in rows if q["preset"] == r["preset"] and not q["cache"])
