@@ -11,8 +11,9 @@ Run folders follow the trainer's contract (``oelm_core.train``):
     metrics.jsonl   one JSON row per log step (step, train_loss, lr, grad_norm, tokens_per_s, mfu,
                     peak_mem_mb, tokens_seen, epochs); evaluation rows add val_loss, val_ppl, val_bpb
     summary.json    name, variant, preset, params {trainable, frozen, total}, final/best validation
-                    loss/ppl/bpb, final train loss, tokens_per_s, wall time, epochs, checkpoint size
-    best.pt         the best checkpoint (oelm_core.checkpoint.load_model)
+                    loss/ppl/bpb, final train loss, tokens_per_s, wall time, epochs
+    best.pt         the best checkpoint (oelm_core.checkpoint.load_model): its size is the
+                    "Checkpoint (MB)" of the results, in MB of 10^6 bytes
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from oelm_core.config import ConfigError
+
 # Study labels of the three groups, in the order the tables list them.
 GROUP_LABELS = {"gpt_base": "GPT-Base", "oelm_nofreeze": "OELM-NoFreeze", "oelm_freeze": "OELM-Freeze"}
 BASELINE = "gpt_base"
+# The validation figures a results table or hypothesis reads: the last evaluation's or the best's.
+WHICH = ("final", "best")
 
 
 def _plt():
@@ -406,65 +411,43 @@ class Run:
         return self.path / "best.pt"
 
 
-def _first(d: dict, *keys: str):
-    for k in keys:
-        if isinstance(d, dict) and d.get(k) is not None:
-            return d[k]
+def _summary_value(run: Run, key: str):
+    """``key`` of summary.json (oelm_core.train's keys), else the same figure from metrics.jsonl:
+    a run still training, or one killed, has no summary.json yet."""
+    s = run.summary
+    if key == "checkpoint_mb":
+        # best.pt, the weights the app and load_models read; summary.json's checkpoint_bytes is
+        # the newest training checkpoint, about three times larger with the AdamW moments.
+        ckpt = run.checkpoint()
+        return ckpt.stat().st_size / 1e6 if ckpt.is_file() else None
+    if key in ("trainable", "frozen", "total"):
+        return (s.get("params") or {}).get(key)
+    if s.get(key) is not None:
+        return s[key]
+    evals, trains = run.eval_rows(), run.train_rows()
+    if key in ("final_val_loss", "final_val_ppl", "final_val_bpb"):
+        return evals[-1].get(key.removeprefix("final_")) if evals else None
+    if key in ("best_val_loss", "best_val_ppl", "best_val_bpb"):
+        values = [r.get(key.removeprefix("best_")) for r in evals]
+        return min(values) if values and None not in values else None
+    if key == "final_train_loss":
+        return trains[-1]["train_loss"] if trains else None
+    if key == "tokens_per_s":
+        # skip the first logged rows (compilation, warm-up) when there are enough
+        rates = [r["tokens_per_s"] for r in trains if r.get("tokens_per_s")]
+        rates = rates[len(rates) // 5:] if len(rates) >= 5 else rates
+        return statistics.fmean(rates) if rates else None
+    if key == "epochs":
+        return trains[-1].get("epochs") if trains else None
+    if key == "steps":
+        return run.metrics[-1].get("step") if run.metrics else None
     return None
 
 
-def _summary_value(run: Run, key: str):
-    s = run.summary
-    evals, trains = run.eval_rows(), run.train_rows()
-    if key in ("final_val_loss", "final_val_ppl", "final_val_bpb"):
-        metric = key.split("_", 1)[1]
-        v = _first(s, key, f"{metric}_final", metric)
-        if v is None and evals:
-            v = evals[-1].get(metric)
-        if v is None and metric == "val_ppl":
-            loss = run.value("final_val_loss")
-            v = math.exp(loss) if loss is not None else None
-        return v
-    if key in ("best_val_loss", "best_val_ppl", "best_val_bpb"):
-        metric = key.split("_", 1)[1]
-        v = _first(s, key, f"{metric}_best")
-        if v is None and evals and all(r.get(metric) is not None for r in evals):
-            v = min(r[metric] for r in evals)
-        if v is None and metric == "val_ppl":
-            loss = run.value("best_val_loss")
-            v = math.exp(loss) if loss is not None else None
-        return v
-    if key == "final_train_loss":
-        v = _first(s, "final_train_loss", "train_loss")
-        return v if v is not None else (trains[-1]["train_loss"] if trains else None)
-    if key == "tokens_per_s":
-        v = _first(s, "tokens_per_s", "mean_tokens_per_s", "throughput_tokens_per_s")
-        if v is None:
-            # skip the first logged rows (compilation, warm-up) when there are enough
-            rates = [r["tokens_per_s"] for r in trains if r.get("tokens_per_s")]
-            rates = rates[len(rates) // 5:] if len(rates) >= 5 else rates
-            v = statistics.fmean(rates) if rates else None
-        return v
-    if key in ("trainable", "frozen", "total"):
-        p = s.get("params") or {}
-        return _first(p, key) if isinstance(p, dict) else None
-    if key == "checkpoint_mb":
-        v = _first(s, "checkpoint_mb", "checkpoint_size_mb")
-        if v is None:
-            b = _first(s, "checkpoint_bytes", "checkpoint_size_bytes", "checkpoint_size")
-            if b is None and run.checkpoint().is_file():
-                b = run.checkpoint().stat().st_size
-            v = b / 2**20 if b is not None else None
-        return v
-    if key == "wall_time_s":
-        return _first(s, "wall_time_s", "wall_time", "wall_s", "elapsed_s")
-    if key == "epochs":
-        v = _first(s, "epochs")
-        return v if v is not None else (trains[-1].get("epochs") if trains else None)
-    if key == "steps":
-        v = _first(s, "steps", "final_step", "step")
-        return v if v is not None else (run.metrics[-1].get("step") if run.metrics else None)
-    return s.get(key)
+def _check_which(which: str) -> None:
+    if which not in WHICH:
+        raise ConfigError(f"which={which!r} names no validation figures; pass one of "
+                          f"{', '.join(map(repr, WHICH))}")
 
 
 def load_run(run_dir: str | Path) -> Run:
@@ -491,7 +474,7 @@ def load_run(run_dir: str | Path) -> Run:
                     metrics.append(json.loads(line))
                 except json.JSONDecodeError:  # a half-written last line of a killed run
                     continue
-    seed = (config.get("train") or {}).get("seed", summary.get("seed"))
+    seed = (config.get("train") or {}).get("seed")
     return Run(path=path, name=summary.get("name") or config.get("name") or path.name,
                variant=summary.get("variant") or config.get("variant") or "gpt_base",
                preset=summary.get("preset") or config.get("preset") or "medium512",
@@ -582,6 +565,7 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
     ``which``: "final" or "best" validation figures. Gaps are relative to the baseline group of
     the same preset, in %. Returns {"rows": [...], "markdown": str}.
     """
+    _check_which(which)
     rows = []
     for (variant, preset), group in group_runs(runs).items():
         def mean(key):
@@ -668,6 +652,7 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
         timing noise); the train loss at equal steps is reported alongside
     H4  OELM-Freeze's perplexity is within 10% of GPT-Base's (relative gap <= h4_max_gap)
     """
+    _check_which(which)
     groups = group_runs(runs)
     presets = list(dict.fromkeys(p for _, p in groups))
     if preset is None:
@@ -756,8 +741,6 @@ def _jsonable(x):
 def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final",
                   extra_markdown: str = "") -> dict:
     """Write results.md and results.json (table, hypotheses, significance, per-run figures)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = results_table(runs, which)
     hyps = hypotheses(runs, which)
     sig = significance_tests(runs, f"{which}_val_ppl")
@@ -777,6 +760,8 @@ def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final"
                                     "t", "p", "cohen_d"])]
     if extra_markdown:
         md += ["", extra_markdown]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused ``which`` leaves no empty folder
     (out / "results.md").write_text("\n".join(md) + "\n")
     (out / "results.json").write_text(json.dumps(_jsonable(result), indent=2))
     return result

@@ -147,8 +147,9 @@ def _divisors(n: int) -> list[int]:
 
 
 # Named shapes. "medium512" is the original study's; small/base/large are the roadmap's
-# Small/Base/Large (small has medium512's shape: the study named it twice). "tiny" and "smoke"
-# exist for CPU tests and the smoke study: real GPT-2 vocabulary, a model small enough for CI.
+# Small/Base/Large (small has medium512's shape: the study named it twice). "smoke" exists for
+# CPU tests and the smoke study: real GPT-2 vocabulary, a model small enough for CI. "tiny" is
+# for model tests on random ids: its 128-token vocabulary cannot train on GPT-2 token files.
 PRESETS: dict[str, dict[str, Any]] = {
     "medium512": dict(n_layer=6, n_head=8, d_model=512, d_ff=2048, block_size=512),
     "small": dict(n_layer=6, n_head=8, d_model=512, d_ff=2048, block_size=512),
@@ -453,8 +454,26 @@ def apply_overrides(values: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
         key, raw = item.split("=", 1)
-        set_dotted(values, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
+                              f"complete it (e.g. train.lr=0.001, model.freeze_qk=[0,1]) or quote "
+                              f"it to pass a string") from None
+        set_dotted(values, key.strip(), value)
     return values
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: its message spans four, with the text pointed at."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return " ".join(str(exc).split())
+    where = f"{exc.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    start = getattr(exc, "context_mark", None)
+    if exc.context and start is not None:
+        where += f" ({exc.context} from line {start.line + 1}, column {start.column + 1})"
+    return where
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -465,7 +484,11 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
         if not path.is_file():
             raise ConfigError(f"parameter file {path} not found; pass an existing YAML file "
                               f"(see parameters/ for examples)")
-        values = yaml.safe_load(path.read_text()) or {}
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax "
+                              f"there (an unclosed bracket or quote is the usual cause)") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{path} must hold a YAML mapping at the top level")
         values.pop("study", None)  # a study's own section is read by oelm_core.study

@@ -239,7 +239,20 @@ def _hub_stories(name: str, split: str, cap: int, text_field: str) -> Iterator[s
 
 def resolve_source(cfg: DataConfig) -> str:
     """The source actually used: $OELM_DATA when set, else cfg.source."""
-    return os.environ.get("OELM_DATA") or cfg.source
+    env = os.environ.get("OELM_DATA")
+    if not env:
+        return cfg.source
+    if cfg.source not in (env, DataConfig.source):
+        _say_overridden(cfg.source, env)
+    return env
+
+
+@functools.lru_cache(maxsize=None)
+def _say_overridden(source: str, env: str) -> None:
+    """Once per process and pair: a study prepares each run's data more than once, and an
+    explicit data.source that is silently not read looks like a bug in the parameter file."""
+    log.warning("data.source %s is overridden by the environment variable OELM_DATA=%s; unset "
+                "OELM_DATA to read %s", source, env, source)
 
 
 def _is_hub(source: str) -> bool:

@@ -8,12 +8,14 @@ A study file has one ``study`` section (see parameters/study_smoke.yaml):
       name: smoke
       runs: [smoke/gpt_base.yaml, ...]    # parameter files, relative to the study file, or
                                            # {params: FILE, name: NAME, overrides: [...]}
-      seeds: [42]                          # every run is trained once per seed (train.seed)
+      seeds: [42]                          # every run is trained once per seed (train.seed);
+                                           # leave the key out for each file's own seed
       overrides: []                        # --set strings applied to every run
       gpus_per_run: 0                      # 0: CPU; g: g GPUs (torchrun) per run
-      notebooks: [01_theory, 02_model, 03_training, 04_analysis]
-      parameters: {01_theory: {...}, ...}  # papermill parameters per notebook (the names its
-                                           # parameters cell defines)
+      notebooks: [01_theory, 02_model, 03_training, 04_analysis]   # run in this order; leave
+                                           # the key out for all four (an empty list is an error)
+      parameters: {01_theory: {...}, ...}  # papermill parameters per notebook: the names its
+                                           # parameters cell defines, of the types of its defaults
 
 ``--set study.KEY=VALUE`` changes the study section; any other ``--set`` is handed to every run
 (e.g. ``--set train.steps=20``). The study folder receives the executed notebooks, figures, one
@@ -42,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from oelm_core.analysis import WHICH
 from oelm_core.config import ConfigError, apply_overrides, load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,8 +158,15 @@ STUDY_SET_PARAMETERS = {"03_training": {"params": "study.runs", "overrides": "st
                         "04_analysis": {"run_dirs": "study.runs", "out_dir": "--out"}}
 
 
-def notebook_parameters(name: str) -> list[str]:
-    """The names that notebooks/<name>.ipynb's parameters cell assigns: the parameters it reads."""
+# Notebook parameters whose type does not say enough: the values the notebook accepts.
+PARAMETER_CHOICES = {"04_analysis": {"which": WHICH}}
+_TYPE_NAMES = {bool: "true or false", int: "a whole number (int)", float: "a number (float)",
+               str: "a string", list: "a list", dict: "a mapping"}
+
+
+def notebook_defaults(name: str) -> dict[str, Any]:
+    """Name -> default value of what notebooks/<name>.ipynb's parameters cell assigns: the
+    parameters it reads. papermill parameters cells hold literals, so no code is run."""
     import ast
 
     import nbformat
@@ -164,13 +174,32 @@ def notebook_parameters(name: str) -> list[str]:
     nb = nbformat.read(str(NOTEBOOKS / f"{name}.ipynb"), as_version=4)
     cell = next((c for c in nb.cells if "parameters" in c.metadata.get("tags", [])), None)
     if cell is None:
-        return []
-    return [t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign)
-            for t in node.targets if isinstance(t, ast.Name)]
+        return {}
+    return {t.id: ast.literal_eval(node.value) for node in ast.parse(cell.source).body
+            if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+
+
+def notebook_parameters(name: str) -> list[str]:
+    """The names that notebooks/<name>.ipynb's parameters cell assigns: the parameters it reads."""
+    return list(notebook_defaults(name))
+
+
+def _fits(value: Any, default: Any) -> bool:
+    """Whether ``value`` is of the type of the notebook's ``default`` (any value where the default
+    is None, which names no type); bool is not taken for a number, a whole number is for a float."""
+    if default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
 
 
 def _check_parameters(parameters: Any, path: Path) -> dict[str, dict]:
-    """study.parameters, checked against the notebooks and the names their parameters cells define."""
+    """study.parameters, checked against the notebooks, the names their parameters cells define
+    and the types of the defaults there: a wrong value would otherwise surface only when its
+    notebook runs, after every training."""
     if not isinstance(parameters, dict):
         raise ConfigError(f"{path}: study.parameters must map notebook names to parameters, e.g. "
                           f"{{01_theory: {{d: 256}}}}; got {parameters!r}")
@@ -181,14 +210,23 @@ def _check_parameters(parameters: Any, path: Path) -> dict[str, dict]:
         if not isinstance(values or {}, dict):
             raise ConfigError(f"{path}: study.parameters.{nb} must map parameter names to values, "
                               f"got {values!r}")
-        valid = notebook_parameters(nb)
-        for key in values or {}:
+        defaults = notebook_defaults(nb)
+        for key, value in (values or {}).items():
+            where = f"{path}: study.parameters.{nb}.{key}"
             if key in STUDY_SET_PARAMETERS.get(nb, {}):
-                raise ConfigError(f"{path}: study.parameters.{nb}.{key} is set by the study itself; "
+                raise ConfigError(f"{where} is set by the study itself; "
                                   f"use {STUDY_SET_PARAMETERS[nb][key]} instead")
-            if key not in valid:
+            if key not in defaults:
                 raise ConfigError(f"{path}: unknown parameter study.parameters.{nb}.{key}; the "
-                                  f"notebook's parameters are {', '.join(valid)}")
+                                  f"notebook's parameters are {', '.join(defaults)}")
+            default = defaults[key]
+            if not _fits(value, default):
+                expected = _TYPE_NAMES.get(type(default), type(default).__name__)
+                raise ConfigError(f"{where} must be {expected} (the notebook's default is "
+                                  f"{default!r}); got {value!r}")
+            choices = PARAMETER_CHOICES.get(nb, {}).get(key)
+            if choices is not None and value not in choices:
+                raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
     return {nb: dict(values or {}) for nb, values in parameters.items()}
 
 
@@ -214,32 +252,53 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join('study.' + k for k in unknown)}; valid keys: "
                           f"{', '.join(sorted(STUDY_KEYS))}")
-    name = str(spec.get("name") or path.stem.replace("study_", ""))
+    # A key written without a value (`seeds:`) reads as None: the same as leaving it out.
+    spec = {k: v for k, v in spec.items() if v is not None}
+    for key in ("name", "description"):
+        if not isinstance(spec.get(key, ""), str):
+            raise ConfigError(f"{path}: study.{key} must be a string, got {spec[key]!r}")
+    name = spec.get("name") or path.stem.replace("study_", "")
     out = Path(out) if out is not None else Path("runs") / name
-    notebooks = list(spec.get("notebooks") or ALL_NOTEBOOKS)
+    notebooks = spec.get("notebooks", list(ALL_NOTEBOOKS))
+    if not isinstance(notebooks, list) or not notebooks:
+        raise ConfigError(f"{path}: study.notebooks must be a non-empty list of notebooks to run, "
+                          f"e.g. [03_training, 04_analysis] (leave the key out for all of "
+                          f"{list(ALL_NOTEBOOKS)}); got {notebooks!r}")
     bad = [n for n in notebooks if n not in ALL_NOTEBOOKS]
     if bad:
         raise ConfigError(f"study.notebooks names {bad}; choose from {list(ALL_NOTEBOOKS)}")
-    gpus_per_run = spec.get("gpus_per_run") or 0
+    if len(set(notebooks)) != len(notebooks):
+        raise ConfigError(f"{path}: study.notebooks lists a notebook twice ({notebooks}); list each once")
+    gpus_per_run = spec.get("gpus_per_run", 0)
     if not isinstance(gpus_per_run, int) or isinstance(gpus_per_run, bool) or gpus_per_run < 0:
         raise ConfigError(f"{path}: study.gpus_per_run must be a whole number of GPUs per run "
                           f"(0 for CPU), got {gpus_per_run!r}")
-    parameters = _check_parameters(spec.get("parameters") or {}, path)
-    seeds = spec.get("seeds") or [None]
-    if not isinstance(seeds, list):
-        seeds = [seeds]
-    common = _str_list(spec.get("overrides") or [], f"{path}: study.overrides") + run_sets
+    parameters = _check_parameters(spec.get("parameters", {}), path)
+    seeds = spec.get("seeds", [None])  # None: each parameter file's own train.seed
+    if "seeds" in spec:
+        seeds = seeds if isinstance(seeds, list) else [seeds]
+        if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+            raise ConfigError(f"{path}: study.seeds must be a non-empty list of whole numbers, e.g. "
+                              f"[42, 43] (leave the key out for each parameter file's train.seed); "
+                              f"got {spec['seeds']!r}")
+    common = _str_list(spec.get("overrides", []), f"{path}: study.overrides") + run_sets
+    entries = spec.get("runs", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"{path}: study.runs must be a list of parameter files (or {{params: "
+                          f"PATH, name: NAME, overrides: [...]}} entries); got {entries!r}")
     runs: list[PlannedRun] = []
-    for i, entry in enumerate(spec.get("runs") or []):
+    for i, entry in enumerate(entries):
         where = f"{path}: study.runs[{i}]"
         entry = {"params": entry} if isinstance(entry, str) else entry
-        if not isinstance(entry, dict) or "params" not in entry:
+        if not isinstance(entry, dict) or not isinstance(entry.get("params"), str):
             raise ConfigError(f"{where} needs a parameter file: write it as a path, or as "
                               f"{{params: PATH, name: NAME, overrides: [...]}}; got {entry!r}")
         unknown = sorted(set(entry) - RUN_KEYS)
         if unknown:
             raise ConfigError(f"{where} has unknown key(s) {', '.join(map(str, unknown))}; valid keys: "
                               f"{', '.join(sorted(RUN_KEYS))}")
+        if not isinstance(entry.get("name", ""), str):
+            raise ConfigError(f"{where}.name must be a string, got {entry['name']!r}")
         params = Path(entry["params"])
         if not params.is_absolute():
             params = (path.parent / params) if (path.parent / params).is_file() else params
@@ -256,8 +315,10 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ConfigError(f"two runs of {path} share a name ({names}); give each run entry a 'name'")
-    if "03_training" in notebooks and not runs:
-        raise ConfigError(f"{path} lists no runs under study.runs")
+    needs_runs = [n for n in ("03_training", "04_analysis") if n in notebooks]
+    if needs_runs and not runs:
+        raise ConfigError(f"{path} lists no runs under study.runs for {' and '.join(needs_runs)}; "
+                          f"add parameter files there or leave those notebooks out of study.notebooks")
     return Study(name=name, path=path.resolve(), out=out, runs=runs, notebooks=notebooks,
                  gpus_per_run=gpus_per_run, parameters=parameters,
                  description=spec.get("description", ""))

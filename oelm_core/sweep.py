@@ -13,25 +13,30 @@ A sweep file (``parameters/sweeps/*.yaml``) is a training parameter file plus a 
         points: [...]
         set: {train.steps: 8, ...}
 
+``seeds`` is a list of integers and ``variants`` a list of names from ``oelm_core.VARIANTS``,
+even for one: ``seeds: [0]``, ``variants: [gpt_base]``.
+
 Each (point, variant, seed) becomes one run folder ``out_root/<name>/<key>=<value>/<variant>/seed<S>``
-holding the trainer's files plus ``params.yaml`` (exactly what was trained) and
-``sweep_point.json`` (which point it is). Runs whose ``summary.json`` says they ended
-("completed" or "stopped_early") are skipped and a run cut short resumes from its newest
-checkpoint, so an interrupted sweep continues where it stopped.
+(smoke runs: ``out_root/<name>_smoke/...``) holding the trainer's files plus ``params.yaml``
+(exactly what was trained) and ``sweep_point.json`` (which point it is). Runs whose
+``summary.json`` says they ended ("completed" or "stopped_early") are skipped and a run cut short
+resumes from its newest checkpoint, so an interrupted sweep continues where it stopped. A folder
+whose ``config.yaml`` was trained with other settings is refused (ConfigError), never skipped.
 
 Ablations: every ``parameters/ablations/*.yaml`` x seeds, into ``out_root/<file stem>/seed<S>``;
 ``ablation_table`` / ``ablation_figure`` read them back (through ``oelm_core.analysis``).
 
 CLI:
     python -m oelm_core.sweep run parameters/sweeps/a6_layers.yaml --out runs/sweeps [--smoke]
-    python -m oelm_core.sweep ablations --out results/ablations [--seeds 0 1] [--only oelm_poet]
-    python -m oelm_core.sweep table results/ablations [--figure F.png] [--markdown T.md]
+    python -m oelm_core.sweep ablations --out runs/ablations [--seeds 0 1] [--only oelm_poet]
+    python -m oelm_core.sweep table runs/ablations [--figure F.png] [--markdown T.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,7 +48,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.config import ConfigError, run_config_from_dict, set_dotted
+from oelm_core.config import ConfigError, run_config_from_dict, set_dotted, variants as known_variants
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNERS = ("inprocess", "subprocess", "notebook")
@@ -114,6 +119,22 @@ def _check_points(points: Any, where: str, path: Path) -> None:
                               f"{{model.n_layer: 2}}; got {point['set']!r}")
 
 
+def _check_seeds(seeds: Any, path: Path) -> None:
+    if not (isinstance(seeds, list) and seeds
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+        raise ConfigError(f"{path}: sweep.seeds must be a list of integers, e.g. [0] or [0, 1]; got {seeds!r}")
+
+
+def _check_variants(names: Any, path: Path) -> None:
+    known = sorted(known_variants())
+    if not (isinstance(names, list) and names and all(isinstance(v, str) for v in names)):
+        raise ConfigError(f"{path}: sweep.variants must be a list of variant names, e.g. [gpt_base] or "
+                          f"[gpt_base, oelm_freeze]; got {names!r}")
+    unknown = [v for v in names if v not in known]
+    if unknown:
+        raise ConfigError(f"{path}: sweep.variants has unknown variant(s) {unknown}; choose from {known}")
+
+
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file (every point of every variant is validated up front)."""
     path = Path(path)
@@ -140,10 +161,12 @@ def load_sweep(path: str | Path) -> Sweep:
     if not isinstance(smoke.get("set") or {}, dict):
         raise ConfigError(f"{path}: sweep.smoke.set must map dotted keys to values, e.g. "
                           f"{{train.steps: 8}}; got {smoke['set']!r}")
-    sweep = Sweep(name=str(spec.get("name", path.stem)), key=str(spec["key"]),
-                  variants=list(spec.get("variants", ["gpt_base", "oelm_nofreeze", "oelm_freeze"])),
-                  seeds=[int(s) for s in spec.get("seeds", [0])], points=list(points), base=values,
-                  smoke=dict(smoke))
+    variants = spec.get("variants", ["gpt_base", "oelm_nofreeze", "oelm_freeze"])
+    _check_variants(variants, path)
+    seeds = spec.get("seeds", [0])
+    _check_seeds(seeds, path)
+    sweep = Sweep(name=str(spec.get("name", path.stem)), key=str(spec["key"]), variants=list(variants),
+                  seeds=list(seeds), points=list(points), base=values, smoke=dict(smoke))
     for smoke in (False, True):
         if smoke and not sweep.smoke:
             continue
@@ -156,6 +179,12 @@ def _fmt_value(v: Any) -> str:
     return str(v).replace("/", "_").replace(" ", "")
 
 
+def sweep_dir(sweep: Sweep, out_root: str | Path, smoke: bool = False) -> Path:
+    """The folder of a sweep's run folders; smoke runs get their own, so that a full sweep into
+    the same out_root never finds (and skips) a smoke run where its own point belongs."""
+    return Path(out_root) / (f"{sweep.name}_smoke" if smoke else sweep.name)
+
+
 def sweep_runs(sweep: Sweep, out_root: str | Path, *, smoke: bool = False,
                variants: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
                overrides: dict | None = None) -> list[RunSpec]:
@@ -165,14 +194,15 @@ def sweep_runs(sweep: Sweep, out_root: str | Path, *, smoke: bool = False,
     if smoke and not sweep.smoke:
         points = sweep.points[:2]
     base = _apply(sweep.base, smoke_spec.get("set"))
+    root = sweep_dir(sweep, out_root, smoke)
     runs = []
     for point in points:
         for variant in variants or sweep.variants:
             for seed in seeds if seeds is not None else sweep.seeds:
-                out = Path(out_root) / sweep.name / f"{sweep.key}={_fmt_value(point['value'])}" / variant / f"seed{seed}"
+                out = root / f"{sweep.key}={_fmt_value(point['value'])}" / variant / f"seed{seed}"
                 params = _apply(base, point.get("set"))
                 params = _apply(params, overrides)
-                params.update(variant=variant, name=f"{sweep.name}/{sweep.key}={point['value']}/{variant}",
+                params.update(variant=variant, name=f"{root.name}/{sweep.key}={point['value']}/{variant}",
                               out_dir=str(out))
                 params.setdefault("train", {})["seed"] = int(seed)
                 info = {"sweep": sweep.name, "key": sweep.key, "value": point["value"], "variant": variant,
@@ -197,6 +227,42 @@ def _status(out_dir: Path) -> Optional[str]:
         return None
 
 
+# Where and how a run executes, not what it learns: a folder trained with other values of these
+# still holds the planned run (stop_after pauses a run that the next call resumes; the stories and
+# their token files may live elsewhere on another machine).
+EXECUTION_KEYS = {"train.stop_after", "train.progress", "train.device", "train.compile", "train.cuda_graph",
+                  "train.backend", "train.ddp_bucket_mb", "train.grad_exchange",
+                  "data.source", "data.out_dir", "data.num_proc"}
+
+
+def _trained_settings(params: dict) -> dict:
+    """Every setting that shapes what a run learns, as {dotted key: value}; the model as the
+    preset, variant and overrides resolve it, so equal models written differently compare equal."""
+    cfg = run_config_from_dict(params)
+    flat = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model_config()).items()}
+    for section in ("train", "data"):
+        flat.update({f"{section}.{k}": v for k, v in dataclasses.asdict(getattr(cfg, section)).items()})
+    return {k: v for k, v in flat.items() if k not in EXECUTION_KEYS}
+
+
+def _check_run_folder(run: RunSpec) -> None:
+    """Raise ConfigError when run.out_dir already holds a run trained with other settings: skipping
+    or resuming it would report that run as the planned one."""
+    saved_file = run.out_dir / "config.yaml"   # the trainer's own record of what it trained
+    if not saved_file.is_file():
+        return
+    fix = f"train into another folder (--out / out_root), or delete {run.out_dir} to train it again"
+    try:
+        saved = _trained_settings(yaml.safe_load(saved_file.read_text()) or {})
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{run.out_dir} holds a run whose config.yaml cannot be read ({exc}); {fix}") from None
+    planned = _trained_settings(run.params)
+    changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in planned.items() if saved.get(k) != v]
+    if changed:
+        raise ConfigError(f"{run.out_dir} holds a run trained with other settings than planned "
+                          f"({'; '.join(changed)}); {fix}")
+
+
 def _notebook_path() -> Path:
     return REPO / "notebooks" / "03_training.ipynb"
 
@@ -206,14 +272,15 @@ def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log
     run that fails: the error is recorded, the sweep goes on)."""
     if runner not in RUNNERS:
         raise ConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    _check_run_folder(run)
     out = run.out_dir
+    if skip_done and _status(out) in FINISHED:
+        log(f"  skip (finished): {out}")
+        return {**run.info, "status": "skipped", "wall_s": 0.0, "out_dir": str(out)}
     out.mkdir(parents=True, exist_ok=True)
     params_file = out / "params.yaml"
     params_file.write_text(yaml.safe_dump(run.params, sort_keys=False))
     (out / "sweep_point.json").write_text(json.dumps(run.info, indent=2) + "\n")
-    if skip_done and _status(out) in FINISHED:
-        log(f"  skip (finished): {out}")
-        return {**run.info, "status": "skipped", "wall_s": 0.0, "out_dir": str(out)}
     t0 = time.perf_counter()
     status, error = "completed", None
     try:
@@ -268,8 +335,9 @@ def run_sweep(sweep: str | Path | Sweep, out_root: str | Path = "runs/sweeps", *
     if not isinstance(sweep, Sweep):
         sweep = load_sweep(sweep)
     runs = sweep_runs(sweep, out_root, smoke=smoke, variants=variants, seeds=seeds, overrides=overrides)
-    for r in runs:
-        run_config_from_dict(r.params)   # fail before the first run, not at the last
+    for r in runs:   # fail before the first run, not at the last
+        run_config_from_dict(r.params)
+        _check_run_folder(r)
     rows = []
     for i, run in enumerate(runs):
         log(f"[{i + 1}/{len(runs)}] {sweep.key}={run.info['value']} {run.info['variant']} seed {run.info['seed']}")
@@ -277,7 +345,7 @@ def run_sweep(sweep: str | Path | Sweep, out_root: str | Path = "runs/sweeps", *
     return rows
 
 
-def ablation_runs(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "results/ablations",
+def ablation_runs(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "runs/ablations",
                   seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
                   overrides: dict | None = None) -> list[RunSpec]:
     """Every ablation file x seed, seed-major (all files at seed 0 first)."""
@@ -306,7 +374,7 @@ def ablation_runs(params_dir: str | Path = "parameters/ablations", out_root: str
     return runs
 
 
-def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "results/ablations",
+def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "runs/ablations",
                   seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
                   overrides: dict | None = None, runner: str = "inprocess", skip_done: bool = True,
                   budget_s: float = 0.0, prune_checkpoints: bool = True, log=print) -> list[dict]:
@@ -319,6 +387,8 @@ def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str
     import shutil
 
     runs = ablation_runs(params_dir, out_root, seeds, only, overrides)
+    for r in runs:   # fail before the first run, not at the last
+        _check_run_folder(r)
     rows, t0 = [], time.perf_counter()
     for i, run in enumerate(runs):
         elapsed = time.perf_counter() - t0
@@ -377,7 +447,7 @@ def run_rows(root: str | Path, spectrum: bool = True) -> list[dict]:
         p = run.point
         rows.append({
             "label": p.get("label") or run.name, "variant": run.variant, "seed": run.seed,
-            "key": p.get("key"), "value": p.get("value"), "sweep": p.get("sweep"),
+            "key": p.get("key"), "value": p.get("value"), "sweep": p.get("sweep"), "smoke": bool(p.get("smoke")),
             "status": run.summary.get("status"), "steps": run.value("steps"),
             "final_val_loss": run.value("final_val_loss"), "final_val_ppl": run.value("final_val_ppl"),
             "best_val_loss": run.value("best_val_loss"),
@@ -464,12 +534,20 @@ def ablation_figure(table: dict, path: str | Path | None = None):
     return save_figure(fig, path)
 
 
-def sweep_results(root: str | Path, sweep_name: Optional[str] = None) -> dict:
-    """Per (value, variant): mean/std final val loss over seeds, from the run folders under root."""
+def sweep_results(root: str | Path, sweep_name: Optional[str] = None, smoke: Optional[bool] = None) -> dict:
+    """Per (value, variant): mean/std final val loss over seeds, from the run folders under root.
+
+    ``smoke``: True, the smoke runs only; False, the full runs only; None, whichever kind root
+    holds (ConfigError where it holds both, so a table never mixes them).
+    """
     from oelm_core.analysis import markdown_table, mean_std
 
     runs = [r for r in run_rows(root, spectrum=False) if r["key"] and r["sweep"] != "ablations"
             and (sweep_name is None or r["sweep"] == sweep_name)]
+    if smoke is None and len({r["smoke"] for r in runs}) > 1:
+        raise ConfigError(f"{root} holds both smoke and full runs{f' of {sweep_name}' if sweep_name else ''}; "
+                          f"pass smoke=True or smoke=False (CLI: table --sweep --smoke or --full)")
+    runs = [r for r in runs if smoke is None or r["smoke"] == smoke]
     rows = []
     for (sweep, key, value, variant), group in _group(runs, ["sweep", "key", "value", "variant"]).items():
         loss, loss_std = mean_std(r["final_val_loss"] for r in group)
@@ -535,7 +613,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     a = sub.add_parser("ablations", help="train every parameters/ablations file x seeds, then tabulate")
     a.add_argument("--params-dir", default="parameters/ablations")
-    a.add_argument("--out", default="results/ablations")
+    a.add_argument("--out", default="runs/ablations")
     a.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     a.add_argument("--only", nargs="+", help="file stems to run (default: all)")
     a.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
@@ -545,6 +623,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     t = sub.add_parser("table", help="tabulate (and plot) the ablation or sweep runs under a folder")
     t.add_argument("root")
     t.add_argument("--sweep", action="store_true", help="a sweep folder (default: ablations)")
+    kind = t.add_mutually_exclusive_group()
+    kind.add_argument("--smoke", dest="smoke", action="store_const", const=True,
+                      help="with --sweep: the smoke runs only (needed where the folder holds both kinds)")
+    kind.add_argument("--full", dest="smoke", action="store_const", const=False,
+                      help="with --sweep: the full runs only")
     t.add_argument("--figure")
     t.add_argument("--markdown")
     args = p.parse_args(argv)
@@ -553,9 +636,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             sweep = load_sweep(args.sweep_file)
             rows = run_sweep(sweep, args.out, smoke=args.smoke, runner=args.runner, variants=args.variants,
                              seeds=args.seeds, overrides=_parse_sets(args.set))
-            res = sweep_results(args.out, sweep.name)
+            res = sweep_results(args.out, sweep.name, smoke=args.smoke)
             print(res["markdown"])
-            sweep_figure(res, Path(args.out) / sweep.name / "sweep.png")
+            sweep_figure(res, sweep_dir(sweep, args.out, args.smoke) / "sweep.png")
             return 1 if any(r["status"] == "failed" for r in rows) else 0
         if args.cmd == "ablations":
             rows = run_ablations(args.params_dir, args.out, args.seeds, args.only, _parse_sets(args.set),
@@ -564,7 +647,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _write_table(table, args.out, None, None)
             return 1 if any(r["status"] == "failed" for r in rows) else 0
         if args.sweep:
-            res = sweep_results(args.root)
+            res = sweep_results(args.root, smoke=args.smoke)
             print(res["markdown"])
             if args.figure:
                 sweep_figure(res, args.figure)

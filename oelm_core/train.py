@@ -48,7 +48,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from oelm_core.config import (ConfigError, ModelConfig, RunConfig, TrainConfig, load_run_config,
+from oelm_core.config import (PRESETS, ConfigError, ModelConfig, RunConfig, TrainConfig, load_run_config,
                               run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.model import build_model
@@ -534,7 +534,9 @@ def _step_number(path: Path) -> int:
 
 # What --resume may change: where and how fast the steps run, how often the run reports, and
 # how long it goes on. Everything else shapes the curve (seed, batch, optimiser, schedule, data)
-# and must be the run's own, or the resumed run would continue a curve it is not part of.
+# and must be the run's own, or the resumed run would continue a curve it is not part of. How
+# long it goes on shapes the curve too where the schedule reads train.steps (the cosine ends
+# there): Trainer._restore refuses a change that moves the learning rate of the steps to come.
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
@@ -556,6 +558,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls outside autocast
         self.model_cfg: ModelConfig = cfg.model_config()
+        self._check_vocabulary()
         self.frozen = self.model_cfg.frozen_layers()  # layers whose Q/K are still buffers
         # The seed makes the weights identical on every rank; the offset gives ranks own dropout.
         self.model = build_model(self.model_cfg, seed=self.tc.seed).to(self.device)
@@ -605,6 +608,23 @@ class Trainer:
             raise failure
         return load_meta(self.cfg.data.out_dir)
 
+    def _check_vocabulary(self) -> None:
+        """Refuse token files whose ids the embedding has no row for (torch.embedding would fail
+        at the first step with a bare IndexError). The meta's vocabulary is the tokenizer's,
+        which bounds every id its files can hold, without reading them."""
+        data_vocab, vocab = self.meta["vocab_size"], self.model_cfg.vocab_size
+        if vocab >= data_vocab:
+            return
+        fits = [name for name, shape in PRESETS.items()
+                if shape.get("vocab_size", ModelConfig.vocab_size) >= data_vocab]
+        origin = "" if "vocab_size" in self.cfg.model else f" (preset {self.cfg.preset})"
+        raise ConfigError(
+            f"the token files in {self.cfg.data.out_dir} hold {self.meta['tokenizer']} ids up to "
+            f"{data_vocab - 1} (a {data_vocab}-token vocabulary), but model.vocab_size is "
+            f"{vocab}{origin}: the embedding has no row for ids from {vocab} on. Use a preset "
+            f"with the {self.meta['tokenizer']} vocabulary ({', '.join(fits)}) or set "
+            f"model.vocab_size: {data_vocab}")
+
     def _model_config_now(self) -> ModelConfig:
         """The model as it is now: freeze_qk lists the layers still frozen after unfreezing."""
         all_layers = list(range(self.model_cfg.n_layer))
@@ -646,6 +666,7 @@ class Trainer:
                               f"with the run's own parameters ({self.out / 'config.yaml'}) or set "
                               f"out_dir to a new folder. Only these may change on resume: "
                               f"{', '.join(f'{s}.{k}' for s in RESUMABLE_CHANGES for k in sorted(RESUMABLE_CHANGES[s]))}")
+        self._check_schedule(saved_cfg.train, int(state["step"]), path)
         self.step = int(state["step"])
         # Replay the unfreezes already done so the parameters and optimiser groups match the saved ones.
         for at, layers in self.schedule.items():
@@ -674,6 +695,27 @@ class Trainer:
         self.tokens_base = (self.step, int(m.get("tokens_seen", self.step * self.tokens_per_step)))
         self.wall_before = float(m.get("wall_time_s") or 0.0)
         log.info("resumed %s at step %d", path, self.step)
+
+    def _check_schedule(self, saved: TrainConfig, step: int, path: Path) -> None:
+        """Refuse resumable changes (train.steps) that move the learning rate of the next step:
+        the resumed curve would jump there and match neither the old run nor a new one.
+
+        Equal there, the run goes on as one started with the new settings would have: a resume
+        within the warm-up, or a schedule that does not read train.steps (min_lr = lr)."""
+        was, now = lr_at(step, saved), lr_at(step, self.tc)
+        if math.isclose(was, now, rel_tol=1e-9):
+            return
+        # Only resumable keys differ here (_restore refused the others): name those that move it.
+        moved = [f"train.{key} {getattr(saved, key)!r} -> {getattr(self.tc, key)!r}"
+                 for key in sorted(RESUMABLE_CHANGES["train"])
+                 if not math.isclose(was, lr_at(step, dataclasses.replace(saved, **{key: getattr(self.tc, key)})),
+                                     rel_tol=1e-9)]
+        raise ConfigError(
+            f"cannot resume {path}: {', '.join(moved)} changes the learning rate of step "
+            f"{step + 1} from {was:.4g} to {now:.4g} (the cosine decays to train.min_lr at "
+            f"train.steps), and the curve would jump there. Keep train.steps: {saved.steps} to "
+            f"continue this run, or train from step 0 with out_dir set to a new folder. Only a run "
+            f"with train.min_lr equal to train.lr (constant after warm-up) can be extended")
 
     def _tokens_seen(self) -> int:
         step, tokens = self.tokens_base

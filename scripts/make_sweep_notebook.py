@@ -16,7 +16,8 @@ CELLS = [
 Trains GPT-Base, OELM-NoFreeze and OELM-Freeze at every point of one sweep file in
 `parameters/sweeps/` and plots the final validation loss against the swept value.
 All logic lives in `oelm_core.sweep`: each (point, variant, seed) is one run folder
-`out_root/<sweep>/<key>=<value>/<variant>/seed<S>` with the trainer's files, the exact
+`out_root/<sweep>/<key>=<value>/<variant>/seed<S>` (smoke runs under `<sweep>_smoke/`) with
+the trainer's files, the exact
 `params.yaml` it trained and `sweep_point.json`. Completed runs are skipped, so re-executing
 continues an interrupted sweep.
 
@@ -31,7 +32,7 @@ runner = "inprocess"      # "inprocess", "subprocess" or "notebook"
 variants = None           # None: the file's (gpt_base, oelm_nofreeze, oelm_freeze)
 seeds = None              # None: the file's
 overrides = {}            # dotted keys applied to every run, e.g. {"train.steps": 400}
-figure_path = None        # None: <out_root>/<sweep>/sweep.png"""),
+figure_path = None        # None: sweep.png in the sweep's folder (<out_root>/<sweep> or <sweep>_smoke)"""),
     ("code", """import os, sys
 from pathlib import Path
 # the kernel runs in the repository root (papermill --cwd); make oelm_core importable either way
@@ -50,10 +51,10 @@ print(f"{sweep.name}: {len(plan)} runs over {sweep.key} =", sorted({r.info['valu
 failed = [r for r in status if r["status"] == "failed"]
 assert not failed, f"{len(failed)} run(s) failed: " + "; ".join(r.get("error", "") for r in failed)"""),
     ("md", "## Results"),
-    ("code", """results = S.sweep_results(out_root, sweep.name)
+    ("code", """results = S.sweep_results(out_root, sweep.name, smoke=smoke)
 assert len(results["runs"]) >= len(plan), "some run folders have no results"
 display(Markdown(results["markdown"]))"""),
-    ("code", """fig = S.sweep_figure(results, figure_path or Path(out_root) / sweep.name / "sweep.png")
+    ("code", """fig = S.sweep_figure(results, figure_path or S.sweep_dir(sweep, out_root, smoke) / "sweep.png")
 fig"""),
 ]
 

@@ -5,8 +5,10 @@
 #   [OELM_DATA=/path/to/tinystories] scripts/run_ablations.sh [RESULTS_DIR] [--set key=value ...]
 #   (quick check: ONLY="gpt_base oelm_poet" SEEDS=0 scripts/run_ablations.sh /tmp/abl --set train.steps=50)
 #
-# RESULTS_DIR (default results/ablations) gets <ablation>/seed<S>/ run folders, ablations.md,
-# ablations.json and ablations.png. Runs go in one Python process (no per-run start-up, no
+# RESULTS_DIR (default runs/ablations, git-ignored) gets <ablation>/seed<S>/ run folders, ablations.md,
+# ablations.json and ablations.png. results/ablations holds the committed results (their run
+# folders without best.pt, and errata in ablations.md): pointing RESULTS_DIR there would train
+# nothing and rewrite ablations.md. Runs go in one Python process (no per-run start-up, no
 # torch.compile) at preset mini with a 128-token context, 800 steps x 32 sequences (3.3M tokens)
 # each: ~5-10 s per run on an H100, ~3-5 min for all 30. BUDGET_S (default 450) stops starting
 # new runs after that many seconds so the whole script stays under 8 minutes; running it again
@@ -16,7 +18,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-RESULTS="${1:-results/ablations}"
+RESULTS="${1:-runs/ablations}"
 shift || true
 # Offline stories and tokenizer files (tiktoken's GPT-2 BPE), if the checkout has them beside or inside it.
 if [ -z "${OELM_DATA:-}" ]; then

@@ -63,7 +63,47 @@ def test_load_run_reads_summary_metrics_and_config(tmp_path):
     assert (run.variant, run.preset, run.seed, run.label) == ("oelm_freeze", "medium512", 7, "OELM-Freeze")
     assert len(run.train_rows()) == 4 and [r["step"] for r in run.eval_rows()] == [20, 40]
     assert run.value("final_val_ppl") == 12.0 and run.value("trainable") == 41_751_040
-    assert run.value("checkpoint_mb") == 500
+    assert run.value("wall_time_s") == 12.0 and run.value("steps") == 40 and run.value("epochs") == 0.4
+
+
+def test_checkpoint_mb_is_the_size_of_best_pt(tmp_path):
+    """summary.json's checkpoint_bytes (500 MiB here) is the newest training checkpoint, AdamW
+    moments included; the table's checkpoint is best.pt, the weights, in MB of 10^6 bytes,
+    whether summary.json exists or not."""
+    import dataclasses
+
+    from oelm_core.checkpoint import load_model, save_checkpoint
+
+    model = build_model("tiny", "oelm_freeze")
+    with_summary = make_run(tmp_path, "oelm_freeze", 12.0)
+    save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg)},
+                    with_summary / "best.pt")
+    assert load_model(with_summary / "best.pt")[0].cfg == model.cfg
+    size = (with_summary / "best.pt").stat().st_size
+    assert size != 500 * 2**20
+    assert A.load_run(with_summary).value("checkpoint_mb") == pytest.approx(size / 1e6)
+    without_summary = make_run(tmp_path, "gpt_base", 10.0, summary=False)
+    (without_summary / "best.pt").write_bytes(b"\0" * 2_500_000)
+    assert A.load_run(without_summary).value("checkpoint_mb") == 2.5
+    runs = A.load_runs(tmp_path)
+    rows = {r["variant"]: r for r in A.results_table(runs)["rows"]}
+    assert rows["oelm_freeze"]["checkpoint_mb"] == pytest.approx(size / 1e6)
+    assert rows["gpt_base"]["checkpoint_mb"] == 2.5
+    # no best.pt: no checkpoint size, not the training checkpoint's
+    assert A.load_run(make_run(tmp_path, "oelm_nofreeze", 11.0)).value("checkpoint_mb") is None
+
+
+def test_committed_results_load_with_the_trainers_keys():
+    """The committed run folders (summary.json as oelm_core.train writes it) give every figure."""
+    runs = A.load_runs(Path(__file__).resolve().parents[1] / "results" / "ablations")
+    assert len(runs) == 30
+    for run in runs:
+        for key in ("final_val_loss", "final_val_ppl", "final_val_bpb", "best_val_loss", "best_val_ppl",
+                    "final_train_loss", "tokens_per_s", "trainable", "total", "wall_time_s",
+                    "epochs", "steps"):
+            assert run.value(key) is not None, (run.path, key)
+        assert run.value("final_val_ppl") == pytest.approx(math.exp(run.value("final_val_loss")))
+        assert run.value("steps") == run.metrics[-1]["step"]
 
 
 def test_values_fall_back_to_metrics_without_summary(tmp_path):
@@ -117,6 +157,19 @@ def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
     assert bad[1]["value"] == pytest.approx(11.2 / 10.37 - 1)
     # H1 holds with a claim that matches the data
     assert A.hypotheses(study_runs(tmp_path / "c"), h1_claim=0.07)[0]["holds"] is True
+
+
+def test_which_other_than_final_or_best_is_refused(tmp_path):
+    """which='bestt' read no figures: an empty table and unjudged hypotheses, which only a later
+    assertion in the analysis notebook caught."""
+    from oelm_core.config import ConfigError
+
+    runs = study_runs(tmp_path)
+    for call in (A.results_table, A.hypotheses, lambda r, w: A.write_results(r, tmp_path / "out", w)):
+        with pytest.raises(ConfigError, match=r"which='bestt' names no validation figures; pass one of 'final', 'best'"):
+            call(runs, "bestt")
+    assert not (tmp_path / "out").exists()
+    assert A.results_table(runs, "best")["rows"][2]["val_ppl"] == pytest.approx(10.5)
 
 
 def test_hypotheses_without_the_runs_they_need_are_not_judged(tmp_path):

@@ -83,3 +83,19 @@ def test_overrides_leave_the_callers_mapping_alone():
     values = {"train": {"steps": 1}}
     assert apply_overrides(values, ["train.steps=2"]) == {"train": {"steps": 2}}
     assert values == {"train": {"steps": 1}}
+
+
+def test_yaml_syntax_errors_name_the_file_or_the_override(tmp_path):
+    """PyYAML's own error is a multi-line traceback that names neither the file nor the --set."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntrain:\n  lr: [1\n  steps: 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_run_config(bad)
+    message = str(exc.value)
+    assert message.startswith(f"{bad} is not valid YAML: expected ',' or ']', but got ':' at line 4")
+    assert "flow sequence from line 3" in message and "\n" not in message
+    with pytest.raises(ConfigError) as exc:
+        load_run_config(None, ["train.steps=5", "train.lr=[1"])
+    message = str(exc.value)
+    assert message.startswith("--set 'train.lr=[1': the value is not valid YAML (expected ',' or ']'")
+    assert "complete it" in message and "\n" not in message

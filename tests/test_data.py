@@ -1,6 +1,7 @@
 """oelm_core.data: story splitting, every source format, caching, samplers, errors, metrics."""
 
 import json
+import logging
 import math
 import os
 import time
@@ -145,10 +146,22 @@ def test_parallel_tokenising_matches_serial(tmp_path):
     assert meta["train_stories"] == 2500
 
 
-def test_env_overrides_source(story_folder, tmp_path, monkeypatch):
+def test_env_overrides_source(story_folder, tmp_path, monkeypatch, caplog):
+    """The override of an explicit data.source is said once, however often the data is prepared;
+    the default source, which OELM_DATA exists to replace offline, goes unmentioned."""
     monkeypatch.setenv("OELM_DATA", str(story_folder))
-    meta = data.prepare(cfg_for(tmp_path / "not-there", tmp_path / "out"), progress=False)
+    explicit = cfg_for(tmp_path / "not-there", tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="oelm_core.data"):
+        meta = data.prepare(explicit, progress=False)
+        data.prepare(explicit, progress=False)
     assert meta["source"] == str(story_folder.resolve())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data.source {tmp_path / 'not-there'} is overridden by the environment variable "
+        f"OELM_DATA={story_folder}; unset OELM_DATA to read {tmp_path / 'not-there'}"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="oelm_core.data"):
+        data.prepare(cfg_for(data.HUB_NAME, tmp_path / "out"), progress=False)
+    assert caplog.records == []
 
 
 # --- caching ------------------------------------------------------------------------------

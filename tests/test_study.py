@@ -103,10 +103,52 @@ def test_load_study_errors_are_clear(tmp_path):
     (["study.runs=[{name: a}]"], r"study.runs\[0\] needs a parameter file"),
     (["study.runs=[{params: smoke/gpt_base.yaml, overide: [train.steps=3]}]"],
      r"study.runs\[0\] has unknown key\(s\) overide; valid keys: name, overrides, params"),
+    # notebook parameters of the wrong type or value: they used to pass, train every run, and
+    # fail in the notebook (04_analysis.which) or name no parameter at all (01_theory.d)
+    (["study.parameters.04_analysis.which=bestt"],
+     r"study.parameters.04_analysis.which must be one of final, best; got 'bestt'"),
+    (["study.parameters.01_theory.d=abc"],
+     r"study.parameters.01_theory.d must be a whole number \(int\) \(the notebook's default is 512\); got 'abc'"),
+    (["study.parameters.01_theory.d=2.5"], r"01_theory.d must be a whole number \(int\).*got 2.5"),
+    (["study.parameters.04_analysis.max_new_tokens=true"], r"04_analysis.max_new_tokens must be a whole number"),
+    (["study.parameters.04_analysis.max_new_tokens=null"], r"04_analysis.max_new_tokens must be a whole number.*got None"),
+    (["study.parameters.02_model.all_variants=1"],
+     r"02_model.all_variants must be true or false \(the notebook's default is True\); got 1"),
+    (["study.parameters.02_model.preset=[medium512]"], r"02_model.preset must be a string.*got \['medium512'\]"),
+    # the study's own keys of the wrong type: an empty notebook list used to run all four
+    (["study.notebooks=[]"], r"study.notebooks must be a non-empty list of notebooks to run.*got \[\]"),
+    (["study.notebooks=03_training"], r"study.notebooks must be a non-empty list.*got '03_training'"),
+    (["study.notebooks=[03_training, 03_training]"], r"study.notebooks lists a notebook twice"),
+    (["study.runs=smoke/gpt_base.yaml"], r"study.runs must be a list of parameter files.*got 'smoke/gpt_base.yaml'"),
+    (["study.runs=[]", "study.notebooks=[04_analysis]"], r"lists no runs under study.runs for 04_analysis"),
+    (["study.runs=[{params: 3}]"], r"study.runs\[0\] needs a parameter file"),
+    (["study.runs=[{params: smoke/gpt_base.yaml, name: [a]}]"], r"study.runs\[0\].name must be a string"),
+    (["study.seeds=[]"], r"study.seeds must be a non-empty list of whole numbers.*got \[\]"),
+    (["study.seeds=[1, x]"], r"study.seeds must be a non-empty list of whole numbers.*got \[1, 'x'\]"),
+    (["study.parameters=[]"], r"study.parameters must map notebook names to parameters.*got \[\]"),
+    (["study.name=[a]"], r"study.name must be a string, got \['a'\]"),
 ])
 def test_load_study_rejects_wrong_keys_and_values(sets, message):
     with pytest.raises(ConfigError, match=message):
         load_study(STUDY_FILE, sets=sets)
+
+
+def test_load_study_takes_notebook_parameters_of_the_defaults_types(monkeypatch):
+    study = load_study(STUDY_FILE, sets=["study.parameters.04_analysis.which=best",
+                                         "study.parameters.04_analysis.fig_dir=/tmp/figs",
+                                         "study.parameters.01_theory.d=128", "study.seeds=7",
+                                         "study.notebooks=[01_theory, 04_analysis]"])
+    assert study.parameters["04_analysis"] == {"which": "best", "max_new_tokens": 30, "fig_dir": "/tmp/figs"}
+    assert study.parameters["01_theory"]["d"] == 128
+    assert study.notebooks == ["01_theory", "04_analysis"] and {r.seed for r in study.runs} == {7}
+    # a float parameter takes a whole number too, not a string
+    import oelm_core.study as S
+
+    defaults = S.notebook_defaults
+    monkeypatch.setattr(S, "notebook_defaults", lambda nb: {**defaults(nb), "scale": 0.5})
+    assert load_study(STUDY_FILE, sets=["study.parameters.01_theory.scale=2"]).parameters["01_theory"]["scale"] == 2
+    with pytest.raises(ConfigError, match=r"01_theory.scale must be a number \(float\)"):
+        load_study(STUDY_FILE, sets=["study.parameters.01_theory.scale=big"])
 
 
 def test_study_notebook_parameters_are_those_of_the_notebooks():
@@ -152,7 +194,10 @@ def test_train_command_single_and_torchrun():
 
 
 @pytest.mark.slow
-def test_failed_notebook_names_the_cell(tmp_path):
+def test_failed_notebook_names_the_cell(tmp_path, monkeypatch):
+    # OELM_DATA (the Makefile exports it) overrides data.source: the run would find stories and
+    # fail somewhere else, for another reason
+    monkeypatch.delenv("OELM_DATA", raising=False)
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"name": "bad", "preset": "tiny", "variant": "gpt_base",
                                    "data": {"source": str(tmp_path / "no_such_folder"),
@@ -164,4 +209,5 @@ def test_failed_notebook_names_the_cell(tmp_path):
     msg = str(err.value)
     assert "notebook 03_training failed in code cell" in msg and "launch_training" in msg
     assert "RuntimeError" in msg and str(out) in msg
+    assert f"data folder {tmp_path / 'no_such_folder'} does not exist" in msg
     assert failed_cell(out).startswith("code cell")

@@ -1,5 +1,6 @@
 """oelm_core.sweep: the sweep and ablation plans, and the tables/figures read back from run folders."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -7,12 +8,13 @@ import pytest
 import yaml
 
 from oelm_core import VARIANTS
-from oelm_core.config import ConfigError, run_config_from_dict
+from oelm_core.config import ConfigError, run_config_from_dict, save_run_config
 from oelm_core.sweep import (
     ablation_figure,
     ablation_runs,
     ablation_table,
     load_sweep,
+    main,
     run_sweep,
     sweep_figure,
     sweep_results,
@@ -67,6 +69,21 @@ def _sweep_file(tmp_path: Path, **sweep) -> Path:
 def test_load_sweep_rejects_wrong_keys_and_values(tmp_path, sweep, message):
     with pytest.raises(ConfigError, match=message):
         load_sweep(_sweep_file(tmp_path, **sweep))
+
+
+@pytest.mark.parametrize("sweep,message", [
+    ({"seeds": 0}, r"sweep.seeds must be a list of integers, e.g. \[0\] or \[0, 1\]; got 0"),
+    ({"seeds": ["a"]}, r"sweep.seeds must be a list of integers.*got \['a'\]"),
+    ({"seeds": [True]}, r"sweep.seeds must be a list of integers"),
+    ({"seeds": []}, r"sweep.seeds must be a list of integers"),
+    ({"variants": "gpt_base"}, r"sweep.variants must be a list of variant names, e.g. \[gpt_base\].*got 'gpt_base'"),
+    ({"variants": ["gpt_base", "oelm_frezee"]}, r"sweep.variants has unknown variant\(s\) \['oelm_frezee'\]; choose from"),
+])
+def test_load_sweep_requires_lists_of_seeds_and_variants(tmp_path, sweep, message):
+    path = _sweep_file(tmp_path, **sweep)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_sweep(path)
+    assert str(path) in str(err.value)
 
 
 def test_load_sweep_from_the_notebooks_folder(monkeypatch):
@@ -129,6 +146,80 @@ def test_sweep_results_and_figure(tmp_path):
     assert res["rows"][-1]["val_loss"] == pytest.approx(3.4)
     sweep_figure(res, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_sweep_results_keep_smoke_and_full_runs_apart(tmp_path):
+    for smoke, loss in ((True, 9.0), (False, 3.0)):
+        _fake_run(tmp_path / f"a6{'_smoke' * smoke}" / "n_layer=2" / "gpt_base" / "seed0", "gpt_base", "gpt_base",
+                  0, loss, extra={"sweep": "a6", "key": "n_layer", "value": 2, "smoke": smoke})
+    assert [r["val_loss"] for r in sweep_results(tmp_path, "a6", smoke=False)["rows"]] == [3.0]
+    assert [r["val_loss"] for r in sweep_results(tmp_path, "a6", smoke=True)["rows"]] == [9.0]
+    with pytest.raises(ConfigError, match="holds both smoke and full runs of a6; pass smoke=True or smoke=False"):
+        sweep_results(tmp_path, "a6")
+
+
+def _tiny_sweep(tmp_path: Path, story_folder: Path, **sweep) -> Path:
+    """A sweep file of one 1-layer point, 3 steps on CPU, with a smoke section of 2 steps."""
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}],
+                      "smoke": {"set": {"train.steps": 2, "train.eval_every": 2, "train.ckpt_every": 2}}, **sweep},
+            "name": "t", "out_dir": "x", "preset": "smoke", "model": {"block_size": 16},
+            "data": {"source": str(story_folder), "out_dir": str(tmp_path / "data")},
+            "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "eval_every": 3, "eval_batches": 1,
+                      "ckpt_every": 3, "log_every": 1, "progress": False, "device": "cpu"}}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_full_sweep_after_the_smoke_sweep_trains_its_own_runs(tmp_path, story_folder, monkeypatch, capsys):
+    """The smoke sweep into the same out_root must neither stand in for the full runs nor show
+    up in the full sweep's table."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    path, out = _tiny_sweep(tmp_path, story_folder), tmp_path / "runs"
+    smoke = run_sweep(path, out, smoke=True, log=lambda *_: None)
+    full = run_sweep(path, out, log=lambda *_: None)
+    assert [r["status"] for r in smoke] == [r["status"] for r in full] == ["completed"], (smoke, full)
+    assert Path(smoke[0]["out_dir"]) == out / "t_smoke" / "n_layer=1" / "gpt_base" / "seed0"
+    assert Path(full[0]["out_dir"]) == out / "t" / "n_layer=1" / "gpt_base" / "seed0"
+    assert json.loads((Path(full[0]["out_dir"]) / "summary.json").read_text())["steps"] == 3
+    assert json.loads((Path(smoke[0]["out_dir"]) / "summary.json").read_text())["steps"] == 2
+    res = sweep_results(out, "t", smoke=False)
+    assert [(r["smoke"], r["steps"]) for r in res["runs"]] == [(False, 3)]
+    # The CLI's table after a full sweep shows the full run alone (the smoke one lost 2 steps in).
+    capsys.readouterr()
+    assert main(["run", str(path), "--out", str(out)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| t |")]
+    assert len(rows) == 1 and (out / "t" / "sweep.png").is_file()
+
+
+def test_a_run_folder_trained_with_other_settings_is_refused(tmp_path, story_folder):
+    """A folder already holding a finished run of other settings must not be skipped as if it
+    were the planned run; settings that only say where the run executes may differ."""
+    path = _tiny_sweep(tmp_path, story_folder)
+    (run,) = sweep_runs(load_sweep(path), tmp_path / "runs")
+    run.out_dir.mkdir(parents=True)
+    trained = copy.deepcopy(run.params)
+    trained["train"].update(steps=2, device="cuda", stop_after=1)
+    save_run_config(run_config_from_dict(trained), run.out_dir / "config.yaml")
+    (run.out_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 2}))
+    with pytest.raises(ConfigError) as err:
+        run_sweep(path, tmp_path / "runs", log=lambda *_: None)
+    message = str(err.value)
+    assert message.startswith(f"{run.out_dir} holds a run trained with other settings than planned "
+                              f"(train.steps: 2 -> 3); train into another folder")
+    assert f"delete {run.out_dir}" in message
+    assert not (run.out_dir / "params.yaml").exists()   # the folder is left as it was
+    # The same run, asked for with its own steps, is the finished run: skipped.
+    again = run_sweep(path, tmp_path / "runs", overrides={"train.steps": 2}, log=lambda *_: None)
+    assert [r["status"] for r in again] == ["skipped"]
+
+
+def test_ablations_default_to_the_ignored_runs_folder():
+    """results/ablations holds the committed results; a default run there would skip them all
+    and rewrite their table."""
+    runs = ablation_runs(REPO / "parameters" / "ablations", only=["gpt_base"], seeds=(0,))
+    assert runs[0].out_dir == Path("runs/ablations/gpt_base/seed0")
 
 
 def test_a_tiny_sweep_really_trains(tmp_path, story_folder, monkeypatch):

@@ -2,8 +2,8 @@
 unfreezing, clear errors and divergence handling.
 
 Corpora come from the `story_folder` fixture. Except where the real GPT-2 vocabulary matters, the
-prepared tokens are folded into a 256-token vocabulary (id % 256, same files, same meta.json) so
-that the CPU time goes to the trainer rather than to a 50,257-way output layer.
+prepared tokens are folded into a 256-token vocabulary (id % 256, same files, meta.json saying
+so) so that the CPU time goes to the trainer rather than to a 50,257-way output layer.
 """
 
 import dataclasses
@@ -43,12 +43,14 @@ FOLDED_VOCAB = 256
 @pytest.fixture
 def folded(tmp_path, story_folder) -> Path:
     """story_folder prepared into tmp_path/data, its token ids folded to FOLDED_VOCAB. The token
-    files keep their sizes and meta.json its content hash, so `prepare` in train() keeps them."""
+    files keep their sizes and meta.json its content hash, so `prepare` in train() keeps them;
+    its vocabulary becomes FOLDED_VOCAB, which the trainer checks the model against."""
     data = DataConfig(source=str(story_folder), out_dir=str(tmp_path / "data"), num_proc=1)
-    prepare(data, progress=False)
+    meta = prepare(data, progress=False)
     for split in ("train", "val"):
         path = tmp_path / "data" / f"{split}.bin"
         (np.fromfile(path, dtype=np.uint16) % FOLDED_VOCAB).astype(np.uint16).tofile(path)
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({**meta, "vocab_size": FOLDED_VOCAB}))
     return story_folder
 
 
@@ -406,11 +408,43 @@ def test_resuming_a_run_that_ended_changes_nothing(tmp_path, folded):
     again = run(values, resume=True)
     assert again == first and first["tokens_per_s"] is not None
     assert {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
-    # Going on is one key away: more steps continue the run from its last checkpoint.
+
+
+def test_a_constant_schedule_run_extends_like_a_longer_run(tmp_path, folded):
+    """With min_lr = lr the schedule does not read train.steps: more steps continue a finished
+    run from its last checkpoint, and the curve is that of a run planned that long."""
+    constant = dict(ckpt_every=3, eval_every=3, min_lr=3e-3)
+    values = params(tmp_path, folded, steps=6, **constant)
+    first = run(values)
     longer = run({**values, "train": {**values["train"], "steps": 9}}, resume=True)
     assert longer["status"] == "completed" and longer["steps"] == 9
     assert longer["wall_time_s"] > first["wall_time_s"]  # both sessions' time
     assert longer["tokens_seen"] == 9 * 4 * 32
+    planned = params(tmp_path, folded, out="planned", steps=9, **constant)
+    run(planned)
+    a, b = metric_rows(planned["out_dir"]), metric_rows(values["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 10))
+    for step in a:
+        assert a[step]["lr"] == b[step]["lr"] == 3e-3 * min(1, step / 2)  # 2 warm-up steps
+        assert abs(a[step]["train_loss"] - b[step]["train_loss"]) <= 1e-6, (step, a[step], b[step])
+
+
+def test_resume_refuses_a_step_count_that_moves_the_learning_rate(tmp_path, folded, capsys):
+    """The cosine ends at train.steps: going on from a finished 10-step run with 20 steps would
+    train step 11 at the learning rate of mid-schedule (it once did, and the curve jumped)."""
+    values = params(tmp_path, folded, steps=10, ckpt_every=5)
+    good = write_params(tmp_path / "p.yaml", values)
+    assert main(["--params", str(good)]) == 0
+    out = Path(values["out_dir"])
+    before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["--params", str(good), "--resume", "--set", "train.steps=20"]) == 2
+    error = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error: "))
+    # Step 11 of 20 is mid-cosine (0.001884); the 10-step run ended at min_lr.
+    assert "train.steps 10 -> 20 changes the learning rate of step 11 from 0.0003 to 0.001884" in error
+    assert "Keep train.steps: 10" in error and "out_dir set to a new folder" in error
+    assert "train.min_lr equal to train.lr" in error
+    assert {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_resume_refuses_settings_that_shape_the_curve(tmp_path, folded, capsys):
@@ -422,9 +456,9 @@ def test_resume_refuses_settings_that_shape_the_curve(tmp_path, folded, capsys):
     err = capsys.readouterr().err
     assert "train.seed: 42 -> 7" in err and "train.batch_size: 4 -> 2" in err and "config.yaml" in err
     assert yaml.safe_load((Path(values["out_dir"]) / "config.yaml").read_text())["train"]["seed"] == 42
-    # How often it reports and for how long it goes on may change.
-    assert main(["--params", str(good), "--resume", "--set", "train.log_every=2", "train.steps=10"]) == 0
-    assert json.loads((Path(values["out_dir"]) / "summary.json").read_text())["steps"] == 10
+    # How often it reports may change.
+    assert main(["--params", str(good), "--resume", "--set", "train.log_every=2"]) == 0
+    assert json.loads((Path(values["out_dir"]) / "summary.json").read_text())["steps"] == 8
 
 
 def test_progressive_unfreezing_and_resume_across_it(tmp_path, folded):
@@ -575,6 +609,16 @@ def test_clear_errors(tmp_path, folded, capsys):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "train.stepz" in proc.stderr and "valid keys" in proc.stderr and "steps" in proc.stderr
 
+    # YAML that does not parse, in the file or in --set: exit code 2 and one line naming where.
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  lr: [1\n")
+    assert main(["--params", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {broken} is not valid YAML") and err.count("\n") == 1
+    assert main(["--params", str(good), "--set", "train.lr=[1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --set 'train.lr=[1': the value is not valid YAML") and err.count("\n") == 1
+
     # Wrong type.
     assert main(["--params", str(good), "--set", "train.steps=abc"]) == 2
     err = capsys.readouterr().err
@@ -603,6 +647,20 @@ def test_clear_errors(tmp_path, folded, capsys):
     # A second fresh start into the same folder refuses to overwrite the run.
     assert main(["--params", str(good)]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_a_model_vocabulary_smaller_than_the_datas_is_refused(tmp_path, story_folder):
+    """The tiny preset (128 tokens) on GPT-2 token files: once a bare IndexError from
+    torch.embedding at the first step; now a ConfigError before the model is built."""
+    values = params(tmp_path, story_folder)
+    values["preset"], values["model"] = "tiny", {}
+    with pytest.raises(ConfigError) as exc:
+        run(values)
+    message = str(exc.value)
+    assert "gpt2 ids up to 50256 (a 50257-token vocabulary), but model.vocab_size is 128 (preset tiny)" in message
+    assert "a preset with the gpt2 vocabulary (medium512, small, base, large, mini, smoke)" in message
+    assert "model.vocab_size: 50257" in message
+    assert not (tmp_path / "run" / "ckpt").exists()
 
 
 def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, folded, monkeypatch, capsys):
