@@ -7,12 +7,13 @@ on the GPU when there is one). The page then offers
 * side-by-side generation: one prompt, seed and sampling setting sent to every model, the texts
   streaming into one column each, round-robin, token by token,
 * attention maps of a chosen model, layer and head (or the mean over heads) over the prompt and
-  the generated text, the same map of every model side by side, and per-head summaries
+  the generated text (the token ids it sampled, not the text encoded again), the same map of
+  every model side by side, and per-head summaries
   (attention entropy, mean attention distance) to compare frozen with trainable Q/K.
 
-A checkpoint that is missing, unreadable or of another group (its Q/K initialisation or freezing
-is not the group's) does not stop the server: the page shows what went wrong and how to fix it
-instead of the model panels.
+A checkpoint that is missing, unreadable or of another group (its Q/K initialisation, freezing,
+attention or POET setting is not the group's), or a --device this machine lacks, does not stop
+the server: the page shows what went wrong and how to fix it instead of the model panels.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import torch  # noqa: E402
 
 from oelm_core import VARIANTS, count_parameters  # noqa: E402
 from oelm_core.checkpoint import CheckpointError, load_model  # noqa: E402
-from oelm_core.config import ModelConfig, variant_overrides  # noqa: E402
-from oelm_core.generate import SamplingConfig, stream  # noqa: E402
+from oelm_core.config import ModelConfig, variant_overrides, variants  # noqa: E402
+from oelm_core.generate import SamplingConfig, detokenize, stream_tokens  # noqa: E402
 
 from oelm_core.analysis import attention_maps, attention_summary  # noqa: E402
 
@@ -61,7 +62,8 @@ def refuse(message: str) -> gr.Error:
 
 
 class SetupError(RuntimeError):
-    """No checkpoints could be found for the demo (no study, a study without a group, ...)."""
+    """The demo cannot be set up: no checkpoints found (no study, a study without a group, ...)
+    or a --device this machine lacks."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,35 +163,79 @@ class Lab:
         raise refuse(f"unknown model {group!r}; choose one of {', '.join(m.group for m in self.models)}")
 
 
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
 def pick_device(device: str = "auto") -> str:
+    """The device to load the models on; a SetupError naming --device when this machine lacks
+    it (else every checkpoint would be reported as one that cannot be loaded)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SetupError(f"--device {device!r} is not a device: choose {DEVICE_CHOICES}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise SetupError(f"--device {device!r}: the demo runs on the CPU or a CUDA GPU; choose {DEVICE_CHOICES}")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise SetupError(f"--device {device!r}, but PyTorch finds no CUDA GPU on this machine: "
+                             f"use --device cpu (or auto, which picks a GPU only when there is one)")
+        if parsed.index is not None and parsed.index >= count:
+            raise SetupError(f"--device {device!r}, but this machine has {count} CUDA GPU(s), "
+                             f"cuda:0..cuda:{count - 1}: choose one of them, or auto")
     return device
 
 
-def group_qk(group: str, cfg: ModelConfig) -> tuple[str, list[int]]:
-    """(qk_init, frozen Q/K layers) of ``group``'s model at the shape of ``cfg``."""
-    spec = {"qk_init": ModelConfig.qk_init, "freeze_qk": ModelConfig.freeze_qk, **variant_overrides(group)}
-    group_cfg = dataclasses.replace(cfg, qk_init=spec["qk_init"], freeze_qk=spec["freeze_qk"])
-    return group_cfg.qk_init, group_cfg.frozen_layers()
+def variant_fields() -> list[str]:
+    """The ModelConfig fields some registered variant sets: what tells the variants apart."""
+    return sorted({name for variant in variants() for name in variant_overrides(variant)})
+
+
+def variant_spec(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg``'s values of ``variant_fields``, freezing as the frozen layers it comes to
+    ("all" and [0, 1] are the same model at 2 layers)."""
+    spec = {name: getattr(cfg, name) for name in variant_fields()}
+    spec["freeze_qk"] = cfg.frozen_layers()
+    return spec
+
+
+def group_spec(group: str, cfg: ModelConfig) -> dict[str, Any]:
+    """``variant_spec`` of ``group``'s model at the shape of ``cfg``."""
+    defaults = ModelConfig()
+    values = {**{name: getattr(defaults, name) for name in variant_fields()}, **variant_overrides(group)}
+    return variant_spec(dataclasses.replace(cfg, **values))
+
+
+def _describe(spec: dict[str, Any], names: list[str]) -> str:
+    return ", ".join(f"frozen Q/K layers {spec[n]}" if n == "freeze_qk" else f"{n} {spec[n]!r}" for n in names)
 
 
 def group_mismatch(group: str, cfg: ModelConfig) -> str | None:
-    """Why a model of ``cfg`` is not one of ``group`` (another Q/K initialisation or freezing),
-    or None. The page would otherwise label, say, a GPT-Base model OELM-Freeze and compare it so."""
-    have = (cfg.qk_init, cfg.frozen_layers())
-    want = group_qk(group, cfg)
+    """Why a model of ``cfg`` is not one of ``group``, or None. Every field a variant sets is
+    compared, not only the Q/K initialisation and freezing: a Synthesizer would otherwise pass
+    as GPT-Base and a POET model as OELM-NoFreeze, labelled and compared as them."""
+    have, want = variant_spec(cfg), group_spec(group, cfg)
     if have == want:
         return None
-    actual = next((g for g in GROUPS if group_qk(g, cfg) == have), None)
-    fix = f"pass it as --ckpt {actual}=PATH" if actual else f"pass the checkpoint of a {group} run"
-    return (f"holds a model with qk_init {have[0]!r} and frozen Q/K layers {have[1]}, but {group} has "
-            f"qk_init {want[0]!r} and frozen layers {want[1]}; {fix}")
+    differ = [name for name in want if have[name] != want[name]]
+    actual = next((v for v in variants() if group_spec(v, cfg) == have), None)
+    if actual in GROUPS:
+        fix = f"pass it as --ckpt {actual}=PATH"
+    elif actual:
+        fix = f"it is the {actual} variant, which the demo does not compare: pass the checkpoint of a {group} run"
+    else:
+        fix = f"pass the checkpoint of a {group} run"
+    return f"holds a model with {_describe(have, differ)}, but {group} has {_describe(want, differ)}; {fix}"
 
 
 def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> Lab:
     """Load every checkpoint once; collect what fails instead of raising."""
-    lab = Lab(device=pick_device(device), source=source)
+    try:
+        lab = Lab(device=pick_device(device), source=source)
+    except SetupError as exc:
+        return Lab(errors=[str(exc)], device=device, source=source)
     for group in sorted(paths, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS)):
         path = Path(paths[group])
         try:
@@ -216,14 +262,15 @@ def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root:
                   device: str = "auto") -> Lab:
     """The Lab for the command line: --ckpt pairs, else --study, else the newest study in runs/."""
     try:
+        resolved = pick_device(device)
         if ckpt:
             paths, source = parse_ckpt_args(ckpt), "--ckpt"
         else:
             study_file = Path(study) if study else newest_study(runs_root)
             paths, source = study_checkpoints(study_file), f"study {study_file}"
     except SetupError as exc:
-        return Lab(errors=[str(exc)], device=pick_device(device))
-    return load_lab(paths, device, source)
+        return Lab(errors=[str(exc)], device=device)
+    return load_lab(paths, resolved, source)
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,29 +329,53 @@ class Demo:
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> Iterator[tuple]:
         """Stream every model's continuation of ``prompt`` together: after each round (one new
-        piece from every model still going) yield the texts so far, one per model."""
+        piece from every model still going) yield the texts so far, one per model, and then what
+        ``attention`` needs to map the tokens the models read: {'prompt': prompt, 'runs':
+        {group: {'text': text so far, 'ids': prompt and sampled ids}}}."""
         ids = self.check_prompt(prompt)
         base = sampling_config(max_new_tokens, temperature, top_k, top_p, seed)
         if len(ids) + base.max_new_tokens > self.context:
             gr.Warning(f"Prompt ({len(ids)} tokens) plus {base.max_new_tokens} new tokens exceed the "
                        f"context of {self.context}: the oldest tokens slide out of the window, and the "
                        f"attention maps show the last {self.context} tokens.")
-        streams = [stream(m.model, prompt, SamplingConfig(**vars(base)), self.enc) for m in self.lab.models]
+        sampled: list[list[int]] = [[] for _ in self.lab.models]
+
+        def recorded(i: int, m: LoadedModel) -> Iterator[int]:
+            for token in stream_tokens(m.model, ids, SamplingConfig(**vars(base))):
+                sampled[i].append(token)
+                yield token
+
+        streams = [detokenize(recorded(i, m), self.enc) for i, m in enumerate(self.lab.models)]
         texts = [""] * len(streams)
         active = list(range(len(streams)))
-        yield tuple(texts)
+
+        def update() -> tuple:
+            # A fresh record per update: a stopped generation leaves the texts shown so far.
+            runs = {m.group: {"text": texts[i], "ids": ids + sampled[i]} for i, m in enumerate(self.lab.models)}
+            return (*texts, {"prompt": prompt, "runs": runs})
+
+        yield update()
         while active:
             for i in list(active):
                 try:
                     texts[i] += next(streams[i])
                 except StopIteration:
                     active.remove(i)
-            yield tuple(texts)
+            yield update()
 
     # ---- attention ----------------------------------------------------------------------
-    def _tokens(self, prompt, continuation) -> list[int]:
+    def _tokens(self, prompt, continuation, generated, group: str) -> list[int]:
+        """The ids the model read for ``continuation``: the sampled ones where it is the text
+        ``generate`` gave for ``prompt`` (encoding the text again can merge its bytes into other
+        tokens than were sampled, e.g. ' a' 'per' 'ote' for ' ape' 'rote'); else, for text from
+        elsewhere (an API caller's), the text encoded."""
         self.check_prompt(prompt)
-        ids = self.enc.encode_ordinary(str(prompt) + str(continuation or ""))
+        generated = generated or {}
+        run = generated.get("runs", {}).get(group) if generated.get("prompt") == prompt else None
+        if run is not None and run["text"] == (continuation or ""):
+            ids = run["ids"]
+        else:
+            ids = self.enc.encode_ordinary(str(prompt) + str(continuation or ""))
         return ids[-self.context:]
 
     def _head_index(self, head, model: LoadedModel) -> int | None:
@@ -318,8 +389,9 @@ class Demo:
             raise refuse(f"{model.label} has heads 0..{model.cfg.n_head - 1}; head {h} does not exist")
         return h
 
-    def attention(self, prompt, model_group, layer, head, *continuations):
-        """Attention of the chosen model over prompt + that model's generated text.
+    def attention(self, prompt, model_group, layer, head, generated, *continuations):
+        """Attention of the chosen model over prompt + that model's generated text, as the token
+        ids it sampled where ``generated`` (from ``generate``) holds them for that text.
 
         Returns (heatmap, the models side by side, per-head summary figure, summary rows, details)
         where details = {'model', 'layer', 'head', 'n_tokens', 'shape', 'tokens'}.
@@ -335,7 +407,7 @@ class Demo:
             raise refuse(f"{chosen.label} has layers 0..{chosen.cfg.n_layer - 1}; layer {layer} does not exist")
         layer_i = int(layer_f)
         head_i = self._head_index(head, chosen)
-        ids = self._tokens(prompt, continuation)
+        ids = self._tokens(prompt, continuation, generated, chosen.group)
         labels = [token_label(self.enc.decode([i])) for i in ids]
         head_name = "mean over heads" if head_i is None else f"head {head_i}"
 
@@ -502,14 +574,15 @@ def build_demo(lab: Lab) -> gr.Blocks:
         with gr.Accordion("map details", open=False):
             details = gr.JSON(label="tokens and shape of the map", elem_id="attn-details")
 
-        attn_inputs = [prompt, model_dd, layer, head, *outputs]
+        generated = gr.State()  # the token ids behind the texts, per session
+        gen_inputs = [prompt, max_new, temperature, top_k, top_p, seed]
+        attn_inputs = [prompt, model_dd, layer, head, generated, *outputs]
         attn_outputs = [heat, compare, summary, table, details]
-        gen = go.click(handlers.generate, [prompt, max_new, temperature, top_k, top_p, seed], outputs,
-                       api_name="generate")
+        gen = go.click(handlers.generate, gen_inputs, [*outputs, generated], api_name="generate")
         gen.success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
-        prompt.submit(handlers.generate, [prompt, max_new, temperature, top_k, top_p, seed], outputs,
-                      api_name=False).success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
-        stop.click(None, None, None, cancels=[gen])
+        submitted = prompt.submit(handlers.generate, gen_inputs, [*outputs, generated], api_name=False)
+        submitted.success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
+        stop.click(None, None, None, cancels=[gen, submitted])
         show.click(handlers.attention, attn_inputs, attn_outputs, api_name="attention")
     return demo
 

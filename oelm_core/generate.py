@@ -25,13 +25,14 @@ against ``GPT.decode_step`` before it is used, and on CUDA the draw is the two k
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 import struct
 import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -48,6 +49,15 @@ CHUNK = 16  # decoding steps per CUDA-graph replay: one host round trip per 16 t
 GREEDY_BELOW = 1e-12
 
 
+def _is_int(value) -> bool:
+    """int or a NumPy integer; not bool, which would pass as 0 or 1."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingConfig:
     max_new_tokens: int = 200
@@ -59,6 +69,18 @@ class SamplingConfig:
     use_cache: bool = True
 
     def validate(self) -> "SamplingConfig":
+        # Types first: a float max_new_tokens (2.5) is never equal to a count of tokens, and a
+        # float top_k reached torch.topk as a bare TypeError.
+        for name, ok, kind in (("max_new_tokens", _is_int, "a whole number (int)"),
+                               ("top_k", _is_int, "a whole number (int)"),
+                               ("temperature", _is_real, "a number"),
+                               ("top_p", _is_real, "a number"),
+                               ("seed", lambda v: v is None or _is_int(v), "a whole number (int) or None"),
+                               ("stop_at_eot", lambda v: isinstance(v, bool), "True or False"),
+                               ("use_cache", lambda v: isinstance(v, bool), "True or False")):
+            value = getattr(self, name)
+            if not ok(value):
+                raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -191,6 +213,9 @@ class GraphDecoder:
     per model, weakly, across calls: capture happens once, not once per generation.
     """
 
+    # Normal tensors even when made under torch.inference_mode: the decoder outlives the call
+    # (``_DECODERS``), and inference tensors cannot be written in place outside that mode.
+    @torch.inference_mode(False)
     def __init__(self, model: GPT):
         self.signature = _state_signature(model)
         self.block = model.cfg.block_size
@@ -362,9 +387,19 @@ def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Ite
     """Yield new token ids one by one. When the context would pass block_size it restarts from
     its most recent block_size // 2 tokens, on the cached and the uncached path alike."""
     cfg.validate()
-    block = model.cfg.block_size
+    block, vocab = model.cfg.block_size, model.cfg.vocab_size
     if not prompt_ids:
+        if EOT >= vocab:
+            raise ValueError(f"an empty prompt starts from <|endoftext|> (id {EOT}), but this model's "
+                             f"vocabulary has {vocab} ids (0..{vocab - 1}): give a prompt of at least "
+                             f"one token id below {vocab}")
         prompt_ids = [EOT]  # an empty prompt starts a story, as after a document boundary
+    outside = [i for i in prompt_ids if not 0 <= i < vocab]
+    if outside:
+        raise ValueError(f"prompt token ids {outside[:5]} are outside this model's vocabulary of {vocab} "
+                         f"ids (0..{vocab - 1}): the prompt was encoded with another tokenizer than the "
+                         f"model's (GPT-2 BPE has {EOT + 1} ids); encode it with the tokenizer the "
+                         f"model was trained with")
     if len(prompt_ids) >= block:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
                          f"{block} tokens; shorten it to fewer than {block} tokens")
@@ -402,7 +437,7 @@ def _stream_cached(model: GPT, ids: list[int], cfg: SamplingConfig, seed: int) -
                 ids.append(token)
                 produced += 1
                 yield token
-                if produced == cfg.max_new_tokens:
+                if produced >= cfg.max_new_tokens:
                     return
             room, left = block - decoder.length, cfg.max_new_tokens - produced
             if room == 0:
@@ -419,21 +454,31 @@ def _stream_cached(model: GPT, ids: list[int], cfg: SamplingConfig, seed: int) -
         release_decoder(decoder)
 
 
-def stream(model: GPT, prompt: str, cfg: SamplingConfig | None = None, tokenizer=None) -> Iterator[str]:
-    """Yield pieces of text as they are produced (whole characters only: a multi-byte
-    character split across tokens is held back until it is complete)."""
-    enc = tokenizer or get_tokenizer()
-    cfg = cfg or SamplingConfig()
+def detokenize(tokens: Iterable[int], tokenizer) -> Iterator[str]:
+    """Text pieces of ``tokens`` as they arrive. Whole characters only while tokens keep coming:
+    a multi-byte character split across tokens is held back until it is complete. What is held
+    back when they end (a character the last token left unfinished) comes out last, as the
+    tokenizer decodes it, so the pieces join to ``tokenizer.decode(tokens)``."""
     new: list[int] = []
     emitted = 0
-    for token in stream_tokens(model, enc.encode_ordinary(prompt), cfg):
+    for token in tokens:
         new.append(token)
-        text = enc.decode(new)
+        text = tokenizer.decode(new)
         if not text.endswith("\ufffd"):
             yield text[emitted:]
             emitted = len(text)
+    rest = tokenizer.decode(new)[emitted:]
+    if rest:
+        yield rest
+
+
+def stream(model: GPT, prompt: str, cfg: SamplingConfig | None = None, tokenizer=None) -> Iterator[str]:
+    """Yield pieces of text as they are produced (``detokenize``: whole characters, but for an
+    unfinished one at the very end)."""
+    enc = tokenizer or get_tokenizer()
+    yield from detokenize(stream_tokens(model, enc.encode_ordinary(prompt), cfg or SamplingConfig()), enc)
 
 
 def generate(model: GPT, prompt: str, cfg: SamplingConfig | None = None, tokenizer=None) -> str:
-    """The prompt's continuation as one string."""
+    """The prompt's continuation as one string: ``tokenizer.decode`` of the new tokens."""
     return "".join(stream(model, prompt, cfg, tokenizer))

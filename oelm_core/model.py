@@ -67,6 +67,10 @@ class TransposedCopy:
         self._value: Optional[torch.Tensor] = None
 
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
+        if any(w.is_inference() for w in weights):
+            # Weights made under torch.inference_mode have no version counter, and inside it they
+            # can be written in place (load_state_dict) unseen: keep no copy, read them as they are.
+            return (weights[0] if len(weights) == 1 else torch.cat(weights)).t()
         key = (_optimizer_steps, tuple((w.data_ptr(), w._version, w.dtype) for w in weights))
         if key != self._key:
             self._key, self._value = key, torch.cat([w.detach() for w in weights]).t().contiguous()

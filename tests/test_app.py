@@ -20,7 +20,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 gr = pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
 
-from oelm_core import build_model  # noqa: E402
+from oelm_core import build_model, model_config  # noqa: E402
 from oelm_core.checkpoint import save_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,15 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_checkpoints(folder: Path) -> dict[str, Path]:
-    """Smoke-sized checkpoints (real GPT-2 vocabulary, 2 layers, 4 heads, context 64) per group."""
+def make_checkpoints(folder: Path, variants=GROUPS) -> dict[str, Path]:
+    """Smoke-sized checkpoints (real GPT-2 vocabulary, 2 layers, 4 heads, context 64) per variant."""
     paths = {}
-    for i, group in enumerate(GROUPS):
-        model = build_model("smoke", group, seed=i)
-        paths[group] = save_checkpoint(
+    for i, variant in enumerate(variants):
+        model = build_model("smoke", variant, seed=i)
+        paths[variant] = save_checkpoint(
             {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg), "step": 100 * (i + 1),
              "metrics": {"val_loss": 3.0 + i, "val_ppl": 20.0 + i}},
-            folder / f"{group}.pt")
+            folder / f"{variant}.pt")
     return paths
 
 
@@ -126,15 +126,24 @@ def test_generation_matches_oelm_core(served):
 # ---- attention ------------------------------------------------------------------------------
 
 def test_attention_endpoint_returns_t_by_t_maps(served):
+    """Over the prompt's ids and the ids the model sampled (kept in the session), not the text
+    encoded again."""
+    from oelm_core.attention_plots import token_label
+    from oelm_core.generate import SamplingConfig, stream_tokens
+
     demo, client = served
     texts = generate(client, max_new=10, seed=11)
     enc = demo.oelm.enc
     for group, layer, head in (("oelm_freeze", 1, "2"), ("gpt_base", 0, "mean")):
         heat, compare, summary, table, details = client.predict(
             PROMPT, group, layer, head, *texts, api_name="/attention")
-        t = len(enc.encode_ordinary(PROMPT + texts[GROUPS.index(group)]))
+        cfg = SamplingConfig(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=11)
+        ids = enc.encode_ordinary(PROMPT)
+        ids += list(stream_tokens(demo.oelm.lab.by_group(group).model, ids, cfg))
+        t = len(ids)
+        assert details["tokens"] == [token_label(enc.decode([i])) for i in ids]
         assert details["n_tokens"] == t and details["shape"] == [t, t]
-        assert len(details["tokens"]) == t and details["layer"] == layer and details["model"] == group
+        assert details["layer"] == layer and details["model"] == group
         for plot in (heat, compare, summary):
             assert plot is not None
         # 3 models x 2 layers x 4 heads of per-head summaries
@@ -153,8 +162,8 @@ def test_attention_figure_content_and_no_leak(served):
     h = demo.oelm
     texts = ("", " a", " dog and a cat")
     before = len(plt.get_fignums())
-    for _ in range(3):
-        heat, compare, summary, table, details = h.attention(PROMPT, "oelm_nofreeze", 1, "3", *texts)
+    for _ in range(3):  # text from elsewhere (no generation behind it): the text is encoded
+        heat, compare, summary, table, details = h.attention(PROMPT, "oelm_nofreeze", 1, "3", None, *texts)
     t = len(h.enc.encode_ordinary(PROMPT + texts[1]))
     image = heat.axes[0].images[0].get_array()
     assert image.shape == (t, t) and details["shape"] == [t, t]
@@ -163,6 +172,27 @@ def test_attention_figure_content_and_no_leak(served):
     assert [len(ax.images) for ax in compare.axes if ax.images] == [1, 1, 1]
     assert len(table) == 24
     assert len(plt.get_fignums()) == before  # built without pyplot: nothing to accumulate
+
+
+def test_attention_maps_the_sampled_ids_where_encoding_the_text_again_merges_otherwise(served, monkeypatch):
+    """' ape' 'rote' decode to ' aperote', which encodes as ' a' 'per' 'ote': the map of the text
+    encoded again showed tokens (and a length) the model never read."""
+    import app.demo
+
+    demo, _ = served
+    h, enc = demo.oelm, demo.oelm.enc
+    forced = [enc.encode_single_token(t) for t in (" Feng", " ape", "rote")]
+    monkeypatch.setattr(app.demo, "stream_tokens", lambda model, ids, cfg: iter(forced))
+    *texts, generated = list(h.generate(PROMPT, 3, 0.8, 50, 1.0, 1))[-1]
+    assert texts == [" Feng aperote"] * 3
+    prompt_ids = enc.encode_ordinary(PROMPT)
+    assert len(enc.encode_ordinary(PROMPT + texts[2])) == len(prompt_ids) + 4  # encoding again differs
+    *_, details = h.attention(PROMPT, "oelm_freeze", 0, "mean", generated, *texts)
+    assert details["n_tokens"] == len(prompt_ids) + 3 and details["shape"] == [len(prompt_ids) + 3] * 2
+    assert details["tokens"][-3:] == ["\u00b7Feng", "\u00b7ape", "rote"]
+    # The prompt edited after generating: the kept ids no longer belong to it, the text is encoded.
+    *_, details = h.attention(PROMPT + "!", "oelm_freeze", 0, "mean", generated, *texts)
+    assert details["n_tokens"] == len(enc.encode_ordinary(PROMPT + "!" + texts[2]))
 
 
 # ---- input checks ---------------------------------------------------------------------------
@@ -207,9 +237,24 @@ def test_bad_attention_inputs(served, layer, head, message, api_message):
     """The handler names the range; through the API the slider's and dropdown's own checks answer."""
     demo, client = served
     with pytest.raises(gr.Error, match=message):
-        demo.oelm.attention(PROMPT, "gpt_base", layer, head, "", "", "")
+        demo.oelm.attention(PROMPT, "gpt_base", layer, head, None, "", "", "")
     with pytest.raises(Exception, match=api_message):
         client.predict(PROMPT, "gpt_base", layer, head, "", "", "", api_name="/attention")
+
+
+def test_stop_cancels_generation_from_the_button_and_from_enter(served):
+    demo, _ = served
+    config = demo.get_config_file()
+    elem = {c["id"]: c.get("props", {}).get("elem_id") for c in config["components"]}
+    by_trigger = {}
+    for i, dep in enumerate(config["dependencies"]):
+        for target, event in dep["targets"]:
+            by_trigger.setdefault((elem.get(target), event), []).append(dep.get("id", i))
+    [click] = by_trigger[("generate-btn", "click")]
+    [submit] = by_trigger[("prompt", "submit")]
+    stops = [dep for dep in config["dependencies"] if ("stop-btn", "click") in
+             {(elem.get(t), e) for t, e in dep["targets"]} and dep.get("cancels")]
+    assert [sorted(dep["cancels"]) for dep in stops] == [sorted([click, submit])]
 
 
 def test_queue_limits_concurrency(served):
@@ -263,7 +308,54 @@ def test_checkpoint_of_another_group_is_refused(checkpoints):
     assert not lab.ok and [m.group for m in lab.models] == ["gpt_base"] and len(lab.errors) == 1
     msg = lab.errors[0]
     assert msg.startswith("OELM-Freeze (oelm_freeze): checkpoint") and "qk_init 'normal'" in msg
-    assert "frozen layers [0, 1]" in msg and "pass it as --ckpt gpt_base=PATH" in msg
+    assert "frozen Q/K layers [0, 1]" in msg and "pass it as --ckpt gpt_base=PATH" in msg
+
+
+def test_synthesizer_and_poet_checkpoints_do_not_pass_for_a_group(tmp_path):
+    """Same Q/K init and freezing as a group, another model: a Synthesizer (normal init, nothing
+    frozen) passed as GPT-Base, a POET model (QR init, nothing frozen) as OELM-NoFreeze."""
+    from app.demo import load_lab
+
+    paths = make_checkpoints(tmp_path, ("synth_random", "oelm_poet"))
+    lab = load_lab({"gpt_base": paths["synth_random"], "oelm_nofreeze": paths["oelm_poet"]}, "cpu")
+    assert not lab.ok and lab.models == []
+    synth, poet = lab.errors
+    assert synth.startswith("GPT-Base (gpt_base)")
+    assert "attention 'synth_random', but gpt_base has attention 'dot'" in synth
+    assert "it is the synth_random variant, which the demo does not compare" in synth
+    assert poet.startswith("OELM-NoFreeze (oelm_nofreeze)") and "poet_block_size 32" in poet
+    assert "oelm_nofreeze has poet_block_size 0" in poet and "it is the oelm_poet variant" in poet
+
+
+def test_every_registered_variant_is_its_own_group_only():
+    """The fields compared come from the variant registry: no other variant passes for a group."""
+    from app.demo import group_mismatch
+    from oelm_core import VARIANTS
+
+    for group in GROUPS:
+        for variant in VARIANTS:
+            mismatch = group_mismatch(group, model_config("smoke", variant))
+            assert (mismatch is None) == (variant == group), (group, variant, mismatch)
+
+
+def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):
+    """Not reported as a checkpoint that cannot be loaded."""
+    import torch
+    from app.demo import SetupError, lab_from_args, load_lab, pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto") == "cpu" and pick_device("cpu") == "cpu"
+    with pytest.raises(SetupError, match=r"^--device 'gpu' is not a device: choose auto, cpu, cuda or cuda:N$"):
+        pick_device("gpu")
+    with pytest.raises(SetupError, match=r"^--device 'mps': the demo runs on the CPU or a CUDA GPU"):
+        pick_device("mps")
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(SetupError, match=rf"^--device '{device}', but PyTorch finds no CUDA GPU.*--device cpu"):
+            pick_device(device)
+    lab = lab_from_args(ckpt=[f"gpt_base={checkpoints['gpt_base']}"], device="cuda")
+    assert not lab.ok and lab.models == [] and len(lab.errors) == 1 and lab.errors[0].startswith("--device 'cuda'")
+    lab = load_lab(checkpoints, "gpu")
+    assert lab.models == [] and lab.errors == ["--device 'gpu' is not a device: choose auto, cpu, cuda or cuda:N"]
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

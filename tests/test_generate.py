@@ -1,5 +1,6 @@
 """Sampling: the KV cache changes speed, not results; seeds, filters, limits and streaming."""
 
+import itertools
 import math
 import os
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 from oelm_core import build_model
-from oelm_core.generate import (EOT, SamplingConfig, _uniform, generate, gumbel_noise, sample, sample_from_noise,
-                                seed_tensor, stream, stream_tokens)
+from oelm_core.data import get_tokenizer
+from oelm_core.generate import (EOT, SamplingConfig, _uniform, detokenize, generate, gumbel_noise, sample,
+                                sample_from_noise, seed_tensor, stream, stream_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +47,38 @@ def test_seed_makes_sampling_reproducible(smoke_model):
     assert a == b and a != c
 
 
-def test_stream_pieces_join_to_the_whole_text(smoke_model):
+def test_stream_pieces_join_to_the_decoded_tokens(smoke_model):
+    enc = get_tokenizer()
     cfg = SamplingConfig(max_new_tokens=25, temperature=1.0, seed=3, stop_at_eot=False)
+    tokens = list(stream_tokens(smoke_model, enc.encode_ordinary("The cat"), cfg))
     pieces = list(stream(smoke_model, "The cat", cfg))
-    assert len(pieces) > 1 and "".join(pieces) == generate(smoke_model, "The cat", cfg)
+    assert len(pieces) > 1 and "".join(pieces) == enc.decode(tokens) == generate(smoke_model, "The cat", cfg)
+
+
+def _byte_token(enc, byte: int) -> int:
+    return enc.encode_single_token(bytes([byte]))
+
+
+def test_a_character_split_across_tokens_is_held_back_and_an_unfinished_one_flushed():
+    enc = get_tokenizer()
+    e2, x82, xac = (_byte_token(enc, b) for b in (0xE2, 0x82, 0xAC))  # the bytes of "\u20ac"
+    tokens = [enc.encode_single_token("H"), e2, x82, xac, e2]
+    assert list(detokenize(tokens, enc)) == ["H", "\u20ac", "\ufffd"] and enc.decode(tokens) == "H\u20ac\ufffd"
+    assert list(detokenize([e2, x82], enc)) == [enc.decode([e2, x82])] == ["\ufffd"]
+    assert list(detokenize([], enc)) == []
+
+
+def test_generated_text_ending_in_an_unfinished_character_is_not_dropped():
+    enc = get_tokenizer()
+    e2 = _byte_token(enc, 0xE2)
+    model = build_model("smoke", "gpt_base").eval()
+    with torch.no_grad():  # make the lone byte 0xE2 the most likely token everywhere
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.copy_(model.wte.weight[e2] * 100)
+    cfg = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    tokens = list(stream_tokens(model, enc.encode_ordinary("Hi"), cfg))
+    assert tokens == [e2] * 5
+    assert generate(model, "Hi", cfg) == enc.decode(tokens) == "\ufffd" * 5  # was ""
 
 
 def _draws(logits, cfg, n=300, seed=0):
@@ -145,6 +175,48 @@ def test_limits_give_clear_errors(smoke_model):
     for bad in (math.nan, math.inf):
         with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
             list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=bad)))
+
+
+@pytest.mark.parametrize("name, value, kind", [
+    ("max_new_tokens", 2.5, "a whole number"),  # the cached path never stopped: no count equals 2.5
+    ("max_new_tokens", True, "a whole number"),
+    ("top_k", 2.5, "a whole number"),           # a bare TypeError from torch.topk
+    ("top_k", "50", "a whole number"),
+    ("temperature", "0.8", "a number"),
+    ("top_p", None, "a number"),
+    ("seed", 1.5, "a whole number"),
+    ("stop_at_eot", 1, "True or False"),
+    ("use_cache", "no", "True or False"),
+])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sampling_settings_of_the_wrong_type_are_refused_by_name(smoke_model, name, value, kind, use_cache):
+    cfg = SamplingConfig(temperature=1.0, seed=1, stop_at_eot=False, use_cache=use_cache)
+    setattr(cfg, name, value)
+    with pytest.raises(TypeError, match=f"^{name} must be {kind}"):
+        list(itertools.islice(stream_tokens(smoke_model, [1, 2], cfg), 50))
+
+
+def test_numpy_integers_are_whole_numbers(smoke_model):
+    np = pytest.importorskip("numpy")
+    cfg = SamplingConfig(max_new_tokens=np.int64(7), top_k=np.int32(5), temperature=np.float32(0.9),
+                         seed=np.int64(2), stop_at_eot=False)
+    assert len(list(stream_tokens(smoke_model, [1, 2], cfg))) == 7
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_prompt_ids_outside_the_vocabulary_are_refused(smoke_model, use_cache):
+    tiny = build_model("tiny", "gpt_base").eval()  # 128 ids
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.0, stop_at_eot=False, use_cache=use_cache)
+    for ids in ([5, 500], [-1]):
+        with pytest.raises(ValueError, match=r"outside this model's vocabulary of 128 ids \(0\.\.127\).*"
+                                             r"encode it with the tokenizer the model was trained with"):
+            list(stream_tokens(tiny, ids, cfg))
+    with pytest.raises(ValueError, match=r"empty prompt starts from <\|endoftext\|> \(id 50256\).*"
+                                         r"at least one token id below 128"):
+        list(stream_tokens(tiny, [], cfg))
+    assert len(list(stream_tokens(tiny, [127], cfg))) == 3
+    # With the GPT-2 vocabulary an empty prompt starts after <|endoftext|>, as before.
+    assert list(stream_tokens(smoke_model, [], cfg)) == list(stream_tokens(smoke_model, [EOT], cfg))
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300])

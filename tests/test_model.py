@@ -163,6 +163,25 @@ def test_one_row_products_follow_a_fused_optimizer_step():
         assert (model.logits(h) + 2.0 * plain).abs().max().item() < 1e-5
 
 
+def test_models_made_under_inference_mode_decode_on_the_cpu():
+    """Weights made under torch.inference_mode have no version counter (reading it raised
+    "Inference tensors do not track version counter" at the first one-token step), and inside
+    that mode load_state_dict writes them in place: decoding must follow such a write too."""
+    kw = dict(max_new_tokens=40, temperature=0.0, stop_at_eot=False)
+    expect = {s: list(stream_tokens(build_model("tiny", "gpt_base", seed=s).eval(), [1, 2, 3],
+                                    SamplingConfig(**kw))) for s in (3, 4)}
+    assert expect[3] != expect[4]
+    with torch.inference_mode():
+        model = build_model("tiny", "gpt_base", seed=3).eval()
+        assert model.wte.weight.is_inference()
+        assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == expect[3]
+    # The decoder kept from that call is reused outside inference mode.
+    assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == expect[3]
+    with torch.inference_mode():
+        model.load_state_dict(build_model("tiny", "gpt_base", seed=4).state_dict())
+        assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == expect[4]
+
+
 def test_over_long_input_errors_say_what_helps():
     """Without a cache the input is too long; with one, the cache is what fills the context
     (the tiny preset holds 32 positions), and only a reset and a new prefill help."""
