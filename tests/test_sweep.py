@@ -299,4 +299,6 @@ def test_sweep_notebook_runs_the_smoke_sweep(tmp_path, story_folder, monkeypatch
     nb = nbformat.read(out, as_version=4)
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                 if o.get("output_type") == "error"]
-    assert (tmp_path / "runs" / "a6_layers" / "sweep.png").is_file()
+    # A smoke sweep's figure sits with its runs, apart from the full sweep's folder.
+    assert (tmp_path / "runs" / "a6_layers_smoke" / "sweep.png").is_file()
+    assert not (tmp_path / "runs" / "a6_layers").exists()
