@@ -447,6 +447,20 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+# What --resume may change: where and how fast the steps run, how often the run reports, and
+# how long it goes on. Everything else shapes the curve (seed, batch, optimiser, schedule, data)
+# and must be the run's own, or the resumed run would continue a curve it is not part of. How
+# long it goes on shapes the curve too where the schedule reads train.steps (the cosine ends
+# there): oelm_core.train's Trainer._restore refuses a change that moves the learning rate of the
+# steps to come. oelm_core.sweep reads this too, to tell a folder's run from the planned one.
+RESUMABLE_CHANGES = {
+    "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
+              "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
+              "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum"},
+    "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
+}
+
+
 def apply_overrides(values: dict, overrides: list[str]) -> dict:
     """A copy of a nested mapping with ``key.sub=value`` strings (values parsed as YAML) applied."""
     values = copy.deepcopy(values)

@@ -48,7 +48,8 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.config import ConfigError, run_config_from_dict, set_dotted, variants as known_variants
+from oelm_core.config import (RESUMABLE_CHANGES, ConfigError, run_config_from_dict, set_dotted,
+                              variants as known_variants)
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNERS = ("inprocess", "subprocess", "notebook")
@@ -227,12 +228,11 @@ def _status(out_dir: Path) -> Optional[str]:
         return None
 
 
-# Where and how a run executes, not what it learns: a folder trained with other values of these
-# still holds the planned run (stop_after pauses a run that the next call resumes; the stories and
-# their token files may live elsewhere on another machine).
-EXECUTION_KEYS = {"train.stop_after", "train.progress", "train.device", "train.compile", "train.cuda_graph",
-                  "train.backend", "train.ddp_bucket_mb", "train.grad_exchange",
-                  "data.source", "data.out_dir", "data.num_proc"}
+# A folder trained with other values of these still holds the planned run: the trainer resumes
+# across them (config.RESUMABLE_CHANGES). Not the step count and the patience, which decide
+# where a finished run, skipped here, ended.
+EXECUTION_KEYS = ({f"{section}.{key}" for section, keys in RESUMABLE_CHANGES.items() for key in keys}
+                  - {"train.steps", "train.early_stop_patience"})
 
 
 def _trained_settings(params: dict) -> dict:

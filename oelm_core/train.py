@@ -48,8 +48,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from oelm_core.config import (PRESETS, ConfigError, ModelConfig, RunConfig, TrainConfig, load_run_config,
-                              run_config_from_dict, save_run_config)
+from oelm_core.config import (PRESETS, RESUMABLE_CHANGES, ConfigError, ModelConfig, RunConfig, TrainConfig,
+                              load_run_config, run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.model import build_model
 from oelm_core.peer_grads import PeerGradExchange, first_of_each
@@ -530,19 +530,6 @@ def _json_safe(value: Any) -> Any:
 
 def _step_number(path: Path) -> int:
     return int(path.stem.split("_")[1])
-
-
-# What --resume may change: where and how fast the steps run, how often the run reports, and
-# how long it goes on. Everything else shapes the curve (seed, batch, optimiser, schedule, data)
-# and must be the run's own, or the resumed run would continue a curve it is not part of. How
-# long it goes on shapes the curve too where the schedule reads train.steps (the cosine ends
-# there): Trainer._restore refuses a change that moves the learning rate of the steps to come.
-RESUMABLE_CHANGES = {
-    "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
-              "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
-              "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum"},
-    "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
-}
 
 
 class Trainer:
