@@ -14,14 +14,13 @@ unpickles arbitrary objects:
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from oelm_core.config import ModelConfig, _build
+from oelm_core.files import atomic_write
 from oelm_core.model import GPT
 
 FORMAT_VERSION = 1
@@ -32,22 +31,9 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, then rename,
-    so a run killed mid-write leaves the previous checkpoint intact."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format_version": FORMAT_VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a checkpoint is shared like any output
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write ``state`` to ``path`` atomically, so a run killed mid-write leaves the previous
+    checkpoint intact."""
+    return atomic_write(path, lambda f: torch.save({"format_version": FORMAT_VERSION, **state}, f))
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -23,6 +23,8 @@ from typing import Any, Union
 
 import yaml
 
+from oelm_core.files import write_text_atomic
+
 
 class ConfigError(ValueError):
     """A parameter file, override or preset that cannot be used as given."""
@@ -48,7 +50,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # the output layer reuses the token embedding
     # Rows added to the embedding/output matrix so the 50,257-way matmul tiles evenly on tensor
     # cores (50,304 = 786 x 64). The extra rows are zero, receive no gradient (their logits are
-    # cut before the loss) and are excluded from every parameter count.
+    # cut before the loss) and are excluded from every parameter count. 1: no padding.
     vocab_pad_multiple: int = 64
 
     # --- the OELM variants -------------------------------------------------------------------
@@ -80,7 +82,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = max(1, self.vocab_pad_multiple)
+        m = self.vocab_pad_multiple
         return ((self.vocab_size + m - 1) // m) * m
 
     def frozen_layers(self) -> list[int]:
@@ -102,9 +104,13 @@ class ModelConfig:
             raise ConfigError(
                 f"n_head={self.n_head} does not divide d_model={self.d_model}: choose a head count "
                 f"that divides it (e.g. {', '.join(str(h) for h in _divisors(self.d_model)[:6])})")
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "block_size"):
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "block_size",
+                     "vocab_pad_multiple", "synth_rank", "loss_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        for name in ("poet_block_size", "poet_merge_every"):  # 0: off
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name} must be 0 (off) or positive, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.qk_init not in QK_INITS:
@@ -418,6 +424,8 @@ def _build(cls: type, values: dict, where: str):
     kwargs = {}
     for key, value in values.items():
         hint = hints[key]
+        if value is None and (dataclasses.is_dataclass(hint) or hint is dict):
+            value = {}  # a section whose keys are all commented out
         if hint is float and isinstance(value, str):
             value = _yaml_float(value, f"{where}.{key}")
         if dataclasses.is_dataclass(hint):
@@ -441,7 +449,9 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
-        node = node.setdefault(k, {})
+        if node.get(k) is None:  # a new section, or one whose keys are all commented out
+            node[k] = {}
+        node = node[k]
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {dotted}: {k} is not a section")
     node[keys[-1]] = value
@@ -452,7 +462,10 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 # and must be the run's own, or the resumed run would continue a curve it is not part of. How
 # long it goes on shapes the curve too where the schedule reads train.steps (the cosine ends
 # there): oelm_core.train's Trainer._restore refuses a change that moves the learning rate of the
-# steps to come. oelm_core.sweep reads this too, to tell a folder's run from the planned one.
+# steps to come. grad_accum may change only with the number of processes, so that world size x
+# grad_accum, the global batch, stays the run's own (Trainer._restore refuses any other change):
+# W ranks with accumulation A draw exactly what one process with W x A does. oelm_core.sweep
+# reads this too, to tell a folder's run from the planned one.
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
@@ -510,4 +523,4 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
 
 
 def save_run_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import re
+import reprlib
 from dataclasses import fields
 from datetime import datetime, timezone
 from itertools import islice
@@ -35,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oelm_core.config import ConfigError, DataConfig
+from oelm_core.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +139,21 @@ def _clean(texts: Iterable[str | None], cap: int) -> Iterator[str]:
                 return
 
 
-def _field_of(row: dict, text_field: str, where: str) -> str:
+def _field_of(row: dict, text_field: str, where: str) -> str | None:
     try:
-        return row[text_field]
+        return _story_text(row[text_field], text_field, where)
     except (KeyError, TypeError):
         keys = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise ConfigError(f"{where} has no field {text_field!r} (it has {keys}); set data.text_field "
                           f"to the one that holds the story text") from None
+
+
+def _story_text(value, text_field: str, where: str) -> str | None:
+    """``value`` when it is a story's text (or missing: None); else the field is not the text."""
+    if value is None or isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: field {text_field!r} holds {type(value).__name__} {reprlib.repr(value)}, "
+                      f"not a story's text; set data.text_field to the field that holds the text")
 
 
 def _import_datasets():
@@ -173,7 +183,8 @@ def _read_file(path: Path, text_field: str) -> Iterator[str]:
             raise ConfigError(f"{path} has no column {text_field!r} (it has {pf.schema_arrow.names}); "
                               f"set data.text_field to the one that holds the story text")
         for batch in pf.iter_batches(columns=[text_field]):
-            yield from batch.column(0).to_pylist()
+            for value in batch.column(0).to_pylist():
+                yield _story_text(value, text_field, str(path))
 
 
 def _rows(rows: Iterable[dict], text_field: str, where: str) -> Iterator[str]:
@@ -273,18 +284,6 @@ def _is_hub(source: str) -> bool:
 # prepare / load_meta
 # --------------------------------------------------------------------------------------------
 
-def _atomic_write(path: Path, write: Callable[[object], None], mode: str = "wb") -> None:
-    """Write through a temporary file and rename it, so readers never see a partial file."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | None,
                  progress: bool) -> dict:
     counts = {"tokens": 0, "stories": 0, "bytes": 0}
@@ -298,7 +297,7 @@ def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | No
                 counts["stories"] += n
                 bar.update(n)
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
     return counts
 
 
@@ -367,7 +366,7 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
     meta.update(max_train_stories=cfg.max_train_stories, max_val_stories=cfg.max_val_stories,
                 content_hash=content_hash,
                 created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    _atomic_write(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w")
+    atomic_write(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w")
     log.info("prepared %s: %d train / %d val tokens", out, meta["train_tokens"], meta["val_tokens"])
     return meta
 

@@ -46,6 +46,7 @@ import yaml
 
 from oelm_core.analysis import WHICH
 from oelm_core.config import ConfigError, apply_overrides, load_run_config
+from oelm_core.files import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -402,7 +403,7 @@ def _write_study_json(study: Study, status: str, error: str | None = None, creat
     if error:
         data["error"] = error
     study.out.mkdir(parents=True, exist_ok=True)
-    (study.out / "study.json").write_text(json.dumps(data, indent=2))
+    write_text_atomic(study.out / "study.json", json.dumps(data, indent=2))
     return data
 
 

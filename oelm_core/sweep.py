@@ -50,6 +50,7 @@ import yaml
 
 from oelm_core.config import (RESUMABLE_CHANGES, ConfigError, run_config_from_dict, set_dotted,
                               variants as known_variants)
+from oelm_core.files import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNERS = ("inprocess", "subprocess", "notebook")
@@ -230,9 +231,10 @@ def _status(out_dir: Path) -> Optional[str]:
 
 # A folder trained with other values of these still holds the planned run: the trainer resumes
 # across them (config.RESUMABLE_CHANGES). Not the step count and the patience, which decide
-# where a finished run, skipped here, ended.
+# where a finished run, skipped here, ended; nor grad_accum, which a resume may change only to
+# keep world size x grad_accum, the global batch: sweep runs are one process, so it is the batch.
 EXECUTION_KEYS = ({f"{section}.{key}" for section, keys in RESUMABLE_CHANGES.items() for key in keys}
-                  - {"train.steps", "train.early_stop_patience"})
+                  - {"train.steps", "train.early_stop_patience", "train.grad_accum"})
 
 
 def _trained_settings(params: dict) -> dict:
@@ -279,8 +281,8 @@ def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log
         return {**run.info, "status": "skipped", "wall_s": 0.0, "out_dir": str(out)}
     out.mkdir(parents=True, exist_ok=True)
     params_file = out / "params.yaml"
-    params_file.write_text(yaml.safe_dump(run.params, sort_keys=False))
-    (out / "sweep_point.json").write_text(json.dumps(run.info, indent=2) + "\n")
+    write_text_atomic(params_file, yaml.safe_dump(run.params, sort_keys=False))
+    write_text_atomic(out / "sweep_point.json", json.dumps(run.info, indent=2) + "\n")
     t0 = time.perf_counter()
     status, error = "completed", None
     try:

@@ -51,6 +51,7 @@ from oelm_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from oelm_core.config import (PRESETS, RESUMABLE_CHANGES, ConfigError, ModelConfig, RunConfig, TrainConfig,
                               load_run_config, run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
+from oelm_core.files import write_text_atomic
 from oelm_core.model import build_model
 from oelm_core.peer_grads import PeerGradExchange, first_of_each
 
@@ -535,11 +536,13 @@ def _step_number(path: Path) -> int:
 class Trainer:
     """State of one training session; ``fit`` runs it. Use ``train()`` rather than this directly."""
 
-    def __init__(self, cfg: RunConfig, d: Dist, schedule: dict[int, Any]):
+    def __init__(self, cfg: RunConfig, d: Dist, schedule: dict[int, Any], resume: bool):
         self.cfg, self.tc, self.d, self.schedule = cfg, cfg.train, d, schedule
         self.out = Path(cfg.out_dir)
         self.ckpt_dir = self.out / "ckpt"
         self.device = d.device
+        # Checked before the data is prepared: a refused run leaves the token files as they were.
+        self.resume_from = self._resume_point(resume)
         self.meta = self._prepare_data()
 
         if self.device.type == "cuda":
@@ -566,10 +569,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_cfg)["total"]
 
         self.step = 0
-        # Figures carried over sessions: (step, tokens seen then) at the restored checkpoint (the
-        # batch may differ between sessions: grad_accum, world size), and earlier sessions' time.
-        self.tokens_base = (0, 0)
-        self.wall_before = 0.0
+        self.wall_before = 0.0         # earlier sessions' seconds
         self.best_val_loss = float("inf")
         self.bad_evals = 0             # evaluations since the best one (early stopping)
         self.train_loss = float("nan")
@@ -630,12 +630,29 @@ class Trainer:
     def _checkpoints(self) -> list[Path]:
         return sorted(self.ckpt_dir.glob("step_*.pt"), key=_step_number)
 
-    def _restore(self, path: Path) -> None:
+    def _resume_point(self, resume: bool) -> Optional[tuple[Path, dict]]:
+        """The newest checkpoint and its state when resuming (None: start at step 0), after
+        checking that this run may continue it and that a fresh start overwrites nothing."""
+        existing = self._checkpoints()
+        if existing and not resume:
+            raise ConfigError(f"{self.out} already holds a run (checkpoints up to step "
+                              f"{_step_number(existing[-1])}); pass --resume to continue it, or set "
+                              f"out_dir to a new folder (or delete it) to start over")
+        if not existing:
+            if resume:
+                log.info("nothing to resume in %s; starting at step 0", self.ckpt_dir)
+            return None
+        path = existing[-1]
         try:
             state = load_checkpoint(path, map_location="cpu")
         except CheckpointError as exc:
             raise CheckpointError(f"cannot resume: {exc}. To resume from the checkpoint before it, "
                                   f"delete {path}") from None
+        self._check_resumable(state, path)
+        return path, state
+
+    def _check_resumable(self, state: dict, path: Path) -> None:
+        """Refuse a resume whose settings would continue the run along another curve."""
         saved_cfg = run_config_from_dict(state["run_config"])
         saved, now = saved_cfg.model_config(), self.cfg.model_config()
         if saved != now:
@@ -653,7 +670,18 @@ class Trainer:
                               f"with the run's own parameters ({self.out / 'config.yaml'}) or set "
                               f"out_dir to a new folder. Only these may change on resume: "
                               f"{', '.join(f'{s}.{k}' for s in RESUMABLE_CHANGES for k in sorted(RESUMABLE_CHANGES[s]))}")
+        saved_batch = state["sampler"]["virtual_world"]
+        if saved_batch != self.d.world_size * self.tc.grad_accum:
+            fix = (f"train.grad_accum: {saved_batch // self.d.world_size}"
+                   if saved_batch % self.d.world_size == 0 else
+                   f"a number of processes that divides {saved_batch}")
+            raise ConfigError(
+                f"{path} was trained with world size x train.grad_accum = {saved_batch} batches a "
+                f"step, this run would take {self.d.world_size} x {self.tc.grad_accum}: the global "
+                f"batch shapes the curve. Resume with {fix}, or set out_dir to a new folder")
         self._check_schedule(saved_cfg.train, int(state["step"]), path)
+
+    def _restore(self, path: Path, state: dict) -> None:
         self.step = int(state["step"])
         # Replay the unfreezes already done so the parameters and optimiser groups match the saved ones.
         for at, layers in self.schedule.items():
@@ -663,10 +691,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         for sampler in self.samplers:
             sampler.load_state_dict(state["sampler"])
-        if state["sampler"].get("virtual_world") != self.d.world_size * self.tc.grad_accum:
-            log.warning("resuming with world_size x grad_accum = %d instead of %d: the data order "
-                        "differs from an uninterrupted run", self.d.world_size * self.tc.grad_accum,
-                        state["sampler"].get("virtual_world"))
         rng = state["rng"]
         if len(rng["cpu"]) == self.d.world_size:
             torch.set_rng_state(rng["cpu"][self.d.rank])
@@ -679,7 +703,6 @@ class Trainer:
         self.bad_evals = m.get("bad_evals", 0)
         self.train_loss = m["train_loss"] if m.get("train_loss") is not None else float("nan")
         self.last_eval = {k: m[k] for k in ("val_loss", "val_ppl", "val_bpb") if m.get(k) is not None}
-        self.tokens_base = (self.step, int(m.get("tokens_seen", self.step * self.tokens_per_step)))
         self.wall_before = float(m.get("wall_time_s") or 0.0)
         log.info("resumed %s at step %d", path, self.step)
 
@@ -705,8 +728,7 @@ class Trainer:
             f"with train.min_lr equal to train.lr (constant after warm-up) can be extended")
 
     def _tokens_seen(self) -> int:
-        step, tokens = self.tokens_base
-        return tokens + (self.step - step) * self.tokens_per_step
+        return self.step * self.tokens_per_step  # the global batch is the run's own (_check_resumable)
 
     def _finished(self) -> Optional[str]:
         """How the restored run ended ("completed", "stopped_early"), or None: it has steps to go."""
@@ -729,10 +751,7 @@ class Trainer:
                     continue
                 if row["step"] <= self.step:
                     kept.append(line)
-        # Through a temporary file: a kill during the rewrite keeps the old rows.
-        tmp = metrics.with_name(metrics.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, metrics)
+        write_text_atomic(metrics, "".join(line + "\n" for line in kept))  # killed: the old rows stay
 
     # --- measuring ------------------------------------------------------------------------------
     def _mean_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
@@ -824,36 +843,29 @@ class Trainer:
         state = self._state()
         if state is None:
             return
-        if step_ckpt:
-            save_checkpoint(state, self.ckpt_dir / f"step_{self.step:07d}.pt")
-            for old in self._checkpoints()[:-self.tc.keep_last]:
-                old.unlink()
+        # best.pt first: a run killed between the two resumes from the step before, evaluates
+        # again and rewrites it, where the other order would leave older weights there for good.
         if best:
             # best.pt is for evaluation and the demo, not for resuming: the weights without the
             # optimizer state, a third of the size and of the time to write.
             resume_only = ("optimizer", "rng", "sampler")
             save_checkpoint({k: v for k, v in state.items() if k not in resume_only}, self.out / "best.pt")
+        if step_ckpt:
+            save_checkpoint(state, self.ckpt_dir / f"step_{self.step:07d}.pt")
+            for old in self._checkpoints()[:-self.tc.keep_last]:
+                old.unlink()
 
     # --- the session ----------------------------------------------------------------------------
-    def fit(self, resume: bool) -> dict:
+    def fit(self) -> dict:
         self.t_start = time.perf_counter()
-        existing = self._checkpoints()
-        if existing and not resume:
-            raise ConfigError(f"{self.out} already holds a run (checkpoints up to step "
-                              f"{_step_number(existing[-1])}); pass --resume to continue it, or set "
-                              f"out_dir to a new folder (or delete it) to start over")
-        if resume and existing:
-            self._restore(existing[-1])
-        elif resume:
-            log.info("nothing to resume in %s; starting at step 0", self.ckpt_dir)
+        if self.resume_from is not None:
+            self._restore(*self.resume_from)
+            self.resume_from = None  # the state's tensors are the model's and optimiser's now
         finished = self._finished()
         if finished:
             log.info("%s already ended (%s at step %d): nothing to train; raise train.steps (or "
                      "train.early_stop_patience) to go on", self.out, finished, self.step)
-            summary = self.out / "summary.json"
-            if summary.is_file():
-                return json.loads(summary.read_text())
-            return self._write_summary(finished, 0.0)
+            return self._summary_of_ended_run(finished)
         start = self.step
         if self.d.is_main:
             self._start_files(resumed=start > 0)
@@ -923,6 +935,17 @@ class Trainer:
             window_start, window_t0 = self.step, time.perf_counter()
         return status
 
+    def _summary_of_ended_run(self, status: str) -> dict:
+        """summary.json of the session that ended the run, or a new one where the file is another
+        session's (one killed after its last checkpoint left an earlier summary) or cut short."""
+        try:
+            summary = json.loads((self.out / "summary.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            summary = {}
+        if summary.get("status") == status and summary.get("steps") == self.step:
+            return summary
+        return self._write_summary(status, 0.0)
+
     def _write_summary(self, status: str, wall_s: float, error: Optional[str] = None) -> dict:
         """summary.json; ``wall_s``: this session's seconds (earlier sessions' are added)."""
         best = self.best_val_loss
@@ -952,8 +975,7 @@ class Trainer:
             summary["error"] = error
         summary = {k: _json_safe(v) for k, v in summary.items()}
         if self.d.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
 
@@ -970,7 +992,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     try:
         # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
         # process group is destroyed below (destroying it under them can hang at exit).
-        return Trainer(cfg, d, schedule).fit(resume)
+        return Trainer(cfg, d, schedule, resume).fit()
     finally:
         if d.owns_group:
             dist.destroy_process_group()

@@ -40,6 +40,17 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary left behind
 
 
+class NotAllowed:
+    """An object that weights_only loading must refuse to unpickle."""
+
+
+def test_a_checkpoint_holding_arbitrary_objects_is_refused(tmp_path):
+    path = tmp_path / "pickled.pt"
+    torch.save({"format_version": 1, **state_of(build_model("tiny", seed=1)), "extra": NotAllowed()}, path)
+    with pytest.raises(CheckpointError, match="could not be read .*UnpicklingError"):
+        load_checkpoint(path)
+
+
 def test_other_formats_and_shapes_are_refused(tmp_path):
     model = build_model("tiny", seed=1)
     future = tmp_path / "future.pt"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from oelm_core.config import ConfigError, apply_overrides, load_run_config, run_config_from_dict
+from oelm_core.config import ConfigError, TrainConfig, apply_overrides, load_run_config, run_config_from_dict
 
 
 def test_defaults_are_the_original_study():
@@ -60,6 +60,11 @@ def test_missing_file_and_bad_override(tmp_path):
     ("model.freeze_qk", ["a"], r"model\.freeze_qk must list layer indices as integers"),
     ("model.freeze_qk", [1.7], r"model\.freeze_qk must list layer indices as integers"),
     ("model.freeze_qk", True, r"model\.freeze_qk should be str or list, got bool True"),
+    ("model.loss_chunk_tokens", 0, r"model\.loss_chunk_tokens must be positive, got 0"),
+    ("model.loss_chunk_tokens", -1, r"model\.loss_chunk_tokens must be positive, got -1"),
+    ("model.synth_rank", 0, r"model\.synth_rank must be positive"),
+    ("model.vocab_pad_multiple", 0, r"model\.vocab_pad_multiple must be positive"),
+    ("model.poet_merge_every", -5, r"model\.poet_merge_every must be 0 \(off\) or positive"),
 ])
 def test_unusable_values_fail_at_load_time(key, value, message):
     """Every entry point (CLI, study, sweep, notebooks) loads through here: a value the loop or
@@ -69,6 +74,15 @@ def test_unusable_values_fail_at_load_time(key, value, message):
     values[section] = {name: value}
     with pytest.raises(ConfigError, match=message):
         run_config_from_dict(values)
+
+
+def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
+    """YAML reads such a section as null: it is an empty section, which --set can fill."""
+    path = tmp_path / "p.yaml"
+    path.write_text("name: x\ntrain:\n  # steps: 10\nmodel:\n")
+    assert load_run_config(path).train == TrainConfig()
+    cfg = load_run_config(path, ["train.steps=5", "model.n_layer=2"])
+    assert cfg.train.steps == 5 and cfg.model_config().n_layer == 2
 
 
 def test_exponent_floats_without_a_dot_are_numbers():

@@ -106,6 +106,15 @@ def test_jsonl_wrong_field_names_the_fix(tmp_path):
         data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
 
 
+def test_a_field_that_is_not_text_names_the_file_and_line(tmp_path):
+    root = tmp_path / "src"
+    for split in ("train", "validation"):
+        (root / split).mkdir(parents=True)
+        (root / split / "p.jsonl").write_text(json.dumps({"text": "A story."}) + "\n" + json.dumps({"text": 42}) + "\n")
+    with pytest.raises(ConfigError, match=r"p\.jsonl:2: field 'text' holds int 42, not a story's text; set data\.text_field"):
+        data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
+
+
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

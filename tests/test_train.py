@@ -25,7 +25,7 @@ import yaml
 from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import load_checkpoint, model_from_state
 from oelm_core.config import ConfigError, DataConfig, TrainConfig, run_config_from_dict
-from oelm_core.data import prepare
+from oelm_core.data import eval_batches, prepare
 from oelm_core.model import GPT, build_model
 from oelm_core.train import configure_optimizer, lr_at, main, make_step, train
 
@@ -154,6 +154,19 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
     assert row["tokens_seen"] == 30 * 4 * 32
 
 
+def test_validation_loss_is_the_models_without_dropout(tmp_path, folded):
+    """With dropout 0.5 the training forward is noisy; the reported val_loss must be the eval-mode
+    loss of the checkpointed weights over the validation batches."""
+    values = params(tmp_path, folded, steps=2, eval_every=2, ckpt_every=2)
+    values["model"]["dropout"] = 0.5
+    summary = run(values)
+    model = model_from_state(load_checkpoint(tmp_path / "run" / "ckpt" / "step_0000002.pt")).eval()
+    batches = eval_batches(tmp_path / "data" / "val.bin", 32, 4, 2)
+    with torch.no_grad():
+        expected = sum(model(x, y).item() * y.numel() for x, y in batches) / sum(y.numel() for _, y in batches)
+    assert abs(summary["final_val_loss"] - expected) < 1e-6, (summary["final_val_loss"], expected)
+
+
 def test_frozen_qk_stay_fixed(tmp_path, folded):
     values = params(tmp_path, folded, variant="oelm_freeze")
     summary = run(values)
@@ -185,10 +198,14 @@ def test_ddp_matches_single_process(tmp_path, folded, accum, batch):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The tied weight goes through TiedGradReducer, before and after DDP is re-wrapped.
     assert proc.stderr.count("reduced in two shares (TiedGradReducer)") == 2, proc.stderr[-3000:]
-    a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
+    a, b = metric_rows(single["out_dir"]), metric_rows(ddp["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 7))
     for step in a:
-        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+        assert abs(a[step]["train_loss"] - b[step]["train_loss"]) < 1e-5, (step, a[step], b[step])
+    # The validation batches are shared out across the ranks and their losses all-reduced.
+    assert [s for s in a if "val_loss" in a[s]] == [s for s in b if "val_loss" in b[s]] == [3, 6]
+    for step in (3, 6):
+        assert abs(a[step]["val_loss"] - b[step]["val_loss"]) < 1e-5, (step, a[step], b[step])
     summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
     assert summary["gradients_by"] == "ddp"  # the NVLink exchange steps aside on the CPU
@@ -322,6 +339,30 @@ def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, fol
         assert abs(a[step] - b[step]) < 1e-4, (step, a[step], b[step])
 
 
+def test_a_two_rank_run_resumes_in_one_process_with_the_same_global_batch(tmp_path, folded, capsys):
+    """world size x grad_accum is the global batch: a 2-rank run paused at step 3 goes on in one
+    process with grad_accum 2 along the curve of a run trained that way throughout, and a
+    resume that would change the global batch is refused with the grad_accum that keeps it."""
+    common = dict(steps=6, eval_every=3, ckpt_every=3)
+    single = params(tmp_path, folded, out="single", grad_accum=2, **common)
+    run(single)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=1, stop_after=3, **common)
+    proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp["train"].pop("stop_after")
+    resumed = write_params(tmp_path / "resumed.yaml", ddp)
+    assert main(["--params", str(resumed), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "world size x train.grad_accum = 2" in err and "Resume with train.grad_accum: 2" in err
+    assert main(["--params", str(resumed), "--resume", "--set", "train.grad_accum=2"]) == 0
+    a, b = metric_rows(single["out_dir"]), metric_rows(ddp["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 7))
+    for step in a:
+        for key in ("train_loss", "val_loss", "tokens_seen"):
+            if key in a[step]:
+                assert abs(a[step][key] - b[step][key]) < 1e-5, (step, key, a[step], b[step])
+
+
 def test_resume_reproduces_uninterrupted_run(tmp_path, folded):
     full = params(tmp_path, folded, out="full", steps=12, ckpt_every=4)
     run(full)
@@ -379,6 +420,59 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path, folded, monkeypatch):
     assert done["best_val_loss"] == first["best_val_loss"] and done["tokens_seen"] == first["tokens_seen"]
     best = [load_checkpoint(Path(v["out_dir"]) / "best.pt") for v in (full, killed)]
     assert best[0]["step"] == best[1]["step"]
+
+
+def kill_at(monkeypatch, obj, name: str, when) -> None:
+    """Make ``obj.name`` raise KeyboardInterrupt (a kill) the first time ``when(*args)`` holds."""
+    real = getattr(obj, name)
+
+    def dies(*args, **kwargs):
+        if when(*args, **kwargs):
+            monkeypatch.setattr(obj, name, real)
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, dies)
+
+
+def test_a_run_killed_before_its_summary_reports_how_it_ended(tmp_path, folded, monkeypatch):
+    """Killed after its last checkpoint but before summary.json: the earlier session's "paused"
+    summary is on disk, and a resume must report the run that ended instead; so must a resume
+    that finds summary.json cut short."""
+    common = dict(steps=12, ckpt_every=4, eval_every=4)
+    full = run(params(tmp_path, folded, out="full", **common))
+    values = params(tmp_path, folded, out="killed", **common)
+    assert run({**values, "train": {**values["train"], "stop_after": 6}})["status"] == "paused"
+    import oelm_core.train as T
+    kill_at(monkeypatch, T.Trainer, "_write_summary", lambda self, status, *a, **k: status == "completed")
+    with pytest.raises(KeyboardInterrupt):
+        run(values, resume=True)
+    summary = Path(values["out_dir"]) / "summary.json"
+    assert json.loads(summary.read_text())["status"] == "paused"
+    for _ in range(2):
+        again = run(values, resume=True)
+        assert (again["status"], again["steps"]) == ("completed", 12)
+        assert again["final_val_loss"] == full["final_val_loss"] and again["best_val_loss"] == full["best_val_loss"]
+        assert json.loads(summary.read_text()) == again
+        summary.write_text(summary.read_text()[:40])  # the kill cut the file short
+
+
+def test_a_run_killed_while_writing_best_pt_resumes_to_the_same_best_pt(tmp_path, folded, monkeypatch):
+    """An evaluation step that is also a checkpoint step writes best.pt and step_N.pt; killed
+    between the two, the resumed run must still end with the uninterrupted run's best.pt."""
+    common = dict(steps=12, ckpt_every=4, eval_every=4)
+    run(params(tmp_path, folded, out="full", **common))
+    values = params(tmp_path, folded, out="killed", **common)
+    import oelm_core.train as T
+    kill_at(monkeypatch, T, "save_checkpoint", lambda state, path: Path(path).name == "best.pt" and state["step"] == 12)
+    with pytest.raises(KeyboardInterrupt):
+        run(values)
+    run(values, resume=True)
+    best = [load_checkpoint(tmp_path / out / "best.pt") for out in ("full", "killed")]
+    assert best[0]["step"] == best[1]["step"] == 12
+    assert best[0]["metrics"]["val_loss"] == best[1]["metrics"]["val_loss"]
+    for name, tensor in best[0]["model"].items():
+        assert torch.equal(tensor, best[1]["model"][name]), name
 
 
 def test_a_pause_changes_neither_evaluations_nor_early_stopping(tmp_path, folded):
@@ -452,9 +546,15 @@ def test_resume_refuses_settings_that_shape_the_curve(tmp_path, folded, capsys):
     good = write_params(tmp_path / "p.yaml", values)
     assert main(["--params", str(good), "--set", "train.stop_after=4"]) == 0
     capsys.readouterr()
-    assert main(["--params", str(good), "--resume", "--set", "train.batch_size=2", "train.seed=7"]) == 2
+    data = Path(values["data"]["out_dir"])
+    prepared = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
+    assert main(["--params", str(good), "--resume", "--set", "train.batch_size=2", "train.seed=7",
+                 "data.max_train_stories=5"]) == 2
     err = capsys.readouterr().err
     assert "train.seed: 42 -> 7" in err and "train.batch_size: 4 -> 2" in err and "config.yaml" in err
+    assert "data.max_train_stories: 0 -> 5" in err
+    # Refused before the data is prepared: the token files the run trained on are untouched.
+    assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == prepared
     assert yaml.safe_load((Path(values["out_dir"]) / "config.yaml").read_text())["train"]["seed"] == 42
     # How often it reports may change.
     assert main(["--params", str(good), "--resume", "--set", "train.log_every=2"]) == 0
