@@ -15,6 +15,7 @@ from oelm_core.sweep import (
     ablation_table,
     load_sweep,
     main,
+    run_ablations,
     run_sweep,
     sweep_figure,
     sweep_results,
@@ -220,6 +221,29 @@ def test_ablations_default_to_the_ignored_runs_folder():
     and rewrite their table."""
     runs = ablation_runs(REPO / "parameters" / "ablations", only=["gpt_base"], seeds=(0,))
     assert runs[0].out_dir == Path("runs/ablations/gpt_base/seed0")
+
+
+def test_an_ablation_set_cut_by_its_budget_goes_on_where_it_stopped(tmp_path, story_folder, monkeypatch):
+    """The first call's time budget runs out after one run; the second call skips that finished
+    run, trains the one not started, and each finished run keeps best.pt but not its ckpt/."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    params_dir = tmp_path / "ablations"
+    params_dir.mkdir()
+    for variant in ("gpt_base", "oelm_freeze"):
+        (params_dir / f"{variant}.yaml").write_text(yaml.safe_dump({
+            "preset": "smoke", "variant": variant, "model": {"n_layer": 1, "block_size": 16},
+            "data": {"out_dir": str(tmp_path / "data")},
+            "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "eval_every": 3, "eval_batches": 1,
+                      "ckpt_every": 3, "log_every": 1, "progress": False, "device": "cpu"}}))
+    out = tmp_path / "runs"
+    first = run_ablations(params_dir, out, seeds=(0,), budget_s=1e-3, log=lambda *_: None)
+    assert [(r["label"], r["status"]) for r in first] == [("gpt_base", "completed"), ("oelm_freeze", "not started")]
+    again = run_ablations(params_dir, out, seeds=(0,), log=lambda *_: None)
+    assert [(r["label"], r["status"]) for r in again] == [("gpt_base", "skipped"), ("oelm_freeze", "completed")]
+    for label in ("gpt_base", "oelm_freeze"):
+        run_dir = out / label / "seed0"
+        assert (run_dir / "best.pt").is_file() and not (run_dir / "ckpt").exists()
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 
 def test_a_tiny_sweep_really_trains(tmp_path, story_folder, monkeypatch):

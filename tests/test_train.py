@@ -420,6 +420,8 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path, folded, monkeypatch):
     assert done["best_val_loss"] == first["best_val_loss"] and done["tokens_seen"] == first["tokens_seen"]
     best = [load_checkpoint(Path(v["out_dir"]) / "best.pt") for v in (full, killed)]
     assert best[0]["step"] == best[1]["step"]
+    for name, tensor in best[0]["model"].items():
+        torch.testing.assert_close(best[1]["model"][name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def kill_at(monkeypatch, obj, name: str, when) -> None:
