@@ -51,8 +51,9 @@ THEORY = [
            "at different cost;\n"
            "3. random orthogonal projections preserve pairwise distances (Johnson–Lindenstrauss) at least "
            "as well as Gaussian ones;\n"
-           "4. at initialisation orthogonal Q/K give unit-scale attention logits and peaked attention, "
-           "GPT-2's N(0, 0.02) gives near-zero logits and almost uniform attention."),
+           "4. at initialisation orthogonal Q/K give unit-scale attention logits and attention less "
+           "uniform than GPT-2's N(0, 0.02), whose near-zero logits give almost uniform attention; "
+           "still far from peaked (d = 512, 128 tokens: entropy 4.37 nats, uniform 4.85)."),
     ("params", "d = 512            # width of the square Q/K matrices\n"
                "n_head = 8\n"
                "n_vectors = 256    # random vectors for the isometry check\n"
@@ -247,8 +248,15 @@ ANALYSIS = [
 def main() -> None:
     for name, cells in (("01_theory", THEORY), ("02_model", MODEL), ("03_training", TRAINING),
                         ("04_analysis", ANALYSIS)):
-        nbformat.write(notebook(cells), HERE / f"{name}.ipynb")
-        print(f"wrote {HERE / name}.ipynb")
+        path = HERE / f"{name}.ipynb"
+        nb = notebook(cells)
+        if path.exists():
+            # nbformat draws new random cell ids on every run: keep the written ones, position by
+            # position, so that a regeneration's diff shows only the cells that were edited.
+            for cell, old in zip(nb.cells, nbformat.read(path, as_version=4).cells):
+                cell.id = old.id
+        nbformat.write(nb, path)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

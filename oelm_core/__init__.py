@@ -7,11 +7,32 @@ The stable public API (notebooks, the app, benchmarks and outside scripts rely o
     VARIANTS: variant name -> one-line description
 """
 
+from collections.abc import Iterator, Mapping
+
 from oelm_core.accounting import count_parameters, flops_per_token, memory_account
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, model_config, variants
 from oelm_core.model import GPT, build_model
 
-VARIANTS = variants()
+
+class _Variants(Mapping):
+    """A read-only view of the variant registry (``config.variants()``), read on every access, so
+    that variants registered after import (``config.register_variant``) appear wherever the app,
+    notebooks and analysis list them."""
+
+    def __getitem__(self, name: str) -> str:
+        return variants()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(variants())
+
+    def __len__(self) -> int:
+        return len(variants())
+
+    def __repr__(self) -> str:
+        return repr(variants())
+
+
+VARIANTS = _Variants()
 
 __all__ = ["GPT", "PRESETS", "VARIANTS", "ConfigError", "ModelConfig", "RunConfig", "build_model",
            "count_parameters", "flops_per_token", "memory_account", "model_config"]

@@ -46,7 +46,7 @@ class ModelConfig:
     block_size: int = 512        # context length in tokens; also the learned position table
     dropout: float = 0.0         # the study trained without dropout
     bias: bool = True            # biases in the MLP and LayerNorms (the study's log counts them)
-    attn_bias: bool = False      # biases in Q/K/V/out projections: none in the study's count
+    attn_bias: bool = False      # biases in the V and output projections (Q/K never have one)
     tie_embeddings: bool = True  # the output layer reuses the token embedding
     # Rows added to the embedding/output matrix so the 50,257-way matmul tiles evenly on tensor
     # cores (50,304 = 786 x 64). The extra rows are zero, receive no gradient (their logits are
@@ -100,14 +100,17 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         from oelm_core.orthogonal import QK_INITS  # the constructions live with their checks
 
-        if self.d_model % self.n_head:
-            raise ConfigError(
-                f"n_head={self.n_head} does not divide d_model={self.d_model}: choose a head count "
-                f"that divides it (e.g. {', '.join(str(h) for h in _divisors(self.d_model)[:6])})")
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "block_size",
                      "vocab_pad_multiple", "synth_rank", "loss_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"n_head={self.n_head} does not divide d_model={self.d_model}: choose a head count "
+                f"that divides it (e.g. {', '.join(str(h) for h in _divisors(self.d_model)[:6])})")
+        if not (math.isfinite(self.qk_gain) and self.qk_gain > 0):
+            raise ConfigError(f"model.qk_gain must be a finite positive scale (1.0: an isometry), "
+                              f"got {self.qk_gain}")
         for name in ("poet_block_size", "poet_merge_every"):  # 0: off
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name} must be 0 (off) or positive, got {getattr(self, name)}")
@@ -265,7 +268,9 @@ class TrainConfig:
     lr: float = 3e-4
     min_lr: float = 3e-5         # cosine decay ends here
     warmup_steps: int = 2000
-    weight_decay: float = 0.1    # matrices only: embeddings and Linear weights; not biases/LayerNorms
+    # AdamW's decay of every trainable tensor of 2+ dims: Linear weights, embeddings, trainable
+    # Q/K, POET's skew generators, the Synthesizer's logit tables; not biases or LayerNorm gains.
+    weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

@@ -256,10 +256,14 @@ class CausalSelfAttention(nn.Module):
             logits = logits.masked_fill(~_causal_mask(t, t_total, x.device), float("-inf"))
             att = torch.softmax(logits.float(), dim=-1).to(v.dtype)
             y = F.dropout(att, p_drop, self.training) @ v
-        y = y.transpose(1, 2).contiguous().view(b, t, self.cfg.d_model)
-        y = self.proj(y)
+        y = self.project(y.transpose(1, 2).contiguous().view(b, t, self.cfg.d_model))
         return (y, att) if return_attention else y
 
+    def project(self, y: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' output, and in training the residual dropout after
+        it (GPT-2's resid_dropout), as the MLP drops its output: both branches regularised alike."""
+        y = self.proj(y)
+        return F.dropout(y, self.dropout, True) if self.training and self.dropout > 0 else y
 
     def decode(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One new token at position ``pos``: x (B, 1, d_model); k, v written into the cache at
@@ -267,7 +271,7 @@ class CausalSelfAttention(nn.Module):
         (1, 1, 1, t), 0 at positions <= pos and -inf after (t = block_size gives shapes that never
         change, for CUDA graphs; t = pos + 1 reads only the keys in use). Returns the heads'
         output (B, 1, d_model) *before* the output projection (``Block.decode`` fuses that with
-        the residual add). With ``self.proj`` applied, the same numbers as ``forward(x, cache)``
+        the residual add). With ``self.project`` applied, the same numbers as ``forward(x, cache)``
         with ``cache.length == pos``."""
         b = x.size(0)
         q, k, v = self._qkv(x)
@@ -343,10 +347,13 @@ class Block(nn.Module):
 
     def decode(self, x, cache, pos, mask):
         """The fixed-shape one-token step (see ``CausalSelfAttention.decode``), each residual add
-        folded into its projection's GEMM."""
-        x = _add_linear(x, self.attn.decode(self.ln_1(x), cache, pos, mask), self.attn.proj)
+        folded into its projection's GEMM (in training with dropout, which sits between the
+        projection and the add, the plain sums)."""
+        y = self.attn.decode(self.ln_1(x), cache, pos, mask)
         if self.training and self.mlp.dropout.p > 0:
+            x = x + self.attn.project(y)
             return x + self.mlp(self.ln_2(x))
+        x = _add_linear(x, y, self.attn.proj)
         return _add_linear(x, self.mlp.hidden(self.ln_2(x)), self.mlp.proj)
 
 
@@ -424,8 +431,8 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
     n, padded = x.size(0), w.size(0)
     xc, wc = x.to(dtype), w.to(dtype)
     targets = targets.contiguous()
-    n_valid = (targets >= 0).sum().clamp(min=1)
-    inv_n = (1.0 / n_valid.float()).reshape(1)
+    n_valid = (targets >= 0).sum()
+    inv_n = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
     row_loss = torch.empty(n, dtype=torch.float32, device=x.device)
     grad_x = torch.empty((n, x.size(1)), dtype=dtype, device=x.device) if need_grad else None
     grad_w = None
@@ -443,7 +450,7 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
                 grad_w = logits.T @ xs
             else:
                 _addmm_fp32_(grad_w, logits.T, xs)
-    loss = row_loss.sum() * inv_n[0]
+    loss = row_loss.sum() / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives
     return loss, grad_x, grad_w
 
 
@@ -454,8 +461,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     the forward computes the logits, their log-sum-exp, the loss *and already the gradients*
     (softmax - one_hot), so the backward only scales them by the incoming scalar: the same
     matmuls as the plain path, with one slice of logits alive instead of all of them in float32.
-    Targets of -1 are ignored. On CUDA (with Triton) the per-slice softmax/loss/gradient is one
-    fused kernel (``_ce_rows_kernel``); elsewhere it is plain torch ops.
+    Targets: see ``linear_cross_entropy``. On CUDA (with Triton) the per-slice
+    softmax/loss/gradient is one fused kernel (``_ce_rows_kernel``); elsewhere it is plain torch ops.
     """
 
     @staticmethod
@@ -469,9 +476,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 ctx.save_for_backward(grad_x, grad_w)
                 ctx.dtypes = (x.dtype, w.dtype)
             return loss
+        bad = (targets < -1) | (targets >= vocab)
+        if not targets.is_cuda and bad.any():  # on a GPU the check would wait for it every step
+            raise IndexError(f"target id {int(targets[bad][0])} is out of bounds: targets must be "
+                             f"token ids in [0, {vocab}) or -1 (ignored)")
         xc, wc = x.to(dtype), w[:vocab].to(dtype)
-        valid = targets >= 0
-        n_valid = valid.sum().clamp(min=1)
+        valid = targets != -1
+        n_valid = valid.sum()
         grad_x = torch.empty_like(x) if need_grad else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -485,13 +496,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_grad:
                 g = torch.exp(logits - lse[:, None])
                 g[torch.arange(len(ts), device=x.device), safe_t] -= 1.0
-                g = (g * (vs[:, None] / n_valid)).to(dtype)
+                g = (g * (vs[:, None] / n_valid.clamp(min=1))).to(dtype)
                 grad_x[s:s + chunk] = (g @ wc).to(x.dtype)
                 grad_w[:vocab] += (g.T @ xs).float()
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w)
             ctx.dtypes = (x.dtype, w.dtype)
-        return loss / n_valid
+        return loss / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -509,6 +520,15 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
                          chunk: int = 8192, w_grad_hook: Optional[Callable] = None) -> torch.Tensor:
     """x: (N, d), w: (V_padded, d), targets: (N,) -> scalar mean loss (nats/token).
 
+    ``targets`` are what ``F.cross_entropy(..., ignore_index=-1)`` takes: token ids in
+    [0, vocab), or -1 for a position without loss. Any other id raises an IndexError on the CPU;
+    on CUDA nothing is checked (a check would wait on the GPU every step): the Triton kernel
+    ignores every negative id and reads a wrong logit for an id >= vocab. The trainer refuses
+    token files whose ids exceed the model's vocabulary before it starts. When every target is
+    -1 the loss is NaN (0/0) and the gradients 0, as with ``F.cross_entropy``.
+
+    ``chunk``: tokens per slice (> 0), the memory of one slice's logits against launches.
+
     ``w_grad_hook``: if given, w's gradient (float32 or w's dtype, w's shape, already scaled by
     the incoming gradient) is handed to it when the backward pass reaches the loss, its first
     step, instead of flowing back to w through autograd.
@@ -516,6 +536,9 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     Runs outside torch.compile (a clean graph break: the transformer body is compiled, the loss
     is a few large cuBLAS matmuls and one Triton kernel that the compiler would not improve).
     """
+    if chunk <= 0:
+        raise ValueError(f"linear_cross_entropy: chunk must be a positive number of tokens per "
+                         f"slice, got chunk={chunk}")
     return _LinearCrossEntropy.apply(x, w, targets, vocab, chunk, w_grad_hook)
 
 
@@ -697,6 +720,13 @@ class GPT(nn.Module):
 
 def build_model(preset: str | ModelConfig = "medium512", variant: str = "gpt_base", seed: int = 0,
                 **overrides: Any) -> GPT:
-    """A GPT of a named preset and variant (see ``oelm_core.VARIANTS``), or of a ModelConfig."""
-    cfg = preset if isinstance(preset, ModelConfig) else model_config(preset, variant, **overrides)
-    return GPT(cfg, seed=seed)
+    """A GPT of a named preset and variant (see ``oelm_core.VARIANTS``), or of a ModelConfig,
+    which is built as it is: a variant or overrides with it are an error, not applied."""
+    if not isinstance(preset, ModelConfig):
+        return GPT(model_config(preset, variant, **overrides), seed=seed)
+    if variant != "gpt_base" or overrides:
+        given = ([f"variant={variant!r}"] if variant != "gpt_base" else []) + sorted(overrides)
+        raise TypeError(f"build_model got a ModelConfig together with {', '.join(given)}, which it "
+                        f"would not apply: pass a preset name instead (build_model(preset, variant, "
+                        f"**overrides)), or change the config first (dataclasses.replace(cfg, ...))")
+    return GPT(preset, seed=seed)

@@ -135,8 +135,17 @@ def isometry_error(W: Tensor, x: Tensor) -> float:
 
 
 def condition_number(W: Tensor) -> float:
-    """Largest over smallest singular value of W (inf when W is rank deficient)."""
+    """Largest over smallest singular value of W; inf when W is rank deficient, the zero matrix
+    included.
+
+    Rank deficient means numerically, with numpy's ``matrix_rank`` tolerance: the smallest
+    singular value is at most eps * largest * max(W.shape), eps of W's dtype. Below that it is
+    rounding noise, and the ratio would be an arbitrary huge number (or 0/0).
+    """
+    eps = torch.finfo(W.dtype if W.is_floating_point() else torch.float64).eps
     s = torch.linalg.svdvals(W.detach().double())
+    if s.min() <= eps * s.max() * max(W.shape):
+        return math.inf
     return (s.max() / s.min()).item()
 
 
@@ -161,6 +170,9 @@ def random_projection(k: int, d: int, method: str = "qr", generator: torch.Gener
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """A (k, d) Johnson-Lindenstrauss projection: orthonormal rows (any orthogonal method, k <= d)
     or, for method "gaussian", i.i.d. N(0, 1/d) entries."""
+    if k > d:
+        raise ValueError(f"random_projection maps d dimensions to k <= d, got k={k} > d={d}; "
+                         f"orthogonal(k, d) gives a tall matrix with orthonormal columns instead")
     if method == "gaussian":
         return gaussian(k, d, 1.0, generator, dtype)
     if method in _BUILDERS:

@@ -141,8 +141,10 @@ def autocast_context(dtype: str, device: torch.device):
 def configure_optimizer(model: nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the model's trainable parameters, in two groups.
 
-    Group 0: tensors with ndim >= 2 (Linear weights, embeddings, trainable Q/K) with
-    ``tc.weight_decay``. Group 1: biases and LayerNorm gains/shifts (ndim 1) without decay:
+    Group 0: every tensor with ndim >= 2, with ``tc.weight_decay``: Linear weights, embeddings,
+    trainable Q/K, and also POET's skew generators (``skew_*``, whose decay pulls R and P towards
+    I between merges) and the Synthesizer's logit tables (``synth_*``). The committed ablation
+    results were trained so. Group 1: biases and LayerNorm gains/shifts (ndim 1) without decay:
     shrinking them towards 0 shifts activations rather than regularising a mapping.
     Frozen Q/K are buffers and never reach the optimiser; tied weights appear once.
     Progressive unfreezing appends one decayed group per unfreeze (see ``Trainer._unfreeze``).

@@ -65,6 +65,12 @@ def test_missing_file_and_bad_override(tmp_path):
     ("model.synth_rank", 0, r"model\.synth_rank must be positive"),
     ("model.vocab_pad_multiple", 0, r"model\.vocab_pad_multiple must be positive"),
     ("model.poet_merge_every", -5, r"model\.poet_merge_every must be 0 \(off\) or positive"),
+    ("model.n_head", 0, r"model\.n_head must be positive, got 0"),
+    ("model.d_model", 0, r"model\.d_model must be positive, got 0"),
+    ("model.qk_gain", 0, r"model\.qk_gain must be a finite positive scale"),
+    ("model.qk_gain", -1.0, r"model\.qk_gain must be a finite positive scale"),
+    ("model.qk_gain", float("nan"), r"model\.qk_gain must be a finite positive scale"),
+    ("model.qk_gain", float("inf"), r"model\.qk_gain must be a finite positive scale"),
 ])
 def test_unusable_values_fail_at_load_time(key, value, message):
     """Every entry point (CLI, study, sweep, notebooks) loads through here: a value the loop or

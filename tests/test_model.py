@@ -84,6 +84,31 @@ def test_attention_path_matches_sdpa(variant):
     assert torch.all(maps[0].triu(1) == 0)  # causal
 
 
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze", "synth_random"])
+def test_attention_output_is_dropped_like_the_mlps(variant):
+    """GPT-2's resid_dropout: in training, dropout after the attention's output projection, as
+    after the MLP's. Exact zeros in the branch's output come from that dropout alone (p = 0.5:
+    half of them); in eval mode nothing is dropped."""
+    torch.manual_seed(0)
+    model = build_model("tiny", variant, dropout=0.5)
+    x = torch.randn(2, 20, 32)
+    for branch in (model.blocks[0].attn, model.blocks[0].mlp):
+        zeros = (branch(x) == 0).float().mean().item()
+        assert 0.4 < zeros < 0.6, (type(branch).__name__, zeros)
+    plain = build_model("tiny", variant, dropout=0.0).eval()
+    idx = torch.randint(0, 128, (2, 20))
+    assert torch.equal(model.eval()(idx), plain(idx))
+
+
+def test_build_model_refuses_a_variant_or_overrides_it_would_not_apply():
+    cfg = model_config("tiny", "gpt_base")
+    with pytest.raises(TypeError, match=r"ModelConfig together with variant='oelm_freeze', freeze_qk"):
+        build_model(cfg, "oelm_freeze", freeze_qk="all")
+    with pytest.raises(TypeError, match=r"together with nonsense_key.*dataclasses\.replace"):
+        build_model(cfg, nonsense_key=1)
+    assert build_model(cfg, seed=1).cfg is cfg and build_model(cfg, "gpt_base").cfg is cfg
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
     """A decoding step's logits come from a transposed copy of the output weight: equal to the

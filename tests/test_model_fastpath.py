@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oelm_core import build_model, count_parameters
+from oelm_core import build_model
 from oelm_core.model import linear_cross_entropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -107,11 +107,48 @@ def test_cached_single_token_decoding_matches_the_full_forward(variant):
     _assert_close(torch.cat(steps, dim=1), full, tol=1e-4)
 
 
-def test_parameter_counts_unchanged():
-    counts = {v: count_parameters(build_model("medium512", v))
-              for v in ("gpt_base", "oelm_nofreeze", "oelm_freeze")}
-    assert counts["gpt_base"]["total"] == counts["oelm_freeze"]["total"] == 44_896_768
-    assert counts["oelm_freeze"]["trainable"] == 41_751_040
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
+def test_cache_filled_in_chunks_matches_the_full_forward(variant):
+    # Several new tokens after cached ones (4 + 5 + 3): each attends to the cache and causally
+    # to the others of its chunk, the one case with an explicit mask in the SDPA path.
+    model = build_model("tiny", variant).eval()
+    x, _ = _batch(model.cfg, b=2, seed=4)
+    x = x[:, :12]
+    with torch.no_grad():
+        full = model(x)
+        cache = model.new_cache(batch=2)
+        chunks = [model(x[:, a:b], cache=cache) for a, b in ((0, 4), (4, 9), (9, 12))]
+    assert cache.length == 12
+    _assert_close(torch.cat(chunks, dim=1), full, tol=1e-4)
+
+
+def test_linear_cross_entropy_refuses_a_chunk_below_one():
+    x, w, t = torch.randn(6, 4), torch.randn(8, 4), torch.zeros(6, dtype=torch.long)
+    for chunk in (0, -1):
+        with pytest.raises(ValueError, match=f"chunk must be a positive .* got chunk={chunk}"):
+            linear_cross_entropy(x, w, t, 8, chunk=chunk)
+
+
+@pytest.mark.parametrize("bad", [-100, -2, 100, 128])
+def test_chunked_loss_refuses_the_targets_cross_entropy_refuses(bad):
+    """Only -1 is ignored, as by F.cross_entropy(ignore_index=-1): other negative ids and ids
+    past the vocabulary (the padding rows' 100..127 included) are an IndexError in both paths."""
+    for impl in ("chunked", "full"):
+        model = build_model("tiny", "gpt_base", vocab_size=100, loss_impl=impl)
+        x, y = _batch(model.cfg)
+        y[1, 3] = bad
+        with pytest.raises(IndexError, match=f"{bad} is out of bounds"):
+            model(x, y)
+
+
+def test_an_all_ignored_batch_gives_the_full_paths_nan_loss_and_zero_gradients():
+    fast = build_model("tiny", "gpt_base", loss_chunk_tokens=7)
+    full = build_model("tiny", "gpt_base", loss_impl="full")
+    x, y = _batch(fast.cfg)
+    y[:] = -1
+    (l1, g1), (l2, g2) = _loss_and_grads(fast, x, y), _loss_and_grads(full, x, y)
+    assert l1.isnan() and l2.isnan()
+    assert all(float(g.abs().max()) == 0 for g in (*g1.values(), *g2.values()))
 
 
 def check_loss_kernel(device: str) -> None:
@@ -131,6 +168,9 @@ def check_loss_kernel(device: str) -> None:
     ref.backward()
     assert abs(float(loss) - float(ref)) < 1e-5, (float(loss), float(ref))
     assert float((gx - xr.grad).abs().max()) < 1e-5 and float((gw - wr.grad).abs().max()) < 1e-5
+    # Every target ignored: NaN (0/0) and zero gradients, as F.cross_entropy gives.
+    loss, gx, gw = _ce_forward_cuda(x, w, torch.full_like(t, -1), vocab, 16, torch.float32, True)
+    assert loss.isnan() and float(gx.abs().max()) == 0 and float(gw.abs().max()) == 0
 
 
 def test_the_triton_loss_kernel_equals_cross_entropy():

@@ -57,15 +57,39 @@ def test_isometry():
     assert isometry_error(gaussian(512, 512, generator=gen()), x) > 0.01
 
 
-def test_qr_sign_correction_gives_haar():
-    n, draws = 8, 2000
-    g = gen(2)
-    W = torch.stack([orthogonal(n, n, "qr", generator=g, dtype=torch.float64) for _ in range(draws)])
-    # Haar: every entry is symmetric about 0 with E[W_ij^2] = 1/n.
-    assert abs(W.diagonal(dim1=1, dim2=2).mean().item()) < 0.05
-    assert abs(W[:, 0, 0].var().item() - 1 / n) < 0.015
-    # Raw LAPACK QR fixes R's diagonal signs instead, which pushes Q's diagonal negative.
-    Q, _ = torch.linalg.qr(torch.randn(draws, n, n, generator=g, dtype=torch.float64))
+def haar_statistics(method: str, n: int = 8, draws: int = 2000, seed: int = 2) -> dict[str, float]:
+    g = gen(seed)
+    W = torch.stack([orthogonal(n, n, method, generator=g, dtype=torch.float64) for _ in range(draws)])
+    tr = W.diagonal(dim1=1, dim2=2).sum(-1)
+    return {"p_det_positive": (torch.linalg.det(W) > 0).double().mean().item(),
+            "mean_trace": tr.mean().item(), "mean_trace_sq": tr.pow(2).mean().item(),
+            "max_abs_entry_mean": W.mean(0).abs().max().item()}
+
+
+@pytest.mark.parametrize("method", ["qr", "svd"])
+def test_haar_constructions_are_haar(method):
+    """Haar on O(n): det is +1 or -1 with probability 1/2 each, E[tr W] = 0, E[tr(W)^2] = 1 (for
+    n >= 2) and every entry has mean 0. A missing or partial sign correction moves the
+    determinant's sign and tr(W)^2 (e.g. correcting column 0 only: P(det > 0) = 0,
+    E[tr^2] = 3), an unsymmetrised factor moves the entries' means. Standard errors at 2,000
+    draws: 0.011, 0.022, 0.03 and 0.008; the bounds are 5 or more of them."""
+    s = haar_statistics(method)
+    assert abs(s["p_det_positive"] - 0.5) < 0.06, s
+    assert abs(s["mean_trace"]) < 0.11, s
+    assert abs(s["mean_trace_sq"] - 1) < 0.2, s
+    assert s["max_abs_entry_mean"] < 0.045, s
+
+
+@pytest.mark.parametrize("method", ["householder", "cayley"])
+def test_the_haar_statistics_reject_the_non_haar_constructions(method):
+    # The statistics above tell these from Haar: both always have det +1 at n = 8 (Householder: (-1)^n).
+    assert haar_statistics(method, draws=200)["p_det_positive"] == 1.0
+
+
+def test_raw_lapack_qr_is_not_haar():
+    # LAPACK fixes R's diagonal signs instead, which pushes Q's diagonal negative: what the sign
+    # correction of the "qr" construction undoes.
+    Q, _ = torch.linalg.qr(torch.randn(2000, 8, 8, generator=gen(2), dtype=torch.float64))
     assert Q.diagonal(dim1=1, dim2=2).mean().item() < -0.1
     assert (Q[:, 0, 0] < 0).all()
 
@@ -116,3 +140,20 @@ def test_attention_logit_scale_at_init():
     assert normal["std"] < 0.5 * ortho["std"]
     # Smaller logits mean flatter attention, closer to the uniform entropy log(64).
     assert ortho["entropy"] < normal["entropy"] < torch.log(torch.tensor(64.0)).item()
+
+
+def test_condition_number_is_inf_for_rank_deficient_matrices():
+    u, v = torch.randn(6, 1, generator=gen(9)), torch.randn(1, 6, generator=gen(10))
+    for W in (torch.zeros(4, 4), torch.ones(4, 4), u @ v, u.double() @ v.double(),
+              torch.zeros(2, 5), torch.eye(5, 3) @ torch.eye(3, 5)):
+        assert condition_number(W) == float("inf"), W
+    assert condition_number(torch.eye(3, 5)) == 1.0
+    W = torch.diag(torch.tensor([1.0, 1e-3], dtype=torch.float64))
+    assert condition_number(W) == pytest.approx(1e3)  # ill-conditioned, yet of full rank
+
+
+def test_random_projection_refuses_k_above_d():
+    for method in ("qr", "gaussian"):
+        with pytest.raises(ValueError, match=r"k=64 > d=16"):
+            random_projection(64, 16, method)
+    assert random_projection(16, 16).shape == (16, 16)

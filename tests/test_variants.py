@@ -14,6 +14,7 @@ is chosen so that no two components coincide in size:
     POET (block 32 = d: one block)  4 factors * 32*31/2 = 1,984 per layer trainable
 """
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,30 @@ def test_every_variant_is_registered_with_a_description():
     assert set(ALL_VARIANTS) <= set(VARIANTS)
     for name in ALL_VARIANTS:
         assert isinstance(VARIANTS[name], str) and 20 < len(VARIANTS[name]) < 120, name
+
+
+def test_a_variant_registered_after_import_is_listed_where_the_app_and_analysis_read(monkeypatch):
+    import oelm_core
+    from oelm_core import analysis, config
+
+    monkeypatch.setattr(config, "_VARIANT_SPECS", dict(config._VARIANT_SPECS))  # undone after the test
+    config.register_variant("late_svd", "Late: frozen SVD Q/K, registered after import",
+                            qk_init="svd", freeze_qk="all")
+    assert oelm_core.VARIANTS["late_svd"].startswith("Late:") and list(oelm_core.VARIANTS)[-1] == "late_svd"
+    assert dict(oelm_core.VARIANTS) == config.variants()
+    with pytest.raises(TypeError):
+        oelm_core.VARIANTS["x"] = "read-only"
+    assert analysis.parameter_table("tiny")[-1]["variant"] == "late_svd"
+    assert analysis.flops_table("tiny")[-1]["variant"] == "late_svd"
+    # The app (its import costs gradio's, seconds) reads the descriptions through that very
+    # object: imported from oelm_core, never rebound or copied.
+    tree = ast.parse((REPO / "app" / "demo.py").read_text())
+    imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and any(a.name == "VARIANTS" for a in n.names)]
+    assert [(n.module, [a.asname for a in n.names if a.name == "VARIANTS"]) for n in imports] == \
+        [("oelm_core", [None])]
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "VARIANTS"]
+    assert uses and all(isinstance(n.ctx, ast.Load) for n in uses)
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
