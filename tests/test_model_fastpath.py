@@ -92,34 +92,22 @@ def test_linear_cross_entropy_without_grad_and_scaled_backward():
     assert float(gw[13:].abs().max()) == 0.0
 
 
+# One token at a time after a 4-token prefill (attends without a mask), and chunks of several
+# new tokens after cached ones (each attends to the cache and causally to the others of its
+# chunk: the one case with an explicit mask in the SDPA path).
+@pytest.mark.parametrize("chunks", [[4] + [1] * 8, [4, 5, 3]], ids=["one_token", "chunks"])
 @pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
-def test_cached_single_token_decoding_matches_the_full_forward(variant):
-    # The one-token cached step attends without a mask; it must equal the uncached logits.
+def test_cached_decoding_matches_the_full_forward(variant, chunks):
     model = build_model("tiny", variant).eval()
     x, _ = _batch(model.cfg, b=2, seed=3)
-    x = x[:, :12]
+    x = x[:, :sum(chunks)]
+    ends = [sum(chunks[:i + 1]) for i in range(len(chunks))]
     with torch.no_grad():
         full = model(x)
         cache = model.new_cache(batch=2)
-        steps = [model(x[:, :4], cache=cache)]
-        for i in range(4, 12):
-            steps.append(model(x[:, i:i + 1], cache=cache))
+        steps = [model(x[:, a:b], cache=cache) for a, b in zip([0] + ends[:-1], ends)]
+    assert cache.length == x.size(1)
     _assert_close(torch.cat(steps, dim=1), full, tol=1e-4)
-
-
-@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
-def test_cache_filled_in_chunks_matches_the_full_forward(variant):
-    # Several new tokens after cached ones (4 + 5 + 3): each attends to the cache and causally
-    # to the others of its chunk, the one case with an explicit mask in the SDPA path.
-    model = build_model("tiny", variant).eval()
-    x, _ = _batch(model.cfg, b=2, seed=4)
-    x = x[:, :12]
-    with torch.no_grad():
-        full = model(x)
-        cache = model.new_cache(batch=2)
-        chunks = [model(x[:, a:b], cache=cache) for a, b in ((0, 4), (4, 9), (9, 12))]
-    assert cache.length == 12
-    _assert_close(torch.cat(chunks, dim=1), full, tol=1e-4)
 
 
 def test_linear_cross_entropy_refuses_a_chunk_below_one():
