@@ -26,7 +26,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
     p.add_argument("--concurrency", type=int, default=2,
                    help="requests of one event (e.g. generation) served at once; the rest queue (default: 2)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.concurrency < 1:  # Gradio takes 0 and serves nothing: the page would wait forever
+        p.error(f"--concurrency must be at least 1 (requests served at once), got {args.concurrency}")
+    return args
 
 
 def main(argv=None) -> None:

@@ -39,6 +39,11 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint (``weights_only=True``), with an error that says what to do instead."""
     path = Path(path)
+    if path.is_dir():
+        inside = [p for p in (path / "best.pt", path / "ckpt") if p.exists()]
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file: pass a .pt file"
+                              + (f" such as {inside[0]}" + ("/step_*.pt" if inside[0].is_dir() else "")
+                                 if inside else ""))
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found; train a run first "
                               f"(python -m oelm_core.train --params ...) or pass an existing .pt file")

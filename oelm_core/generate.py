@@ -166,17 +166,20 @@ def _inv_temperature(cfg: SamplingConfig) -> float:
 
 def sample_from_noise(logits: torch.Tensor, cfg: SamplingConfig, noise: torch.Tensor) -> torch.Tensor:
     """The draw in torch ops, given the noise (vocab,) from ``gumbel_noise``: argmax of
-    logits / T + noise over the ids that top-k and then top-p keep."""
+    logits / T + noise over the ids that top-k and then top-p keep (both keep every id tied
+    with the last one kept)."""
     x = logits.float() * _inv_temperature(cfg)
     if cfg.top_k_for(x.size(-1)):
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_x = torch.sort(x, dim=-1, descending=True).values
         p = torch.softmax(sorted_x, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
-        drop = torch.empty_like(p, dtype=torch.bool).scatter_(-1, order, p.cumsum(-1) - p >= cfg.top_p)
-        x = x.masked_fill(drop, float("-inf"))
+        # The smallest prefix whose mass reaches top_p (the most likely token always stays) ends
+        # at the cut; every id at or above it stays, so tied ids stay or go together, whatever
+        # order the sort left them in (the kernels' rule).
+        n_keep = (p.cumsum(-1) - p < cfg.top_p).sum(-1, keepdim=True)
+        x = x.masked_fill(x < sorted_x.gather(-1, n_keep - 1), float("-inf"))
     return (x + noise).argmax(-1)
 
 

@@ -19,7 +19,8 @@ so the draw can be captured in a CUDA graph. Supported (``supports``): temperatu
 cut, or a top-k cut of at most ``MAX_TOP_K`` (with or without top-p); a top-p cut alone would
 bisect over the whole vocabulary and stays with torch. Against ``generate.sample``: the same noise
 bits (float32 arithmetic without fused multiply-adds, libdevice's log) and so the same token,
-ties included (every x equal to the k-th largest is kept; equal scores go to the lowest id),
+ties included (every x equal to the k-th largest, or to the top-p cut, is kept; equal scores
+go to the lowest id),
 except where a top-p sum lands on p to float rounding (torch sums in another order).
 tests/test_sample_kernels.py checks it.
 """

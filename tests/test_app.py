@@ -174,6 +174,43 @@ def test_attention_figure_content_and_no_leak(served):
     assert len(plt.get_fignums()) == before  # built without pyplot: nothing to accumulate
 
 
+@pytest.mark.parametrize("head", ["3", "mean"])
+def test_attention_figures_show_the_chosen_layer_and_head_of_each_model(served, head):
+    """The heatmap is the chosen model's map of that layer and head (or their mean), and each
+    panel of the comparison is its own model's, over the same tokens."""
+    import numpy as np
+
+    from oelm_core.analysis import attention_maps
+
+    h = served[0].oelm
+    texts = ("", " a", " dog and a cat")
+    heat, compare, _, _, details = h.attention(PROMPT, "oelm_nofreeze", 1, head, None, *texts)
+    ids = h.enc.encode_ordinary(PROMPT + texts[1])
+
+    def expected(m):
+        att = attention_maps(m.model, ids)[1][1]
+        return (att.mean(0) if head.startswith("mean") else att[int(head)]).numpy()
+
+    chosen = h.lab.by_group("oelm_nofreeze")
+    np.testing.assert_allclose(np.asarray(heat.axes[0].images[0].get_array()), expected(chosen), atol=1e-6)
+    panels = [np.asarray(ax.images[0].get_array()) for ax in compare.axes if ax.images]
+    for panel, m in zip(panels, h.lab.models, strict=True):
+        np.testing.assert_allclose(panel, expected(m), atol=1e-6)
+    assert not np.allclose(panels[0], panels[1])  # the models differ, so a mix-up would show
+
+
+def test_attention_over_a_text_longer_than_the_context_maps_its_last_tokens(served):
+    from oelm_core.attention_plots import token_label
+
+    h = served[0].oelm
+    long = " and the cat ran" * 30
+    ids = h.enc.encode_ordinary(PROMPT + long)
+    assert len(ids) > h.context == 64
+    *_, details = h.attention(PROMPT, "gpt_base", 0, "0", None, long, "", "")
+    assert details["n_tokens"] == 64
+    assert details["tokens"] == [token_label(h.enc.decode([i])) for i in ids[-64:]]
+
+
 def test_attention_maps_the_sampled_ids_where_encoding_the_text_again_merges_otherwise(served, monkeypatch):
     """' ape' 'rote' decode to ' aperote', which encodes as ' a' 'per' 'ote': the map of the text
     encoded again showed tokens (and a length) the model never read."""
@@ -255,6 +292,15 @@ def test_stop_cancels_generation_from_the_button_and_from_enter(served):
     stops = [dep for dep in config["dependencies"] if ("stop-btn", "click") in
              {(elem.get(t), e) for t, e in dep["targets"]} and dep.get("cancels")]
     assert [sorted(dep["cancels"]) for dep in stops] == [sorted([click, submit])]
+
+
+def test_a_concurrency_below_one_is_refused(capsys):
+    from app.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--concurrency", "0"])
+    assert "--concurrency must be at least 1 (requests served at once), got 0" in capsys.readouterr().err
+    assert parse_args(["--concurrency", "3"]).concurrency == 3
 
 
 def test_queue_limits_concurrency(served):

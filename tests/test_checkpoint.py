@@ -40,6 +40,16 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary left behind
 
 
+def test_a_run_folder_is_named_as_a_folder_with_the_file_to_pass(tmp_path):
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"run is a folder, not a checkpoint file: pass a \.pt file such as .*ckpt/step_\*\.pt"):
+        load_checkpoint(run)
+    save_checkpoint(state_of(build_model("tiny", seed=1)), run / "best.pt")
+    with pytest.raises(CheckpointError, match=r"run is a folder, not a checkpoint file: pass a \.pt file such as .*run/best\.pt$"):
+        load_checkpoint(run)
+
+
 class NotAllowed:
     """An object that weights_only loading must refuse to unpickle."""
 

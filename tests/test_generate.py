@@ -95,6 +95,17 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     assert int(sample(logits, SamplingConfig(temperature=0.0))) == 0
 
 
+def test_ids_tied_at_the_top_p_cut_stay_or_go_together():
+    """Four tied logits of p 0.25 each: top_p 0.3 is reached inside the tie, and all four stay
+    (as the GPU kernels keep them), not the two that sort happened to put first."""
+    logits = torch.zeros(64)
+    logits[:4] = 5.0
+    assert set(_draws(logits, SamplingConfig(top_p=0.3, temperature=1.0))) == {0, 1, 2, 3}
+    logits[4:] = float("-inf")
+    logits[3] = 4.0  # p 0.30 each for the three tied ids, which reach 0.3 and stay; id 3 goes
+    assert set(_draws(logits, SamplingConfig(top_p=0.3, temperature=1.0))) == {0, 1, 2}
+
+
 def test_gumbel_max_sampling_draws_from_the_softmax():
     logits = torch.tensor([1.5, 0.5, 0.0, -1.0])
     n = 20000

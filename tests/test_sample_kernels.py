@@ -63,16 +63,19 @@ def check_greedy_is_argmax(device: str) -> None:
 
 
 def check_ties_at_the_cut_are_kept(device: str) -> None:
-    """torch keeps every x equal to the k-th largest; so must the kernels (all-equal logits:
-    every token stays, and the noise alone picks one)."""
+    """torch keeps every x equal to the k-th largest or to the top-p cut; so must the kernels
+    (tied logits: every tied token stays, and the noise alone picks one)."""
     logits = torch.zeros(1, 3000, device=device)
     logits[0, :3] = 1.0
-    for top_k in (2, 3, 5, 100):
-        cfg = SamplingConfig(temperature=1.0, top_k=top_k)
-        for step in range(20):
+    tied_at_the_p_cut = torch.zeros(1, 64, device=device)
+    tied_at_the_p_cut[0, :4] = 5.0  # p 0.25 each: top_p 0.3 is reached inside the tie
+    cases = [(logits, SamplingConfig(temperature=1.0, top_k=k)) for k in (2, 3, 5, 100)]
+    cases.append((tied_at_the_p_cut, SamplingConfig(temperature=1.0, top_k=8, top_p=0.3)))
+    for row, cfg in cases:
+        for step in range(40):
             seed_t, step_t = seed_tensor(11, device), torch.tensor([step], device=device)
-            expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 3000)[0])
-            assert torch.equal(sample(logits, cfg, seed_t, step_t), expect), (top_k, step)
+            expect = sample_from_noise(row, cfg, gumbel_noise(seed_t, step_t, 1, row.size(-1))[0])
+            assert torch.equal(sample(row, cfg, seed_t, step_t), expect), (cfg, step)
 
 
 def check_supports(device: str) -> None:
