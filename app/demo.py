@@ -36,7 +36,7 @@ from oelm_core.checkpoint import CheckpointError, load_model  # noqa: E402
 from oelm_core.config import ModelConfig, variant_overrides, variants  # noqa: E402
 from oelm_core.generate import SamplingConfig, detokenize, stream_tokens  # noqa: E402
 
-from oelm_core.analysis import attention_maps, attention_summary  # noqa: E402
+from oelm_core.analysis import attention_maps, summarise_attention  # noqa: E402
 
 from oelm_core.attention_plots import (compare_figure, heatmap_figure, summary_figure,  # noqa: E402
                                        token_label, uniform_reference)
@@ -434,7 +434,7 @@ class Demo:
         compare = compare_figure(panels, labels, f"Layer {layer_i}, {head_name}: the same {len(ids)} tokens "
                                                  f"(text of {chosen.label}) through every model")
 
-        rows, uniform = self.summary_rows(ids)
+        rows, uniform = self.summary_rows(maps)
         summary = summary_figure(rows, uniform, [m.label for m in self.lab.models])
         table = [[r["model"], r["layer"], r["head"], r["qk"], round(r["entropy"], 4), round(r["distance"], 3)]
                  for r in rows]
@@ -446,16 +446,17 @@ class Demo:
     def _qk_state(m: LoadedModel, layer: int) -> str:
         return "frozen" if layer in m.cfg.frozen_layers() else "trainable"
 
-    def summary_rows(self, ids: list[int]) -> tuple[list[dict], dict[str, float]]:
-        """Per-head entropy and mean distance of every model on ``ids`` (oelm_core.analysis),
-        with the model's label and whether the layer's Q/K are frozen; and the uniform baseline."""
+    def summary_rows(self, maps: dict[str, list]) -> tuple[list[dict], dict[str, float]]:
+        """Per-head entropy and mean distance of every model from its maps of one text (group ->
+        attention_maps' list of (n_head, T, T) per layer), with the model's label and whether the
+        layer's Q/K are frozen; and the uniform baseline."""
         rows = []
         for m in self.lab.models:
-            for r in attention_summary(m.model, ids):
+            for r in summarise_attention(maps[m.group]):
                 rows.append({"model": m.label, "layer": r["layer"], "head": r["head"],
                              "qk": self._qk_state(m, r["layer"]), "entropy": r["entropy"],
                              "distance": r["mean_distance"]})
-        return rows, uniform_reference(len(ids))
+        return rows, uniform_reference(maps[self.lab.models[0].group][0].shape[-1])
 
 
 # --------------------------------------------------------------------------------------------

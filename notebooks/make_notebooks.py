@@ -62,8 +62,9 @@ THEORY = [
                "jl_trials = 3\n"
                "construction_repeats = 3\n"
                "seed = 0\n"
-               "fig_dir = \"figures\""),
-    ("code", SETUP + "\nfrom oelm_core import analysis as A\nfig_dir = Path(fig_dir)"),
+               "fig_dir = \"runs/notebooks/figures\"   # a relative path is taken from the repository root"),
+    ("code", SETUP + "\nfrom oelm_core import analysis as A\n"
+             "fig_dir = A.REPO / fig_dir  # an absolute path stays as it is"),
     ("md", "## 1 · Isometry, orthogonality error and condition number\n\n"
            "`isometry_error` is max | ‖Wx‖/‖x‖ − 1 | over random x; the GPT-2 normal init is rescaled "
            "to unit row norm so only its shape is judged. Orthogonal matrices have every singular value "
@@ -116,7 +117,7 @@ MODEL = [
     ("params", "preset = \"medium512\"       # the shape whose parameters are tabulated\n"
                "grad_check_preset = \"tiny\"  # the small model of the gradient-flow check\n"
                "all_variants = True         # tabulate the ablation variants too\n"
-               "fig_dir = \"figures\""),
+               "fig_dir = \"runs/notebooks/figures\"   # a relative path is taken from the repository root"),
     ("code", SETUP + "\nimport oelm_core\nfrom oelm_core import analysis as A"),
     ("md", "## Variants"),
     ("code", "display(Markdown(A.markdown_table([{'variant': k, 'description': v} "
@@ -187,11 +188,12 @@ TRAINING = [
 ANALYSIS = [
     ("md", "# 04 · Analysis: results, hypotheses, attention\n\n"
            "Loads any number of run folders (several seeds per group give means, standard deviations "
-           "and Welch t-tests), draws the curves, builds the results table in the original study's "
+           "and Welch t-tests; a group is the runs of one variant trained with the same settings apart "
+           "from the seed), draws the curves, builds the results table in the original study's "
            "form, judges hypotheses H1–H4 from the data, compares attention maps and samples, and "
            "writes `results.md` / `results.json` to `out_dir`."),
     ("params", "run_dirs = []                  # run folders, or folders that hold them (a study folder)\n"
-               "out_dir = \"results\"\n"
+               "out_dir = \"runs/notebooks/analysis\"   # a relative path is taken from the repository root\n"
                "fig_dir = None                 # None: <out_dir>/figures\n"
                "which = \"final\"                # 'final' or 'best' validation figures\n"
                "attention_text = \"Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.\"\n"
@@ -201,24 +203,32 @@ ANALYSIS = [
                "sample_prompt = \"Once upon a time\"\n"
                "max_new_tokens = 40"),
     ("code", SETUP + "\nfrom oelm_core import analysis as A\n"
-             "out_dir = Path(out_dir)\nfig_dir = Path(fig_dir) if fig_dir else out_dir / 'figures'\n"
+             "out_dir = A.REPO / out_dir  # an absolute path stays as it is\n"
+             "fig_dir = A.REPO / fig_dir if fig_dir else out_dir / 'figures'\n"
              "runs = A.load_runs(run_dirs)\n"
              "display(Markdown(A.markdown_table([{'run': r.name, 'variant': r.variant, 'preset': r.preset, "
              "'seed': r.seed, 'steps': r.value('steps'), 'folder': str(r.path)} for r in runs])))"),
     ("md", "## Training and validation curves"),
     ("code", "display(A.plot_curves(runs, fig_dir / 'curves.png'))"),
-    ("md", "## Results table\n\nGaps are relative to GPT-Base of the same preset (positive: worse)."),
+    ("md", "## Results table\n\nGaps are relative to GPT-Base of the same preset (positive: worse); where "
+           "the preset has several GPT-Base groups, to the one trained with the row's settings apart from "
+           "the variant. A variant's runs trained with other settings (per-run overrides, an unfreeze "
+           "schedule) are rows of their own, named after their runs."),
     ("code", "table = A.results_table(runs, which)\ndisplay(Markdown(table['markdown']))"),
     ("md", "## Hypotheses\n\n"
            "* **H1** freezing cuts trainable parameters by ~15% (the original report's claim; the exact "
            "figure at medium512 is 7.0%)\n"
            "* **H2** OELM-Freeze perplexity within 5% of OELM-NoFreeze\n"
            "* **H3** OELM-Freeze trains at least as fast as GPT-Base\n"
-           "* **H4** OELM-Freeze perplexity within 10% of GPT-Base"),
+           "* **H4** OELM-Freeze perplexity within 10% of GPT-Base\n\n"
+           "Each compares two groups trained with the same settings apart from the variant; where the runs "
+           "hold no such pair, or several, the hypothesis is not judged and its evidence says why."),
     ("code", "hyps = A.hypotheses(runs, which)\ndisplay(Markdown(A.hypotheses_markdown(hyps)))\n"
              "assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H4']\n"
-             "groups = {r.variant for r in runs}\n"
-             "if {'gpt_base', 'oelm_nofreeze', 'oelm_freeze'} <= groups:\n"
+             "groups = A.group_runs(runs)\n"
+             "# the three groups, trained alike apart from the variant: every hypothesis can be judged\n"
+             "alike = all(A.variant_alone(groups[0], g) for g in groups)\n"
+             "if alike and {g.variant for g in groups} == set(A.GROUP_LABELS):\n"
              "    assert all(h['holds'] is not None for h in hyps), hyps"),
     ("md", "## Significance across seeds\n\nWelch's t-test and Cohen's d of the validation perplexity, "
            "where each group has at least two seeds."),
@@ -227,6 +237,11 @@ ANALYSIS = [
              "'t', 'p', 'cohen_d']) if sig else '(no groups to compare)'))"),
     ("md", "## Attention maps on the same story"),
     ("code", "models = A.load_models(runs)\n"
+             "checkpoint_note = (\"Attention maps and samples: each group's best.pt, the weights of its \"\n"
+             "                   \"lowest validation loss (its first seed that has one). \"\n"
+             "                   f\"The table reads the {which} evaluation\"\n"
+             "                   + (', which may be a later step.' if which == 'final' else '.'))\n"
+             "display(Markdown(checkpoint_note))\n"
              "if models:\n"
              "    display(A.attention_figure(models, attention_text, layer, head, max_tokens, "
              "fig_dir / 'attention.png'))\n"
@@ -238,8 +253,8 @@ ANALYSIS = [
              "samples_md = A.markdown_table(samples) if samples else ''\n"
              "display(Markdown(samples_md or '(no checkpoints)'))"),
     ("md", "## Written results"),
-    ("code", "result = A.write_results(runs, out_dir, which, extra_markdown='## Samples\\n\\n' + samples_md "
-             "if samples_md else '')\n"
+    ("code", "result = A.write_results(runs, out_dir, which, extra_markdown=f'## Samples\\n\\n{checkpoint_note}\\n\\n' "
+             "+ samples_md if samples_md else '')\n"
              "assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()\n"
              "print((out_dir / 'results.md').read_text())"),
 ]

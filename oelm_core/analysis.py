@@ -18,9 +18,11 @@ Run folders follow the trainer's contract (``oelm_core.train``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -29,8 +31,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from oelm_core.config import ConfigError
+from oelm_core.config import ConfigError, model_config, trained_settings, variant_overrides
 
+# The repository root: the notebooks take relative output folders from here, so that their
+# defaults (under the git-ignored runs/) land in one place whether the kernel runs in notebooks/
+# (JupyterLab) or in the root (papermill --cwd).
+REPO = Path(__file__).resolve().parents[1]
 # Study labels of the three groups, in the order the tables list them.
 GROUP_LABELS = {"gpt_base": "GPT-Base", "oelm_nofreeze": "OELM-NoFreeze", "oelm_freeze": "OELM-Freeze"}
 BASELINE = "gpt_base"
@@ -203,12 +209,17 @@ def logit_stats_table(d: int = 512, n_head: int = 8, n_tokens: int = 128,
 # 02 model: parameter table, FLOPs and memory, gradient flow, shape explorer
 # ============================================================================================
 
+def _accounts(preset: str, variant: str, overrides: dict) -> tuple[dict, dict]:
+    """(count_parameters, memory_account) of one built model; cached so tables share one build.
+    The cache key holds the overrides as JSON: a list value (freeze_qk=[0]) is not hashable."""
+    return _accounts_cached(preset, variant, json.dumps(overrides, sort_keys=True))
+
+
 @functools.lru_cache(maxsize=64)
-def _accounts(preset: str, variant: str, overrides: tuple) -> tuple[dict, dict]:
-    """(count_parameters, memory_account) of one built model; cached so tables share one build."""
+def _accounts_cached(preset: str, variant: str, overrides_json: str) -> tuple[dict, dict]:
     from oelm_core import build_model, count_parameters, memory_account
 
-    model = build_model(preset, variant, **dict(overrides))
+    model = build_model(preset, variant, **json.loads(overrides_json))
     return count_parameters(model), memory_account(model)
 
 
@@ -223,7 +234,7 @@ def parameter_table(preset: str = "medium512", variants: Iterable[str] | None = 
     names = list(variants or VARIANTS)
     rows = []
     for v in names:
-        c = _accounts(preset, v, tuple(sorted(overrides.items())))[0]
+        c = _accounts(preset, v, overrides)[0]
         rows.append({"variant": v, "label": GROUP_LABELS.get(v, v), "trainable": c["trainable"],
                      "frozen": c["frozen"], "total": c["total"]})
     base = next((r for r in rows if r["variant"] == BASELINE), None)
@@ -257,13 +268,12 @@ def flops_table(preset: str = "medium512", variants: Iterable[str] | None = None
                 **overrides: Any) -> list[dict]:
     """FLOPs per trained token (forward, backward) and weight+optimizer memory per variant."""
     from oelm_core import VARIANTS, flops_per_token
-    from oelm_core.config import model_config
 
     rows = []
     for v in list(variants or VARIANTS):
         cfg = model_config(preset, v, **overrides)
         f = flops_per_token(cfg)
-        m = _accounts(preset, v, tuple(sorted(overrides.items())))[1]
+        m = _accounts(preset, v, overrides)[1]
         rows.append({"variant": v, "forward_flops": f["total_forward"],
                      "backward_flops": f["total_backward"], "total_flops": f["total"],
                      "frozen_saving_flops": f["frozen_saving"]["flops"],
@@ -314,7 +324,6 @@ def shape_account(**shape: int) -> list[dict]:
     """Counts and FLOPs per token of the three groups at Medium-512 with ``shape`` overrides
     (n_layer, d_model, n_head, d_ff, vocab_size, block_size): the explorer's rows."""
     from oelm_core import flops_per_token
-    from oelm_core.config import model_config
 
     rows = []
     for v in GROUP_LABELS:
@@ -343,8 +352,6 @@ def shape_explorer():
     except ImportError:
         return Markdown(markdown_table(shape_account())
                         + "\n\n(install ipywidgets for the interactive explorer)")
-
-    from oelm_core.config import model_config
 
     start = model_config("medium512")  # the sliders start at the study's shape
     sliders = {
@@ -389,9 +396,14 @@ class Run:
     summary: dict
     metrics: list[dict] = field(default_factory=list)
 
-    @property
-    def group(self) -> tuple[str, str]:
-        return (self.variant, self.preset)
+    def settings(self) -> dict:
+        """What the run learned from: config.trained_settings of its config.yaml (with the
+        variant and preset read here), train.seed included."""
+        try:
+            return trained_settings({**self.config, "variant": self.variant, "preset": self.preset})
+        except ConfigError as exc:
+            raise ConfigError(f"{self.path}/config.yaml does not load ({exc}): without it the analysis "
+                              f"cannot tell which runs are seeds of one setup") from None
 
     @property
     def label(self) -> str:
@@ -491,12 +503,15 @@ def find_run_dirs(root: str | Path) -> list[Path]:
 
 
 def load_runs(paths: str | Path | Iterable[str | Path]) -> list[Run]:
-    """Runs from run folders, or from folders containing them (a study folder)."""
+    """Runs from run folders, or from folders containing them (a study folder); a folder found
+    twice (a study and one of its runs) is read once, not taken for a second seed."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    dirs: list[Path] = []
+    found: dict[Path, Path] = {}
     for p in paths:
-        dirs += find_run_dirs(p)
+        for d in find_run_dirs(p):
+            found.setdefault(d.resolve(), d)
+    dirs = list(found.values())
     if not dirs:
         raise FileNotFoundError(f"no run folders (summary.json / metrics.jsonl) under {list(paths)}")
     return [load_run(d) for d in dirs]
@@ -507,12 +522,78 @@ def _variant_order(v: str) -> tuple[int, str]:
     return (order.index(v) if v in order else len(order), v)
 
 
-def group_runs(runs: Iterable[Run]) -> dict[tuple[str, str], list[Run]]:
-    """(variant, preset) -> its runs (one per seed), GPT-Base first."""
-    groups: dict[tuple[str, str], list[Run]] = {}
-    for r in runs:
-        groups.setdefault(r.group, []).append(r)
-    return dict(sorted(groups.items(), key=lambda kv: (kv[0][1], _variant_order(kv[0][0]))))
+@dataclass
+class Group:
+    """The seeds of one setup: runs of one variant and preset whose trained settings
+    (Run.settings) are equal apart from train.seed."""
+
+    label: str                       # what the tables call it (group_runs)
+    variant: str
+    preset: str
+    settings: dict                   # Run.settings() without train.seed
+    runs: list[Run] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)   # runs[i] trained with seeds[i]
+
+
+def group_runs(runs: Iterable[Run]) -> list[Group]:
+    """The runs as groups of seeds, by preset, then GPT-Base, OELM-NoFreeze, OELM-Freeze, others.
+
+    Runs of one variant trained otherwise (per-run overrides, an unfreeze schedule) are groups
+    of their own, never averaged as if they were seeds. A group's label is the variant's display
+    name where the preset has no other group of that variant; otherwise the name has what tells
+    the group apart added: its runs' name without ``_s<seed>``, or where those coincide, the
+    settings in which the variant's groups differ. ConfigError for two runs of one group with
+    the same seed: the same training twice, not two seeds.
+    """
+    groups: list[Group] = []
+    for run in runs:
+        settings = run.settings()
+        seed = settings.pop("train.seed")
+        group = next((g for g in groups if (g.variant, g.preset, g.settings) == (run.variant, run.preset, settings)),
+                     None)
+        if group is None:
+            group = Group("", run.variant, run.preset, settings)
+            groups.append(group)
+        if seed in group.seeds:
+            twin = group.runs[group.seeds.index(seed)]
+            raise ConfigError(f"{twin.path} and {run.path} trained the same settings with the same seed ({seed}): "
+                              f"the same run twice, not two seeds of one; analyse them apart")
+        group.runs.append(run)
+        group.seeds.append(seed)
+    groups.sort(key=lambda g: (g.preset, _variant_order(g.variant)))
+    for g in groups:
+        g.label = _group_label(g, groups)
+    return groups
+
+
+def _run_names(group: Group) -> str:
+    return "/".join(dict.fromkeys(re.sub(rf"_s{seed}$", "", r.name) for r, seed in zip(group.runs, group.seeds)))
+
+
+def _group_label(group: Group, groups: Sequence[Group]) -> str:
+    name = GROUP_LABELS.get(group.variant, group.variant)
+    siblings = [g for g in groups if (g.variant, g.preset) == (group.variant, group.preset)]
+    if len(siblings) == 1:
+        return name
+    names = [_run_names(g) for g in siblings]
+    if len(set(names)) == len(names):
+        return f"{name} ({_run_names(group)})"
+    differ = [k for k in group.settings if len({repr(g.settings[k]) for g in siblings}) > 1]
+    return f"{name} ({', '.join(f'{k}={group.settings[k]}' for k in differ)})"
+
+
+def variant_alone(a: Group, b: Group) -> bool:
+    """Whether groups ``a`` and ``b`` were trained with the same settings apart from the variant:
+    every setting equal, except the model keys either variant sets, which must hold each
+    variant's own value (an OELM-Freeze whose freezing an override changed is not OELM-Freeze)."""
+    if a.preset != b.preset:
+        return False
+    keys = {f"model.{k}" for g in (a, b) for k in variant_overrides(g.variant)}
+    for g in (a, b):
+        own = dataclasses.asdict(model_config(g.preset, g.variant))
+        if any(g.settings[k] != own[k.removeprefix("model.")] for k in keys):
+            return False
+    return all(a.settings[k] == b.settings[k] for k in a.settings if k not in keys)
 
 
 def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "step"):
@@ -560,28 +641,29 @@ RESULT_COLUMNS = [
 
 
 def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BASELINE) -> dict:
-    """The study's results table: one row per (variant, preset), averaged over seeds.
+    """The study's results table: one row per group of seeds (group_runs), averaged over them.
 
-    ``which``: "final" or "best" validation figures. Gaps are relative to the baseline group of
-    the same preset, in %. Returns {"rows": [...], "markdown": str}.
+    ``which``: "final" or "best" validation figures. Gaps are relative to the ``baseline``
+    group of the same preset, in %; where the preset has several, to the one trained with the
+    row's settings apart from the variant (none: no gap). Returns {"rows": [...], "markdown": str}.
     """
     _check_which(which)
+    groups = group_runs(runs)
     rows = []
-    for (variant, preset), group in group_runs(runs).items():
-        def mean(key):
-            return mean_std([r.value(key) for r in group])[0]
-
-        ppl_mean, ppl_std = mean_std([r.value(f"{which}_val_ppl") for r in group])
+    for group in groups:
+        ppl_mean, ppl_std = mean_std([r.value(f"{which}_val_ppl") for r in group.runs])
         rows.append({
-            "variant": variant, "model": GROUP_LABELS.get(variant, variant), "preset": preset,
-            "seeds": len(group), "val_loss": mean(f"{which}_val_loss"), "val_ppl": ppl_mean,
-            "val_ppl_std": ppl_std, "val_bpb": mean(f"{which}_val_bpb"),
-            "train_loss": mean("final_train_loss"), "total_params": group[0].value("total"),
-            "trainable_params": group[0].value("trainable"),
-            "checkpoint_mb": mean("checkpoint_mb"), "tokens_per_s": mean("tokens_per_s"),
+            "variant": group.variant, "model": group.label, "preset": group.preset,
+            "seeds": len(group.runs), "val_loss": _mean(group, f"{which}_val_loss"), "val_ppl": ppl_mean,
+            "val_ppl_std": ppl_std, "val_bpb": _mean(group, f"{which}_val_bpb"),
+            "train_loss": _mean(group, "final_train_loss"), "total_params": group.runs[0].value("total"),
+            "trainable_params": group.runs[0].value("trainable"),
+            "checkpoint_mb": _mean(group, "checkpoint_mb"), "tokens_per_s": _mean(group, "tokens_per_s"),
         })
-    for row in rows:
-        base = next((b for b in rows if b["variant"] == baseline and b["preset"] == row["preset"]), None)
+    for group, row in zip(groups, rows):
+        bases = [(g, r) for g, r in zip(groups, rows) if g.variant == baseline and g.preset == group.preset]
+        base = (bases[0][1] if len(bases) == 1 else
+                next((r for g, r in bases if variant_alone(g, group)), None))
         for key, gap in (("val_loss", "loss_gap_pct"), ("val_ppl", "ppl_gap_pct")):
             ok = base is not None and row[key] is not None and base[key]
             row[gap] = 100 * (row[key] / base[key] - 1) if ok else None
@@ -589,6 +671,10 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
         row["ppl_per_m_trainable"] = row["val_ppl"] / (t / 1e6) if row["val_ppl"] and t else None
     cols, heads = zip(*RESULT_COLUMNS)
     return {"rows": rows, "markdown": markdown_table(rows, cols, heads)}
+
+
+def _mean(group: Group, key: str) -> float | None:
+    return mean_std([r.value(key) for r in group.runs])[0]
 
 
 def significance(a: Sequence[float], b: Sequence[float]) -> dict:
@@ -619,23 +705,18 @@ def significance_tests(runs: Sequence[Run], metric: str = "final_val_ppl",
                        pairs: Sequence[tuple[str, str]] = (("oelm_freeze", "gpt_base"),
                                                            ("oelm_freeze", "oelm_nofreeze"),
                                                            ("oelm_nofreeze", "gpt_base"))) -> list[dict]:
-    """Welch tests of ``metric`` between groups of the same preset with several seeds each."""
+    """Welch tests of ``metric`` between the groups of each pair of variants that were trained
+    with the same settings apart from the variant (``variant_alone``); t, p and d need at least
+    two seeds on each side."""
     groups = group_runs(runs)
     out = []
-    for preset in dict.fromkeys(p for _, p in groups):
+    for preset in dict.fromkeys(g.preset for g in groups):
         for va, vb in pairs:
-            ga, gb = groups.get((va, preset), []), groups.get((vb, preset), [])
-            if not ga or not gb:
-                continue
-            res = significance([r.value(metric) for r in ga], [r.value(metric) for r in gb])
-            out.append({"a": GROUP_LABELS.get(va, va), "b": GROUP_LABELS.get(vb, vb),
-                        "preset": preset, "metric": metric, **res})
+            for ga in (g for g in groups if (g.variant, g.preset) == (va, preset)):
+                for gb in (g for g in groups if (g.variant, g.preset) == (vb, preset) and variant_alone(ga, g)):
+                    res = significance([r.value(metric) for r in ga.runs], [r.value(metric) for r in gb.runs])
+                    out.append({"a": ga.label, "b": gb.label, "preset": preset, "metric": metric, **res})
     return out
-
-
-def _group_mean(groups, variant, preset, key):
-    g = groups.get((variant, preset), [])
-    return mean_std([r.value(key) for r in g])[0] if g else None
 
 
 def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = None,
@@ -643,8 +724,14 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
                h3_min_ratio: float = 0.98, h4_max_gap: float = 0.10) -> list[dict]:
     """The study's four hypotheses judged from the runs of one preset (default: the first with an
     OELM-Freeze run, which every hypothesis needs; without one, the first preset). Each: {id,
-    claim, value, threshold, holds, evidence}; holds is None when the runs needed to judge it
-    are missing.
+    claim, value, threshold, holds, evidence}; holds is None, and the evidence says why, when
+    the groups needed to judge it are missing or ambiguous.
+
+    Each compares two groups of seeds (group_runs) that were trained with the same settings
+    apart from the variant (``variant_alone``): OELM-Freeze and GPT-Base (H1, H3, H4), or
+    OELM-Freeze and OELM-NoFreeze (H2). Where no such pair exists (e.g. the OELM-Freeze runs
+    had another learning rate) or several do (e.g. a study of two learning rates), it is not
+    judged: a verdict on other settings, or on a mixture, would not be the claim's.
 
     H1  freezing Q/K cuts trainable parameters by ~15% (holds within +-h1_tolerance of h1_claim)
     H2  OELM-Freeze's perplexity is within 5% of OELM-NoFreeze's (relative gap < h2_max_gap)
@@ -654,68 +741,89 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
     """
     _check_which(which)
     groups = group_runs(runs)
-    presets = list(dict.fromkeys(p for _, p in groups))
+    presets = list(dict.fromkeys(g.preset for g in groups))
     if preset is None:
-        preset = next((p for p in presets if ("oelm_freeze", p) in groups), presets[0] if presets else None)
+        preset = next((g.preset for g in groups if g.variant == "oelm_freeze"), presets[0] if presets else None)
+    here = [g for g in groups if g.preset == preset]
     ppl = f"{which}_val_ppl"
 
-    def g(variant, key):
-        return _group_mean(groups, variant, preset, key)
+    def pair(other: str) -> tuple[Group | None, Group | None, str]:
+        """(OELM-Freeze group, ``other``'s group) that differ in the variant alone, or (None,
+        None, why they cannot be told)."""
+        names = f"{GROUP_LABELS['oelm_freeze']} and {GROUP_LABELS[other]}"
+        fs = [g for g in here if g.variant == "oelm_freeze"]
+        others = [g for g in here if g.variant == other]
+        if not fs or not others:
+            return None, None, f"needs runs of {names} at preset {preset}"
+        found = [(f, o) for f in fs for o in others if variant_alone(f, o)]
+        if len(found) == 1:
+            return found[0][0], found[0][1], ""
+        if not found:
+            return None, None, (f"no {names} groups at preset {preset} were trained with the same settings "
+                                f"apart from the variant ({', '.join(g.label for g in fs + others)}): they "
+                                f"would compare more than the variant")
+        return None, None, (f"{len(found)} pairs of {names} groups at preset {preset} differ in the variant "
+                            f"alone ({'; '.join(f'{f.label} vs {o.label}' for f, o in found)}): pass the "
+                            f"runs of one comparison")
+
+    def short(group: Group) -> str:
+        return group.label.removeprefix("OELM-")
 
     out = []
+    freeze, base, why_base = pair("gpt_base")
     # H1 --------------------------------------------------------------------------------------
-    tb, tf = g("gpt_base", "trainable"), g("oelm_freeze", "trainable")
+    h1 = f"freezing Q/K reduces trainable parameters by ~{100 * h1_claim:.0f}%"
+    tb, tf = (_mean(base, "trainable"), _mean(freeze, "trainable")) if base else (None, None)
     if tb and tf:
         red = 1 - tf / tb
         holds = abs(red - h1_claim) <= h1_tolerance
-        ev = (f"OELM-Freeze trains {tf:,.0f} of GPT-Base's {tb:,.0f} parameters: {100 * red:.1f}% "
+        ev = (f"{freeze.label} trains {tf:,.0f} of {base.label}'s {tb:,.0f} parameters: {100 * red:.1f}% "
               f"fewer. The claim of ~{100 * h1_claim:.0f}% {'holds' if holds else 'does not hold'}"
               f"{'' if holds else f' (only 2*n_layer*d_model^2 Q/K weights are frozen; the embedding dominates)'}.")
-        out.append(dict(id="H1", claim=f"freezing Q/K reduces trainable parameters by ~{100 * h1_claim:.0f}%",
-                        value=red, threshold=h1_claim, holds=holds, evidence=ev))
+        out.append(dict(id="H1", claim=h1, value=red, threshold=h1_claim, holds=holds, evidence=ev))
     else:
-        out.append(_missing("H1", "freezing Q/K reduces trainable parameters by ~15%", h1_claim,
-                            "GPT-Base and OELM-Freeze", preset))
-    # H2 and H4: a perplexity gap of OELM-Freeze to another group --------------------------------
-    pf = g("oelm_freeze", ppl)
+        out.append(_missing("H1", h1, h1_claim,
+                            why_base or f"needs the parameter counts of {freeze.label} and {base.label}"))
 
-    def ppl_gap(hid: str, other: str, label: str, max_gap: float, strict: bool) -> dict:
+    # H2 and H4: a perplexity gap of OELM-Freeze to another group --------------------------------
+    def ppl_gap(hid: str, other: str, max_gap: float, strict: bool) -> dict:
+        label = GROUP_LABELS[other]
         claim = f"OELM-Freeze perplexity within {100 * max_gap:.0f}% of {label}"
-        po = g(other, ppl)
+        f, o, why = pair(other)
+        pf, po = (_mean(f, ppl), _mean(o, ppl)) if f else (None, None)
         if not (pf and po):
-            return _missing(hid, claim, max_gap, f"OELM-Freeze and {label}", preset)
+            return _missing(hid, claim, max_gap, why or f"needs the {which} validation PPL of {f.label} and {o.label}")
         gap = pf / po - 1
         holds = gap < max_gap if strict else gap <= max_gap
         ok, not_ok = ("<", ">=") if strict else ("<=", ">")
-        ev = (f"validation PPL {pf:.3f} (Freeze) vs {po:.3f} ({label.removeprefix('OELM-')}): "
+        ev = (f"validation PPL {pf:.3f} ({short(f)}) vs {po:.3f} ({short(o)}): "
               f"{100 * gap:+.2f}% {ok if holds else not_ok} {100 * max_gap:.0f}%")
         return dict(id=hid, claim=claim, value=gap, threshold=max_gap, holds=holds, evidence=ev)
 
-    out.append(ppl_gap("H2", "oelm_nofreeze", "OELM-NoFreeze", h2_max_gap, strict=True))
+    out.append(ppl_gap("H2", "oelm_nofreeze", h2_max_gap, strict=True))
     # H3 --------------------------------------------------------------------------------------
-    sf, sb = g("oelm_freeze", "tokens_per_s"), g("gpt_base", "tokens_per_s")
+    h3 = "OELM-Freeze trains at least as fast as GPT-Base"
+    sf, sb = (_mean(freeze, "tokens_per_s"), _mean(base, "tokens_per_s")) if base else (None, None)
     if sf and sb:
         ratio = sf / sb
         holds = ratio >= h3_min_ratio
-        lf, lb = g("oelm_freeze", "final_train_loss"), g("gpt_base", "final_train_loss")
+        lf, lb = _mean(freeze, "final_train_loss"), _mean(base, "final_train_loss")
         ev = f"{sf:,.0f} vs {sb:,.0f} tokens/s (ratio {ratio:.3f}, needs >= {h3_min_ratio})"
         if lf is not None and lb is not None:
-            ev += (f"; train loss after the same steps {lf:.3f} (Freeze) vs {lb:.3f} (GPT-Base): "
+            ev += (f"; train loss after the same steps {lf:.3f} ({short(freeze)}) vs {lb:.3f} ({short(base)}): "
                    f"{'no slower' if lf <= lb else 'slower'} per step")
-        out.append(dict(id="H3", claim="OELM-Freeze trains at least as fast as GPT-Base", value=ratio,
-                        threshold=h3_min_ratio, holds=holds, evidence=ev))
+        out.append(dict(id="H3", claim=h3, value=ratio, threshold=h3_min_ratio, holds=holds, evidence=ev))
     else:
-        out.append(_missing("H3", "OELM-Freeze trains at least as fast as GPT-Base", h3_min_ratio,
-                            "GPT-Base and OELM-Freeze (with tokens/s)", preset))
-    out.append(ppl_gap("H4", "gpt_base", "GPT-Base", h4_max_gap, strict=False))
+        out.append(_missing("H3", h3, h3_min_ratio,
+                            why_base or f"needs the tokens/s of {freeze.label} and {base.label}"))
+    out.append(ppl_gap("H4", "gpt_base", h4_max_gap, strict=False))
     for h in out:
         h["preset"] = preset
     return out
 
 
-def _missing(hid, claim, threshold, needs, preset):
-    return dict(id=hid, claim=claim, value=None, threshold=threshold, holds=None,
-                evidence=f"not judged: needs runs of {needs} at preset {preset}")
+def _missing(hid, claim, threshold, why):
+    return dict(id=hid, claim=claim, value=None, threshold=threshold, holds=None, evidence=f"not judged: {why}")
 
 
 def hypotheses_markdown(hyps: Sequence[dict]) -> str:
@@ -772,15 +880,16 @@ def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final"
 # ============================================================================================
 
 def load_models(runs: Sequence[Run], device: str = "cpu") -> dict[str, Any]:
-    """label -> model from best.pt, the first seed of each (variant, preset) group."""
+    """Group label -> the model in best.pt, the checkpoint of the lowest validation loss, of the
+    group's first seed that has one; best.pt whichever validation figures (``which``) the tables
+    read, so the caller says so where it shows them."""
     from oelm_core.checkpoint import load_model
 
     models = {}
-    for (variant, preset), group in group_runs(runs).items():
-        run = next((r for r in group if r.checkpoint().is_file()), None)
+    for group in group_runs(runs):
+        run = next((r for r in group.runs if r.checkpoint().is_file()), None)
         if run is not None:
-            label = GROUP_LABELS.get(variant, variant)
-            label = label if label not in models else f"{label} ({preset})"
+            label = group.label if group.label not in models else f"{group.label} ({group.preset})"
             models[label] = load_model(run.checkpoint(), device)[0]
     return models
 
@@ -822,9 +931,14 @@ def attention_maps(model, text_or_ids, max_tokens: int | None = None) -> tuple[l
 
 def attention_summary(model, text_or_ids, max_tokens: int | None = None) -> list[dict]:
     """Per layer and head: mean attention entropy (nats) and mean attention distance (tokens)
-    over the query positions of one text (the tokens of ``attention_maps``). Also used by the app."""
-    ids, maps = attention_maps(model, text_or_ids, max_tokens)
-    t = len(ids)
+    over the query positions of one text (the tokens of ``attention_maps``)."""
+    return summarise_attention(attention_maps(model, text_or_ids, max_tokens)[1])
+
+
+def summarise_attention(maps: Sequence[torch.Tensor]) -> list[dict]:
+    """``attention_summary`` of maps already computed (one (n_head, T, T) tensor per layer, as
+    ``attention_maps`` gives them): the app draws and summarises one set of maps."""
+    t = maps[0].shape[-1]
     dist = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).clamp(min=0).float()
     rows = []
     for layer, att in enumerate(maps):

@@ -469,14 +469,35 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 # there): oelm_core.train's Trainer._restore refuses a change that moves the learning rate of the
 # steps to come. grad_accum may change only with the number of processes, so that world size x
 # grad_accum, the global batch, stays the run's own (Trainer._restore refuses any other change):
-# W ranks with accumulation A draw exactly what one process with W x A does. oelm_core.sweep
-# reads this too, to tell a folder's run from the planned one.
+# W ranks with accumulation A draw exactly what one process with W x A does. EXECUTION_KEYS
+# below reads this too.
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
+
+# Settings that do not shape what a run learns: those a resume may change (RESUMABLE_CHANGES),
+# but not the step count and the patience, which decide where a finished run ended, nor
+# grad_accum, which a resume may change only to keep world size x grad_accum, the global batch
+# (one process: it is the batch).
+EXECUTION_KEYS = ({f"{section}.{key}" for section, keys in RESUMABLE_CHANGES.items() for key in keys}
+                  - {"train.steps", "train.early_stop_patience", "train.grad_accum"})
+
+
+def trained_settings(params: dict) -> dict:
+    """Every setting that shapes what a run learns, as {dotted key: value}, from a parameter
+    mapping (a parsed parameter file or a run folder's config.yaml): the model as the preset,
+    variant and overrides resolve it, so equal models written differently compare equal; the
+    train and data sections without EXECUTION_KEYS. oelm_core.sweep tells a folder's run from
+    the planned one by it, oelm_core.analysis the seeds of one setup from other setups.
+    ConfigError where ``params`` do not load."""
+    cfg = run_config_from_dict(params)
+    flat = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model_config()).items()}
+    for section in ("train", "data"):
+        flat.update({f"{section}.{k}": v for k, v in dataclasses.asdict(getattr(cfg, section)).items()})
+    return {k: v for k, v in flat.items() if k not in EXECUTION_KEYS}
 
 
 def apply_overrides(values: dict, overrides: list[str]) -> dict:

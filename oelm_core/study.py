@@ -23,7 +23,8 @@ run folder per (run, seed) with its executed 03_training notebook, results.md/re
 study.json, which the app reads.
 
 Trainings run one after another; with gpus_per_run = g > 0 and enough GPUs they run side by
-side, run k on GPUs [k*g, (k+1)*g) through CUDA_VISIBLE_DEVICES.
+side, run k on GPUs [k*g, (k+1)*g) of those the study sees (its own CUDA_VISIBLE_DEVICES, if
+set, names them), given to each training through CUDA_VISIBLE_DEVICES.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: in
         params = REPO / params
     overrides = list(overrides)
     if run_dir is not None:
-        overrides.append(f"out_dir={Path(run_dir).resolve()}")
+        # quoted: --set values are YAML, where " #" starts a comment and a bare path may be a number
+        overrides.append(f"out_dir={json.dumps(str(Path(run_dir).resolve()))}")
     cfg = load_run_config(params, overrides)  # a bad parameter fails here, before any launch
     extra = {} if cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": str(cuda_visible_devices)}
     cmd = train_command(Path(params).resolve(), overrides, nproc, resume)
@@ -157,6 +159,11 @@ RUN_KEYS = {"params", "name", "overrides"}
 STUDY_SET_PARAMETERS = {"03_training": {"params": "study.runs", "overrides": "study.overrides",
                                         "run_dir": "--out"},
                         "04_analysis": {"run_dirs": "study.runs", "out_dir": "--out"}}
+# ... and those it sets where study.gpus_per_run > 0: each run's GPUs.
+GPU_SET_PARAMETERS = {"03_training": {
+    "nproc": "each run gets study.gpus_per_run processes, one per GPU",
+    "cuda_visible_devices": "each run gets study.gpus_per_run GPUs of its own, of those in the study's "
+                            "CUDA_VISIBLE_DEVICES"}}
 
 
 # Notebook parameters whose type does not say enough: the values the notebook accepts.
@@ -197,10 +204,10 @@ def _fits(value: Any, default: Any) -> bool:
     return isinstance(value, type(default))
 
 
-def _check_parameters(parameters: Any, path: Path) -> dict[str, dict]:
+def _check_parameters(parameters: Any, path: Path, gpus_per_run: int) -> dict[str, dict]:
     """study.parameters, checked against the notebooks, the names their parameters cells define
     and the types of the defaults there: a wrong value would otherwise surface only when its
-    notebook runs, after every training."""
+    notebook runs, after every training. Those the study sets itself are refused."""
     if not isinstance(parameters, dict):
         raise ConfigError(f"{path}: study.parameters must map notebook names to parameters, e.g. "
                           f"{{01_theory: {{d: 256}}}}; got {parameters!r}")
@@ -217,6 +224,9 @@ def _check_parameters(parameters: Any, path: Path) -> dict[str, dict]:
             if key in STUDY_SET_PARAMETERS.get(nb, {}):
                 raise ConfigError(f"{where} is set by the study itself; "
                                   f"use {STUDY_SET_PARAMETERS[nb][key]} instead")
+            if gpus_per_run > 0 and key in GPU_SET_PARAMETERS.get(nb, {}):
+                raise ConfigError(f"{where} is set by the study itself where study.gpus_per_run > 0 "
+                                  f"({GPU_SET_PARAMETERS[nb][key]}); leave it out of study.parameters.{nb}")
             if key not in defaults:
                 raise ConfigError(f"{path}: unknown parameter study.parameters.{nb}.{key}; the "
                                   f"notebook's parameters are {', '.join(defaults)}")
@@ -274,7 +284,7 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
     if not isinstance(gpus_per_run, int) or isinstance(gpus_per_run, bool) or gpus_per_run < 0:
         raise ConfigError(f"{path}: study.gpus_per_run must be a whole number of GPUs per run "
                           f"(0 for CPU), got {gpus_per_run!r}")
-    parameters = _check_parameters(spec.get("parameters", {}), path)
+    parameters = _check_parameters(spec.get("parameters", {}), path, gpus_per_run)
     seeds = spec.get("seeds", [None])  # None: each parameter file's own train.seed
     if "seeds" in spec:
         seeds = seeds if isinstance(seeds, list) else [seeds]
@@ -310,7 +320,8 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
             rname = entry.get("name") or cfg.name
             rname = f"{rname}_s{seed}" if len(seeds) > 1 or seeds[0] is not None else rname
             run_dir = out / "runs" / rname
-            overrides = overrides + [f"train.seed={seed}", f"name={rname}"]
+            # the name quoted: as YAML, a bare `off` or `2024` would be a bool or an int
+            overrides = overrides + [f"train.seed={seed}", f"name={json.dumps(rname)}"]
             runs.append(PlannedRun(rname, params.resolve(), seed, cfg.variant, cfg.preset,
                                    run_dir, overrides))
     names = [r.name for r in runs]
@@ -440,7 +451,12 @@ def _train_all(study: Study) -> None:
             raise StudyError(f"study.gpus_per_run={g}, but this machine has {n_gpu} GPU(s); set "
                              f"--set study.gpus_per_run=0 for CPU or fewer GPUs per run")
         n_slots = min(len(study.runs), n_gpu // g)
-        slots = [",".join(str(k * g + i) for i in range(g)) for k in range(n_slots)]
+        # A child's CUDA_VISIBLE_DEVICES names devices as the machine numbers them, not as this
+        # process sees them: map the slots through the study's own list, or a study confined to
+        # GPUs 2,3 would train on 0 and 1.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(n_gpu)]
+        slots = [",".join(devices[k * g + i] for i in range(g)) for k in range(n_slots)]
         _say(f"[study] {len(study.runs)} training(s) on {n_gpu} GPU(s), {g} each, "
              f"{n_slots} side by side")
     else:

@@ -30,13 +30,13 @@ CLI:
     python -m oelm_core.sweep run parameters/sweeps/a6_layers.yaml --out runs/sweeps [--smoke]
     python -m oelm_core.sweep ablations --out runs/ablations [--seeds 0 1] [--only oelm_poet]
     python -m oelm_core.sweep table runs/ablations [--figure F.png] [--markdown T.md]
+    python -m oelm_core.sweep table runs/sweeps --sweep [--name a6_layers] [--smoke | --full] [--figure F.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import subprocess
@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.config import (RESUMABLE_CHANGES, ConfigError, run_config_from_dict, set_dotted,
+from oelm_core.config import (ConfigError, run_config_from_dict, set_dotted, trained_settings,
                               variants as known_variants)
 from oelm_core.files import write_text_atomic
 
@@ -229,36 +229,19 @@ def _status(out_dir: Path) -> Optional[str]:
         return None
 
 
-# A folder trained with other values of these still holds the planned run: the trainer resumes
-# across them (config.RESUMABLE_CHANGES). Not the step count and the patience, which decide
-# where a finished run, skipped here, ended; nor grad_accum, which a resume may change only to
-# keep world size x grad_accum, the global batch: sweep runs are one process, so it is the batch.
-EXECUTION_KEYS = ({f"{section}.{key}" for section, keys in RESUMABLE_CHANGES.items() for key in keys}
-                  - {"train.steps", "train.early_stop_patience", "train.grad_accum"})
-
-
-def _trained_settings(params: dict) -> dict:
-    """Every setting that shapes what a run learns, as {dotted key: value}; the model as the
-    preset, variant and overrides resolve it, so equal models written differently compare equal."""
-    cfg = run_config_from_dict(params)
-    flat = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model_config()).items()}
-    for section in ("train", "data"):
-        flat.update({f"{section}.{k}": v for k, v in dataclasses.asdict(getattr(cfg, section)).items()})
-    return {k: v for k, v in flat.items() if k not in EXECUTION_KEYS}
-
-
 def _check_run_folder(run: RunSpec) -> None:
     """Raise ConfigError when run.out_dir already holds a run trained with other settings: skipping
-    or resuming it would report that run as the planned one."""
+    or resuming it would report that run as the planned one. Settings the trainer resumes
+    across (config.EXECUTION_KEYS) may differ: the folder still holds the planned run."""
     saved_file = run.out_dir / "config.yaml"   # the trainer's own record of what it trained
     if not saved_file.is_file():
         return
     fix = f"train into another folder (--out / out_root), or delete {run.out_dir} to train it again"
     try:
-        saved = _trained_settings(yaml.safe_load(saved_file.read_text()) or {})
+        saved = trained_settings(yaml.safe_load(saved_file.read_text()) or {})
     except (ConfigError, yaml.YAMLError) as exc:
         raise ConfigError(f"{run.out_dir} holds a run whose config.yaml cannot be read ({exc}); {fix}") from None
-    planned = _trained_settings(run.params)
+    planned = trained_settings(run.params)
     changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in planned.items() if saved.get(k) != v]
     if changed:
         raise ConfigError(f"{run.out_dir} holds a run trained with other settings than planned "
@@ -539,13 +522,19 @@ def ablation_figure(table: dict, path: str | Path | None = None):
 def sweep_results(root: str | Path, sweep_name: Optional[str] = None, smoke: Optional[bool] = None) -> dict:
     """Per (value, variant): mean/std final val loss over seeds, from the run folders under root.
 
-    ``smoke``: True, the smoke runs only; False, the full runs only; None, whichever kind root
-    holds (ConfigError where it holds both, so a table never mixes them).
+    ``sweep_name``: the sweep to read; None, the one sweep root holds (ConfigError where it holds
+    several: their points are not one curve). ``smoke``: True, the smoke runs only; False, the
+    full runs only; None, whichever kind root holds (ConfigError where it holds both, so a table
+    never mixes them).
     """
     from oelm_core.analysis import markdown_table, mean_std
 
     runs = [r for r in run_rows(root, spectrum=False) if r["key"] and r["sweep"] != "ablations"
             and (sweep_name is None or r["sweep"] == sweep_name)]
+    names = sorted({str(r["sweep"]) for r in runs})
+    if sweep_name is None and len(names) > 1:
+        raise ConfigError(f"{root} holds the sweeps {', '.join(names)}; name one: "
+                          f"sweep_results(root, sweep_name) (CLI: table --sweep --name NAME)")
     if smoke is None and len({r["smoke"] for r in runs}) > 1:
         raise ConfigError(f"{root} holds both smoke and full runs{f' of {sweep_name}' if sweep_name else ''}; "
                           f"pass smoke=True or smoke=False (CLI: table --sweep --smoke or --full)")
@@ -625,6 +614,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t = sub.add_parser("table", help="tabulate (and plot) the ablation or sweep runs under a folder")
     t.add_argument("root")
     t.add_argument("--sweep", action="store_true", help="a sweep folder (default: ablations)")
+    t.add_argument("--name", help="with --sweep: the sweep to tabulate (needed where the folder holds several)")
     kind = t.add_mutually_exclusive_group()
     kind.add_argument("--smoke", dest="smoke", action="store_const", const=True,
                       help="with --sweep: the smoke runs only (needed where the folder holds both kinds)")
@@ -649,7 +639,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _write_table(table, args.out, None, None)
             return 1 if any(r["status"] == "failed" for r in rows) else 0
         if args.sweep:
-            res = sweep_results(args.root, smoke=args.smoke)
+            res = sweep_results(args.root, args.name, smoke=args.smoke)
             print(res["markdown"])
             if args.figure:
                 sweep_figure(res, args.figure)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,28 +11,33 @@ import yaml
 
 from oelm_core import analysis as A
 from oelm_core import build_model, count_parameters
-from oelm_core.config import model_config
+from oelm_core.config import ConfigError, model_config
 
 MEDIUM = {"gpt_base": (44_896_768, 0), "oelm_nofreeze": (44_896_768, 0), "oelm_freeze": (41_751_040, 3_145_728)}
 
 
 def make_run(root: Path, variant: str, ppl: float, tok_s: float = 1000.0, seed: int = 42,
-             preset: str = "medium512", train_loss: float = 2.0, summary: bool = True) -> Path:
-    """A run folder as oelm_core.train writes it, with the given figures."""
-    d = root / f"{variant}_s{seed}"
+             preset: str = "medium512", train_loss: float = 2.0, summary: bool = True,
+             best: float | None = None, name: str | None = None, model: dict | None = None,
+             train: dict | None = None) -> Path:
+    """A run folder as oelm_core.train writes it, with the given figures: final validation PPL
+    ``ppl``, and ``best`` (default: ``ppl``) at the evaluation before; ``model`` and ``train``
+    settings in its config.yaml. ``best`` <= ``ppl``: it is the lower of the two."""
+    d = root / f"{name or variant}_s{seed}"
     d.mkdir(parents=True)
     trainable, frozen = MEDIUM[variant]
     loss = math.log(ppl)
+    best_loss = math.log(best) if best is not None else loss
     (d / "config.yaml").write_text(yaml.safe_dump({"name": d.name, "variant": variant, "preset": preset,
-                                                   "train": {"seed": seed}}))
+                                                   "model": model or {}, "train": {"seed": seed, **(train or {})}}))
     rows = []
     for step in (10, 20, 30, 40):
         row = {"step": step, "train_loss": train_loss + (40 - step) / 10, "lr": 1e-3, "grad_norm": 1.0,
                "tokens_per_s": tok_s, "mfu": None, "peak_mem_mb": None, "tokens_seen": step * 512,
                "epochs": step / 100}
         if step % 20 == 0:
-            row.update(val_loss=loss + (40 - step) / 20, val_ppl=math.exp(loss + (40 - step) / 20),
-                       val_bpb=loss / 3)
+            val = loss if step == 40 else (best_loss if best is not None else loss + 1)
+            row.update(val_loss=val, val_ppl=math.exp(val), val_bpb=val / 3)
         rows.append(row)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if summary:
@@ -39,7 +45,8 @@ def make_run(root: Path, variant: str, ppl: float, tok_s: float = 1000.0, seed: 
             "name": d.name, "variant": variant, "preset": preset, "status": "completed",
             "params": {"trainable": trainable, "frozen": frozen, "total": trainable + frozen},
             "steps": 40, "final_val_loss": loss, "final_val_ppl": ppl, "final_val_bpb": loss / 3,
-            "best_val_loss": loss, "best_val_ppl": ppl, "best_val_bpb": loss / 3,
+            "best_val_loss": best_loss, "best_val_ppl": best if best is not None else ppl,
+            "best_val_bpb": best_loss / 3,
             "final_train_loss": train_loss, "tokens_per_s": tok_s, "wall_time_s": 12.0,
             "epochs": 0.4, "checkpoint_bytes": 2**20 * 500}))
     return d
@@ -162,8 +169,6 @@ def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
 def test_which_other_than_final_or_best_is_refused(tmp_path):
     """which='bestt' read no figures: an empty table and unjudged hypotheses, which only a later
     assertion in the analysis notebook caught."""
-    from oelm_core.config import ConfigError
-
     runs = study_runs(tmp_path)
     for call in (A.results_table, A.hypotheses, lambda r, w: A.write_results(r, tmp_path / "out", w)):
         with pytest.raises(ConfigError, match=r"which='bestt' names no validation figures; pass one of 'final', 'best'"):
@@ -172,10 +177,176 @@ def test_which_other_than_final_or_best_is_refused(tmp_path):
     assert A.results_table(runs, "best")["rows"][2]["val_ppl"] == pytest.approx(10.5)
 
 
+def test_best_and_final_figures_are_told_apart(tmp_path):
+    """Every run's validation loss turned up after its best evaluation: the table, hypotheses and
+    tests of which='best' read the best figures, those of 'final' the last evaluation's (a
+    version reading the final figures for both passed every other test)."""
+    figures = {"gpt_base": [(10.0, 9.0), (10.4, 9.2)], "oelm_nofreeze": [(10.2, 9.1), (10.6, 9.3)],
+               "oelm_freeze": [(11.6, 9.5), (11.8, 9.7)]}   # per seed: (final PPL, best PPL)
+    for variant, seeds in figures.items():
+        for seed, (final, best) in enumerate(seeds):
+            make_run(tmp_path / "runs", variant, final, seed=seed, best=best)
+    runs = A.load_runs(tmp_path / "runs")
+    for which, i in (("final", 0), ("best", 1)):
+        ppl = {v: [f[i] for f in seeds] for v, seeds in figures.items()}
+        mean = {v: sum(p) / 2 for v, p in ppl.items()}
+        rows = {r["variant"]: r for r in A.results_table(runs, which)["rows"]}
+        for v in figures:
+            assert rows[v]["val_ppl"] == pytest.approx(mean[v]), (which, v)
+            assert rows[v]["val_loss"] == pytest.approx(sum(map(math.log, ppl[v])) / 2), (which, v)
+            assert rows[v]["val_bpb"] == pytest.approx(sum(map(math.log, ppl[v])) / 6), (which, v)
+        hyps = {h["id"]: h for h in A.hypotheses(runs, which)}
+        assert hyps["H4"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["gpt_base"] - 1)
+        assert hyps["H2"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["oelm_nofreeze"] - 1)
+        sig = A.significance_tests(runs, f"{which}_val_ppl")
+        assert [(t["a"], t["mean_a"], t["mean_b"]) for t in sig][0] == (
+            "OELM-Freeze", pytest.approx(mean["oelm_freeze"]), pytest.approx(mean["gpt_base"]))
+        written = A.write_results(runs, tmp_path / which, which)
+        assert written["table"][0]["val_ppl"] == pytest.approx(mean["gpt_base"])
+        assert written["significance"][0]["metric"] == f"{which}_val_ppl"
+        assert written["significance"][0]["mean_a"] == pytest.approx(mean["oelm_freeze"])
+        assert verdicts(written["hypotheses"]) == verdicts(hyps.values())
+    # +14.7% and +12.5% at the last evaluation, +5.5% and +4.3% at the best: the verdicts differ
+    assert verdicts(A.hypotheses(runs, "final")) == {"H1": False, "H2": False, "H3": True, "H4": False}
+    assert verdicts(A.hypotheses(runs, "best")) == {"H1": False, "H2": True, "H3": True, "H4": True}
+
+
 def test_hypotheses_without_the_runs_they_need_are_not_judged(tmp_path):
     make_run(tmp_path, "gpt_base", 10.0)
     hyps = A.hypotheses(A.load_runs(tmp_path))
     assert all(h["holds"] is None and "not judged" in h["evidence"] for h in hyps)
+
+
+# --- groups of seeds ------------------------------------------------------------------------------
+
+SMOKE = Path(__file__).resolve().parents[1] / "parameters" / "smoke"
+
+
+def study_folders(tmp_path, runs: list, ppl: dict, seeds=(42,)) -> list[Path]:
+    """The run folders a study of ``runs`` (study.runs entries) leaves, with the config.yaml
+    the trainer writes for each planned run and its final validation PPL from ``ppl`` (by run
+    name without the seed)."""
+    from oelm_core.config import load_run_config, save_run_config
+    from oelm_core.study import load_study
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump({"study": {"name": "s", "runs": runs, "seeds": list(seeds),
+                                                    "notebooks": ["03_training", "04_analysis"]}}))
+    dirs = []
+    for planned in load_study(study_file, tmp_path / "out").runs:
+        cfg = load_run_config(planned.params, planned.overrides)
+        planned.run_dir.mkdir(parents=True)
+        save_run_config(cfg, planned.run_dir / "config.yaml")
+        value = ppl[planned.name.rsplit("_s", 1)[0]]
+        (planned.run_dir / "summary.json").write_text(json.dumps({
+            "name": cfg.name, "variant": cfg.variant, "preset": cfg.preset, "status": "completed",
+            "params": {"trainable": 1000, "frozen": 0, "total": 1000}, "final_val_loss": math.log(value),
+            "final_val_ppl": value, "tokens_per_s": 1.0, "final_train_loss": 1.0}))
+        dirs.append(planned.run_dir)
+    return dirs
+
+
+def test_runs_of_one_variant_with_other_overrides_are_not_seeds(tmp_path):
+    """The reviewer's study: two OELM-Freeze runs with other learning rates (one seed each) were
+    averaged as two seeds (PPL 25.5 +- 6.4) and judged H4 on the mixture."""
+    entries = [str(SMOKE / "gpt_base.yaml"),
+               {"params": str(SMOKE / "oelm_freeze.yaml"), "name": "freeze_lr_low", "overrides": ["train.lr=0.0005"]},
+               {"params": str(SMOKE / "oelm_freeze.yaml"), "name": "freeze_lr_high", "overrides": ["train.lr=0.005"]}]
+    ppl = {"gpt_base": 20.0, "freeze_lr_low": 30.0, "freeze_lr_high": 21.0, "oelm_freeze": 21.5}
+    runs = A.load_runs(study_folders(tmp_path / "a", entries, ppl))
+    rows = A.results_table(runs)["rows"]
+    assert [(r["model"], r["seeds"], r["val_ppl"], r["val_ppl_std"]) for r in rows] == [
+        ("GPT-Base", 1, 20.0, None), ("OELM-Freeze (freeze_lr_low)", 1, 30.0, None),
+        ("OELM-Freeze (freeze_lr_high)", 1, 21.0, None)]
+    assert [r["ppl_gap_pct"] for r in rows] == [0, pytest.approx(50.0), pytest.approx(5.0)]  # the one GPT-Base
+    hyps = {h["id"]: h for h in A.hypotheses(runs)}
+    assert all(h["holds"] is None for h in hyps.values())
+    assert hyps["H4"]["evidence"] == (
+        "not judged: no OELM-Freeze and GPT-Base groups at preset smoke were trained with the same settings "
+        "apart from the variant (OELM-Freeze (freeze_lr_low), OELM-Freeze (freeze_lr_high), GPT-Base): "
+        "they would compare more than the variant")
+    assert A.significance_tests(runs) == []
+    # An OELM-Freeze run with GPT-Base's settings is what H1, H3 and H4 compare, and it alone.
+    runs = A.load_runs(study_folders(tmp_path / "b", entries + [str(SMOKE / "oelm_freeze.yaml")], ppl))
+    assert [r["model"] for r in A.results_table(runs)["rows"]] == [
+        "GPT-Base", "OELM-Freeze (freeze_lr_low)", "OELM-Freeze (freeze_lr_high)", "OELM-Freeze (oelm_freeze)"]
+    hyps = {h["id"]: h for h in A.hypotheses(runs)}
+    assert hyps["H4"]["value"] == pytest.approx(21.5 / 20.0 - 1) and hyps["H4"]["holds"] is True
+    assert hyps["H4"]["evidence"].startswith("validation PPL 21.500 (Freeze (oelm_freeze)) vs 20.000 (GPT-Base)")
+    assert hyps["H1"]["holds"] is False and hyps["H3"]["holds"] is True   # 1.0 vs 1.0 tokens/s: ratio 1
+    assert hyps["H2"]["evidence"] == "not judged: needs runs of OELM-Freeze and OELM-NoFreeze at preset smoke"
+
+
+def test_the_same_setup_twice_is_refused_and_a_folder_read_twice_is_one_run(tmp_path):
+    dirs = study_folders(tmp_path, [str(SMOKE / "gpt_base.yaml")], {"gpt_base": 20.0})
+    runs = A.load_runs([tmp_path / "out", dirs[0]])   # a study folder and one of its runs
+    assert len(runs) == 1
+    copy = tmp_path / "elsewhere" / "gpt_base_s42"
+    shutil.copytree(dirs[0], copy)
+    with pytest.raises(ConfigError, match=r"gpt_base_s42 and .*elsewhere/gpt_base_s42 trained the same settings "
+                                          r"with the same seed \(42\): the same run twice, not two seeds"):
+        A.results_table(A.load_runs([tmp_path / "out", tmp_path / "elsewhere"]))
+    # the seeds of one setup are one group
+    dirs = study_folders(tmp_path / "seeds", [str(SMOKE / "gpt_base.yaml")], {"gpt_base": 20.0}, seeds=(1, 2))
+    (group,) = A.group_runs(A.load_runs(dirs))
+    assert (group.label, group.seeds, len(group.runs)) == ("GPT-Base", [1, 2], 2)
+
+
+def test_committed_ablations_keep_progressive_runs_apart_from_oelm_freeze():
+    """The ablation folder's progressive runs record variant oelm_freeze: averaged with the
+    OELM-Freeze runs as six "seeds" (29.46 PPL), they turned H4 from "does not hold" (+12.8%)
+    into "holds" (+9.7%)."""
+    runs = A.load_runs(Path(__file__).resolve().parents[1] / "results" / "ablations")
+    by_name = {}
+    for r in runs:
+        by_name.setdefault(r.name, []).append(r.value("final_val_ppl"))
+    rows = {r["model"]: r for r in A.results_table(runs)["rows"]}
+    for name in ("oelm_freeze", "progressive", "progressive_layerwise"):
+        row = rows[f"OELM-Freeze ({name})"]
+        assert row["seeds"] == 2 and row["val_ppl"] == pytest.approx(sum(by_name[name]) / 2)
+    assert rows["GPT-Base"]["seeds"] == 2 and "OELM-Freeze" not in rows
+    freeze, base = (sum(by_name[n]) / 2 for n in ("oelm_freeze", "gpt_base"))
+    hyps = {h["id"]: h for h in A.hypotheses(runs)}
+    assert hyps["H4"]["value"] == pytest.approx(freeze / base - 1) == pytest.approx(0.1282, abs=1e-4)
+    assert hyps["H4"]["holds"] is False
+    assert "trains 15,529,728 of GPT-Base's 16,054,016 parameters" in hyps["H1"]["evidence"]
+    sig = A.significance_tests(runs)
+    assert [(t["a"], t["b"], t["n_a"]) for t in sig] == [("OELM-Freeze (oelm_freeze)", "GPT-Base", 2),
+                                                         ("OELM-Freeze (oelm_freeze)", "OELM-NoFreeze", 2),
+                                                         ("OELM-NoFreeze", "GPT-Base", 2)]
+
+
+def test_the_variant_alone_is_what_the_hypotheses_compare(tmp_path):
+    """An override that restates the variant's own value keeps it that variant; one that
+    changes its freezing does not. Two comparisons in one folder are not judged as one."""
+    make_run(tmp_path / "a", "gpt_base", 10.0)
+    make_run(tmp_path / "a", "oelm_freeze", 10.5, model={"qk_init": "qr"})
+    assert verdicts(A.hypotheses(A.load_runs(tmp_path / "a")))["H4"] is True
+    make_run(tmp_path / "b", "gpt_base", 10.0)
+    make_run(tmp_path / "b", "oelm_freeze", 10.5, model={"freeze_qk": [0]})
+    assert verdicts(A.hypotheses(A.load_runs(tmp_path / "b")))["H4"] is None
+    for lr, name in ((1e-3, "low"), (1e-2, "high")):
+        make_run(tmp_path / "c", "gpt_base", 10.0, name=f"base_{name}", train={"lr": lr})
+        make_run(tmp_path / "c", "oelm_freeze", 10.5, name=f"freeze_{name}", train={"lr": lr})
+    runs = A.load_runs(tmp_path / "c")
+    h4 = A.hypotheses(runs)[3]
+    assert h4["holds"] is None and h4["evidence"].startswith(
+        "not judged: 2 pairs of OELM-Freeze and GPT-Base groups at preset medium512 differ in the variant alone "
+        "(OELM-Freeze (freeze_high) vs GPT-Base (base_high); OELM-Freeze (freeze_low) vs GPT-Base (base_low))")
+    # each OELM-Freeze row's gaps are to the GPT-Base of its learning rate
+    rows = A.results_table(runs)["rows"]
+    assert [r["model"] for r in rows] == ["GPT-Base (base_high)", "GPT-Base (base_low)",
+                                          "OELM-Freeze (freeze_high)", "OELM-Freeze (freeze_low)"]
+    assert all(r["ppl_gap_pct"] == pytest.approx(5.0 if r["variant"] == "oelm_freeze" else 0) for r in rows)
+    assert len(A.significance_tests(runs)) == 2
+
+
+def test_groups_whose_run_names_coincide_are_told_apart_by_their_settings(tmp_path):
+    make_run(tmp_path / "x", "oelm_freeze", 10.5, train={"lr": 1e-3})
+    make_run(tmp_path / "y", "oelm_freeze", 11.0, train={"lr": 1e-2})
+    labels = [g.label for g in A.group_runs(A.load_runs(tmp_path))]
+    assert labels == ["OELM-Freeze (train.lr=0.001)", "OELM-Freeze (train.lr=0.01)"]
 
 
 # --- significance ---------------------------------------------------------------------------------
@@ -239,6 +410,16 @@ def test_parameter_table_medium512_exact():
     for v, (trainable, frozen) in MEDIUM.items():
         assert (rows[v]["trainable"], rows[v]["frozen"]) == (trainable, frozen)
     assert rows["oelm_freeze"]["trainable_reduction"] == pytest.approx(0.0700, abs=5e-4)
+
+
+def test_parameter_and_flops_tables_take_list_overrides():
+    """freeze_qk=[0] (a list of layers) is a valid override, but was unhashable for the cache."""
+    rows = A.parameter_table("tiny", ["gpt_base", "oelm_freeze"], freeze_qk=[0])
+    d = model_config("tiny").d_model
+    assert [r["frozen"] for r in rows] == [2 * d * d, 2 * d * d]   # one layer's Q/K, whatever the variant
+    flops = A.flops_table("tiny", ["oelm_freeze"], freeze_qk=[0])
+    assert flops[0]["frozen_saving_flops"] > 0 and flops[0]["state_saving_mb"] > 0
+    assert A.parameter_table("tiny", ["oelm_freeze"])[0]["frozen"] == 2 * 2 * d * d  # both layers
 
 
 @pytest.mark.parametrize("overrides", [{}, {"bias": False, "attn_bias": True, "tie_embeddings": False}])

@@ -199,6 +199,17 @@ def test_attention_figures_show_the_chosen_layer_and_head_of_each_model(served, 
     assert not np.allclose(panels[0], panels[1])  # the models differ, so a mix-up would show
 
 
+def test_one_attention_request_reads_each_models_attention_once(served, monkeypatch):
+    """The maps drawn and the per-head summary come from one attention forward per model."""
+    from oelm_core.model import GPT
+
+    calls = []
+    real = GPT.forward_with_attention
+    monkeypatch.setattr(GPT, "forward_with_attention", lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    served[0].oelm.attention(PROMPT, "gpt_base", 0, "0", None, " a", " b", " c")
+    assert len(calls) == 3 and len({id(m) for m in calls}) == 3
+
+
 def test_attention_over_a_text_longer_than_the_context_maps_its_last_tokens(served):
     from oelm_core.attention_plots import token_label
 

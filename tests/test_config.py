@@ -119,3 +119,21 @@ def test_yaml_syntax_errors_name_the_file_or_the_override(tmp_path):
     message = str(exc.value)
     assert message.startswith("--set 'train.lr=[1': the value is not valid YAML (expected ',' or ']'")
     assert "complete it" in message and "\n" not in message
+
+
+def test_trained_settings_compare_what_a_run_learns():
+    """The one comparison of sweep folders and analysis groups: the model as it resolves, the
+    seed and schedule, not where or how fast the run executes."""
+    from oelm_core.config import EXECUTION_KEYS, trained_settings
+
+    freeze = trained_settings({"preset": "tiny", "variant": "oelm_freeze"})
+    # the same model written as GPT-Base with OELM-Freeze's overrides
+    assert trained_settings({"preset": "tiny", "model": {"qk_init": "qr", "freeze_qk": "all"}}) == freeze
+    assert freeze["train.seed"] == 42 and freeze["model.freeze_qk"] == "all" and freeze["train.steps"] == 100_000
+    executed = {"preset": "tiny", "variant": "oelm_freeze",
+                "train": {"device": "cpu", "compile": True, "stop_after": 3}, "data": {"source": "/elsewhere"}}
+    assert trained_settings(executed) == freeze
+    assert not EXECUTION_KEYS & set(freeze)
+    assert trained_settings({"preset": "tiny", "variant": "oelm_freeze", "train": {"lr": 1e-3}}) != freeze
+    with pytest.raises(ConfigError, match="unknown key"):
+        trained_settings({"train": {"stepz": 1}})

@@ -67,6 +67,31 @@ def test_papermill_sees_every_parameter_the_generator_defines(name):
         assert {"overrides", "resume"} <= set(names)
 
 
+@pytest.mark.parametrize("name", ["01_theory", "02_model", "04_analysis"])
+def test_default_output_folders_are_ignored_by_git(name):
+    """A notebook run with its defaults (in JupyterLab: in notebooks/; headless: in the root)
+    wrote figures and results.md into folders git tracks, the committed results/ among them.
+    The defaults are taken from the repository root, whatever the working directory."""
+    import shutil
+    import subprocess
+
+    from oelm_core.analysis import REPO as ROOT
+    from oelm_core.study import notebook_defaults
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs git and the repository's .git")
+    defaults = notebook_defaults(name)
+    folders = [ROOT / defaults[k] for k in ("fig_dir", "out_dir") if defaults.get(k)]
+    if name == "04_analysis":
+        assert defaults["fig_dir"] is None    # <out_dir>/figures
+        folders.append(ROOT / defaults["out_dir"] / "figures")
+    assert folders and ROOT == REPO
+    for folder in folders:
+        written = folder / "results.md"
+        ignored = subprocess.run(["git", "check-ignore", "--quiet", "--no-index", str(written)], cwd=REPO)
+        assert ignored.returncode == 0, f"{name} writes {written.relative_to(REPO)}, which git would track"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,parameters", [
     ("01_theory", {"d": 64, "n_vectors": 32, "jl_points": 32, "jl_trials": 3, "construction_repeats": 1}),

@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO, run_smoke_study
 from conftest import SMOKE_STEPS as STEPS
 from conftest import SMOKE_STUDY as STUDY_FILE
-from oelm_core.config import ConfigError, run_config_from_dict
+from oelm_core.config import ConfigError, load_run_config, run_config_from_dict
 from oelm_core.study import StudyError, execute_notebook, failed_cell, load_study, train_command
 
 # --- end to end -------------------------------------------------------------------------------
@@ -49,6 +49,10 @@ def test_smoke_study_results_judge_h1_to_h4(smoke_study):
     assert all(h["holds"] in (True, False) for h in hyps.values())
     assert hyps["H1"]["holds"] is False  # 16,384 of 3.3M trainable: nowhere near 15%
     assert len(results["table"]) == 3
+    # which: final, but the samples are best.pt's: results.md says so
+    assert ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
+            "validation loss (its first seed that has one). The table reads the final evaluation, which may "
+            "be a later step.") in md
     for fig in ("jl_distortion.png", "curves.png", "attention.png"):
         assert (out / "figures" / fig).is_file(), fig
 
@@ -98,6 +102,14 @@ def test_load_study_errors_are_clear(tmp_path):
     (["study.parameters.01_theory.dd=3"],
      r"unknown parameter study.parameters.01_theory.dd; the notebook's parameters are d, n_head"),
     (["study.parameters.03_training.params=x.yaml"], r"03_training.params is set by the study.*study.runs"),
+    # with GPUs per run, the study gives each run its processes and GPUs: the smoke file's nproc
+    # and cuda_visible_devices would be overwritten without a word
+    (["study.gpus_per_run=1"], r"study.parameters.03_training.nproc is set by the study itself where "
+                               r"study.gpus_per_run > 0 \(each run gets study.gpus_per_run processes, one "
+                               r"per GPU\); leave it out of study.parameters.03_training"),
+    (["study.gpus_per_run=2", "study.parameters.03_training={cuda_visible_devices: '2,3'}"],
+     r"03_training.cuda_visible_devices is set by the study itself where study.gpus_per_run > 0 \(each run "
+     r"gets study.gpus_per_run GPUs of its own, of those in the study's CUDA_VISIBLE_DEVICES\)"),
     (["study.gpus_per_run=two"], r"study.gpus_per_run must be a whole number of GPUs.*'two'"),
     (["study.overrides=train.steps=3"], r"study.overrides must be a list of key=value strings"),
     (["study.runs=[{name: a}]"], r"study.runs\[0\] needs a parameter file"),
@@ -151,6 +163,58 @@ def test_load_study_takes_notebook_parameters_of_the_defaults_types(monkeypatch)
         load_study(STUDY_FILE, sets=["study.parameters.01_theory.scale=big"])
 
 
+@pytest.mark.parametrize("visible, per_run, expected", [("2,3", 1, {"2", "3"}), ("5,7", 2, {"5,7"}),
+                                                       (None, 1, {"0", "1"})])
+def test_trainings_run_on_the_gpus_the_study_was_given(monkeypatch, tmp_path, visible, per_run, expected):
+    """A study confined to GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3) trained on GPUs 0 and 1: a child's
+    CUDA_VISIBLE_DEVICES names the machine's devices, not the parent's view of them."""
+    import oelm_core.study as S
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(S, "_gpu_count", lambda: 2)
+    given = []
+    monkeypatch.setattr(S, "execute_notebook", lambda name, out, params, prefix="", env=None, cwd=None:
+                        given.append((params["nproc"], params["cuda_visible_devices"], env["CUDA_VISIBLE_DEVICES"])))
+    study = load_study(STUDY_FILE, tmp_path, [f"study.gpus_per_run={per_run}", "study.parameters.03_training={}"])
+    S._train_all(study)
+    assert len(given) == 3
+    assert all(nproc == per_run and devices == env for nproc, devices, env in given)
+    assert {devices for _, devices, _ in given} <= expected
+    assert any(devices == min(expected) for _, devices, _ in given)
+
+
+def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
+    """--set values are YAML: a study folder with " #" in its path was cut at the comment, and a
+    run named off or 2024 became a bool or an int that the trainer refused."""
+    import subprocess
+
+    import oelm_core.study as S
+
+    study = load_study(STUDY_FILE, tmp_path / "study #2", [
+        "study.seeds=null", "study.runs=[{params: smoke/gpt_base.yaml, name: 'off'}, "
+                            "{params: smoke/oelm_freeze.yaml, name: '2024'}]"])
+    assert [r.name for r in study.runs] == ["off", "2024"]
+    for run in study.runs:
+        assert load_run_config(run.params, run.overrides).name == run.name
+
+    class Done:
+        stdout = iter(())
+
+        def wait(self):
+            return 0
+
+    commands = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: commands.append(cmd) or Done())
+    run = study.runs[0]
+    out = S.launch_training(run.params, run.overrides, run_dir=run.run_dir, echo=lambda line: None)
+    assert out == run.run_dir.resolve() and " #2" in str(out)
+    sets = [commands[0][k + 1] for k, arg in enumerate(commands[0]) if arg == "--set"]
+    assert load_run_config(run.params, sets).out_dir == str(out)   # what the trainer will read
+
+
 def test_study_notebook_parameters_are_those_of_the_notebooks():
     from oelm_core.study import notebook_parameters
 
@@ -163,7 +227,6 @@ def test_study_notebook_parameters_are_those_of_the_notebooks():
 def test_parameter_files_load():
     """Every shipped parameter, sweep and study file loads, and none hard-codes a local data
     folder: online the stories come from the hub, offline from OELM_DATA."""
-    from oelm_core.config import load_run_config
     from oelm_core.data import HUB_NAME
     from oelm_core.sweep import load_sweep, sweep_runs
 

@@ -133,7 +133,14 @@ def test_ablation_table_and_figure(tmp_path):
     assert rows["progressive"]["variant"] == "oelm_freeze"   # grouped by file, not by variant
     assert "| progressive |" in table["markdown"] and len(table["runs"]) == 4
     fig = ablation_figure(table, tmp_path / "abl.png")
-    assert (tmp_path / "abl.png").stat().st_size > 1000 and fig is not None
+    assert (tmp_path / "abl.png").stat().st_size > 1000
+    # what is drawn: a bar at each ablation's mean loss, a dot at each seed's, on the loss axis
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "final validation loss (nats/token)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpt_base", "progressive"]
+    assert [p.get_height() for p in ax.patches] == pytest.approx([3.05, 3.3])
+    dots = [list(c.get_offsets()) for c in ax.collections]
+    assert [[tuple(xy) for xy in d] for d in dots] == [[(0, 3.0), (0, 3.1)], [(1, 3.2), (1, 3.4)]]
 
 
 def test_sweep_results_and_figure(tmp_path):
@@ -145,8 +152,34 @@ def test_sweep_results_and_figure(tmp_path):
     assert [(r["value"], r["variant"]) for r in res["rows"]][:3] == [(2, "gpt_base"), (2, "oelm_nofreeze"),
                                                                       (2, "oelm_freeze")]
     assert res["rows"][-1]["val_loss"] == pytest.approx(3.4)
-    sweep_figure(res, tmp_path / "s.png")
+    fig = sweep_figure(res, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000
+    # what is drawn: one line per variant through its loss at each swept value, on the loss axis
+    (ax,) = fig.axes
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("n_layer", "final validation loss (nats/token)")
+    assert ax.get_title() == "a6: validation loss vs n_layer"
+    lines = {c.get_label(): (list(c.lines[0].get_xdata()), list(c.lines[0].get_ydata())) for c in ax.containers}
+    assert lines == {"GPT-Base": ([2, 4], [3.5, 3.2]), "OELM-NoFreeze": ([2, 4], [3.6, 3.3]),
+                     "OELM-Freeze": ([2, 4], [3.7, 3.4])}
+
+
+def test_several_sweeps_in_one_folder_are_not_one_curve(tmp_path, capsys):
+    """runs/sweeps, the default --out of every sweep, holds several: `table --sweep` drew the
+    points of a3_heads and a6_layers as one line, under a3_heads' axis."""
+    for sweep, key, values in (("a3_heads", "n_head", (1, 8)), ("a6_layers", "n_layer", (2, 4))):
+        for value in values:
+            _fake_run(tmp_path / sweep / f"{key}={value}" / "gpt_base" / "seed0", "gpt_base", "gpt_base", 0,
+                      3.0 + value / 10, extra={"sweep": sweep, "key": key, "value": value})
+    with pytest.raises(ConfigError, match=r"holds the sweeps a3_heads, a6_layers; name one: "
+                                          r"sweep_results\(root, sweep_name\) \(CLI: table --sweep --name NAME\)"):
+        sweep_results(tmp_path)
+    assert main(["table", str(tmp_path), "--sweep"]) == 2
+    assert "holds the sweeps a3_heads, a6_layers" in capsys.readouterr().err
+    figure = tmp_path / "a6.png"
+    assert main(["table", str(tmp_path), "--sweep", "--name", "a6_layers", "--figure", str(figure)]) == 0
+    assert figure.is_file()
+    assert [(r["key"], r["value"]) for r in sweep_results(tmp_path, "a6_layers")["rows"]] == [("n_layer", 2),
+                                                                                              ("n_layer", 4)]
 
 
 def test_sweep_results_keep_smoke_and_full_runs_apart(tmp_path):
