@@ -597,13 +597,13 @@ def variant_alone(a: Group, b: Group) -> bool:
 
 
 def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "step"):
-    """Training loss (left) and validation loss (right) against ``x`` ("step" or "tokens_seen")."""
+    """Training loss (left) and validation loss (right) against ``x`` ("step" or "tokens_seen"),
+    one colour per group of seeds (group_runs), each run labelled with its group and seed."""
     plt = _plt()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {v: f"C{i}" for i, v in enumerate(GROUP_LABELS)}
-    for i, run in enumerate(runs):
-        color = colors.get(run.variant, f"C{3 + i}")
-        label = run.label + (f" (seed {run.seed})" if run.seed is not None else "")
+    curves = [(f"C{i}", f"{group.label} (seed {seed})", run)
+              for i, group in enumerate(group_runs(runs)) for run, seed in zip(group.runs, group.seeds)]
+    for color, label, run in curves:
         tr = run.train_rows()
         if tr:
             ax_t.plot([r.get(x, r["step"]) for r in tr], [r["train_loss"] for r in tr],

@@ -383,6 +383,16 @@ def test_seed_groups_give_mean_std_and_tests(tmp_path):
     assert "Welch" in md and "H4" in md and out["table"]
 
 
+def test_curves_name_groups_of_one_variant_apart(tmp_path):
+    make_run(tmp_path, "gpt_base", 20.0)
+    make_run(tmp_path, "oelm_freeze", 30.0, name="freeze_lr_low", train={"lr": 5e-4})
+    make_run(tmp_path, "oelm_freeze", 21.0, name="freeze_lr_high", train={"lr": 5e-3})
+    for ax in A.plot_curves(A.load_runs(tmp_path)).axes:
+        assert [line.get_label() for line in ax.lines] == [
+            "GPT-Base (seed 42)", "OELM-Freeze (freeze_lr_high) (seed 42)", "OELM-Freeze (freeze_lr_low) (seed 42)"]
+        assert len({line.get_color() for line in ax.lines}) == 3
+
+
 def test_plot_curves_saves_and_closes(tmp_path):
     import matplotlib.pyplot as plt
 
