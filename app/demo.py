@@ -434,7 +434,7 @@ class Demo:
         compare = compare_figure(panels, labels, f"Layer {layer_i}, {head_name}: the same {len(ids)} tokens "
                                                  f"(text of {chosen.label}) through every model")
 
-        rows, uniform = self.summary_rows(maps)
+        rows, uniform = self.summary_rows(maps, len(ids))
         summary = summary_figure(rows, uniform, [m.label for m in self.lab.models])
         table = [[r["model"], r["layer"], r["head"], r["qk"], round(r["entropy"], 4), round(r["distance"], 3)]
                  for r in rows]
@@ -446,17 +446,17 @@ class Demo:
     def _qk_state(m: LoadedModel, layer: int) -> str:
         return "frozen" if layer in m.cfg.frozen_layers() else "trainable"
 
-    def summary_rows(self, maps: dict[str, list]) -> tuple[list[dict], dict[str, float]]:
-        """Per-head entropy and mean distance of every model from its maps of one text (group ->
-        attention_maps' list of (n_head, T, T) per layer), with the model's label and whether the
-        layer's Q/K are frozen; and the uniform baseline."""
+    def summary_rows(self, maps: dict[str, list], n_tokens: int) -> tuple[list[dict], dict[str, float]]:
+        """Per-head entropy and mean distance of every model from its maps of one text of
+        ``n_tokens`` tokens (group -> attention_maps' list of (n_head, T, T) per layer), with the
+        model's label and whether the layer's Q/K are frozen; and the uniform baseline."""
         rows = []
         for m in self.lab.models:
             for r in summarise_attention(maps[m.group]):
                 rows.append({"model": m.label, "layer": r["layer"], "head": r["head"],
                              "qk": self._qk_state(m, r["layer"]), "entropy": r["entropy"],
                              "distance": r["mean_distance"]})
-        return rows, uniform_reference(maps[self.lab.models[0].group][0].shape[-1])
+        return rows, uniform_reference(n_tokens)
 
 
 # --------------------------------------------------------------------------------------------

@@ -116,8 +116,7 @@ MODEL = [
            "registered in `oelm_core.VARIANTS`."),
     ("params", "preset = \"medium512\"       # the shape whose parameters are tabulated\n"
                "grad_check_preset = \"tiny\"  # the small model of the gradient-flow check\n"
-               "all_variants = True         # tabulate the ablation variants too\n"
-               "fig_dir = \"runs/notebooks/figures\"   # a relative path is taken from the repository root"),
+               "all_variants = True         # tabulate the ablation variants too"),
     ("code", SETUP + "\nimport oelm_core\nfrom oelm_core import analysis as A"),
     ("md", "## Variants"),
     ("code", "display(Markdown(A.markdown_table([{'variant': k, 'description': v} "

@@ -398,12 +398,17 @@ class Run:
 
     def settings(self) -> dict:
         """What the run learned from: config.trained_settings of its config.yaml (with the
-        variant and preset read here), train.seed included."""
+        variant and preset read here), train.seed included, and grad_accum as the global batch
+        in micro-batches, grad_accum x the processes (summary.json's world_size), since
+        config.yaml does not say how many processes ran it."""
         try:
-            return trained_settings({**self.config, "variant": self.variant, "preset": self.preset})
+            settings = trained_settings({**self.config, "variant": self.variant, "preset": self.preset})
         except ConfigError as exc:
             raise ConfigError(f"{self.path}/config.yaml does not load ({exc}): without it the analysis "
                               f"cannot tell which runs are seeds of one setup") from None
+        world = int(self.summary.get("world_size") or 1)
+        settings["train.batches_per_step"] = settings.pop("train.grad_accum") * world
+        return settings
 
     @property
     def label(self) -> str:
@@ -548,13 +553,13 @@ def group_runs(runs: Iterable[Run]) -> list[Group]:
     groups: list[Group] = []
     for run in runs:
         settings = run.settings()
-        seed = settings.pop("train.seed")
+        seed = settings.pop("train.seed") if run.seed is not None else None  # no config.yaml: unknown
         group = next((g for g in groups if (g.variant, g.preset, g.settings) == (run.variant, run.preset, settings)),
                      None)
         if group is None:
             group = Group("", run.variant, run.preset, settings)
             groups.append(group)
-        if seed in group.seeds:
+        if seed is not None and seed in group.seeds:
             twin = group.runs[group.seeds.index(seed)]
             raise ConfigError(f"{twin.path} and {run.path} trained the same settings with the same seed ({seed}): "
                               f"the same run twice, not two seeds of one; analyse them apart")
@@ -601,7 +606,7 @@ def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "s
     one colour per group of seeds (group_runs), each run labelled with its group and seed."""
     plt = _plt()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
-    curves = [(f"C{i}", f"{group.label} (seed {seed})", run)
+    curves = [(f"C{i}", group.label + ("" if seed is None else f" (seed {seed})"), run)
               for i, group in enumerate(group_runs(runs)) for run, seed in zip(group.runs, group.seeds)]
     for color, label, run in curves:
         tr = run.train_rows()

@@ -466,10 +466,10 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 # how long it goes on. Everything else shapes the curve (seed, batch, optimiser, schedule, data)
 # and must be the run's own, or the resumed run would continue a curve it is not part of. How
 # long it goes on shapes the curve too where the schedule reads train.steps (the cosine ends
-# there): oelm_core.train's Trainer._restore refuses a change that moves the learning rate of the
-# steps to come. grad_accum may change only with the number of processes, so that world size x
-# grad_accum, the global batch, stays the run's own (Trainer._restore refuses any other change):
-# W ranks with accumulation A draw exactly what one process with W x A does. EXECUTION_KEYS
+# there): oelm_core.train's Trainer._check_resumable refuses a change that moves the learning
+# rate of the steps to come. grad_accum may change only with the number of processes, so that
+# world size x grad_accum, the global batch, stays the run's own (_check_resumable refuses any
+# other change): W ranks with accumulation A draw exactly what one process with W x A does. EXECUTION_KEYS
 # below reads this too.
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",

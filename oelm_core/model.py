@@ -263,7 +263,7 @@ class CausalSelfAttention(nn.Module):
         """The output projection of the heads' output, and in training the residual dropout after
         it (GPT-2's resid_dropout), as the MLP drops its output: both branches regularised alike."""
         y = self.proj(y)
-        return F.dropout(y, self.dropout, True) if self.training and self.dropout > 0 else y
+        return F.dropout(y, self.dropout, self.training) if self.dropout > 0 else y
 
     def decode(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One new token at position ``pos``: x (B, 1, d_model); k, v written into the cache at
@@ -476,10 +476,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 ctx.save_for_backward(grad_x, grad_w)
                 ctx.dtypes = (x.dtype, w.dtype)
             return loss
-        bad = (targets < -1) | (targets >= vocab)
-        if not targets.is_cuda and bad.any():  # on a GPU the check would wait for it every step
-            raise IndexError(f"target id {int(targets[bad][0])} is out of bounds: targets must be "
-                             f"token ids in [0, {vocab}) or -1 (ignored)")
+        if not targets.is_cuda:  # on a GPU the check would wait for it every step
+            bad = (targets < -1) | (targets >= vocab)
+            if bad.any():
+                raise IndexError(f"target id {int(targets[bad][0])} is out of bounds: targets must be "
+                                 f"token ids in [0, {vocab}) or -1 (ignored)")
         xc, wc = x.to(dtype), w[:vocab].to(dtype)
         valid = targets != -1
         n_valid = valid.sum()

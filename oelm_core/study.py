@@ -104,7 +104,7 @@ def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: in
     overrides = list(overrides)
     if run_dir is not None:
         # quoted: --set values are YAML, where " #" starts a comment and a bare path may be a number
-        overrides.append(f"out_dir={json.dumps(str(Path(run_dir).resolve()))}")
+        overrides.append(f"out_dir={json.dumps(str(Path(run_dir).resolve()), ensure_ascii=False)}")
     cfg = load_run_config(params, overrides)  # a bad parameter fails here, before any launch
     extra = {} if cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": str(cuda_visible_devices)}
     cmd = train_command(Path(params).resolve(), overrides, nproc, resume)
@@ -321,7 +321,7 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
             rname = f"{rname}_s{seed}" if len(seeds) > 1 or seeds[0] is not None else rname
             run_dir = out / "runs" / rname
             # the name quoted: as YAML, a bare `off` or `2024` would be a bool or an int
-            overrides = overrides + [f"train.seed={seed}", f"name={json.dumps(rname)}"]
+            overrides = overrides + [f"train.seed={seed}", f"name={json.dumps(rname, ensure_ascii=False)}"]
             runs.append(PlannedRun(rname, params.resolve(), seed, cfg.variant, cfg.preset,
                                    run_dir, overrides))
     names = [r.name for r in runs]
@@ -510,7 +510,7 @@ def run_study(study: Study) -> dict:
                 _train_all(study)
                 continue
             params = dict(study.parameters.get(name) or {})
-            if name in ("01_theory", "02_model"):
+            if name == "01_theory":
                 params.setdefault("fig_dir", str(figures))
             if name == "04_analysis":
                 params.update(run_dirs=[str(r.run_dir.resolve()) for r in study.runs],

@@ -717,7 +717,7 @@ class Trainer:
         was, now = lr_at(step, saved), lr_at(step, self.tc)
         if math.isclose(was, now, rel_tol=1e-9):
             return
-        # Only resumable keys differ here (_restore refused the others): name those that move it.
+        # Only resumable keys differ here (_check_resumable refused the others): name those that move it.
         moved = [f"train.{key} {getattr(saved, key)!r} -> {getattr(self.tc, key)!r}"
                  for key in sorted(RESUMABLE_CHANGES["train"])
                  if not math.isclose(was, lr_at(step, dataclasses.replace(saved, **{key: getattr(self.tc, key)})),

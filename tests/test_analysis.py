@@ -383,6 +383,27 @@ def test_seed_groups_give_mean_std_and_tests(tmp_path):
     assert "Welch" in md and "H4" in md and out["table"]
 
 
+def test_seeds_without_config_yaml_are_one_group_of_unknown_seeds(tmp_path):
+    """Folders with summary.json only: the seed is unknown, not two runs of the default seed."""
+    for seed, ppl in ((1, 20.0), (2, 21.0)):
+        (make_run(tmp_path, "gpt_base", ppl, seed=seed) / "config.yaml").unlink()
+    runs = A.load_runs(tmp_path)
+    (group,) = A.group_runs(runs)
+    assert group.seeds == [None, None] and len(group.runs) == 2
+    assert [line.get_label() for line in A.plot_curves(runs).axes[0].lines] == ["GPT-Base", "GPT-Base"]
+
+
+def test_the_global_batch_is_grad_accum_times_the_processes(tmp_path):
+    """Two processes with grad_accum 1 train what one with grad_accum 2 does (seeds of one
+    setup); one process with grad_accum 1 trains half the batch (another setup)."""
+    for name, seed, accum, world in (("two_gpus", 1, 1, 2), ("one_gpu", 2, 2, 1), ("half", 3, 1, 1)):
+        d = make_run(tmp_path, "gpt_base", 20.0, seed=seed, name=name, train={"grad_accum": accum})
+        summary = json.loads((d / "summary.json").read_text())
+        (d / "summary.json").write_text(json.dumps({**summary, "world_size": world}))
+    groups = A.group_runs(A.load_runs(tmp_path))
+    assert sorted(sorted(r.path.name for r in g.runs) for g in groups) == [["half_s3"], ["one_gpu_s2", "two_gpus_s1"]]
+
+
 def test_curves_name_groups_of_one_variant_apart(tmp_path):
     make_run(tmp_path, "gpt_base", 20.0)
     make_run(tmp_path, "oelm_freeze", 30.0, name="freeze_lr_low", train={"lr": 5e-4})

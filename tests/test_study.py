@@ -193,7 +193,7 @@ def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
 
     import oelm_core.study as S
 
-    study = load_study(STUDY_FILE, tmp_path / "study #2", [
+    study = load_study(STUDY_FILE, tmp_path / "study #2 😀", [
         "study.seeds=null", "study.runs=[{params: smoke/gpt_base.yaml, name: 'off'}, "
                             "{params: smoke/oelm_freeze.yaml, name: '2024'}]"])
     assert [r.name for r in study.runs] == ["off", "2024"]
@@ -210,7 +210,7 @@ def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
     monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: commands.append(cmd) or Done())
     run = study.runs[0]
     out = S.launch_training(run.params, run.overrides, run_dir=run.run_dir, echo=lambda line: None)
-    assert out == run.run_dir.resolve() and " #2" in str(out)
+    assert out == run.run_dir.resolve() and " #2 😀" in str(out)
     sets = [commands[0][k + 1] for k, arg in enumerate(commands[0]) if arg == "--set"]
     assert load_run_config(run.params, sets).out_dir == str(out)   # what the trainer will read
 
