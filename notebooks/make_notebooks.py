@@ -266,7 +266,8 @@ def main() -> None:
         nb = notebook(cells)
         if path.exists():
             # nbformat draws new random cell ids on every run: keep the written ones, position by
-            # position, so that a regeneration's diff shows only the cells that were edited.
+            # position, so that while no cell is added or removed a regeneration's diff shows
+            # only the cells that were edited.
             for cell, old in zip(nb.cells, nbformat.read(path, as_version=4).cells):
                 cell.id = old.id
         nbformat.write(nb, path)

@@ -9,6 +9,7 @@ The stable public API (notebooks, the app, benchmarks and outside scripts rely o
 
 from collections.abc import Iterator, Mapping
 
+from oelm_core import config as _config
 from oelm_core.accounting import count_parameters, flops_per_token, memory_account
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, model_config, variants
 from oelm_core.model import GPT, build_model
@@ -20,13 +21,13 @@ class _Variants(Mapping):
     notebooks and analysis list them."""
 
     def __getitem__(self, name: str) -> str:
-        return variants()[name]
+        return _config._VARIANT_SPECS[name][0]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(variants())
+        return iter(_config._VARIANT_SPECS)
 
     def __len__(self) -> int:
-        return len(variants())
+        return len(_config._VARIANT_SPECS)
 
     def __repr__(self) -> str:
         return repr(variants())

@@ -886,8 +886,8 @@ def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final"
 
 def load_models(runs: Sequence[Run], device: str = "cpu") -> dict[str, Any]:
     """Group label -> the model in best.pt, the checkpoint of the lowest validation loss, of the
-    group's first seed that has one; best.pt whichever validation figures (``which``) the tables
-    read, so the caller says so where it shows them."""
+    group's first seed that has one. It is best.pt whether the tables read the best or the final
+    validation figures, so a caller showing both says which checkpoint its samples come from."""
     from oelm_core.checkpoint import load_model
 
     models = {}
