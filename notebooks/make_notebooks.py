@@ -160,8 +160,10 @@ TRAINING = [
            "Launches one run of `oelm_core.train` for one parameter file in a subprocess — "
            "`python -m oelm_core.train` for one process, `torchrun` for `nproc > 1` — and streams its "
            "log here line by line. The kernel itself never touches CUDA; `cuda_visible_devices` picks "
-           "the GPUs of the child (\"\" hides them: CPU). A non-zero exit fails this notebook. The run "
-           "folder (config, metrics, summary, checkpoints) stays where `run_dir` says.\n\n"
+           "the GPUs of the child by their index among those this kernel sees (under "
+           "`CUDA_VISIBLE_DEVICES=2,3`, \"0\" is the machine's GPU 2; \"\" hides them all: CPU). "
+           "A non-zero exit fails this notebook. The run folder (config, metrics, summary, "
+           "checkpoints) stays where `run_dir` says.\n\n"
            "`overrides` takes `--set` strings such as `\"train.steps=50\"`; `resume=True` continues a run "
            "that was cut short from its newest checkpoint (`--resume`)."),
     # No "=" in the comments of the parameters cell: papermill skips a line holding two.

@@ -23,8 +23,8 @@ run folder per (run, seed) with its executed 03_training notebook, results.md/re
 study.json, which the app reads.
 
 Trainings run one after another; with gpus_per_run = g > 0 and enough GPUs they run side by
-side, run k on GPUs [k*g, (k+1)*g) of those the study sees (its own CUDA_VISIBLE_DEVICES, if
-set, names them), given to each training through CUDA_VISIBLE_DEVICES.
+side, run k on GPUs [k*g, (k+1)*g) of those the study sees (numbered as torch numbers them:
+under CUDA_VISIBLE_DEVICES=2,3, GPU 0 is the machine's GPU 2).
 """
 
 from __future__ import annotations
@@ -89,14 +89,41 @@ def train_command(params: str | Path, overrides: Sequence[str] = (), nproc: int 
     return cmd + (["--resume"] if resume else [])
 
 
+def child_visible_devices(gpus: str) -> str:
+    """CUDA_VISIBLE_DEVICES for a child process that should use ``gpus``: GPU indices as this
+    process numbers them, comma-separated ("" for none).
+
+    A child's CUDA_VISIBLE_DEVICES names GPUs as the machine does, not as this process sees them:
+    in a job confined to GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3) index 0 must become "2", or the
+    child trains on a GPU the job was not given. Without the variable both numberings agree."""
+    text = str(gpus).strip()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not text or visible is None:
+        return text
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    try:
+        picked = [int(i) for i in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"cuda_visible_devices={text!r}: give GPU indices such as \"0\" or \"0,1\", "
+                          f"counted among the {len(devices)} GPU(s) this process sees "
+                          f"(CUDA_VISIBLE_DEVICES={visible})") from None
+    bad = [i for i in picked if not 0 <= i < len(devices)]
+    if bad:
+        raise ConfigError(f"cuda_visible_devices={text!r} names GPU {bad[0]}, but this process sees "
+                          f"{len(devices)} GPU(s) (CUDA_VISIBLE_DEVICES={visible}); indices count "
+                          f"from 0 among those")
+    return ",".join(devices[i] for i in picked)
+
+
 def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: int = 1,
                     cuda_visible_devices: str | None = None, run_dir: str | Path | None = None,
                     resume: bool = False, echo: Callable[[str], None] | None = None) -> Path:
     """Train one run in a subprocess, echoing its log line by line; returns the run folder.
 
-    ``run_dir`` overrides the parameter file's out_dir. ``cuda_visible_devices`` ("" hides every
-    GPU) is set for the child only: the calling process never touches CUDA. A non-zero exit
-    raises RuntimeError with the last lines of the log.
+    ``run_dir`` overrides the parameter file's out_dir. ``cuda_visible_devices`` picks the child's
+    GPUs by their index in this process ("" hides every GPU; ``child_visible_devices``); the
+    calling process never touches CUDA. A non-zero exit raises RuntimeError with the last lines
+    of the log.
     """
     params = Path(params)
     if not params.is_file() and (REPO / params).is_file():  # e.g. run from notebooks/
@@ -106,7 +133,8 @@ def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: in
         # quoted: --set values are YAML, where " #" starts a comment and a bare path may be a number
         overrides.append(f"out_dir={json.dumps(str(Path(run_dir).resolve()), ensure_ascii=False)}")
     cfg = load_run_config(params, overrides)  # a bad parameter fails here, before any launch
-    extra = {} if cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": str(cuda_visible_devices)}
+    extra = ({} if cuda_visible_devices is None
+             else {"CUDA_VISIBLE_DEVICES": child_visible_devices(cuda_visible_devices)})
     cmd = train_command(Path(params).resolve(), overrides, nproc, resume)
     echo = echo or (lambda line: print(line, flush=True))
     echo("$ " + " ".join(cmd) + (f"   [CUDA_VISIBLE_DEVICES={extra['CUDA_VISIBLE_DEVICES']}]" if extra else ""))
@@ -373,7 +401,7 @@ def failed_cell(nb_path: str | Path) -> str | None:
 
 
 def execute_notebook(name: str, out_path: Path, parameters: dict[str, Any], prefix: str = "",
-                     env: dict[str, str] | None = None, cwd: str | Path | None = None) -> Path:
+                     cwd: str | Path | None = None) -> Path:
     """Execute notebooks/<name>.ipynb with papermill in a child process, streaming its cell
     outputs prefixed by ``prefix``; raises StudyError naming the failed cell."""
     src = NOTEBOOKS / f"{name}.ipynb"
@@ -385,7 +413,7 @@ def execute_notebook(name: str, out_path: Path, parameters: dict[str, Any], pref
     cmd = [sys.executable, "-m", "papermill", str(src), str(out_path), "-f", str(params_file),
            "--log-output", "--no-progress-bar", "--cwd", str(cwd or os.getcwd()), "-k", "python3"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(env), bufsize=1)
+                            env=_env(), bufsize=1)
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip("\n")
@@ -451,12 +479,8 @@ def _train_all(study: Study) -> None:
             raise StudyError(f"study.gpus_per_run={g}, but this machine has {n_gpu} GPU(s); set "
                              f"--set study.gpus_per_run=0 for CPU or fewer GPUs per run")
         n_slots = min(len(study.runs), n_gpu // g)
-        # A child's CUDA_VISIBLE_DEVICES names devices as the machine numbers them, not as this
-        # process sees them: map the slots through the study's own list, or a study confined to
-        # GPUs 2,3 would train on 0 and 1.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(n_gpu)]
-        slots = [",".join(devices[k * g + i] for i in range(g)) for k in range(n_slots)]
+        # Indices as this process numbers its GPUs; launch_training maps them to the machine's.
+        slots = [",".join(str(k * g + i) for i in range(g)) for k in range(n_slots)]
         _say(f"[study] {len(study.runs)} training(s) on {n_gpu} GPU(s), {g} each, "
              f"{n_slots} side by side")
     else:
@@ -477,9 +501,7 @@ def _train_all(study: Study) -> None:
                       "run_dir": str(run.run_dir.resolve()),
                       "nproc": max(1, g) if g > 0 else int(nb_params.get("nproc", 1)),
                       "cuda_visible_devices": gpus if gpus is not None else nb_params.get("cuda_visible_devices", "")}
-            env = {"CUDA_VISIBLE_DEVICES": params["cuda_visible_devices"]}
-            execute_notebook("03_training", run.run_dir / "03_training.ipynb", params,
-                             prefix=f"  [{run.name}] ", env=env)
+            execute_notebook("03_training", run.run_dir / "03_training.ipynb", params, prefix=f"  [{run.name}] ")
         finally:
             free.put(gpus)
 

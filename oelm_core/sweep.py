@@ -291,11 +291,12 @@ def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log
                 raise ConfigError(f"{nb} does not exist; use runner 'subprocess' or 'inprocess'")
             import torch
 
-            gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if torch.cuda.is_available() else ""
+            # the first GPU this process sees (the notebook maps the index to the machine's number)
+            gpu = "0" if torch.cuda.is_available() else ""
             pm.execute_notebook(str(nb), str(out / "03_training.ipynb"),
                                 parameters={"params": str(params_file.resolve()), "run_dir": str(out.resolve()),
                                             "overrides": [], "nproc": 1, "resume": True,
-                                            "cuda_visible_devices": gpus.split(",")[0]},
+                                            "cuda_visible_devices": gpu},
                                 cwd=str(REPO), progress_bar=False)
             status = _status(out)
             if status is None:

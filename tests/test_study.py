@@ -163,27 +163,58 @@ def test_load_study_takes_notebook_parameters_of_the_defaults_types(monkeypatch)
         load_study(STUDY_FILE, sets=["study.parameters.01_theory.scale=big"])
 
 
-@pytest.mark.parametrize("visible, per_run, expected", [("2,3", 1, {"2", "3"}), ("5,7", 2, {"5,7"}),
-                                                       (None, 1, {"0", "1"})])
-def test_trainings_run_on_the_gpus_the_study_was_given(monkeypatch, tmp_path, visible, per_run, expected):
-    """A study confined to GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3) trained on GPUs 0 and 1: a child's
-    CUDA_VISIBLE_DEVICES names the machine's devices, not the parent's view of them."""
+@pytest.mark.parametrize("per_run, expected", [(1, {"0", "1"}), (2, {"0,1"})])
+def test_trainings_run_side_by_side_on_the_gpus_this_process_sees(monkeypatch, tmp_path, per_run, expected):
+    """Slots are GPU indices as the study numbers them; launch_training maps them for the child."""
+    import oelm_core.study as S
+
+    monkeypatch.setattr(S, "_gpu_count", lambda: 2)
+    given = []
+    monkeypatch.setattr(S, "execute_notebook", lambda name, out, params, prefix="", cwd=None:
+                        given.append((params["nproc"], params["cuda_visible_devices"])))
+    study = load_study(STUDY_FILE, tmp_path, [f"study.gpus_per_run={per_run}", "study.parameters.03_training={}"])
+    S._train_all(study)
+    assert len(given) == 3 and all(nproc == per_run for nproc, _ in given)
+    assert {devices for _, devices in given} == expected  # 3 runs on 2 slots of 1 GPU use both
+
+
+@pytest.mark.parametrize("visible, gpus, child", [("2,3", "0", "2"), ("2,3", "1", "3"), ("5,7", "0,1", "5,7"),
+                                                  ("2,3", "", ""), (None, "1", "1"), (None, "", ""),
+                                                  ("GPU-aa, GPU-bb", "1", "GPU-bb")])
+def test_a_training_gets_the_gpu_of_this_process_it_was_given(monkeypatch, visible, gpus, child):
+    """A job confined to GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3) trained on GPUs 0 and 1: a child's
+    CUDA_VISIBLE_DEVICES names the machine's devices, not this process's view of them."""
+    import subprocess
+
     import oelm_core.study as S
 
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    monkeypatch.setattr(S, "_gpu_count", lambda: 2)
-    given = []
-    monkeypatch.setattr(S, "execute_notebook", lambda name, out, params, prefix="", env=None, cwd=None:
-                        given.append((params["nproc"], params["cuda_visible_devices"], env["CUDA_VISIBLE_DEVICES"])))
-    study = load_study(STUDY_FILE, tmp_path, [f"study.gpus_per_run={per_run}", "study.parameters.03_training={}"])
-    S._train_all(study)
-    assert len(given) == 3
-    assert all(nproc == per_run and devices == env for nproc, devices, env in given)
-    assert {devices for _, devices, _ in given} <= expected
-    assert any(devices == min(expected) for _, devices, _ in given)
+
+    class Done:
+        stdout = iter(())
+
+        def wait(self):
+            return 0
+
+    envs = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: envs.append(kw["env"]) or Done())
+    S.launch_training("parameters/smoke/gpt_base.yaml", cuda_visible_devices=gpus, echo=lambda line: None)
+    assert envs[0]["CUDA_VISIBLE_DEVICES"] == child
+
+
+@pytest.mark.parametrize("visible, gpus, message", [
+    ("2,3", "2", r"names GPU 2, but this process sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=2,3\)"),
+    ("", "0", r"names GPU 0, but this process sees 0 GPU\(s\)"),
+    ("2,3", "GPU-aa", r"give GPU indices such as \"0\" or \"0,1\"")])
+def test_a_gpu_this_process_does_not_see_is_refused(monkeypatch, visible, gpus, message):
+    import oelm_core.study as S
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(ConfigError, match=message):
+        S.launch_training("parameters/smoke/gpt_base.yaml", cuda_visible_devices=gpus, echo=lambda line: None)
 
 
 def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
@@ -267,8 +298,7 @@ def test_failed_notebook_names_the_cell(tmp_path, monkeypatch):
                                             "out_dir": str(tmp_path / "data")}}))
     out = tmp_path / "03.ipynb"
     with pytest.raises(StudyError) as err:
-        execute_notebook("03_training", out, {"params": str(bad), "run_dir": str(tmp_path / "run")},
-                         env={"PYTHONPATH": str(REPO)}, cwd=REPO)
+        execute_notebook("03_training", out, {"params": str(bad), "run_dir": str(tmp_path / "run")}, cwd=REPO)
     msg = str(err.value)
     assert "notebook 03_training failed in code cell" in msg and "launch_training" in msg
     assert "RuntimeError" in msg and str(out) in msg
