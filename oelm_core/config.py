@@ -500,21 +500,27 @@ def trained_settings(params: dict) -> dict:
     return {k: v for k, v in flat.items() if k not in EXECUTION_KEYS}
 
 
-def apply_overrides(values: dict, overrides: list[str]) -> dict:
-    """A copy of a nested mapping with ``key.sub=value`` strings (values parsed as YAML) applied."""
+def apply_overrides(values: dict, overrides: list[str] | dict[str, Any] | None) -> dict:
+    """A copy of a nested mapping with ``overrides`` set, in order: ``key.sub=value`` strings
+    (what --set takes; values parsed as YAML) or a mapping {dotted key: value}."""
     values = copy.deepcopy(values)
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
-                              f"complete it (e.g. train.lr=0.001, model.freeze_qk=[0,1]) or quote "
-                              f"it to pass a string") from None
-        set_dotted(values, key.strip(), value)
+    items = overrides.items() if isinstance(overrides, dict) else map(_parse_override, overrides or [])
+    for key, value in items:
+        set_dotted(values, key, value)
     return values
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """One --set string as (dotted key, value): train.steps=200 -> ("train.steps", 200)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
+    key, raw = item.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
+                          f"complete it (e.g. train.lr=0.001, model.freeze_qk=[0,1]) or quote "
+                          f"it to pass a string") from None
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -529,6 +535,26 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return where
 
 
+def read_yaml(path: str | Path) -> dict:
+    """The mapping a YAML file holds ({} for an empty file). ConfigError, naming the file, for a
+    syntax error (with its line and column), a file that is not text, or a top level that is
+    not a mapping."""
+    path = Path(path)
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax "
+                          f"there (an unclosed bracket or quote is the usual cause)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a UTF-8 text file; pass a YAML file") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must hold a YAML mapping at the top level (key: value lines), "
+                          f"got a {type(values).__name__}")
+    return values
+
+
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML parameter file (or none: all defaults), apply overrides, check it all."""
     values: dict = {}
@@ -537,13 +563,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
         if not path.is_file():
             raise ConfigError(f"parameter file {path} not found; pass an existing YAML file "
                               f"(see parameters/ for examples)")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax "
-                              f"there (an unclosed bracket or quote is the usual cause)") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path} must hold a YAML mapping at the top level")
+        values = read_yaml(path)
         values.pop("study", None)  # a study's own section is read by oelm_core.study
     return run_config_from_dict(apply_overrides(values, overrides or []))
 

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import reprlib
+import sys
 from dataclasses import fields
 from datetime import datetime, timezone
 from itertools import islice
@@ -35,16 +36,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from oelm_core.config import ConfigError, DataConfig
+from oelm_core.config import ConfigError, DataConfig, ModelConfig
 from oelm_core.files import atomic_write
 
 log = logging.getLogger(__name__)
 
 TOKENIZER = "gpt2"
-VOCAB_SIZE = 50257
+VOCAB_SIZE = ModelConfig.vocab_size  # the GPT-2 BPE's ids (the model's default vocabulary)
 EOT = 50256                       # GPT-2's <|endoftext|>: appended after every story
 EOT_TEXT = "<|endoftext|>"        # the same separator as it appears in TinyStories .txt files
-HUB_NAME = "roneneldan/TinyStories"
+HUB_NAME = DataConfig.source      # TinyStories on the Hugging Face hub, the default source
 # Bump when the token layout changes so that existing caches no longer match and get rebuilt.
 FORMAT_VERSION = 1
 
@@ -507,7 +508,9 @@ def perplexity(loss_nats: float) -> float:
 # CLI
 # --------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """The CLI: prints meta.json's content; returns the exit code (0 done, 2 unusable source or
+    settings, with the error on stderr)."""
     defaults = DataConfig()
     p = argparse.ArgumentParser(prog="python -m oelm_core.data", description=__doc__.split("\n")[0])
     p.add_argument("--source", default=defaults.source,
@@ -523,10 +526,14 @@ def main(argv: list[str] | None = None) -> dict:
     force, progress = args.pop("force"), not args.pop("no_progress")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DataConfig(**{f.name: args[f.name] for f in fields(DataConfig)})
-    meta = prepare(cfg, force=force, progress=progress)
+    try:
+        meta = prepare(cfg, force=force, progress=progress)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(meta, indent=2))
-    return meta
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from oelm_core.analysis import WHICH
-from oelm_core.config import ConfigError, apply_overrides, load_run_config
+from oelm_core.config import ConfigError, apply_overrides, load_run_config, read_yaml
 from oelm_core.files import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,11 +215,6 @@ def notebook_defaults(name: str) -> dict[str, Any]:
             if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
 
 
-def notebook_parameters(name: str) -> list[str]:
-    """The names that notebooks/<name>.ipynb's parameters cell assigns: the parameters it reads."""
-    return list(notebook_defaults(name))
-
-
 def _fits(value: Any, default: Any) -> bool:
     """Whether ``value`` is of the type of the notebook's ``default`` (any value where the default
     is None, which names no type); bool is not taken for a number, a whole number is for a float."""
@@ -277,84 +272,23 @@ def _str_list(value: Any, where: str) -> list[str]:
 
 
 def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[str] = ()) -> Study:
-    """Read and check a study file; every run's parameters are validated before anything runs."""
+    """Read and check a study file; every run's parameters are validated before anything runs.
+
+    ``sets``: --set strings; study.KEY=VALUE changes the study section, any other goes to every run."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"study file {path} not found; pass one of parameters/study_*.yaml")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict) or not isinstance(raw.get("study"), dict):
-        raise ConfigError(f"{path} needs a top-level 'study:' section (see parameters/study_smoke.yaml)")
     study_sets = [s for s in sets if s.split("=", 1)[0].strip().startswith("study.")]
     run_sets = [s for s in sets if s not in study_sets]
-    spec = apply_overrides(raw, study_sets)["study"]
-    unknown = sorted(set(spec) - STUDY_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join('study.' + k for k in unknown)}; valid keys: "
-                          f"{', '.join(sorted(STUDY_KEYS))}")
-    # A key written without a value (`seeds:`) reads as None: the same as leaving it out.
-    spec = {k: v for k, v in spec.items() if v is not None}
-    for key in ("name", "description"):
-        if not isinstance(spec.get(key, ""), str):
-            raise ConfigError(f"{path}: study.{key} must be a string, got {spec[key]!r}")
+    spec = _study_section(path, study_sets)
     name = spec.get("name") or path.stem.replace("study_", "")
     out = Path(out) if out is not None else Path("runs") / name
-    notebooks = spec.get("notebooks", list(ALL_NOTEBOOKS))
-    if not isinstance(notebooks, list) or not notebooks:
-        raise ConfigError(f"{path}: study.notebooks must be a non-empty list of notebooks to run, "
-                          f"e.g. [03_training, 04_analysis] (leave the key out for all of "
-                          f"{list(ALL_NOTEBOOKS)}); got {notebooks!r}")
-    bad = [n for n in notebooks if n not in ALL_NOTEBOOKS]
-    if bad:
-        raise ConfigError(f"study.notebooks names {bad}; choose from {list(ALL_NOTEBOOKS)}")
-    if len(set(notebooks)) != len(notebooks):
-        raise ConfigError(f"{path}: study.notebooks lists a notebook twice ({notebooks}); list each once")
-    gpus_per_run = spec.get("gpus_per_run", 0)
-    if not isinstance(gpus_per_run, int) or isinstance(gpus_per_run, bool) or gpus_per_run < 0:
-        raise ConfigError(f"{path}: study.gpus_per_run must be a whole number of GPUs per run "
-                          f"(0 for CPU), got {gpus_per_run!r}")
+    notebooks = _check_notebooks(spec.get("notebooks", list(ALL_NOTEBOOKS)), path)
+    gpus_per_run = _check_gpus_per_run(spec.get("gpus_per_run", 0), path)
     parameters = _check_parameters(spec.get("parameters", {}), path, gpus_per_run)
-    seeds = spec.get("seeds", [None])  # None: each parameter file's own train.seed
-    if "seeds" in spec:
-        seeds = seeds if isinstance(seeds, list) else [seeds]
-        if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-            raise ConfigError(f"{path}: study.seeds must be a non-empty list of whole numbers, e.g. "
-                              f"[42, 43] (leave the key out for each parameter file's train.seed); "
-                              f"got {spec['seeds']!r}")
+    seeds = _study_seeds(spec, path)
     common = _str_list(spec.get("overrides", []), f"{path}: study.overrides") + run_sets
-    entries = spec.get("runs", [])
-    if not isinstance(entries, list):
-        raise ConfigError(f"{path}: study.runs must be a list of parameter files (or {{params: "
-                          f"PATH, name: NAME, overrides: [...]}} entries); got {entries!r}")
-    runs: list[PlannedRun] = []
-    for i, entry in enumerate(entries):
-        where = f"{path}: study.runs[{i}]"
-        entry = {"params": entry} if isinstance(entry, str) else entry
-        if not isinstance(entry, dict) or not isinstance(entry.get("params"), str):
-            raise ConfigError(f"{where} needs a parameter file: write it as a path, or as "
-                              f"{{params: PATH, name: NAME, overrides: [...]}}; got {entry!r}")
-        unknown = sorted(set(entry) - RUN_KEYS)
-        if unknown:
-            raise ConfigError(f"{where} has unknown key(s) {', '.join(map(str, unknown))}; valid keys: "
-                              f"{', '.join(sorted(RUN_KEYS))}")
-        if not isinstance(entry.get("name", ""), str):
-            raise ConfigError(f"{where}.name must be a string, got {entry['name']!r}")
-        params = Path(entry["params"])
-        if not params.is_absolute():
-            params = (path.parent / params) if (path.parent / params).is_file() else params
-        for seed in seeds:
-            overrides = common + _str_list(entry.get("overrides") or [], f"{where}.overrides")
-            cfg = load_run_config(params, overrides + ([f"train.seed={seed}"] if seed is not None else []))
-            seed = cfg.train.seed
-            rname = entry.get("name") or cfg.name
-            rname = f"{rname}_s{seed}" if len(seeds) > 1 or seeds[0] is not None else rname
-            run_dir = out / "runs" / rname
-            # the name quoted: as YAML, a bare `off` or `2024` would be a bool or an int
-            overrides = overrides + [f"train.seed={seed}", f"name={json.dumps(rname, ensure_ascii=False)}"]
-            runs.append(PlannedRun(rname, params.resolve(), seed, cfg.variant, cfg.preset,
-                                   run_dir, overrides))
-    names = [r.name for r in runs]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"two runs of {path} share a name ({names}); give each run entry a 'name'")
+    runs = _plan_runs(spec.get("runs", []), seeds, common, path, out)
     needs_runs = [n for n in ("03_training", "04_analysis") if n in notebooks]
     if needs_runs and not runs:
         raise ConfigError(f"{path} lists no runs under study.runs for {' and '.join(needs_runs)}; "
@@ -362,6 +296,102 @@ def load_study(path: str | Path, out: str | Path | None = None, sets: Sequence[s
     return Study(name=name, path=path.resolve(), out=out, runs=runs, notebooks=notebooks,
                  gpus_per_run=gpus_per_run, parameters=parameters,
                  description=spec.get("description", ""))
+
+
+def _study_section(path: Path, study_sets: list[str]) -> dict:
+    """The file's study section with the study.KEY=VALUE sets applied, its keys checked; keys
+    written without a value left out."""
+    raw = read_yaml(path)
+    if not isinstance(raw.get("study"), dict):
+        raise ConfigError(f"{path} needs a top-level 'study:' section (see parameters/study_smoke.yaml)")
+    spec = apply_overrides(raw, study_sets)["study"]
+    unknown = sorted(set(spec) - STUDY_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join('study.' + k for k in unknown)}; valid keys: "
+                          f"{', '.join(sorted(STUDY_KEYS))}")
+    # A key written without a value (`seeds:`) reads as None: the same as leaving it out.
+    spec = {k: v for k, v in spec.items() if v is not None}
+    for key in ("name", "description"):
+        if not isinstance(spec.get(key, ""), str):
+            raise ConfigError(f"{path}: study.{key} must be a string, got {spec[key]!r}")
+    return spec
+
+
+def _check_notebooks(notebooks: Any, path: Path) -> list[str]:
+    if not isinstance(notebooks, list) or not notebooks:
+        raise ConfigError(f"{path}: study.notebooks must be a non-empty list of notebooks to run, "
+                          f"e.g. [03_training, 04_analysis] (leave the key out for all of "
+                          f"{list(ALL_NOTEBOOKS)}); got {notebooks!r}")
+    bad = [n for n in notebooks if n not in ALL_NOTEBOOKS]
+    if bad:
+        raise ConfigError(f"{path}: study.notebooks names {bad}; choose from {list(ALL_NOTEBOOKS)}")
+    if len(set(notebooks)) != len(notebooks):
+        raise ConfigError(f"{path}: study.notebooks lists a notebook twice ({notebooks}); list each once")
+    return notebooks
+
+
+def _check_gpus_per_run(gpus_per_run: Any, path: Path) -> int:
+    if not isinstance(gpus_per_run, int) or isinstance(gpus_per_run, bool) or gpus_per_run < 0:
+        raise ConfigError(f"{path}: study.gpus_per_run must be a whole number of GPUs per run "
+                          f"(0 for CPU), got {gpus_per_run!r}")
+    return gpus_per_run
+
+
+def _study_seeds(spec: dict, path: Path) -> list[int | None]:
+    """study.seeds as a list; [None] where the key is left out: each parameter file's train.seed."""
+    if "seeds" not in spec:
+        return [None]
+    seeds = spec["seeds"] if isinstance(spec["seeds"], list) else [spec["seeds"]]
+    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise ConfigError(f"{path}: study.seeds must be a non-empty list of whole numbers, e.g. "
+                          f"[42, 43] (leave the key out for each parameter file's train.seed); "
+                          f"got {spec['seeds']!r}")
+    return seeds
+
+
+def _run_entry(entry: Any, where: str) -> dict:
+    """One item of study.runs as {params, name?, overrides?}: a bare path is {params: path}."""
+    entry = {"params": entry} if isinstance(entry, str) else entry
+    if not isinstance(entry, dict) or not isinstance(entry.get("params"), str):
+        raise ConfigError(f"{where} needs a parameter file: write it as a path, or as "
+                          f"{{params: PATH, name: NAME, overrides: [...]}}; got {entry!r}")
+    unknown = sorted(set(entry) - RUN_KEYS)
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {', '.join(map(str, unknown))}; valid keys: "
+                          f"{', '.join(sorted(RUN_KEYS))}")
+    if not isinstance(entry.get("name", ""), str):
+        raise ConfigError(f"{where}.name must be a string, got {entry['name']!r}")
+    return entry
+
+
+def _plan_runs(entries: Any, seeds: list[int | None], common: list[str], path: Path,
+               out: Path) -> list[PlannedRun]:
+    """One PlannedRun per (study.runs entry, seed), its parameters loaded and checked; the run
+    folders go to out/runs/<name>, with _s<seed> appended where the study names seeds."""
+    if not isinstance(entries, list):
+        raise ConfigError(f"{path}: study.runs must be a list of parameter files (or {{params: "
+                          f"PATH, name: NAME, overrides: [...]}} entries); got {entries!r}")
+    runs: list[PlannedRun] = []
+    for i, entry in enumerate(entries):
+        where = f"{path}: study.runs[{i}]"
+        entry = _run_entry(entry, where)
+        params = Path(entry["params"])
+        if not params.is_absolute():
+            params = (path.parent / params) if (path.parent / params).is_file() else params
+        overrides = common + _str_list(entry.get("overrides") or [], f"{where}.overrides")
+        for seed in seeds:
+            cfg = load_run_config(params, overrides + ([f"train.seed={seed}"] if seed is not None else []))
+            rname = entry.get("name") or cfg.name
+            rname = f"{rname}_s{cfg.train.seed}" if seeds != [None] else rname
+            # the name quoted: as YAML, a bare `off` or `2024` would be a bool or an int
+            run_overrides = overrides + [f"train.seed={cfg.train.seed}",
+                                         f"name={json.dumps(rname, ensure_ascii=False)}"]
+            runs.append(PlannedRun(rname, params.resolve(), cfg.train.seed, cfg.variant, cfg.preset,
+                                   out / "runs" / rname, run_overrides))
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two runs of {path} share a name ({names}); give each run entry a 'name'")
+    return runs
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,7 +553,7 @@ def run_study(study: Study) -> dict:
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     _write_study_json(study, "running", created=created)
     figures = (out / "figures").resolve()
-    steps = [n for n in study.notebooks]
+    steps = study.notebooks
     try:
         for k, name in enumerate(steps, 1):
             if name == "03_training":
@@ -549,25 +579,24 @@ def run_study(study: Study) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI; returns the exit code: 0 done, 1 a notebook or training failed, 2 unusable input
+    (study file, --set, parameter file, data), as for python -m oelm_core.train."""
     p = argparse.ArgumentParser(prog="python -m oelm_core.study",
                                 description="Execute a study (notebooks, trainings, analysis) headless.")
     p.add_argument("study", help="a study file, e.g. parameters/study_smoke.yaml")
     p.add_argument("--out", help="study folder (default: runs/<study name>)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="study.KEY=VALUE changes the study; anything else goes to every run "
-                        "(e.g. train.steps=20)")
+                        "(e.g. --set train.steps=20 study.seeds=[1,2])")
     args = p.parse_args(argv)
     try:
         study = load_study(args.study, args.out, args.sets)
         _say(f"[study] {study.name}: {len(study.runs)} run(s), notebooks {', '.join(study.notebooks)} "
              f"-> {study.out}")
         run_study(study)
-    except (StudyError, ConfigError) as e:
+    except (ConfigError, RuntimeError) as e:  # a failed notebook (StudyError) or training: RuntimeError
         print(f"[study] FAILED: {e}", file=sys.stderr, flush=True)
-        return 1
-    except RuntimeError as e:
-        print(f"[study] FAILED: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     return 0
 
 

@@ -36,19 +36,19 @@ CLI:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.config import (ConfigError, run_config_from_dict, set_dotted, trained_settings,
+from oelm_core.config import (ConfigError, apply_overrides, read_yaml, run_config_from_dict, trained_settings,
                               variants as known_variants)
 from oelm_core.files import write_text_atomic
 
@@ -78,24 +78,6 @@ class RunSpec:
     out_dir: Path
     params: dict
     info: dict                       # sweep, key, value, variant, seed, label
-
-
-def _apply(base: dict, overrides: dict | None) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in (overrides or {}).items():
-        set_dotted(out, k, v)
-    return out
-
-
-def _parse_sets(items: Sequence[str] | None) -> dict:
-    """["train.steps=100", ...] -> {"train.steps": 100} (values parsed as YAML)."""
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
-        k, raw = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(raw)
-    return out
 
 
 SWEEP_KEYS = {"name", "key", "variants", "seeds", "points", "smoke"}
@@ -144,7 +126,7 @@ def load_sweep(path: str | Path) -> Sweep:
         path = REPO / path
     if not path.is_file():
         raise ConfigError(f"sweep file {path} not found; see parameters/sweeps/ for examples")
-    values = yaml.safe_load(path.read_text()) or {}
+    values = read_yaml(path)
     spec = values.pop("sweep", None)
     if not isinstance(spec, dict):
         raise ConfigError(f"{path} has no `sweep:` section; it needs name, key, variants, seeds, points")
@@ -189,21 +171,21 @@ def sweep_dir(sweep: Sweep, out_root: str | Path, smoke: bool = False) -> Path:
 
 def sweep_runs(sweep: Sweep, out_root: str | Path, *, smoke: bool = False,
                variants: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
-               overrides: dict | None = None) -> list[RunSpec]:
-    """Every (point, variant, seed) of ``sweep`` as a RunSpec (points outermost)."""
+               overrides: list[str] | dict | None = None) -> list[RunSpec]:
+    """Every (point, variant, seed) of ``sweep`` as a RunSpec (points outermost). ``overrides``:
+    applied to every run, as --set strings (train.steps=50) or {dotted key: value}."""
     smoke_spec = sweep.smoke if smoke else {}
     points = smoke_spec.get("points") or sweep.points
     if smoke and not sweep.smoke:
         points = sweep.points[:2]
-    base = _apply(sweep.base, smoke_spec.get("set"))
+    base = apply_overrides(sweep.base, smoke_spec.get("set"))
     root = sweep_dir(sweep, out_root, smoke)
     runs = []
     for point in points:
         for variant in variants or sweep.variants:
             for seed in seeds if seeds is not None else sweep.seeds:
                 out = root / f"{sweep.key}={_fmt_value(point['value'])}" / variant / f"seed{seed}"
-                params = _apply(base, point.get("set"))
-                params = _apply(params, overrides)
+                params = apply_overrides(apply_overrides(base, point.get("set")), overrides)
                 params.update(variant=variant, name=f"{root.name}/{sweep.key}={point['value']}/{variant}",
                               out_dir=str(out))
                 params.setdefault("train", {})["seed"] = int(seed)
@@ -238,8 +220,8 @@ def _check_run_folder(run: RunSpec) -> None:
         return
     fix = f"train into another folder (--out / out_root), or delete {run.out_dir} to train it again"
     try:
-        saved = trained_settings(yaml.safe_load(saved_file.read_text()) or {})
-    except (ConfigError, yaml.YAMLError) as exc:
+        saved = trained_settings(read_yaml(saved_file))
+    except ConfigError as exc:
         raise ConfigError(f"{run.out_dir} holds a run whose config.yaml cannot be read ({exc}); {fix}") from None
     planned = trained_settings(run.params)
     changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in planned.items() if saved.get(k) != v]
@@ -315,7 +297,7 @@ def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log
 
 def run_sweep(sweep: str | Path | Sweep, out_root: str | Path = "runs/sweeps", *, smoke: bool = False,
               runner: str = "inprocess", variants: Sequence[str] | None = None,
-              seeds: Sequence[int] | None = None, overrides: dict | None = None,
+              seeds: Sequence[int] | None = None, overrides: list[str] | dict | None = None,
               skip_done: bool = True, log=print) -> list[dict]:
     """Train every point of a sweep; returns one status row per run (see ``sweep_results``)."""
     if not isinstance(sweep, Sweep):
@@ -333,7 +315,7 @@ def run_sweep(sweep: str | Path | Sweep, out_root: str | Path = "runs/sweeps", *
 
 def ablation_runs(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "runs/ablations",
                   seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
-                  overrides: dict | None = None) -> list[RunSpec]:
+                  overrides: list[str] | dict | None = None) -> list[RunSpec]:
     """Every ablation file x seed, seed-major (all files at seed 0 first)."""
     files = sorted(Path(params_dir).glob("*.yaml"))
     if only:
@@ -347,22 +329,19 @@ def ablation_runs(params_dir: str | Path = "parameters/ablations", out_root: str
     runs = []
     for seed in seeds:
         for f in files:
-            params = yaml.safe_load(f.read_text()) or {}
-            params = _apply(params, overrides)
+            params = apply_overrides(read_yaml(f), overrides)
             out = Path(out_root) / f.stem / f"seed{seed}"
             params.update(name=f.stem, out_dir=str(out))
             params.setdefault("train", {})["seed"] = int(seed)
             info = {"sweep": "ablations", "key": "ablation", "value": f.stem,
-                    "variant": params.get("variant", "gpt_base"), "seed": int(seed), "label": f.stem}
+                    "variant": run_config_from_dict(params).variant, "seed": int(seed), "label": f.stem}
             runs.append(RunSpec(out, params, info))
-    for r in runs:
-        run_config_from_dict(r.params)
     return runs
 
 
 def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "runs/ablations",
                   seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
-                  overrides: dict | None = None, runner: str = "inprocess", skip_done: bool = True,
+                  overrides: list[str] | dict | None = None, runner: str = "inprocess", skip_done: bool = True,
                   budget_s: float = 0.0, prune_checkpoints: bool = True, log=print) -> list[dict]:
     """Train every ablation x seed (seed-major, so a cut-short session still has one seed of each).
 
@@ -410,17 +389,22 @@ def _load(root: str | Path):
 
 
 def _poet_spectrum_error(run) -> Optional[float]:
-    """max |sigma/gain - 1| of the trained POET Q/K in the run's best checkpoint (None: not POET)."""
+    """max |sigma/gain - 1| of the trained POET Q/K in the run's best checkpoint (None: not POET,
+    or no readable best.pt: one broken file must not cost the table of every other run)."""
     cfg = (run.config.get("model") or {})
     if run.variant != "oelm_poet" and not cfg.get("poet_block_size"):
         return None
     ckpt = run.checkpoint()
     if not ckpt.is_file():
         return None
-    from oelm_core.checkpoint import load_model
+    from oelm_core.checkpoint import CheckpointError, load_model
     from oelm_core.poet import poet_modules, spectrum_error
 
-    model, _ = load_model(ckpt)
+    try:
+        model, _ = load_model(ckpt)
+    except CheckpointError as exc:
+        warnings.warn(f"no POET spectrum error for {run.path}: {exc}", stacklevel=2)
+        return None
     mods = poet_modules(model)
     return max(spectrum_error(m, model.cfg.qk_gain) for m in mods) if mods else None
 
@@ -602,13 +586,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--runner", choices=RUNNERS, default="inprocess")
     r.add_argument("--variants", nargs="+")
     r.add_argument("--seeds", nargs="+", type=int)
-    r.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    r.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override a parameter of every run, e.g. --set train.steps=200 train.lr=1e-3")
     a = sub.add_parser("ablations", help="train every parameters/ablations file x seeds, then tabulate")
     a.add_argument("--params-dir", default="parameters/ablations")
     a.add_argument("--out", default="runs/ablations")
     a.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     a.add_argument("--only", nargs="+", help="file stems to run (default: all)")
-    a.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    a.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override a parameter of every run, e.g. --set train.steps=200 train.lr=1e-3")
     a.add_argument("--runner", choices=RUNNERS, default="inprocess")
     a.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: none)")
     a.add_argument("--keep-checkpoints", action="store_true", help="keep each run's ckpt/ folder")
@@ -628,13 +614,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.cmd == "run":
             sweep = load_sweep(args.sweep_file)
             rows = run_sweep(sweep, args.out, smoke=args.smoke, runner=args.runner, variants=args.variants,
-                             seeds=args.seeds, overrides=_parse_sets(args.set))
+                             seeds=args.seeds, overrides=args.set)
             res = sweep_results(args.out, sweep.name, smoke=args.smoke)
             print(res["markdown"])
             sweep_figure(res, sweep_dir(sweep, args.out, args.smoke) / "sweep.png")
             return 1 if any(r["status"] == "failed" for r in rows) else 0
         if args.cmd == "ablations":
-            rows = run_ablations(args.params_dir, args.out, args.seeds, args.only, _parse_sets(args.set),
+            rows = run_ablations(args.params_dir, args.out, args.seeds, args.only, args.set,
                                  args.runner, budget_s=args.budget_s, prune_checkpoints=not args.keep_checkpoints)
             table = ablation_table(args.out)
             _write_table(table, args.out, None, None)
@@ -645,6 +631,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.figure:
                 sweep_figure(res, args.figure)
             if args.markdown:
+                Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.markdown).write_text(res["markdown"] + "\n")
             return 0
         _write_table(ablation_table(args.root), args.root, args.figure, args.markdown)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from oelm_core.config import ConfigError, TrainConfig, apply_overrides, load_run_config, run_config_from_dict
+from oelm_core.config import (ConfigError, TrainConfig, apply_overrides, load_run_config, read_yaml,
+                              run_config_from_dict)
 
 
 def test_defaults_are_the_original_study():
@@ -119,6 +120,38 @@ def test_yaml_syntax_errors_name_the_file_or_the_override(tmp_path):
     message = str(exc.value)
     assert message.startswith("--set 'train.lr=[1': the value is not valid YAML (expected ',' or ']'")
     assert "complete it" in message and "\n" not in message
+
+
+def test_read_yaml_names_the_file_and_what_is_wrong(tmp_path):
+    """Study, sweep and ablation files are read by read_yaml too: PyYAML's own error was a
+    traceback naming neither the file nor the fix."""
+    path = tmp_path / "f.yaml"
+    path.write_text("study:\n  runs: [a.yaml\n  seeds: [1]\n")
+    with pytest.raises(ConfigError) as exc:
+        read_yaml(path)
+    assert str(exc.value).startswith(f"{path} is not valid YAML: expected ',' or ']', but got ':' at line 3, "
+                                     f"column 8 (while parsing a flow sequence from line 2, column 9)")
+    path.write_text("- train.steps: 3\n")
+    with pytest.raises(ConfigError, match=r"f.yaml must hold a YAML mapping at the top level .*got a list"):
+        read_yaml(path)
+    path.write_bytes(b"\x80\x81 not text")
+    with pytest.raises(ConfigError, match=r"f.yaml is not a UTF-8 text file"):
+        read_yaml(path)
+    path.write_text("# all commented out\n")
+    assert read_yaml(path) == {}
+    path.write_text("train:\n  lr: 3e-4\n")
+    assert read_yaml(path) == {"train": {"lr": "3e-4"}}   # as PyYAML reads it: _build makes it a number
+
+
+def test_overrides_as_set_strings_or_a_mapping_are_the_same():
+    base = {"model": {"n_layer": 2}, "train": None}
+    as_sets = apply_overrides(base, ["model.n_layer=4", "train.lr=1e-3", "model.freeze_qk=[0, 1]",
+                                     "data.source='2024'"])
+    as_mapping = apply_overrides(base, {"model.n_layer": 4, "train.lr": "1e-3", "model.freeze_qk": [0, 1],
+                                        "data.source": "2024"})
+    assert as_sets == as_mapping == {"model": {"n_layer": 4, "freeze_qk": [0, 1]}, "train": {"lr": "1e-3"},
+                                     "data": {"source": "2024"}}
+    assert base == {"model": {"n_layer": 2}, "train": None}
 
 
 def test_trained_settings_compare_what_a_run_learns():

@@ -198,10 +198,25 @@ def test_prepare_skips_when_unchanged_and_redoes_on_change(story_folder, tmp_pat
 
 
 def test_cli(story_folder, tmp_path, capsys):
-    meta = data.main(["--source", str(story_folder), "--out-dir", str(tmp_path / "out"),
-                      "--max-train-stories", "7", "--no-progress"])
-    assert meta["train_stories"] == 7
-    assert json.loads(capsys.readouterr().out)["train_tokens"] == meta["train_tokens"]
+    assert data.main(["--source", str(story_folder), "--out-dir", str(tmp_path / "out"),
+                      "--max-train-stories", "7", "--no-progress"]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["train_stories"] == 7 and meta["vocab_size"] == 50257
+    assert meta == json.loads((tmp_path / "out" / "meta.json").read_text())
+
+
+def test_cli_error_is_one_line_and_exit_code_2(tmp_path):
+    """A missing source ended in a traceback (exit 1); train and sweep exit 2 with `error: ...`."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nonexistent" / "x"
+    proc = subprocess.run([sys.executable, "-m", "oelm_core.data", "--source", str(missing),
+                           "--out-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: data folder {missing} does not exist; set data.source")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 # --- samplers -----------------------------------------------------------------------------

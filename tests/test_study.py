@@ -246,11 +246,57 @@ def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
     assert load_run_config(run.params, sets).out_dir == str(out)   # what the trainer will read
 
 
-def test_study_notebook_parameters_are_those_of_the_notebooks():
-    from oelm_core.study import notebook_parameters
+def test_every_set_flag_reaches_the_study(monkeypatch, tmp_path):
+    """Like train's --set: several values after one flag, and the flag given again."""
+    import oelm_core.study as S
 
-    assert notebook_parameters("03_training") == ["params", "overrides", "nproc", "cuda_visible_devices",
-                                                  "run_dir", "resume", "progress_bar"]
+    studies = []
+    monkeypatch.setattr(S, "run_study", studies.append)
+    assert S.main([str(STUDY_FILE), "--out", str(tmp_path / "s"), "--set", "train.steps=7", "study.seeds=[1,2]",
+                   "--set", "study.notebooks=[03_training]"]) == 0
+    (study,) = studies
+    assert study.notebooks == ["03_training"] and {r.seed for r in study.runs} == {1, 2}
+    assert all("train.steps=7" in r.overrides for r in study.runs)
+
+
+@pytest.mark.parametrize("failure,code,message", [
+    (None, 2, "[study] FAILED: study file {tmp}/nope.yaml not found"),
+    (StudyError("notebook 04_analysis failed in code cell 3"), 1, "[study] FAILED: notebook 04_analysis failed"),
+    (RuntimeError("training of p.yaml exited with status 2"), 1, "[study] FAILED: training of p.yaml exited"),
+    (ConfigError("data folder /x does not exist"), 2, "[study] FAILED: data folder /x does not exist"),
+])
+def test_study_exit_codes_are_those_of_train(monkeypatch, tmp_path, capsys, failure, code, message):
+    """2: unusable input (as train and sweep say it), 1: a notebook or training failed; a study
+    file not found used to exit 1."""
+    import oelm_core.study as S
+
+    def run_study(study):
+        raise failure
+
+    monkeypatch.setattr(S, "run_study", run_study)
+    study = tmp_path / "nope.yaml" if failure is None else STUDY_FILE
+    assert S.main([str(study), "--out", str(tmp_path / "s")]) == code
+    assert capsys.readouterr().err.startswith(message.format(tmp=tmp_path))
+
+
+def test_a_study_file_with_bad_yaml_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "study_bad.yaml"
+    bad.write_text("study:\n  runs: [smoke/gpt_base.yaml\n  seeds: [1]\n")
+    with pytest.raises(ConfigError) as err:
+        load_study(bad)
+    assert str(err.value).startswith(f"{bad} is not valid YAML: expected ',' or ']', but got ':' at line 3")
+    bad.write_text("- study\n")
+    with pytest.raises(ConfigError, match="must hold a YAML mapping at the top level"):
+        load_study(bad)
+    with pytest.raises(ConfigError, match=r"^--set 'study.seeds=\[1': the value is not valid YAML"):
+        load_study(STUDY_FILE, sets=["study.seeds=[1"])
+
+
+def test_study_notebook_parameters_are_those_of_the_notebooks():
+    from oelm_core.study import notebook_defaults
+
+    assert list(notebook_defaults("03_training")) == ["params", "overrides", "nproc", "cuda_visible_devices",
+                                                      "run_dir", "resume", "progress_bar"]
     study = load_study(STUDY_FILE, sets=["study.parameters.03_training.progress_bar=true"])
     assert study.parameters["03_training"]["progress_bar"] is True
 

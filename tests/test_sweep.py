@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,76 @@ def test_sweep_results_keep_smoke_and_full_runs_apart(tmp_path):
     assert [r["val_loss"] for r in sweep_results(tmp_path, "a6", smoke=True)["rows"]] == [9.0]
     with pytest.raises(ConfigError, match="holds both smoke and full runs of a6; pass smoke=True or smoke=False"):
         sweep_results(tmp_path, "a6")
+
+
+def _planned_params(monkeypatch) -> list[dict]:
+    """The parameters of every run the CLI starts; nothing trains."""
+    import oelm_core.sweep as S
+
+    planned = []
+
+    def run_one(run, runner="inprocess", skip_done=True, log=print):
+        planned.append(run.params)
+        return {**run.info, "status": "completed", "wall_s": 0.0, "out_dir": str(run.out_dir)}
+
+    monkeypatch.setattr(S, "run_one", run_one)
+    return planned
+
+
+@pytest.mark.parametrize("command", ["run", "ablations"])
+def test_every_set_flag_reaches_the_runs(tmp_path, monkeypatch, capsys, command):
+    """--set given twice kept only the second, silently; train's CLI takes both (and several
+    values after one --set)."""
+    planned = _planned_params(monkeypatch)
+    head = ([command, str(_sweep_file(tmp_path))] if command == "run" else
+            [command, "--params-dir", str(REPO / "parameters" / "ablations"), "--only", "gpt_base", "--seeds", "0"])
+    sets = ["--set", "train.steps=5", "train.warmup_steps=1", "--set", "train.lr=0.01"]
+    assert main(head + ["--out", str(tmp_path / "out")] + sets) == 0
+    assert [{k: p["train"].get(k) for k in ("steps", "warmup_steps", "lr")} for p in planned] == \
+        [{"steps": 5, "warmup_steps": 1, "lr": 0.01}]
+
+
+def test_yaml_errors_in_sweep_files_and_sets_name_the_file_or_the_set(tmp_path, monkeypatch, capsys):
+    """PyYAML's traceback named neither the file nor the --set."""
+    _planned_params(monkeypatch)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sweep:\n  name: t\n  variants: [gpt_base\n  key: n_layer\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))} is not valid YAML: expected ',' or ']', but "
+                                          rf"got ':' at line 4"):
+        load_sweep(bad)
+    assert main(["run", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad} is not valid YAML")
+    assert main(["run", str(_sweep_file(tmp_path)), "--out", str(tmp_path / "out"), "--set", "train.lr=[1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --set 'train.lr=[1': the value is not valid YAML "
+                                              "(expected ',' or ']'")
+    ablations = tmp_path / "ablations"
+    ablations.mkdir()
+    (ablations / "a.yaml").write_text("variant: gpt_base\nmodel: {n_layer: 2\n")
+    assert main(["ablations", "--params-dir", str(ablations), "--out", str(tmp_path / "abl")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {ablations / 'a.yaml'} is not valid YAML")
+    # a run folder whose config.yaml is broken is refused, naming it
+    (run,) = sweep_runs(load_sweep(_sweep_file(tmp_path)), tmp_path / "out")
+    run.out_dir.mkdir(parents=True)
+    (run.out_dir / "config.yaml").write_text("train: {steps: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(run.out_dir))} holds a run whose config.yaml cannot "
+                                          rf"be read \({re.escape(str(run.out_dir / 'config.yaml'))} is not valid"):
+        run_sweep(_sweep_file(tmp_path), tmp_path / "out", log=lambda *_: None)
+
+
+def test_an_unreadable_poet_checkpoint_leaves_its_cell_empty(tmp_path, capsys):
+    """One truncated best.pt crashed `table` for every run; now that run's spectrum is empty
+    and a warning names the file."""
+    root = tmp_path / "abl"
+    _fake_run(root / "gpt_base" / "seed0", "gpt_base", "gpt_base", 0, 3.0)
+    _fake_run(root / "oelm_poet" / "seed0", "oelm_poet", "oelm_poet", 0, 3.1)
+    best = root / "oelm_poet" / "seed0" / "best.pt"
+    best.write_bytes(b"not a checkpoint")
+    with pytest.warns(UserWarning, match=rf"no POET spectrum error for {re.escape(str(best.parent))}: "
+                                         rf"checkpoint {re.escape(str(best))} could not be read"):
+        assert main(["table", str(root)]) == 0
+    rows = {r["label"]: r for r in json.loads((root / "ablations.json").read_text())["rows"]}
+    assert rows["oelm_poet"]["spectrum_err"] is None and rows["oelm_poet"]["val_loss"] == pytest.approx(3.1)
+    assert "| oelm_poet |" in capsys.readouterr().out
 
 
 def _tiny_sweep(tmp_path: Path, story_folder: Path, **sweep) -> Path:
