@@ -6,6 +6,7 @@ so GPT-Base at medium512 counts the study's 44,896,768 whatever the padding.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import torch
@@ -16,8 +17,9 @@ from oelm_core.config import ModelConfig
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) by device-name fragment, for MFU.
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
-    "H100": 989e12,   # SXM; the PCIe part is 756e12 and names itself "H100 PCIe"
+    "H100": 989e12,   # SXM; the PCIe and NVL parts name themselves and peak lower
     "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "A100": 312e12,
     "L40S": 362e12,
     "A10G": 125e12,
@@ -150,11 +152,18 @@ def flops_per_token(cfg: ModelConfig, context: int | None = None) -> dict:
 def memory_account(model: nn.Module) -> dict:
     """Bytes of weights, gradients and AdamW state (float32 master copies) and what freezing saves.
 
-    Activations depend on batch and precision and are measured by the benchmarks instead.
+    Bytes of the tensors as stored: the rows that pad the vocabulary are allocated, get (zero)
+    gradients and AdamW state, so they count here though not as parameters. Activations depend
+    on batch and precision and are measured by the benchmarks instead.
     """
-    counts = count_parameters(model)
-    weights = 4 * counts["total"]
-    grads = 4 * counts["trainable"]
-    adam = 8 * counts["trainable"]
+    model = _unwrap(model)
+    stored = trained = 0
+    seen = set()
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.is_floating_point() and id(t) not in seen:  # integer buffers are indices, not weights
+            seen.add(id(t))
+            stored += t.numel()
+            trained += t.numel() if t.requires_grad else 0
+    weights, grads, adam = 4 * stored, 4 * trained, 8 * trained
     return {"weights": weights, "grads": grads, "adam_state": adam,
-            "total": weights + grads + adam, "frozen_saving": 12 * counts["frozen"]}
+            "total": weights + grads + adam, "frozen_saving": 12 * count_parameters(model)["frozen"]}

@@ -1,0 +1,32 @@
+"""Memory account and card peaks (the parameter and FLOP counts are tested with the model)."""
+
+import pytest
+import torch
+
+from oelm_core import build_model, count_parameters, memory_account
+from oelm_core.accounting import peak_flops
+
+
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
+def test_memory_account_is_the_bytes_the_tensors_take(variant):
+    """The vocabulary padding is stored and trained: 28 padded rows of 32 here, with AdamW state."""
+    model = build_model("tiny", variant, vocab_size=100)  # padded to 128 rows
+    stored = sum(t.numel() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]
+                                     if t.is_floating_point()}.values())
+    trained = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    mem = memory_account(model)
+    assert mem["weights"] == 4 * stored and mem["grads"] == 4 * trained and mem["adam_state"] == 8 * trained
+    counts = count_parameters(model)
+    assert 4 * counts["total"] == mem["weights"] - 4 * 28 * 32  # parameters exclude the padding
+    assert mem["frozen_saving"] == 12 * counts["frozen"]
+    assert (mem["frozen_saving"] > 0) == (variant == "oelm_freeze")
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
+                                        ("Some Future GPU", None)])
+def test_peak_flops_takes_the_longest_matching_card_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops("cuda:0") == peak
+    assert peak_flops("cpu") is None
