@@ -6,10 +6,7 @@ Without --study or --ckpt the newest runs/*/study.json is used, one run (the low
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -21,27 +21,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+import gradio as gr
+import torch
 
-import gradio as gr  # noqa: E402
-import torch  # noqa: E402
+from oelm_core import VARIANTS, count_parameters
+from oelm_core.analysis import GROUP_LABELS, SAMPLE_TOP_K, attention_maps, summarise_attention
+from oelm_core.attention_plots import (compare_figure, heatmap_figure, summary_figure, token_label,
+                                       uniform_reference)
+from oelm_core.checkpoint import CheckpointError, load_model
+from oelm_core.config import ModelConfig, variant_overrides, variants
+from oelm_core.data import perplexity
+from oelm_core.generate import SamplingConfig, detokenize, stream_tokens
 
-from oelm_core import VARIANTS, count_parameters  # noqa: E402
-from oelm_core.checkpoint import CheckpointError, load_model  # noqa: E402
-from oelm_core.config import ModelConfig, variant_overrides, variants  # noqa: E402
-from oelm_core.generate import SamplingConfig, detokenize, stream_tokens  # noqa: E402
-
-from oelm_core.analysis import attention_maps, summarise_attention  # noqa: E402
-
-from oelm_core.attention_plots import (compare_figure, heatmap_figure, summary_figure,  # noqa: E402
-                                       token_label, uniform_reference)
-
-GROUPS = ("gpt_base", "oelm_nofreeze", "oelm_freeze")
+GROUPS = tuple(GROUP_LABELS)
 
 # Input ranges: the sliders' bounds, checked again in the handlers (the API can send anything).
 LIMITS = {
@@ -71,9 +67,8 @@ class SetupError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 
 def group_label(group: str) -> str:
-    """'GPT-Base' for 'gpt_base': the name before the colon of the variant's description."""
-    desc = VARIANTS.get(group)
-    return desc.split(":", 1)[0].strip() if desc else group
+    """'GPT-Base' for 'gpt_base': the study's label of the group (analysis.GROUP_LABELS)."""
+    return GROUP_LABELS.get(group, group)
 
 
 def parse_ckpt_args(items: Sequence[str]) -> dict[str, Path]:
@@ -473,7 +468,7 @@ def model_card(m: LoadedModel, device: str) -> str:
     ppl = metrics.get("val_ppl")
     loss = metrics.get("val_loss")
     if ppl is None and isinstance(loss, (int, float)):
-        ppl = math.exp(loss)
+        ppl = perplexity(loss)
     ppl_s = f"{ppl:.2f}" if isinstance(ppl, (int, float)) else "not recorded"
     step = m.state.get("step")
     frozen_layers = cfg.frozen_layers()
@@ -537,10 +532,11 @@ def build_demo(lab: Lab) -> gr.Blocks:
         with gr.Row():
             max_new = gr.Slider(*LIMITS["max_new_tokens"], value=max(1, min(60, handlers.context - 24)), step=1,
                                 label="max new tokens")
-            temperature = gr.Slider(*LIMITS["temperature"], value=0.8, step=0.05, label="temperature",
-                                    info="0: always the most likely token")
-            top_k = gr.Slider(*LIMITS["top_k"], value=50, step=1, label="top-k", info="0: off")
-            top_p = gr.Slider(*LIMITS["top_p"], value=1.0, step=0.01, label="top-p", info="1: off")
+            temperature = gr.Slider(*LIMITS["temperature"], value=SamplingConfig.temperature, step=0.05,
+                                    label="temperature", info="0: always the most likely token")
+            top_k = gr.Slider(*LIMITS["top_k"], value=SAMPLE_TOP_K, step=1, label="top-k", info="0: off")
+            top_p = gr.Slider(*LIMITS["top_p"], value=SamplingConfig.top_p, step=0.01, label="top-p",
+                              info="1: off")
             seed = gr.Number(1234, label="seed", precision=0, minimum=LIMITS["seed"][0],
                              maximum=LIMITS["seed"][1], info="same seed, same texts")
         with gr.Row():

@@ -1,7 +1,7 @@
 """Writes the study notebooks (without outputs): python notebooks/make_notebooks.py
 
-The notebooks hold narrative, parameters and calls into oelm_core only; edit them here so that
-the four stay consistent, then re-run this script.
+The notebooks (01_theory ... 05_sweep) hold narrative, parameters and calls into oelm_core only;
+edit them here so that they stay consistent, then re-run this script.
 """
 
 from pathlib import Path
@@ -12,14 +12,13 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 
 SETUP = """\
-import os, sys
+import sys
 from pathlib import Path
 # the kernel runs in the repository root (papermill --cwd); make oelm_core importable either way
 for root in (Path.cwd(), Path.cwd().parent):
     if (root / "oelm_core").is_dir() and str(root) not in sys.path:
         sys.path.insert(0, str(root))
 from IPython.display import Markdown, display
-import matplotlib
 %matplotlib inline"""
 
 
@@ -64,6 +63,7 @@ THEORY = [
                "seed = 0\n"
                "fig_dir = \"runs/notebooks/figures\"   # a relative path is taken from the repository root"),
     ("code", SETUP + "\nfrom oelm_core import analysis as A\n"
+             "from oelm_core.orthogonal import ORTHOGONAL_METHODS\n"
              "fig_dir = A.REPO / fig_dir  # an absolute path stays as it is"),
     ("md", "## 1 · Isometry, orthogonality error and condition number\n\n"
            "`isometry_error` is max | ‖Wx‖/‖x‖ − 1 | over random x; the GPT-2 normal init is rescaled "
@@ -72,7 +72,7 @@ THEORY = [
     ("code", "iso = A.isometry_table(d, n_vectors, seed=seed)\n"
              "display(Markdown(A.markdown_table(iso)))\n"
              "for r in iso:\n"
-             "    if r['method'] in ('qr', 'svd', 'householder', 'cayley'):\n"
+             "    if r['method'] in ORTHOGONAL_METHODS:\n"
              "        assert r['isometry_error'] < 1e-9 and r['orthogonality_error'] < 1e-9, r\n"
              "        assert abs(r['condition_number'] - 1) < 1e-6, r\n"
              "    else:  # normal, gaussian: not isometries\n"
@@ -86,8 +86,7 @@ THEORY = [
            "Project `jl_points` points from d to k dimensions (scaled by √(d/k)) and measure how much "
            "their pairwise distances change. Both shrink like 1/√k; orthonormal rows do better as k → d "
            "because a k-dimensional orthogonal slice loses no length within its subspace."),
-    ("code", "ks = [k for k in (8, 16, 32, 64, 128, 256, 512) if k <= d // 2]\n"
-             "jl = A.jl_curve(d, jl_points, ks, methods=('qr', 'gaussian'), trials=jl_trials, seed=seed)\n"
+    ("code", "jl = A.jl_curve(d, jl_points, methods=('qr', 'gaussian'), trials=jl_trials, seed=seed)\n"
              "display(A.jl_figure(jl, fig_dir / 'jl_distortion.png'))\n"
              "display(Markdown(A.markdown_table(jl)))\n"
              "for m in ('qr', 'gaussian'):\n"
@@ -226,10 +225,7 @@ ANALYSIS = [
            "hold no such pair, or several, the hypothesis is not judged and its evidence says why."),
     ("code", "hyps = A.hypotheses(runs, which)\ndisplay(Markdown(A.hypotheses_markdown(hyps)))\n"
              "assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H4']\n"
-             "groups = A.group_runs(runs)\n"
-             "# the three groups, trained alike apart from the variant: every hypothesis can be judged\n"
-             "alike = all(A.variant_alone(groups[0], g) for g in groups)\n"
-             "if alike and {g.variant for g in groups} == set(A.GROUP_LABELS):\n"
+             "if A.hypotheses_judgeable(runs):\n"
              "    assert all(h['holds'] is not None for h in hyps), hyps"),
     ("md", "## Significance across seeds\n\nWelch's t-test and Cohen's d of the validation perplexity, "
            "where each group has at least two seeds."),
@@ -238,11 +234,7 @@ ANALYSIS = [
              "'t', 'p', 'cohen_d']) if sig else '(no groups to compare)'))"),
     ("md", "## Attention maps on the same story"),
     ("code", "models = A.load_models(runs)\n"
-             "checkpoint_note = (\"Attention maps and samples: each group's best.pt, the weights of its \"\n"
-             "                   \"lowest validation loss (its first seed that has one). \"\n"
-             "                   f\"The table reads the {which} evaluation\"\n"
-             "                   + (', which may be a later step.' if which == 'final' else '.'))\n"
-             "display(Markdown(checkpoint_note))\n"
+             "display(Markdown(A.checkpoint_note(which)))\n"
              "if models:\n"
              "    display(A.attention_figure(models, attention_text, layer, head, max_tokens, "
              "fig_dir / 'attention.png'))\n"
@@ -250,21 +242,62 @@ ANALYSIS = [
              "    display(Markdown(A.markdown_table([{'model': label, **row} for label, rows in summary.items() "
              "for row in rows])))"),
     ("md", "## Samples"),
-    ("code", "samples = A.sample_generations(models, sample_prompt, max_new_tokens) if models else []\n"
-             "samples_md = A.markdown_table(samples) if samples else ''\n"
-             "display(Markdown(samples_md or '(no checkpoints)'))"),
+    ("code", "samples = A.sample_generations(models, sample_prompt, max_new_tokens)\n"
+             "display(Markdown(A.markdown_table(samples) if samples else '(no checkpoints)'))"),
     ("md", "## Written results"),
-    ("code", "result = A.write_results(runs, out_dir, which, extra_markdown=f'## Samples\\n\\n{checkpoint_note}\\n\\n' "
-             "+ samples_md if samples_md else '')\n"
+    ("code", "result = A.write_results(runs, out_dir, which, extra_markdown=A.samples_markdown(samples, which))\n"
              "assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()\n"
              "print((out_dir / 'results.md').read_text())"),
 ]
 
 
-def main() -> None:
-    for name, cells in (("01_theory", THEORY), ("02_model", MODEL), ("03_training", TRAINING),
-                        ("04_analysis", ANALYSIS)):
-        path = HERE / f"{name}.ipynb"
+SWEEP = [
+    ("md", """# 05 · Sweeps A3–A6: heads, head dimension, context, layers
+
+Trains GPT-Base, OELM-NoFreeze and OELM-Freeze at every point of one sweep file in
+`parameters/sweeps/` and plots the final validation loss against the swept value.
+All logic lives in `oelm_core.sweep`: each (point, variant, seed) is one run folder
+`out_root/<sweep>/<key>=<value>/<variant>/seed<S>` (smoke runs under `<sweep>_smoke/`) with
+the trainer's files, the exact
+`params.yaml` it trained and `sweep_point.json`. Completed runs are skipped, so re-executing
+continues an interrupted sweep.
+
+* `runner`: `"inprocess"` (`oelm_core.train.train` in this kernel), `"subprocess"`
+  (`python -m oelm_core.train` per run) or `"notebook"` (papermill runs `03_training.ipynb` per run).
+* `smoke=True` uses the file's `smoke` section: two points of a tiny model, a few steps (~2 min on CPU).
+  On a GPU: `papermill notebooks/05_sweep.ipynb out.ipynb -p smoke False -p sweep_file parameters/sweeps/a3_heads.yaml`."""),
+    ("params", """sweep_file = "parameters/sweeps/a6_layers.yaml"   # a3_heads, a4_head_dim, a5_context, a6_layers
+out_root = "runs/sweeps"
+smoke = True              # the sweep file's smoke points and settings (CPU, ~2 minutes)
+runner = "inprocess"      # "inprocess", "subprocess" or "notebook"
+variants = None           # None: the file's (gpt_base, oelm_nofreeze, oelm_freeze)
+seeds = None              # None: the file's
+overrides = {}            # dotted keys applied to every run, e.g. {"train.steps": 400}
+figure_path = None        # None: sweep.png in the sweep's folder (<out_root>/<sweep> or <sweep>_smoke)"""),
+    ("code", SETUP + "\nfrom oelm_core import sweep as S"),
+    ("code", """sweep = S.load_sweep(sweep_file)
+plan = S.sweep_runs(sweep, out_root, smoke=smoke, variants=variants, seeds=seeds, overrides=overrides)
+print(f"{sweep.name}: {len(plan)} runs over {sweep.key} =", sorted({r.info['value'] for r in plan}, key=str))"""),
+    ("code", """status = S.run_sweep(sweep, out_root, smoke=smoke, runner=runner, variants=variants, seeds=seeds,
+                     overrides=overrides)
+failed = [r for r in status if r["status"] == "failed"]
+assert not failed, f"{len(failed)} run(s) failed: " + "; ".join(r.get("error", "") for r in failed)"""),
+    ("md", "## Results"),
+    ("code", """results = S.sweep_results(out_root, sweep.name, smoke=smoke)
+assert len(results["runs"]) >= len(plan), "some run folders have no results"
+display(Markdown(results["markdown"]))"""),
+    ("code", """fig = S.sweep_figure(results, figure_path or S.sweep_dir(sweep, out_root, smoke) / "sweep.png")
+fig"""),
+]
+
+
+NOTEBOOKS = {"01_theory": THEORY, "02_model": MODEL, "03_training": TRAINING, "04_analysis": ANALYSIS,
+             "05_sweep": SWEEP}
+
+
+def main(folder: Path = HERE) -> None:
+    for name, cells in NOTEBOOKS.items():
+        path = Path(folder) / f"{name}.ipynb"
         nb = notebook(cells)
         if path.exists():
             # nbformat draws new random cell ids on every run: keep the written ones, position by

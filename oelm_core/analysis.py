@@ -31,15 +31,22 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from oelm_core.config import ConfigError, model_config, trained_settings, variant_overrides
+from oelm_core.config import ConfigError, RunConfig, model_config, trained_settings, variant_overrides
+from oelm_core.generate import SamplingConfig
 
 # The repository root: the notebooks take relative output folders from here, so that their
 # defaults (under the git-ignored runs/) land in one place whether the kernel runs in notebooks/
 # (JupyterLab) or in the root (papermill --cwd).
 REPO = Path(__file__).resolve().parents[1]
-# Study labels of the three groups, in the order the tables list them.
+# The study's three groups (variants) and their labels, in the order the tables list them: the one
+# definition the notebooks and the app read.
 GROUP_LABELS = {"gpt_base": "GPT-Base", "oelm_nofreeze": "OELM-NoFreeze", "oelm_freeze": "OELM-Freeze"}
 BASELINE = "gpt_base"
+# Samples shown to people (the notebooks' and the app's) are drawn from the 50 likeliest tokens,
+# not from the whole vocabulary (SamplingConfig's top_k=0): a small model trained briefly spreads
+# probability over a long tail of unlikely tokens, and sampling all of them strews those through
+# the text. Temperature and top-p are SamplingConfig's.
+SAMPLE_TOP_K = 50
 # The validation figures a results table or hypothesis reads: the last evaluation's or the best's.
 WHICH = ("final", "best")
 
@@ -117,7 +124,7 @@ def isometry_table(d: int = 512, n_vectors: int = 256, methods: Sequence[str] | 
     Columns: isometry_error (max | ||Wx||/||x|| - 1 | over random x; normal is rescaled to
     unit expected row norm so only its *shape* is judged), orthogonality_error, condition_number.
     """
-    from oelm_core.orthogonal import (QK_INITS, condition_number, init_qk, isometry_error,
+    from oelm_core.orthogonal import (GPT2_STD, QK_INITS, condition_number, init_qk, isometry_error,
                                       orthogonality_error)
 
     methods = list(methods or QK_INITS)
@@ -125,8 +132,8 @@ def isometry_table(d: int = 512, n_vectors: int = 256, methods: Sequence[str] | 
     rows = []
     for method in methods:
         W = init_qk(d, d, method, generator=_gen(seed), dtype=torch.float64)
-        if method == "normal":  # N(0, 0.02^2): rescale to E||row||^2 = 1 to compare shapes only
-            W = W / (0.02 * math.sqrt(d))
+        if method == "normal":  # N(0, GPT2_STD^2): rescale to E||row||^2 = 1 to compare shapes only
+            W = W / (GPT2_STD * math.sqrt(d))
         rows.append({"method": method, "isometry_error": isometry_error(W, x),
                      "orthogonality_error": orthogonality_error(W),
                      "condition_number": condition_number(W)})
@@ -150,14 +157,26 @@ def construction_table(d: int = 512, methods: Sequence[str] | None = None, repea
     return rows
 
 
-def jl_curve(d: int = 512, n_points: int = 64, ks: Sequence[int] = (8, 16, 32, 64, 128, 256),
+def jl_dimensions(d: int) -> list[int]:
+    """The target dimensions k of ``jl_curve`` for width ``d``: the powers of two from 8 to d/2
+    (past d/2 an orthogonal projection keeps most of every vector and its distortion says little).
+    ValueError for d < 32, which leaves fewer than two."""
+    if d < 32:
+        raise ValueError(f"d={d} leaves fewer than two target dimensions k (powers of two in 8..d/2) for "
+                         f"the JL curve; pass d >= 32")
+    return [2**i for i in range(3, (d // 2).bit_length())]
+
+
+def jl_curve(d: int = 512, n_points: int = 64, ks: Sequence[int] | None = None,
              methods: Sequence[str] = ("qr", "gaussian"), trials: int = 3, seed: int = 0) -> list[dict]:
-    """Pairwise-distance distortion of k x d random projections of ``n_points`` Gaussian points.
+    """Pairwise-distance distortion of k x d random projections of ``n_points`` Gaussian points,
+    for each k of ``ks`` (default: ``jl_dimensions(d)``).
 
     Rows: method, k, max and mean distortion (averaged over ``trials`` projections).
     """
     from oelm_core.orthogonal import jl_distortion, random_projection
 
+    ks = jl_dimensions(d) if ks is None else ks
     X = torch.randn(n_points, d, generator=_gen(seed + 1000), dtype=torch.float64)
     rows = []
     for method in methods:
@@ -223,7 +242,7 @@ def _accounts_cached(preset: str, variant: str, overrides_json: str) -> tuple[di
     return count_parameters(model), memory_account(model)
 
 
-def parameter_table(preset: str = "medium512", variants: Iterable[str] | None = None,
+def parameter_table(preset: str = RunConfig.preset, variants: Iterable[str] | None = None,
                     **overrides: Any) -> list[dict]:
     """Exact trainable / frozen / total parameters of each variant at ``preset``.
 
@@ -264,7 +283,7 @@ def analytic_parameters(cfg) -> dict:
     return {"trainable": total - frozen, "frozen": frozen, "total": total}
 
 
-def flops_table(preset: str = "medium512", variants: Iterable[str] | None = None,
+def flops_table(preset: str = RunConfig.preset, variants: Iterable[str] | None = None,
                 **overrides: Any) -> list[dict]:
     """FLOPs per trained token (forward, backward) and weight+optimizer memory per variant."""
     from oelm_core import VARIANTS, flops_per_token
@@ -321,13 +340,14 @@ def gradient_flow_check(preset: str = "tiny", variant: str = "oelm_freeze", seed
 
 
 def shape_account(**shape: int) -> list[dict]:
-    """Counts and FLOPs per token of the three groups at Medium-512 with ``shape`` overrides
-    (n_layer, d_model, n_head, d_ff, vocab_size, block_size): the explorer's rows."""
+    """Counts and FLOPs per token of the three groups at the default preset (RunConfig.preset)
+    with ``shape`` overrides (n_layer, d_model, n_head, d_ff, vocab_size, block_size): the
+    explorer's rows."""
     from oelm_core import flops_per_token
 
     rows = []
     for v in GROUP_LABELS:
-        cfg = model_config("medium512", v, **shape)
+        cfg = model_config(RunConfig.preset, v, **shape)
         c, f = analytic_parameters(cfg), flops_per_token(cfg)
         rows.append({"variant": GROUP_LABELS[v], "trainable": c["trainable"], "frozen": c["frozen"],
                      "total": c["total"], "trainable_reduction_pct": None,
@@ -353,7 +373,7 @@ def shape_explorer():
         return Markdown(markdown_table(shape_account())
                         + "\n\n(install ipywidgets for the interactive explorer)")
 
-    start = model_config("medium512")  # the sliders start at the study's shape
+    start = model_config(RunConfig.preset)  # the sliders start at the study's shape
     sliders = {
         "n_layer": w.IntSlider(start.n_layer, 1, 48, description="layers"),
         "d_model": w.IntSlider(start.d_model, 64, 2048, step=64, description="d_model"),
@@ -492,9 +512,10 @@ def load_run(run_dir: str | Path) -> Run:
                 except json.JSONDecodeError:  # a half-written last line of a killed run
                     continue
     seed = (config.get("train") or {}).get("seed")
+    # A config.yaml without a variant or preset trained RunConfig's.
     return Run(path=path, name=summary.get("name") or config.get("name") or path.name,
-               variant=summary.get("variant") or config.get("variant") or "gpt_base",
-               preset=summary.get("preset") or config.get("preset") or "medium512",
+               variant=summary.get("variant") or config.get("variant") or RunConfig.variant,
+               preset=summary.get("preset") or config.get("preset") or RunConfig.preset,
                seed=seed, config=config, summary=summary, metrics=metrics)
 
 
@@ -635,24 +656,30 @@ def mean_std(values: Iterable[float | None]) -> tuple[float | None, float | None
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
+# {baseline}: the label of results_table's baseline.
 RESULT_COLUMNS = [
     ("model", "Model"), ("preset", "Preset"), ("seeds", "Seeds"), ("val_loss", "Val loss"),
     ("val_ppl", "Val PPL"), ("val_ppl_std", "PPL std"), ("val_bpb", "Bits/byte"),
     ("train_loss", "Train loss"), ("total_params", "Total params"),
     ("trainable_params", "Trainable params"), ("checkpoint_mb", "Checkpoint (MB)"),
-    ("tokens_per_s", "Tokens/s"), ("loss_gap_pct", "Loss gap vs GPT-Base (%)"),
-    ("ppl_gap_pct", "PPL gap vs GPT-Base (%)"), ("ppl_per_m_trainable", "PPL per M trainable"),
+    ("tokens_per_s", "Tokens/s"), ("loss_gap_pct", "Loss gap vs {baseline} (%)"),
+    ("ppl_gap_pct", "PPL gap vs {baseline} (%)"), ("ppl_per_m_trainable", "PPL per M trainable"),
 ]
 
 
 def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BASELINE) -> dict:
     """The study's results table: one row per group of seeds (group_runs), averaged over them.
 
-    ``which``: "final" or "best" validation figures. Gaps are relative to the ``baseline``
-    group of the same preset, in %; where the preset has several, to the one trained with the
-    row's settings apart from the variant (none: no gap). Returns {"rows": [...], "markdown": str}.
+    ``which``: "final" or "best" validation figures. Gaps are relative to the group of the
+    ``baseline`` variant of the same preset, in %; where the preset has several, to the one
+    trained with the row's settings apart from the variant (none: no gap). The gap columns are
+    headed with the baseline's label. Returns {"rows": [...], "markdown": str}.
     """
+    from oelm_core import VARIANTS
+
     _check_which(which)
+    if baseline not in VARIANTS:
+        raise ConfigError(f"baseline={baseline!r} is not a variant; pass one of {', '.join(VARIANTS)}")
     groups = group_runs(runs)
     rows = []
     for group in groups:
@@ -674,7 +701,9 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
             row[gap] = 100 * (row[key] / base[key] - 1) if ok else None
         t = row["trainable_params"]
         row["ppl_per_m_trainable"] = row["val_ppl"] / (t / 1e6) if row["val_ppl"] and t else None
-    cols, heads = zip(*RESULT_COLUMNS)
+    label = GROUP_LABELS.get(baseline, baseline)
+    cols = [c for c, _ in RESULT_COLUMNS]
+    heads = [h.format(baseline=label) for _, h in RESULT_COLUMNS]
     return {"rows": rows, "markdown": markdown_table(rows, cols, heads)}
 
 
@@ -729,8 +758,8 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
                h3_min_ratio: float = 0.98, h4_max_gap: float = 0.10) -> list[dict]:
     """The study's four hypotheses judged from the runs of one preset (default: the first with an
     OELM-Freeze run, which every hypothesis needs; without one, the first preset). Each: {id,
-    claim, value, threshold, holds, evidence}; holds is None, and the evidence says why, when
-    the groups needed to judge it are missing or ambiguous.
+    claim, value, threshold, holds, evidence, preset}; holds is None, and the evidence says why,
+    when the groups needed to judge it are missing or ambiguous.
 
     Each compares two groups of seeds (group_runs) that were trained with the same settings
     apart from the variant (``variant_alone``): OELM-Freeze and GPT-Base (H1, H3, H4), or
@@ -746,85 +775,103 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
     """
     _check_which(which)
     groups = group_runs(runs)
-    presets = list(dict.fromkeys(g.preset for g in groups))
     if preset is None:
-        preset = next((g.preset for g in groups if g.variant == "oelm_freeze"), presets[0] if presets else None)
+        preset = _hypotheses_preset(groups)
     here = [g for g in groups if g.preset == preset]
-    ppl = f"{which}_val_ppl"
-
-    def pair(other: str) -> tuple[Group | None, Group | None, str]:
-        """(OELM-Freeze group, ``other``'s group) that differ in the variant alone, or (None,
-        None, why they cannot be told)."""
-        names = f"{GROUP_LABELS['oelm_freeze']} and {GROUP_LABELS[other]}"
-        fs = [g for g in here if g.variant == "oelm_freeze"]
-        others = [g for g in here if g.variant == other]
-        if not fs or not others:
-            return None, None, f"needs runs of {names} at preset {preset}"
-        found = [(f, o) for f in fs for o in others if variant_alone(f, o)]
-        if len(found) == 1:
-            return found[0][0], found[0][1], ""
-        if not found:
-            return None, None, (f"no {names} groups at preset {preset} were trained with the same settings "
-                                f"apart from the variant ({', '.join(g.label for g in fs + others)}): they "
-                                f"would compare more than the variant")
-        return None, None, (f"{len(found)} pairs of {names} groups at preset {preset} differ in the variant "
-                            f"alone ({'; '.join(f'{f.label} vs {o.label}' for f, o in found)}): pass the "
-                            f"runs of one comparison")
-
-    def short(group: Group) -> str:
-        return group.label.removeprefix("OELM-")
-
-    out = []
-    freeze, base, why_base = pair("gpt_base")
-    # H1 --------------------------------------------------------------------------------------
-    h1 = f"freezing Q/K reduces trainable parameters by ~{100 * h1_claim:.0f}%"
-    tb, tf = (_mean(base, "trainable"), _mean(freeze, "trainable")) if base else (None, None)
-    if tb and tf:
-        red = 1 - tf / tb
-        holds = abs(red - h1_claim) <= h1_tolerance
-        ev = (f"{freeze.label} trains {tf:,.0f} of {base.label}'s {tb:,.0f} parameters: {100 * red:.1f}% "
-              f"fewer. The claim of ~{100 * h1_claim:.0f}% {'holds' if holds else 'does not hold'}"
-              f"{'' if holds else f' (only 2*n_layer*d_model^2 Q/K weights are frozen; the embedding dominates)'}.")
-        out.append(dict(id="H1", claim=h1, value=red, threshold=h1_claim, holds=holds, evidence=ev))
-    else:
-        out.append(_missing("H1", h1, h1_claim,
-                            why_base or f"needs the parameter counts of {freeze.label} and {base.label}"))
-
-    # H2 and H4: a perplexity gap of OELM-Freeze to another group --------------------------------
-    def ppl_gap(hid: str, other: str, max_gap: float, strict: bool) -> dict:
-        label = GROUP_LABELS[other]
-        claim = f"OELM-Freeze perplexity within {100 * max_gap:.0f}% of {label}"
-        f, o, why = pair(other)
-        pf, po = (_mean(f, ppl), _mean(o, ppl)) if f else (None, None)
-        if not (pf and po):
-            return _missing(hid, claim, max_gap, why or f"needs the {which} validation PPL of {f.label} and {o.label}")
-        gap = pf / po - 1
-        holds = gap < max_gap if strict else gap <= max_gap
-        ok, not_ok = ("<", ">=") if strict else ("<=", ">")
-        ev = (f"validation PPL {pf:.3f} ({short(f)}) vs {po:.3f} ({short(o)}): "
-              f"{100 * gap:+.2f}% {ok if holds else not_ok} {100 * max_gap:.0f}%")
-        return dict(id=hid, claim=claim, value=gap, threshold=max_gap, holds=holds, evidence=ev)
-
-    out.append(ppl_gap("H2", "oelm_nofreeze", h2_max_gap, strict=True))
-    # H3 --------------------------------------------------------------------------------------
-    h3 = "OELM-Freeze trains at least as fast as GPT-Base"
-    sf, sb = (_mean(freeze, "tokens_per_s"), _mean(base, "tokens_per_s")) if base else (None, None)
-    if sf and sb:
-        ratio = sf / sb
-        holds = ratio >= h3_min_ratio
-        lf, lb = _mean(freeze, "final_train_loss"), _mean(base, "final_train_loss")
-        ev = f"{sf:,.0f} vs {sb:,.0f} tokens/s (ratio {ratio:.3f}, needs >= {h3_min_ratio})"
-        if lf is not None and lb is not None:
-            ev += (f"; train loss after the same steps {lf:.3f} ({short(freeze)}) vs {lb:.3f} ({short(base)}): "
-                   f"{'no slower' if lf <= lb else 'slower'} per step")
-        out.append(dict(id="H3", claim=h3, value=ratio, threshold=h3_min_ratio, holds=holds, evidence=ev))
-    else:
-        out.append(_missing("H3", h3, h3_min_ratio,
-                            why_base or f"needs the tokens/s of {freeze.label} and {base.label}"))
-    out.append(ppl_gap("H4", "gpt_base", h4_max_gap, strict=False))
+    freeze, base, why_base = _freeze_pair(here, preset, BASELINE)
+    out = [_h1_parameters(freeze, base, why_base, h1_claim, h1_tolerance),
+           _ppl_gap("H2", here, preset, "oelm_nofreeze", which, h2_max_gap, strict=True),
+           _h3_speed(freeze, base, why_base, h3_min_ratio),
+           _ppl_gap("H4", here, preset, BASELINE, which, h4_max_gap, strict=False)]
     for h in out:
         h["preset"] = preset
     return out
+
+
+def _hypotheses_preset(groups: Sequence[Group]) -> str | None:
+    """The first preset with an OELM-Freeze group, else the first preset (None without groups)."""
+    first = groups[0].preset if groups else None
+    return next((g.preset for g in groups if g.variant == "oelm_freeze"), first)
+
+
+def _freeze_pair(here: Sequence[Group], preset: str | None, other: str) -> tuple[Group | None, Group | None, str]:
+    """(OELM-Freeze group, ``other``'s group) of the groups ``here`` (one preset's) that differ in
+    the variant alone, or (None, None, why they cannot be told)."""
+    names = f"{GROUP_LABELS['oelm_freeze']} and {GROUP_LABELS[other]}"
+    fs = [g for g in here if g.variant == "oelm_freeze"]
+    others = [g for g in here if g.variant == other]
+    if not fs or not others:
+        return None, None, f"needs runs of {names} at preset {preset}"
+    found = [(f, o) for f in fs for o in others if variant_alone(f, o)]
+    if len(found) == 1:
+        return found[0][0], found[0][1], ""
+    if not found:
+        return None, None, (f"no {names} groups at preset {preset} were trained with the same settings "
+                            f"apart from the variant ({', '.join(g.label for g in fs + others)}): they "
+                            f"would compare more than the variant")
+    return None, None, (f"{len(found)} pairs of {names} groups at preset {preset} differ in the variant "
+                        f"alone ({'; '.join(f'{f.label} vs {o.label}' for f, o in found)}): pass the "
+                        f"runs of one comparison")
+
+
+def _short(group: Group) -> str:
+    return group.label.removeprefix("OELM-")
+
+
+def _h1_parameters(freeze: Group | None, base: Group | None, why: str, claim: float, tolerance: float) -> dict:
+    """H1: the share of the baseline's trainable parameters that freezing leaves untrained."""
+    text = f"freezing Q/K reduces trainable parameters by ~{100 * claim:.0f}%"
+    tb, tf = (_mean(base, "trainable"), _mean(freeze, "trainable")) if base else (None, None)
+    if not (tb and tf):
+        return _missing("H1", text, claim, why or f"needs the parameter counts of {freeze.label} and {base.label}")
+    red = 1 - tf / tb
+    holds = abs(red - claim) <= tolerance
+    ev = (f"{freeze.label} trains {tf:,.0f} of {base.label}'s {tb:,.0f} parameters: {100 * red:.1f}% "
+          f"fewer. The claim of ~{100 * claim:.0f}% {'holds' if holds else 'does not hold'}"
+          f"{'' if holds else ' (only 2*n_layer*d_model^2 Q/K weights are frozen; the embedding dominates)'}.")
+    return dict(id="H1", claim=text, value=red, threshold=claim, holds=holds, evidence=ev)
+
+
+def _ppl_gap(hid: str, here: Sequence[Group], preset: str | None, other: str, which: str, max_gap: float,
+             strict: bool) -> dict:
+    """H2 and H4: OELM-Freeze's relative perplexity gap to ``other``'s group, below ``max_gap``
+    (``strict``) or at most it."""
+    claim = f"{GROUP_LABELS['oelm_freeze']} perplexity within {100 * max_gap:.0f}% of {GROUP_LABELS[other]}"
+    f, o, why = _freeze_pair(here, preset, other)
+    ppl = f"{which}_val_ppl"
+    pf, po = (_mean(f, ppl), _mean(o, ppl)) if f else (None, None)
+    if not (pf and po):
+        return _missing(hid, claim, max_gap, why or f"needs the {which} validation PPL of {f.label} and {o.label}")
+    gap = pf / po - 1
+    holds = gap < max_gap if strict else gap <= max_gap
+    ok, not_ok = ("<", ">=") if strict else ("<=", ">")
+    ev = (f"validation PPL {pf:.3f} ({_short(f)}) vs {po:.3f} ({_short(o)}): "
+          f"{100 * gap:+.2f}% {ok if holds else not_ok} {100 * max_gap:.0f}%")
+    return dict(id=hid, claim=claim, value=gap, threshold=max_gap, holds=holds, evidence=ev)
+
+
+def _h3_speed(freeze: Group | None, base: Group | None, why: str, min_ratio: float) -> dict:
+    """H3: OELM-Freeze's tokens/s over the baseline's, with the train losses after equal steps."""
+    text = f"{GROUP_LABELS['oelm_freeze']} trains at least as fast as {GROUP_LABELS[BASELINE]}"
+    sf, sb = (_mean(freeze, "tokens_per_s"), _mean(base, "tokens_per_s")) if base else (None, None)
+    if not (sf and sb):
+        return _missing("H3", text, min_ratio, why or f"needs the tokens/s of {freeze.label} and {base.label}")
+    ratio = sf / sb
+    holds = ratio >= min_ratio
+    lf, lb = _mean(freeze, "final_train_loss"), _mean(base, "final_train_loss")
+    ev = f"{sf:,.0f} vs {sb:,.0f} tokens/s (ratio {ratio:.3f}, needs >= {min_ratio})"
+    if lf is not None and lb is not None:
+        ev += (f"; train loss after the same steps {lf:.3f} ({_short(freeze)}) vs {lb:.3f} ({_short(base)}): "
+               f"{'no slower' if lf <= lb else 'slower'} per step")
+    return dict(id="H3", claim=text, value=ratio, threshold=min_ratio, holds=holds, evidence=ev)
+
+
+def hypotheses_judgeable(runs: Sequence[Run]) -> bool:
+    """Whether ``hypotheses`` must judge every claim of ``runs``: they are the three study groups
+    (GROUP_LABELS), one each, trained with the same settings apart from the variant."""
+    groups = group_runs(runs)
+    alike = all(variant_alone(groups[0], g) for g in groups)
+    return alike and sorted(g.variant for g in groups) == sorted(GROUP_LABELS)
 
 
 def _missing(hid, claim, threshold, why):
@@ -849,6 +896,23 @@ def _jsonable(x):
     if isinstance(x, Path):
         return str(x)
     return x
+
+
+def checkpoint_note(which: str) -> str:
+    """Which weights the attention maps and samples of ``load_models`` show, beside the ``which``
+    validation figures the tables read."""
+    _check_which(which)
+    return ("Attention maps and samples: each group's best.pt, the weights of its lowest validation loss "
+            f"(its first seed that has one). The table reads the {which} evaluation"
+            + (", which may be a later step." if which == "final" else "."))
+
+
+def samples_markdown(samples: Sequence[dict], which: str) -> str:
+    """The Samples section of results.md (``write_results``' extra_markdown): the checkpoint note
+    and the table of ``sample_generations``' rows; "" without samples."""
+    if not samples:
+        return ""
+    return f"## Samples\n\n{checkpoint_note(which)}\n\n{markdown_table(samples)}"
 
 
 def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final",
@@ -978,9 +1042,9 @@ def attention_figure(models: dict, text: str, layer: int = 0, head: int = 0,
 
 
 def sample_generations(models: dict, prompt: str, max_new_tokens: int = 40, seed: int = 0,
-                       temperature: float = 0.8, top_k: int = 40) -> list[dict]:
+                       temperature: float = SamplingConfig.temperature, top_k: int = SAMPLE_TOP_K) -> list[dict]:
     """One seeded continuation of ``prompt`` per model: [{model, prompt, text}]."""
-    from oelm_core.generate import SamplingConfig, generate
+    from oelm_core.generate import generate
 
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
     return [{"model": label, "prompt": prompt, "text": generate(model, prompt, cfg)}

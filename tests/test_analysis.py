@@ -149,6 +149,22 @@ def test_results_table_gaps_and_per_parameter(tmp_path):
     assert "| OELM-Freeze |" in table["markdown"] and "41,751,040" in table["markdown"]
 
 
+def test_results_table_headers_name_the_baseline(tmp_path):
+    """The gap columns said "vs GPT-Base" whatever ``baseline`` the gaps were taken to."""
+    runs = study_runs(tmp_path)
+    default = A.results_table(runs)["markdown"].splitlines()[0]
+    assert "| Loss gap vs GPT-Base (%) | PPL gap vs GPT-Base (%) |" in default
+    table = A.results_table(runs, baseline="oelm_nofreeze")
+    header = table["markdown"].splitlines()[0]
+    assert "| Loss gap vs OELM-NoFreeze (%) | PPL gap vs OELM-NoFreeze (%) |" in header
+    assert "GPT-Base" not in header
+    rows = {r["variant"]: r for r in table["rows"]}
+    assert rows["oelm_nofreeze"]["ppl_gap_pct"] == pytest.approx(0.0)
+    assert rows["oelm_freeze"]["ppl_gap_pct"] == pytest.approx(100 * (10.5 / 10.2 - 1))
+    with pytest.raises(ConfigError, match=r"baseline='gpt-base' is not a variant; pass one of gpt_base, "):
+        A.results_table(runs, baseline="gpt-base")
+
+
 def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
     hyps = A.hypotheses(study_runs(tmp_path / "a"))
     assert [h["id"] for h in hyps] == ["H1", "H2", "H3", "H4"]
@@ -164,6 +180,36 @@ def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
     assert bad[1]["value"] == pytest.approx(11.2 / 10.37 - 1)
     # H1 holds with a claim that matches the data
     assert A.hypotheses(study_runs(tmp_path / "c"), h1_claim=0.07)[0]["holds"] is True
+
+
+def test_hypotheses_judgeable_only_for_the_three_groups_trained_alike(tmp_path):
+    """The 04 notebook requires a verdict on every hypothesis exactly when this holds."""
+    runs = study_runs(tmp_path / "all")
+    assert A.hypotheses_judgeable(runs) and all(h["holds"] is not None for h in A.hypotheses(runs))
+    make_run(tmp_path / "two", "gpt_base", 10.0)
+    make_run(tmp_path / "two", "oelm_freeze", 10.5)
+    assert not A.hypotheses_judgeable(A.load_runs(tmp_path / "two"))
+    for v, ppl in (("gpt_base", 10.0), ("oelm_nofreeze", 10.2)):
+        make_run(tmp_path / "lr", v, ppl)
+    make_run(tmp_path / "lr", "oelm_freeze", 10.5, train={"lr": 2e-3})   # another learning rate
+    runs = A.load_runs(tmp_path / "lr")
+    assert not A.hypotheses_judgeable(runs)
+    assert all(h["holds"] is None for h in A.hypotheses(runs))
+
+
+def test_checkpoint_note_and_samples_section_of_results_md(tmp_path):
+    assert A.checkpoint_note("final").endswith("The table reads the final evaluation, which may be a later step.")
+    assert A.checkpoint_note("best").endswith("The table reads the best evaluation.")
+    with pytest.raises(ConfigError, match="which='last' names no validation figures"):
+        A.checkpoint_note("last")
+    assert A.samples_markdown([], "final") == ""
+    samples = [{"model": "GPT-Base", "prompt": "Once", "text": " upon a time"}]
+    section = A.samples_markdown(samples, "best")
+    assert section == ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
+                       "validation loss (its first seed that has one). The table reads the best evaluation.\n\n"
+                       "| model | prompt | text |\n|---|---|---|\n| GPT-Base | Once |  upon a time |")
+    A.write_results(study_runs(tmp_path), tmp_path / "out", "best", extra_markdown=section)
+    assert (tmp_path / "out" / "results.md").read_text().endswith("\n" + section + "\n")
 
 
 def test_which_other_than_final_or_best_is_refused(tmp_path):
@@ -434,6 +480,55 @@ def test_theory_tables_separate_orthogonal_from_gaussian():
     assert {r["method"] for r in jl} == {"qr", "gaussian"} and len(jl) == 4
     logits = {r["init"]: r for r in A.logit_stats_table(64, 4, 16)}
     assert logits["normal"]["logit_std"] < 0.2 < logits["qr"]["logit_std"]
+
+
+def test_jl_curve_picks_its_target_dimensions():
+    """The 01 notebook chose k itself; jl_curve takes the powers of two from 8 to d/2."""
+    assert A.jl_dimensions(512) == [8, 16, 32, 64, 128, 256]
+    assert A.jl_dimensions(100) == [8, 16, 32]
+    assert sorted({r["k"] for r in A.jl_curve(64, 16, trials=1)}) == [8, 16, 32]
+    with pytest.raises(ValueError, match=r"d=16 leaves fewer than two target dimensions .*pass d >= 32"):
+        A.jl_curve(16, 8, trials=1)
+
+
+def test_normal_init_is_rescaled_by_the_std_it_was_drawn_with(monkeypatch):
+    """isometry_table divided the normal init by a copy of GPT-2's 0.02: another std in
+    orthogonal.GPT2_STD would have been judged by its scale, not its shape."""
+    from oelm_core import orthogonal
+
+    before = {r["method"]: r for r in A.isometry_table(64, 32)}["normal"]
+    monkeypatch.setattr(orthogonal, "GPT2_STD", 0.05)
+    after = {r["method"]: r for r in A.isometry_table(64, 32)}["normal"]
+    assert after["isometry_error"] == pytest.approx(before["isometry_error"], rel=1e-9)
+    assert after["condition_number"] == pytest.approx(before["condition_number"], rel=1e-9)
+
+
+def test_missing_preset_and_variant_and_the_explorer_follow_runconfig(tmp_path, monkeypatch):
+    """A run folder without variant or preset, and the shape explorer, take RunConfig's defaults,
+    not copies of them."""
+    from oelm_core.config import RunConfig
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "train_loss": 3.0}) + "\n")
+    monkeypatch.setattr(RunConfig, "preset", "smoke")
+    monkeypatch.setattr(RunConfig, "variant", "oelm_freeze")
+    run = A.load_run(d)
+    assert (run.variant, run.preset) == ("oelm_freeze", "smoke")
+    rows = A.shape_account()
+    assert [r["total"] for r in rows] == [count_parameters(build_model("smoke", v))["total"]
+                                          for v in A.GROUP_LABELS]
+
+
+def test_samples_use_the_default_temperature_and_the_shared_top_k():
+    """The analysis sampled with top_k=40, the app with 50: the same models, other texts."""
+    import inspect
+
+    from oelm_core.generate import SamplingConfig
+
+    params = inspect.signature(A.sample_generations).parameters
+    assert params["temperature"].default == SamplingConfig.temperature
+    assert params["top_k"].default == A.SAMPLE_TOP_K == 50
 
 
 def test_parameter_table_medium512_exact():

@@ -123,6 +123,23 @@ def test_generation_matches_oelm_core(served):
         assert core_generate(m.model, PROMPT, cfg) == text
 
 
+def test_the_pages_sampling_defaults_draw_the_analysis_samples(served):
+    """Temperature and top-p are SamplingConfig's and top-k the analysis' (the page offered top-k
+    50, the 04 notebook sampled with 40): with the sliders untouched, each column is the text
+    analysis.sample_generations draws from that model with the same seed."""
+    from oelm_core import analysis as A
+    from oelm_core.generate import SamplingConfig
+
+    demo, client = served
+    sliders = {c.label: c.value for c in demo.blocks.values() if isinstance(c, gr.Slider)}
+    assert sliders["temperature"] == SamplingConfig.temperature and sliders["top-p"] == SamplingConfig.top_p
+    assert sliders["top-k"] == A.SAMPLE_TOP_K
+    texts = generate(client, max_new=12, temperature=sliders["temperature"], top_k=sliders["top-k"],
+                     top_p=sliders["top-p"], seed=3)
+    models = {m.label: m.model for m in demo.oelm.lab.models}
+    assert [s["text"] for s in A.sample_generations(models, PROMPT, 12, seed=3)] == list(texts)
+
+
 # ---- attention ------------------------------------------------------------------------------
 
 def test_attention_endpoint_returns_t_by_t_maps(served):
@@ -393,6 +410,39 @@ def test_every_registered_variant_is_its_own_group_only():
         for variant in VARIANTS:
             mismatch = group_mismatch(group, model_config("smoke", variant))
             assert (mismatch is None) == (variant == group), (group, variant, mismatch)
+
+
+def test_group_labels_are_the_analysis_labels(monkeypatch, checkpoints):
+    """The app read its labels off the variant descriptions: a label changed in
+    analysis.GROUP_LABELS (the tables' and figures') would have left the page with the old one."""
+    from app import demo as app_demo
+    from oelm_core import analysis as A
+
+    assert app_demo.GROUPS == tuple(A.GROUP_LABELS) == GROUPS
+    monkeypatch.setitem(A.GROUP_LABELS, "oelm_freeze", "Frozen-QK")
+    assert app_demo.group_label("oelm_freeze") == "Frozen-QK"
+    lab = app_demo.load_lab({"oelm_freeze": checkpoints["oelm_freeze"]}, "cpu")
+    assert [m.label for m in lab.models] == ["Frozen-QK"]
+
+
+def test_card_perplexity_from_a_loss_alone(checkpoints):
+    """A checkpoint with val_loss but no val_ppl: exp(loss) on the card, inf (not an
+    OverflowError that kept the page from building) for a diverged loss."""
+    from app.demo import load_lab, model_card
+
+    (m,) = load_lab({"gpt_base": checkpoints["gpt_base"]}, "cpu").models
+    for loss, shown in ((2.0, "| validation perplexity | 7.39 |"), (1000.0, "| validation perplexity | inf |")):
+        card = model_card(dataclasses.replace(m, state={"metrics": {"val_loss": loss}, "step": 5}), "cpu")
+        assert shown in card
+
+
+def test_importing_the_app_turns_gradio_analytics_off():
+    """app/__init__.py sets it before anything imports gradio; app.demo and app.__main__ rely on it."""
+    env = {k: v for k, v in os.environ.items() if k != "GRADIO_ANALYTICS_ENABLED"}
+    env["PYTHONPATH"] = str(REPO)
+    code = "import os, app.demo; print(os.environ['GRADIO_ANALYTICS_ENABLED'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):

@@ -24,12 +24,13 @@ def _module(path):
     return module
 
 
+def generator():
+    return _module(REPO / "notebooks" / "make_notebooks.py")
+
+
 def generated_cells() -> dict[str, list]:
     """Notebook name -> the (kind, source) cells its generator writes."""
-    nbs = _module(REPO / "notebooks" / "make_notebooks.py")
-    sweep = _module(REPO / "scripts" / "make_sweep_notebook.py")
-    return {"01_theory": nbs.THEORY, "02_model": nbs.MODEL, "03_training": nbs.TRAINING,
-            "04_analysis": nbs.ANALYSIS, "05_sweep": sweep.CELLS}
+    return generator().NOTEBOOKS
 
 
 def errors(nb) -> list[str]:
@@ -54,7 +55,7 @@ def test_papermill_sees_every_parameter_the_generator_defines(name):
     unknown parameter" on every run that sets it)."""
     import papermill as pm
 
-    from oelm_core.study import notebook_parameters
+    from oelm_core.study import notebook_defaults
 
     cells = generated_cells()[name]
     nb = nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
@@ -62,9 +63,37 @@ def test_papermill_sees_every_parameter_the_generator_defines(name):
     params = next(src for kind, src in cells if kind == "params")
     names = [t.id for node in ast.parse(params).body if isinstance(node, ast.Assign) for t in node.targets]
     assert list(pm.inspect_notebook(str(REPO / "notebooks" / f"{name}.ipynb"))) == names
-    assert notebook_parameters(name) == names
+    assert list(notebook_defaults(name)) == names
     if name == "03_training":
         assert {"overrides", "resume"} <= set(names)
+
+
+def test_one_generator_writes_every_notebook_and_keeps_their_cell_ids(tmp_path, capsys):
+    """05_sweep had a generator of its own that drew new cell ids on every run: regenerating the
+    committed notebooks changes nothing, cell ids included."""
+    committed = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+    assert committed == [f"{name}.ipynb" for name in generated_cells()]
+    for name in committed:
+        (tmp_path / name).write_bytes((REPO / "notebooks" / name).read_bytes())
+    generator().main(tmp_path)
+    for name in committed:
+        assert (tmp_path / name).read_text() == (REPO / "notebooks" / name).read_text(), f"regenerate {name}"
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """(names imported, names read) of notebook code (IPython magics left out)."""
+    tree = ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith("%")))
+    imported = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return imported, read
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS + ["05_sweep"])
+def test_every_import_of_a_notebook_is_used(name):
+    """The shared setup cell imported os and matplotlib, which no notebook used."""
+    imported, read = _names("\n".join(src for kind, src in generated_cells()[name] if kind != "md"))
+    assert imported - read == set()
 
 
 @pytest.mark.parametrize("name", ["01_theory", "04_analysis"])
