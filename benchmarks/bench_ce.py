@@ -25,8 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
 from oelm_core import model as oelm_model  # noqa: E402
+from oelm_core.config import ModelConfig  # noqa: E402
 
-VOCAB, PADDED, D_MODEL = 50257, 50304, 512
+# The default model's output layer (medium512: 50,257 tokens padded to 50,304 rows of 512).
+_DEFAULT = ModelConfig()
+VOCAB, PADDED, D_MODEL = _DEFAULT.vocab_size, _DEFAULT.padded_vocab_size, _DEFAULT.d_model
 
 
 def make_slice(rows: int, device):
@@ -75,7 +78,8 @@ def config(spec: str) -> tuple[int, int]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=8192, help="tokens in the slice (the loss's chunk)")
+    ap.add_argument("--rows", type=int, default=_DEFAULT.loss_chunk_tokens,
+                    help="tokens in the slice (default: model.loss_chunk_tokens, the loss's slice)")
     ap.add_argument("--configs", nargs="+", default=["2048x4", "8192x32", "1024x2", "4096x4", "2048x8"],
                     help="BLOCKxnum_warps; 2048x4 is what _ce_forward_cuda uses, 8192x32 the previous setting")
     ap.add_argument("--reps", type=at_least(1), default=20, help="timed runs per figure (the median is reported)")

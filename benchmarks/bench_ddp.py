@@ -32,10 +32,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import TrainStep, at_least, card_name, commit, free_between_runs, median, now  # noqa: E402
+from common import PlainStep, at_least, card_name, commit, free_between_runs, median, now  # noqa: E402
 
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
-from oelm_core.config import TrainConfig, model_config  # noqa: E402
+from oelm_core.config import GRAD_EXCHANGES, TrainConfig, model_config  # noqa: E402
 from oelm_core.model import GPT  # noqa: E402
 from oelm_core.train import DDP_NO_BUFFER_SYNC, configure_optimizer, make_step  # noqa: E402
 
@@ -52,7 +52,7 @@ def make_ddp_step(args, cfg, batch: int, device: torch.device, exchange: str = "
                   bucket_cap_mb=args.bucket_mb, **DDP_NO_BUFFER_SYNC)
         fwd = ddp if args.compile_mode == "none" else torch.compile(
             ddp, **({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
-        step = TrainStep(model, fwd, tc, (batch, cfg.block_size), device)
+        step = PlainStep(model, fwd, tc, (batch, cfg.block_size), device)
         step.reducer = "ddp (tuned)"
         return step
     # oelm_core.train's own step, with DDP where the trainer uses it (more than one process).
@@ -82,7 +82,7 @@ def main():
     ap.add_argument("--impl", default="trainer", choices=["trainer", "tuned"],
                     help="trainer: oelm_core.train's step (ddp=True, CUDA graph); tuned: DDP with "
                          "gradient_as_bucket_view, static_graph and --bucket-mb, then torch.compile")
-    ap.add_argument("--grad-exchange", nargs="+", default=["auto"], choices=["auto", "ddp", "peer"],
+    ap.add_argument("--grad-exchange", nargs="+", default=[TrainConfig.grad_exchange], choices=GRAD_EXCHANGES,
                     help="--impl trainer: train.grad_exchange, each in turn")
     ap.add_argument("--grad-accum", type=int, nargs="+", default=[1],
                     help="--impl trainer: micro-steps per optimiser step (train.grad_accum), each in "

@@ -22,13 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ce import D_MODEL, PADDED, VOCAB  # noqa: E402
 from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
+from oelm_core.config import ModelConfig  # noqa: E402
 from oelm_core.model import linear_cross_entropy  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 4096], help="tokens per step (batch x 512)")
-    ap.add_argument("--chunk", type=int, default=8192, help="tokens per slice (model.loss_chunk_tokens)")
+    ap.add_argument("--chunk", type=int, default=ModelConfig.loss_chunk_tokens,
+                    help="tokens per slice (default: model.loss_chunk_tokens)")
     ap.add_argument("--blocks", type=at_least(1), default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

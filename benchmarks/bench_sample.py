@@ -23,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
 from oelm_core import sample_kernels  # noqa: E402
+from oelm_core.config import ModelConfig  # noqa: E402
 from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor  # noqa: E402
 
-VOCAB, DRAWS = 50257, 16
+VOCAB, DRAWS = ModelConfig.vocab_size, 16
 SETTINGS = [(0.8, 0, 1.0), (0.8, 50, 1.0), (0.8, 50, 0.9), (1.0, 1000, 1.0)]  # temperature, top-k, top-p
 
 

@@ -3,13 +3,13 @@
     PYTHONPATH=. python benchmarks/bench_train.py --batch 8 64 --groups reference gpt_base oelm_nofreeze oelm_freeze
 
 A group may carry options after a colon: ``gpt_base:loss=full,step=graph,compile=max-autotune``
-(loss: chunked|full; step: trainer = oelm_core.train's step, graph = forward, backward, clip and
-AdamW captured whole in one CUDA graph, plain = that step uncaptured; compile: a torch.compile
-mode or "none", for the graph/plain steps; cuda_graph: 0/1 sets TrainConfig.cuda_graph for the
-trainer's step - the reference defaults to 0, as the issue defines it: compiled, no CUDA graph;
-pad: 0/1, the reference's vocabulary padded to 50,304 as nanoGPT does, default 1; chunk: tokens
-per loss slice). The JSON's options.cuda_graph says whether the timed step replayed a CUDA graph
-(never on CPU, nor where the capture failed). Each figure is
+(loss: chunked|full; step: trainer = oelm_core.train's step, graph = common.PlainStep (forward,
+backward, clip_grad_norm_, the trainer's AdamW) captured whole in one CUDA graph, plain = PlainStep
+uncaptured; compile: a torch.compile mode or "none", for the graph/plain steps; cuda_graph: 0/1
+sets TrainConfig.cuda_graph for the trainer's step - the reference defaults to 0, as the issue
+defines it: compiled, no CUDA graph; pad: 0/1, the reference's vocabulary padded to 50,304 as
+nanoGPT does, default 1; chunk: tokens per loss slice). The JSON's options.cuda_graph says whether
+the timed step replayed a CUDA graph (never on CPU, nor where the capture failed). Each figure is
 the median of --blocks blocks of --steps steps after warm-up, timed with CUDA events; peak memory
 is torch.cuda.max_memory_allocated over building, compiling, capturing and the timed steps, less
 what was allocated before the variant began. Prints a table last; --json writes all.
@@ -18,7 +18,6 @@ what was allocated before the variant began. Prints a table last; --json writes 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import TrainStep, at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
+from common import PlainStep, at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
 from reference import ReferenceGPT, copy_from, reference_grads_as_model  # noqa: E402
 
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
@@ -90,9 +89,8 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     if mode != "none":
         fwd = torch.compile(model, **({} if mode == "default" else {"mode": mode}))
     tc = TrainConfig(compile=mode != "none")
-    if "cuda_graph" in {f.name for f in dataclasses.fields(TrainConfig)}:
-        # The reference is timed as the issue defines it (compiled, no CUDA graph) unless asked.
-        tc.cuda_graph = bool(int(v.get("cuda_graph", 0 if v["group"] == "reference" else int(tc.cuda_graph))))
+    # The reference is timed as the issue defines it (compiled, no CUDA graph) unless asked.
+    tc.cuda_graph = bool(int(v.get("cuda_graph", 0 if v["group"] == "reference" else int(tc.cuda_graph))))
     n_batches = 4
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(n_batches)]
@@ -118,7 +116,7 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
         for _ in range(3):
             one()
     else:
-        step = TrainStep(model, fwd, tc, (batch, cfg.block_size), device, graph=v["step"] == "graph" and cuda)
+        step = PlainStep(model, fwd, tc, (batch, cfg.block_size), device, graph=v["step"] == "graph" and cuda)
         step.warmup(xs[0], ys[0], n=3)
         last = [None]
 
@@ -247,8 +245,9 @@ def main():
     ap.add_argument("--compile-mode", default="default", help="torch.compile mode, or 'none'")
     ap.add_argument("--loss", default="chunked", choices=["chunked", "full"])
     ap.add_argument("--step", default="trainer", choices=["trainer", "graph", "plain"],
-                    help="trainer: oelm_core.train's step; graph: the same step captured whole in a "
-                         "CUDA graph (benchmarks/common.py); plain: that step without the graph")
+                    help="trainer: oelm_core.train's step; graph: benchmarks/common.py's PlainStep "
+                         "(the trainer's AdamW, but clip_grad_norm_ before it) captured whole in a "
+                         "CUDA graph; plain: PlainStep without the graph")
     ap.add_argument("--check", action="store_true", help="print loss/grad agreement with the reference")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", nargs="*", default=[], help="variant labels to profile (CUDA kernel table)")

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: the training step, timing, card and commit names."""
+"""Shared pieces of the benchmarks: a plain training step, timing, card and commit names."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import torch
 
 from oelm_core.config import TrainConfig
+from oelm_core.train import configure_optimizer
 
 
 def card_name(device=None) -> str:
@@ -53,32 +54,24 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def make_optimizer(model, tc: TrainConfig, capturable: bool = False):
-    """AdamW as the trainer configures it: decay on matrices only; fused on CUDA."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    cuda = params[0].is_cuda
-    lr = torch.tensor(tc.lr, device=params[0].device) if capturable else tc.lr
-    kw = dict(lr=lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
-    if cuda:
-        kw["fused"] = True
-        if capturable:
-            kw["capturable"] = True
-    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                              {"params": other, "weight_decay": 0.0}], **kw)
-
-
-class TrainStep:
-    """forward + backward + clip + AdamW for one (x, y) batch; ``graph=True`` captures it whole
-    in a CUDA graph (inputs copied into static buffers, the optimiser capturable)."""
+class PlainStep:
+    """forward + backward + clip + AdamW for one (x, y) batch, written out plainly: the baseline
+    the trainer's step (``oelm_core.train.TrainStep``) is timed against, not that step. The
+    optimiser is the trainer's (``train.configure_optimizer``), but the gradients are clipped by
+    ``clip_grad_norm_`` (a separate pass over them) where the trainer's fused AdamW divides them
+    inside its kernel. ``graph=True`` captures the step whole in a CUDA graph (inputs copied into
+    static buffers, the optimiser capturable with its learning rate a device tensor)."""
 
     def __init__(self, model, fwd, tc: TrainConfig, batch_shape, device, graph: bool = False,
                  autocast: bool = True):
         self.model, self.fwd, self.tc, self.graph = model, fwd, tc, graph
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = make_optimizer(model, tc, capturable=graph)
         self.device = torch.device(device)
+        self.opt = configure_optimizer(model, tc, self.device)
+        if graph:  # as the trainer's step turns it capturable before its capture
+            for group in self.opt.param_groups:
+                group["lr"] = torch.tensor(tc.lr, device=self.device)
+                group["capturable"] = True
         self.autocast = autocast and self.device.type == "cuda"
         self.x = torch.zeros(batch_shape, dtype=torch.long, device=device)
         self.y = torch.zeros(batch_shape, dtype=torch.long, device=device)

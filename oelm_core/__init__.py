@@ -2,9 +2,16 @@
 
 The stable public API (notebooks, the app, benchmarks and outside scripts rely on these):
 
-    build_model(preset, variant, **overrides) -> GPT
-    count_parameters(model) -> {"trainable", "frozen", "total", "by_component"}
+    build_model(preset, variant, seed=0, **overrides) -> GPT   (or build_model(ModelConfig))
+    GPT: the model; model(idx) -> logits (B, T, vocab_size), model(idx, targets) -> mean loss
+    model_config(preset, variant, **overrides) -> ModelConfig
+    ModelConfig, RunConfig: the configuration dataclasses (oelm_core.config)
+    ConfigError: raised for a parameter, preset or variant that cannot be used as given
+    PRESETS: preset name -> the ModelConfig shape it sets
     VARIANTS: variant name -> one-line description
+    count_parameters(model) -> {"trainable", "frozen", "total", "by_component"}
+    flops_per_token(cfg, context=None) -> FLOPs per trained token, forward and backward, by component
+    memory_account(model) -> bytes of weights, gradients and AdamW state, and what freezing saves
 """
 
 from collections.abc import Iterator, Mapping

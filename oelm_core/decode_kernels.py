@@ -1,12 +1,12 @@
 """The one-token KV-cached decode step as a handful of fused Triton kernels.
 
 Why: decoding one token of one sequence is bound by the number of kernels, not by memory
-bandwidth. ``GPT.decode_step`` launches ~115 small kernels per token (cuBLAS GEMVs of ~4 us
-each, layer norms, the softmax, index_copy, cat, ...): ~330 us of GPU time per token at the
-``medium512`` preset (6 layers, d_model 512, 8 heads, d_ff 2048, vocab 50,257, float32) on an
-H200, where the weights it reads (~180 MB, most of it the output layer) take ~40 us at full
-bandwidth. Here each layer is five launches and the whole step 5 * n_layer + 2 (32 at
-medium512):
+bandwidth. ``GPT.decode_step`` launches ~115 small kernels per token (cuBLAS GEMVs, layer
+norms, the softmax, index_copy, cat, ...): 395 us of GPU time per token at the ``medium512``
+preset (6 layers, d_model 512, 8 heads, d_ff 2048, vocab 50,257, float32) on an H200
+(benchmarks/RESULTS.md), where the weights it reads (~180 MB, most of it the output layer) take
+~40 us at full bandwidth. Here each layer is five launches and the whole step 5 * n_layer + 2
+(32 at medium512):
 
     embedding      x = wte[idx] + wpe[pos]                                    _embed_kernel
     per layer      qkv = [W_qk; W_v] LN_1(x) + [0; b_v]                        _gemv_kernel
@@ -21,9 +21,8 @@ Every shape is fixed and the token id and position are read only inside the kern
 synchronisation, no allocation once a ``DecodeScratch`` exists), so ``oelm_core.generate`` can
 capture steps in a CUDA graph. On Hopper GPUs the kernels are launched with programmatic
 dependent launch: each starts, and fetches its weights, while the previous one finishes.
-Measured on an H200 (16 steps per captured graph, medium512, positions 16 to 511): 111-115 us
-per float32 token against 333-344 us for ``GPT.decode_step`` (138-142 us without programmatic
-dependent launch); bfloat16 94-98 us against 339-350 us.
+Measured on an H200 (CUDA-graph replay, medium512, float32; benchmarks/RESULTS.md): 111-115 us
+per token against 395 us for ``GPT.decode_step``.
 
 Supported (``supports``): dot attention through a plain ``QKProjection`` in every layer
 (standard, orthogonal and frozen Q/K; not the Synthesizer or POET), eval mode, float32 or

@@ -58,8 +58,8 @@ class TransposedCopy:
 
     Why: a decoding step on the CPU is a chain of matrix-vector products whose speed is how fast
     the weights stream from memory. MKL reads ``x @ W.T`` with W stored (out, 512) at ~10 GB/s
-    on an AMD EPYC, and the transposed copy at 20-25 GB/s once out >= 1,024 (a plain sum streams
-    at ~30 GB/s). Costs one more copy of those weights in memory.
+    on an AMD EPYC, and the transposed copy at 18-21 GB/s once out >= 1,024 (a plain sum streams
+    at ~30 GB/s; benchmarks/RESULTS.md). Costs one more copy of those weights in memory.
     """
 
     def __init__(self):
@@ -147,6 +147,9 @@ class KVCache:
         self.length = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``layer``'s k, v (B, n_head, T_new, d_head) at positions length .. length + T_new - 1
+        and return its keys and values so far, (B, n_head, length + T_new, d_head) views of the
+        cache. Leaves ``length`` alone: ``GPT.hidden`` advances it once all layers have appended."""
         start, end = self.length, self.length + k.size(2)
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
@@ -405,7 +408,8 @@ if triton is not None:
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (float32) += a @ b for bf16/fp16 a, b: one GEMM accumulating in place where torch has
     the mixed-dtype addmm (CUDA, torch >= 2.8), else a low-precision product added in float32.
-    On an H200, for the output layer's weight gradient of one 8,192-token slice: 0.57 vs 0.70 ms."""
+    On an H200, for the output layer's weight gradient of one 8,192-token slice: 0.610 vs 0.746 ms
+    (benchmarks/RESULTS.md)."""
     global _HAS_ADDMM_OUT_DTYPE
     if _HAS_ADDMM_OUT_DTYPE:
         try:
@@ -425,9 +429,9 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
     (each row read twice, written once), then the two gradient matmuls.
     Compared with full logits + F.cross_entropy under torch.compile this saves about two passes
     over the (tokens x vocab) logits. Measured on an H200 for one 8,192 x 50,304 bf16 slice
-    (benchmarks/bench_ce.py): the kernel takes 0.66 ms, where a plain copy of the slice (one
-    read, one write) takes 0.39 ms; small programs (2,048 columns, 4 warps), many per SM, keep
-    enough loads in flight, where one 32-warp program per SM took 0.91 ms."""
+    (benchmarks/bench_ce.py, benchmarks/RESULTS.md): the kernel takes 0.662 ms, where a plain copy
+    of the slice (one read, one write) takes 0.395 ms; small programs (2,048 columns, 4 warps), many
+    per SM, keep enough loads in flight, where one 32-warp program per SM took 0.946 ms."""
     n, padded = x.size(0), w.size(0)
     xc, wc = x.to(dtype), w.to(dtype)
     targets = targets.contiguous()
@@ -518,7 +522,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 @torch.compiler.disable
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
-                         chunk: int = 8192, w_grad_hook: Optional[Callable] = None) -> torch.Tensor:
+                         chunk: Optional[int] = None, w_grad_hook: Optional[Callable] = None) -> torch.Tensor:
     """x: (N, d), w: (V_padded, d), targets: (N,) -> scalar mean loss (nats/token).
 
     ``targets`` are what ``F.cross_entropy(..., ignore_index=-1)`` takes: token ids in
@@ -528,7 +532,8 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     token files whose ids exceed the model's vocabulary before it starts. When every target is
     -1 the loss is NaN (0/0) and the gradients 0, as with ``F.cross_entropy``.
 
-    ``chunk``: tokens per slice (> 0), the memory of one slice's logits against launches.
+    ``chunk``: tokens per slice (> 0), the memory of one slice's logits against launches; None:
+    ModelConfig's default ``loss_chunk_tokens``.
 
     ``w_grad_hook``: if given, w's gradient (float32 or w's dtype, w's shape, already scaled by
     the incoming gradient) is handed to it when the backward pass reaches the loss, its first
@@ -537,6 +542,8 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     Runs outside torch.compile (a clean graph break: the transformer body is compiled, the loss
     is a few large cuBLAS matmuls and one Triton kernel that the compiler would not improve).
     """
+    if chunk is None:
+        chunk = ModelConfig.loss_chunk_tokens  # the dataclass field's default
     if chunk <= 0:
         raise ValueError(f"linear_cross_entropy: chunk must be a positive number of tokens per "
                          f"slice, got chunk={chunk}")
@@ -548,7 +555,8 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
 # --------------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
-    """Decoder-only transformer with learned positions and tied embeddings.
+    """Decoder-only transformer with learned positions; the output layer reuses the token
+    embedding unless ``cfg.tie_embeddings`` is False (then it has its own ``lm_head``).
 
     ``model(idx)`` -> logits (B, T, vocab_size); ``model(idx, targets)`` -> mean loss (nats/token).
     """
@@ -590,6 +598,8 @@ class GPT(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
+        """The output layer's weight, (padded_vocab_size, d_model): ``wte.weight`` when tied, else
+        ``lm_head.weight``. Rows from vocab_size on are zero padding and never become a logit."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def split_tied_gradient(self, hook: Optional[Callable[[torch.Tensor], None]]) -> Optional[nn.Parameter]:
@@ -650,6 +660,12 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None):
+        """idx: (B, T) int64 token ids in [0, vocab_size). Without ``targets``: logits (B, T,
+        vocab_size). With ``targets`` (B, T) int64, the next token of each position or -1 for a
+        position without loss: the mean cross-entropy over the others, a 0-dim float32 tensor
+        (nats/token). ``cache``: a ``KVCache`` holding ``cache.length`` earlier positions; this
+        call's T tokens are their continuation (length + T <= block_size, else ValueError), its
+        keys and values are stored and ``cache.length`` grows by T. Without a cache T <= block_size."""
         h = self.hidden(idx, cache)
         if targets is None:
             return self.logits(h)
@@ -719,14 +735,16 @@ class GPT(nn.Module):
         return new
 
 
-def build_model(preset: str | ModelConfig = "medium512", variant: str = "gpt_base", seed: int = 0,
+def build_model(preset: str | ModelConfig | None = None, variant: str | None = None, seed: int = 0,
                 **overrides: Any) -> GPT:
-    """A GPT of a named preset and variant (see ``oelm_core.VARIANTS``), or of a ModelConfig,
-    which is built as it is: a variant or overrides with it are an error, not applied."""
+    """A GPT of a named preset and variant (see ``oelm_core.VARIANTS``; left out: those
+    ``config.model_config`` defaults to), or of a ModelConfig, which is built as it is: any
+    variant or overrides with it are an error, not applied. ``seed`` seeds the initial weights."""
     if not isinstance(preset, ModelConfig):
-        return GPT(model_config(preset, variant, **overrides), seed=seed)
-    if variant != "gpt_base" or overrides:
-        given = ([f"variant={variant!r}"] if variant != "gpt_base" else []) + sorted(overrides)
+        named = {k: v for k, v in (("preset", preset), ("variant", variant)) if v is not None}
+        return GPT(model_config(**named, **overrides), seed=seed)
+    if variant is not None or overrides:
+        given = ([f"variant={variant!r}"] if variant is not None else []) + sorted(overrides)
         raise TypeError(f"build_model got a ModelConfig together with {', '.join(given)}, which it "
                         f"would not apply: pass a preset name instead (build_model(preset, variant, "
                         f"**overrides)), or change the config first (dataclasses.replace(cfg, ...))")

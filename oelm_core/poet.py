@@ -123,14 +123,6 @@ class POETProjection(nn.Module):
             self.register_buffer(f"perm_{name}", torch.empty(d, dtype=torch.int64))
         self._draw_permutations()
 
-    # --- the OELM interface -------------------------------------------------------------------
-    @property
-    def frozen(self) -> bool:
-        return False
-
-    def unfreeze(self) -> None:
-        return None  # nothing to unfreeze: R and P always train
-
     def skew_parameters(self) -> list[nn.Parameter]:
         return [getattr(self, f"skew_{name}") for name in _FACTORS]
 

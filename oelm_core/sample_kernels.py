@@ -154,7 +154,7 @@ if triton is not None:
             return tl.where(valid, 1.0, 0.0)
 
     @triton.jit
-    def _largest_key(row, full, n, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, need, cut, top, z,
+    def _largest_key(row, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, need, cut, top, z,
                      MASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         """The largest v with the count (or MASS) of the set's entries with key >= v >= need."""
         lo = tl.full([], -2147483648, tl.int64)
@@ -188,7 +188,7 @@ if triton is not None:
         cut = tl.full([], -2147483648, tl.int64)
         full = n_cand < 0
         if TOP_K:  # the candidates hold every chunk's KM >= k largest values, so the row's k largest
-            cut = _largest_key(row, full, n_cand, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, k,
+            cut = _largest_key(row, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, k,
                                cut, 0.0, 1.0, False, BLOCK, INTERPRET)
             c = tl.arange(0, BLOCK)
             over = tl.load(over_ptr + row * n_chunks + c, mask=c < n_chunks, other=-2147483648)
@@ -207,7 +207,7 @@ if triton is not None:
                 key, x, s, ids, valid = _set_block(row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr,
                                                    n_cand, BLOCK)
                 z += tl.sum(tl.where(key >= cut, _exp(x - top, INTERPRET), 0.0), 0)
-            cut = _largest_key(row, full, n, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, top_p,
+            cut = _largest_key(row, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, top_p,
                                cut, top, z, True, BLOCK, INTERPRET)
         best = tl.full([], float("-inf"), tl.float32)
         best_i = tl.full([], 2147483647, tl.int32)

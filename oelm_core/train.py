@@ -80,11 +80,11 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 
 @dataclass
 class Dist:
-    """This process's place in the job (torchrun's RANK / WORLD_SIZE / LOCAL_RANK; 0 / 1 / 0 alone)."""
+    """This process's place in the job (torchrun's RANK / WORLD_SIZE; 0 / 1 alone) and its device
+    (LOCAL_RANK picks the GPU: ``resolve_device``)."""
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     owns_group: bool  # this process created the process group, so it also destroys it
 
@@ -98,18 +98,31 @@ class Dist:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """"auto" -> this rank's GPU when there is one, else the CPU; "cuda" gets the local rank's index."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    """The torch.device that ``name`` (train.device: "auto", "cpu", "cuda" or "cuda:N") means on
+    this machine, made the current CUDA device when it is one.
+
+    "auto" -> this rank's GPU when there is one, else the CPU; a bare "cuda" gets index
+    ``local_rank`` (torchrun's LOCAL_RANK). ConfigError for a name that is not a device, CUDA
+    without a visible GPU, or an index past the GPUs there are.
+    """
+    resolved = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
     try:
-        device = torch.device(name)
+        device = torch.device(resolved)
     except RuntimeError:
         raise ConfigError(f"train.device {name!r} is not a device; use auto, cpu or cuda") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device asks for CUDA but no GPU is visible; set train.device: cpu (or auto)")
-        if device.index is None:
+        bare = device.index is None
+        if bare:
             device = torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            there = f"this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}"
+            if bare:
+                raise ConfigError(f"train.device {name!r} puts local rank {local_rank} on {device}, but "
+                                  f"{there}: start at most {count} processes per node")
+            raise ConfigError(f"train.device is {name!r}, but {there}: choose one of them, or auto")
         torch.cuda.set_device(device)
     return device
 
@@ -125,7 +138,7 @@ def setup_distributed(tc: TrainConfig) -> Dist:
         backend = tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, rank=rank, world_size=world)
         owns = True
-    return Dist(rank, world, local_rank, device, owns)
+    return Dist(rank, world, device, owns)
 
 
 def autocast_context(dtype: str, device: torch.device):
@@ -880,7 +893,7 @@ class Trainer:
                    disable=not (self.d.is_main and self.tc.progress))
         try:
             with logging_redirect_tqdm():
-                status = self._loop(start, end, bar, status)
+                status = self._loop(end, bar, status)
         except TrainingDiverged as exc:
             if self.d.is_main:
                 self._write_summary("diverged", time.perf_counter() - self.t_start, error=str(exc))
@@ -889,7 +902,7 @@ class Trainer:
             bar.close()
         return self._write_summary(status, time.perf_counter() - self.t_start)
 
-    def _loop(self, start: int, end: int, bar, status: str) -> str:
+    def _loop(self, end: int, bar, status: str) -> str:
         tc = self.tc
         window_start, window_t0 = self.step, time.perf_counter()
         while self.step < end:

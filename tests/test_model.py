@@ -106,7 +106,21 @@ def test_build_model_refuses_a_variant_or_overrides_it_would_not_apply():
         build_model(cfg, "oelm_freeze", freeze_qk="all")
     with pytest.raises(TypeError, match=r"together with nonsense_key.*dataclasses\.replace"):
         build_model(cfg, nonsense_key=1)
-    assert build_model(cfg, seed=1).cfg is cfg and build_model(cfg, "gpt_base").cfg is cfg
+    # Whichever variant: "gpt_base" (the default variant) was once taken as no variant at all.
+    for variant in ("gpt_base", "oelm_nofreeze"):
+        with pytest.raises(TypeError, match=f"ModelConfig together with variant='{variant}', which"):
+            build_model(cfg, variant)
+    assert build_model(cfg, seed=1).cfg is cfg
+
+
+def test_build_model_leaves_the_defaults_to_the_config(monkeypatch):
+    """Left out, the preset and the variant are the ones config.model_config defaults to: moved
+    there (here to tiny / oelm_freeze), build_model follows, with no copy of its own."""
+    monkeypatch.setattr(model_config, "__defaults__", ("tiny", "oelm_freeze"))
+    model = build_model()
+    assert (model.cfg.n_layer, model.cfg.vocab_size, model.cfg.frozen_layers()) == (2, 128, [0, 1])
+    assert build_model("smoke").cfg.frozen_layers() == [0, 1]
+    assert build_model(variant="gpt_base", n_layer=1).cfg == model_config("tiny", "gpt_base", n_layer=1)
 
 
 @pytest.mark.parametrize("tie", [True, False])

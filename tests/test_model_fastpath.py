@@ -117,6 +117,21 @@ def test_linear_cross_entropy_refuses_a_chunk_below_one():
             linear_cross_entropy(x, w, t, 8, chunk=chunk)
 
 
+def test_linear_cross_entropy_slices_by_the_configs_chunk_by_default(monkeypatch):
+    """Without ``chunk``, the slices are ModelConfig.loss_chunk_tokens tokens long (moved here to
+    6: 20 tokens in 4 slices, one log-sum-exp each), not a second copy of that default."""
+    from oelm_core.config import ModelConfig
+    monkeypatch.setattr(ModelConfig, "loss_chunk_tokens", 6)
+    lse_rows = []
+    logsumexp = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda t, dim: lse_rows.append(t.size(0)) or logsumexp(t, dim=dim))
+    g = torch.Generator().manual_seed(3)
+    x, w, t = torch.randn(20, 8, generator=g), torch.randn(16, 8, generator=g), torch.randint(0, 13, (20,), generator=g)
+    loss = linear_cross_entropy(x, w, t, 13)
+    assert lse_rows == [6, 6, 6, 2]
+    assert abs(float(loss - torch.nn.functional.cross_entropy(x @ w[:13].T, t))) <= TOL
+
+
 @pytest.mark.parametrize("bad", [-100, -2, 100, 128])
 def test_chunked_loss_refuses_the_targets_cross_entropy_refuses(bad):
     """Only -1 is ignored, as by F.cross_entropy(ignore_index=-1): other negative ids and ids

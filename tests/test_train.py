@@ -27,7 +27,7 @@ from oelm_core.checkpoint import load_checkpoint, model_from_state
 from oelm_core.config import ConfigError, DataConfig, TrainConfig, run_config_from_dict
 from oelm_core.data import eval_batches, prepare
 from oelm_core.model import GPT, build_model
-from oelm_core.train import configure_optimizer, lr_at, main, make_step, train
+from oelm_core.train import configure_optimizer, lr_at, main, make_step, resolve_device, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -749,6 +749,37 @@ def test_clear_errors(tmp_path, folded, capsys):
     # A second fresh start into the same folder refuses to overwrite the run.
     assert main(["--params", str(good)]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_a_gpu_index_past_the_machines_gpus_is_a_config_error(tmp_path, monkeypatch, capsys):
+    """train.device: cuda:2 on a machine with 2 GPUs (or a third torchrun process there) was
+    torch's raw error from set_device, a traceback out of main; now a ConfigError naming
+    train.device and the GPUs there are. This machine's CUDA is simulated: 2 GPUs."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda", local_rank=1) == torch.device("cuda", 1)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 1), torch.device("cuda", 0)]
+    with pytest.raises(ConfigError, match=r"^train.device is 'cuda:2', but this machine has 2 CUDA GPU\(s\), "
+                                          r"cuda:0..cuda:1: choose one of them, or auto$"):
+        resolve_device("cuda:2")
+    with pytest.raises(ConfigError, match=r"^train.device 'cuda' puts local rank 2 on cuda:2, but this machine "
+                                          r"has 2 CUDA GPU\(s\), .*: start at most 2 processes per node$"):
+        resolve_device("cuda", local_rank=2)
+    with pytest.raises(ConfigError, match=r"^train.device 'auto' puts local rank 3 on cuda:3"):
+        resolve_device("auto", local_rank=3)
+    assert len(chosen) == 3  # nothing was made current for the refused ones
+
+    # Through the CLI: exit code 2 and one line, before any data or model is touched.
+    values = params(tmp_path, tmp_path / "nowhere", device="cuda:7")
+    assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.device is 'cuda:7', but this machine has 2 CUDA GPU(s)")
+    assert err.count("\n") == 1
 
 
 def test_a_model_vocabulary_smaller_than_the_datas_is_refused(tmp_path, story_folder):
