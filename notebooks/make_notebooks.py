@@ -174,9 +174,8 @@ TRAINING = [
                "resume = False                 # True: continue the run in run_dir from its newest checkpoint\n"
                "progress_bar = False           # a tqdm bar does not stream well into a notebook"),
     ("code", SETUP + "\nfrom oelm_core import analysis as A\nfrom oelm_core.study import launch_training"),
-    ("code", "run_dir = launch_training(params, list(overrides) + [f'train.progress={str(progress_bar).lower()}'],\n"
-             "                          nproc=nproc, cuda_visible_devices=cuda_visible_devices, run_dir=run_dir,\n"
-             "                          resume=resume)\n"
+    ("code", "run_dir = launch_training(params, overrides, nproc=nproc, cuda_visible_devices=cuda_visible_devices,\n"
+             "                          run_dir=run_dir, resume=resume, progress=progress_bar)\n"
              "run_dir"),
     ("md", "## Result"),
     ("code", "run = A.load_run(run_dir)\n"

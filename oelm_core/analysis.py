@@ -25,13 +25,15 @@ import math
 import re
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 
-from oelm_core.config import ConfigError, RunConfig, model_config, trained_settings, variant_overrides
+from oelm_core.config import (ConfigError, RunConfig, model_config, read_yaml, trained_settings,
+                             variant_overrides)
 from oelm_core.generate import SamplingConfig
 
 # The repository root: the notebooks take relative output folders from here, so that their
@@ -101,7 +103,7 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None,
         if isinstance(v, float):
             if math.isnan(v):
                 return "-"
-            return f"{v:,.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"  # .4g writes 12,345.6 as 1.235e+04
         return str(v)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -470,10 +472,10 @@ def _summary_value(run: Run, key: str):
     if key == "final_train_loss":
         return trains[-1]["train_loss"] if trains else None
     if key == "tokens_per_s":
-        # skip the first logged rows (compilation, warm-up) when there are enough
+        # the figure summary.json holds: the median over the log windows, which the first
+        # (compilation, warm-up) cannot move
         rates = [r["tokens_per_s"] for r in trains if r.get("tokens_per_s")]
-        rates = rates[len(rates) // 5:] if len(rates) >= 5 else rates
-        return statistics.fmean(rates) if rates else None
+        return statistics.median(rates) if rates else None
     if key == "epochs":
         return trains[-1].get("epochs") if trains else None
     if key == "steps":
@@ -489,8 +491,6 @@ def _check_which(which: str) -> None:
 
 def load_run(run_dir: str | Path) -> Run:
     """Read a run folder (summary.json, metrics.jsonl, config.yaml); errors say what is missing."""
-    import yaml
-
     path = Path(run_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"run folder {path} does not exist; train it first "
@@ -499,8 +499,7 @@ def load_run(run_dir: str | Path) -> Run:
     if not any(f.is_file() for f in files):
         raise FileNotFoundError(f"{path} holds neither summary.json nor metrics.jsonl: not a run "
                                 f"folder, or its training did not get far enough to write them")
-    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    config = config or {}
+    config = read_yaml(path / "config.yaml") if (path / "config.yaml").is_file() else {}
     summary = json.loads((path / "summary.json").read_text()) if files[0].is_file() else {}
     metrics = []
     if files[1].is_file():
@@ -683,10 +682,15 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
     groups = group_runs(runs)
     rows = []
     for group in groups:
-        ppl_mean, ppl_std = mean_std([r.value(f"{which}_val_ppl") for r in group.runs])
+        ppls = [r.value(f"{which}_val_ppl") for r in group.runs]
+        ppl_mean, ppl_std = mean_std(ppls)
+        missing = [r.name for r, v in zip(group.runs, ppls) if v is None]
+        if missing:
+            warnings.warn(f"{group.label}: {', '.join(missing)} ended before its first evaluation; "
+                          f"the validation figures average the other seeds", stacklevel=2)
         rows.append({
             "variant": group.variant, "model": group.label, "preset": group.preset,
-            "seeds": len(group.runs), "val_loss": _mean(group, f"{which}_val_loss"), "val_ppl": ppl_mean,
+            "seeds": len(group.runs) - len(missing), "val_loss": _mean(group, f"{which}_val_loss"), "val_ppl": ppl_mean,
             "val_ppl_std": ppl_std, "val_bpb": _mean(group, f"{which}_val_bpb"),
             "train_loss": _mean(group, "final_train_loss"), "total_params": group.runs[0].value("total"),
             "trainable_params": group.runs[0].value("trainable"),
@@ -714,11 +718,13 @@ def _mean(group: Group, key: str) -> float | None:
 def significance(a: Sequence[float], b: Sequence[float]) -> dict:
     """Welch's t-test of mean(a) != mean(b) and Cohen's d (pooled standard deviation).
 
-    Needs at least two values on each side; otherwise t, p and d are None.
+    Values that do not exist (None, NaN: a run cut short before its first evaluation) are left
+    out, as ``mean_std`` leaves them out; n_a and n_b count those used. Needs at least two values
+    on each side; otherwise t, p and d are None.
     """
     from scipy import stats
 
-    a, b = [float(x) for x in a], [float(x) for x in b]
+    a, b = ([float(x) for x in xs if x is not None and not math.isnan(x)] for xs in (a, b))
     out = {"n_a": len(a), "n_b": len(b), "mean_a": statistics.fmean(a) if a else None,
            "mean_b": statistics.fmean(b) if b else None, "t": None, "p": None, "df": None,
            "cohen_d": None}

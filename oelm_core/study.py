@@ -117,18 +117,22 @@ def child_visible_devices(gpus: str) -> str:
 
 def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: int = 1,
                     cuda_visible_devices: str | None = None, run_dir: str | Path | None = None,
-                    resume: bool = False, echo: Callable[[str], None] | None = None) -> Path:
+                    resume: bool = False, progress: bool | None = None,
+                    echo: Callable[[str], None] | None = None) -> Path:
     """Train one run in a subprocess, echoing its log line by line; returns the run folder.
 
     ``run_dir`` overrides the parameter file's out_dir. ``cuda_visible_devices`` picks the child's
     GPUs by their index in this process ("" hides every GPU; ``child_visible_devices``); the
-    calling process never touches CUDA. A non-zero exit raises RuntimeError with the last lines
-    of the log.
+    calling process never touches CUDA. ``progress`` sets ``train.progress`` (None: the parameter
+    file's; a tqdm bar streams badly into a notebook). A non-zero exit raises RuntimeError with
+    the last lines of the log.
     """
     params = Path(params)
     if not params.is_file() and (REPO / params).is_file():  # e.g. run from notebooks/
         params = REPO / params
     overrides = list(overrides)
+    if progress is not None:
+        overrides.append(f"train.progress={str(bool(progress)).lower()}")
     if run_dir is not None:
         # quoted: --set values are YAML, where " #" starts a comment and a bare path may be a number
         overrides.append(f"out_dir={json.dumps(str(Path(run_dir).resolve()), ensure_ascii=False)}")

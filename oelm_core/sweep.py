@@ -48,6 +48,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from oelm_core.analysis import BASELINE, GROUP_LABELS
 from oelm_core.config import (ConfigError, apply_overrides, read_yaml, run_config_from_dict, trained_settings,
                               variants as known_variants)
 from oelm_core.files import write_text_atomic
@@ -145,7 +146,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if not isinstance(smoke.get("set") or {}, dict):
         raise ConfigError(f"{path}: sweep.smoke.set must map dotted keys to values, e.g. "
                           f"{{train.steps: 8}}; got {smoke['set']!r}")
-    variants = spec.get("variants", ["gpt_base", "oelm_nofreeze", "oelm_freeze"])
+    variants = spec.get("variants", list(GROUP_LABELS))
     _check_variants(variants, path)
     seeds = spec.get("seeds", [0])
     _check_seeds(seeds, path)
@@ -436,7 +437,7 @@ def _group(rows: list[dict], keys: Sequence[str]) -> dict[tuple, list[dict]]:
     return groups
 
 
-ABLATION_ORDER = ["gpt_base", "oelm_nofreeze", "oelm_freeze", "oelm_freeze_gaussian", "oelm_freeze_svd",
+ABLATION_ORDER = [*GROUP_LABELS, "oelm_freeze_gaussian", "oelm_freeze_svd",
                   "oelm_freeze_householder", "oelm_freeze_cayley", "oelm_freeze_shallow", "oelm_freeze_deep",
                   "progressive", "progressive_layerwise", "oelm_poet", "synth_random", "synth_random_fixed",
                   "synth_factorized"]
@@ -446,7 +447,7 @@ def _order(label: str) -> tuple[int, str]:
     return (ABLATION_ORDER.index(label) if label in ABLATION_ORDER else len(ABLATION_ORDER), label)
 
 
-def ablation_table(root: str | Path, baseline: str = "gpt_base", spectrum: bool = True) -> dict:
+def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = True) -> dict:
     """{"runs": per-run rows, "rows": per-ablation means over seeds, "markdown_runs", "markdown"}.
 
     Per ablation: mean (and std over seeds) final val loss and ppl, the gap to ``baseline`` in %,
@@ -486,7 +487,7 @@ def ablation_figure(table: dict, path: str | Path | None = None):
     rows = [r for r in table["rows"] if r["val_loss"] is not None]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
     xs = range(len(rows))
-    colors = ["tab:gray" if r["label"] == "gpt_base" else "tab:purple" if r["label"].startswith("synth")
+    colors = ["tab:gray" if r["label"] == BASELINE else "tab:purple" if r["label"].startswith("synth")
               else "tab:green" if "poet" in r["label"] else "tab:blue" for r in rows]
     ax.bar(xs, [r["val_loss"] for r in rows], color=colors, alpha=0.6)
     for x, r in zip(xs, rows):
@@ -531,7 +532,7 @@ def sweep_results(root: str | Path, sweep_name: Optional[str] = None, smoke: Opt
                      "val_loss": loss, "val_loss_std": loss_std,
                      "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
                      "trainable": group[0]["trainable"], "frozen": group[0]["frozen"]})
-    variant_order = {"gpt_base": 0, "oelm_nofreeze": 1, "oelm_freeze": 2}
+    variant_order = {v: i for i, v in enumerate(GROUP_LABELS)}
     rows.sort(key=lambda r: (r["sweep"] or "", _sortable(r["value"]), variant_order.get(r["variant"], 9), r["variant"]))
     cols = ["sweep", "key", "value", "variant", "seeds", "val_loss", "val_loss_std", "val_ppl", "trainable", "frozen"]
     return {"runs": runs, "rows": rows, "markdown": markdown_table(rows, cols)}
@@ -543,7 +544,7 @@ def _sortable(v):
 
 def sweep_figure(results: dict, path: str | Path | None = None, title: Optional[str] = None):
     """Final validation loss against the swept value, one line per variant (error bars: seed std)."""
-    from oelm_core.analysis import GROUP_LABELS, _plt, save_figure
+    from oelm_core.analysis import _plt, save_figure
 
     plt = _plt()
     rows = [r for r in results["rows"] if r["val_loss"] is not None]

@@ -653,3 +653,50 @@ def test_attention_figure_and_samples_with_gpt2_vocab(tmp_path):
     samples = A.sample_generations(models, "Once upon a time", max_new_tokens=5, seed=1)
     assert [s["model"] for s in samples] == ["GPT-Base", "OELM-Freeze"]
     assert samples == A.sample_generations(models, "Once upon a time", max_new_tokens=5, seed=1)
+
+
+def test_a_run_without_an_evaluation_is_left_out_of_the_figures_and_named(tmp_path):
+    """A seed killed before its first evaluation crashed the Welch tests (float(None)), and the
+    table said 3 seeds where its mean covered 2."""
+    from scipy import stats
+
+    for seed, (base, freeze) in enumerate([(10.0, 11.0), (10.4, 11.2), (10.2, 11.4)]):
+        make_run(tmp_path, "gpt_base", base, seed=seed)
+        make_run(tmp_path, "oelm_freeze", freeze, seed=seed)
+    cut = tmp_path / "gpt_base_s2"
+    (cut / "summary.json").unlink()
+    rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    (cut / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("val_")})
+                                               + "\n" for r in rows))
+    runs = A.load_runs(tmp_path)
+    with pytest.warns(UserWarning, match="gpt_base_s2 ended before its first evaluation"):
+        table = A.results_table(runs)
+    base = next(r for r in table["rows"] if r["variant"] == "gpt_base")
+    assert base["seeds"] == 2 and base["val_ppl"] == pytest.approx(10.2)
+    test = next(t for t in A.significance_tests(runs) if (t["a"], t["b"]) == ("OELM-Freeze", "GPT-Base"))
+    assert (test["n_a"], test["n_b"]) == (3, 2) and test["mean_b"] == pytest.approx(10.2)
+    expected = stats.ttest_ind([11.0, 11.2, 11.4], [10.0, 10.4], equal_var=False).statistic
+    assert test["t"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_large_figures_are_written_in_full():
+    """4 significant digits wrote 45,678.9 tokens/s as 4.568e+04."""
+    row = A.markdown_table([{"tok_s": 45678.9, "x": 99999.7, "ppl": 19.4812}]).splitlines()[-1]
+    assert row == "| 45,679 | 100,000 | 19.48 |"
+
+
+def test_tokens_per_s_without_a_summary_is_the_median_of_the_windows(tmp_path):
+    """summary.json holds the median over the log windows; a run without one gave a trimmed mean."""
+    run_dir = make_run(tmp_path, "gpt_base", 10.0, summary=False)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r, rate in zip(rows, [100.0, 1000.0, 1100.0, 5000.0]):
+        r["tokens_per_s"] = rate
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert A.load_run(run_dir).value("tokens_per_s") == 1050.0
+
+
+def test_a_broken_config_yaml_names_the_file(tmp_path):
+    run_dir = make_run(tmp_path, "gpt_base", 10.0)
+    (run_dir / "config.yaml").write_text("train: {seed: 1\n")
+    with pytest.raises(ConfigError, match=r"config.yaml is not valid YAML"):
+        A.load_run(run_dir)

@@ -350,3 +350,23 @@ def test_failed_notebook_names_the_cell(tmp_path, monkeypatch):
     assert "RuntimeError" in msg and str(out) in msg
     assert f"data folder {tmp_path / 'no_such_folder'} does not exist" in msg
     assert failed_cell(out).startswith("code cell")
+
+
+@pytest.mark.parametrize("progress, expected", [(None, True), (False, False), (True, True)])
+def test_launch_training_sets_the_progress_bar_only_when_asked(monkeypatch, progress, expected):
+    """Notebook 03 turns the bar off (it streams badly there); None keeps the parameter file's."""
+    import subprocess
+
+    import oelm_core.study as S
+
+    class Done:
+        stdout = iter(())
+
+        def wait(self):
+            return 0
+
+    commands = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: commands.append(cmd) or Done())
+    S.launch_training("parameters/smoke/gpt_base.yaml", progress=progress, echo=lambda line: None)
+    sets = [commands[0][k + 1] for k, arg in enumerate(commands[0]) if arg == "--set"]
+    assert load_run_config("parameters/smoke/gpt_base.yaml", sets).train.progress is expected
