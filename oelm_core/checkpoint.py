@@ -9,11 +9,14 @@ unpickles arbitrary objects:
     run_config      the RunConfig as a dict (absent for models saved outside a run)
     step            optimiser steps taken
     metrics         latest figures, e.g. val_loss, val_ppl, train_loss, tokens_seen
+    data            the prepared data trained on: content_hash, train_tokens, val_tokens
+                    (from its meta.json; --resume refuses other data)
     optimizer, rng, sampler   what ``--resume`` needs (training checkpoints only)
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,11 @@ from oelm_core.files import atomic_write
 from oelm_core.model import GPT
 
 FORMAT_VERSION = 1
+
+# Only the training checkpoints (ckpt/step_N.pt) hold these; best.pt leaves them out.
+RESUME_KEYS = ("optimizer", "rng", "sampler")
+# What --resume reads from a checkpoint.
+TRAINING_KEYS = ("run_config", "step", "metrics", *RESUME_KEYS)
 
 
 class CheckpointError(RuntimeError):
@@ -51,7 +59,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(
-            f"checkpoint {path} could not be read ({type(exc).__name__}: {str(exc)[:200]}); the file is "
+            f"checkpoint {path} could not be read ({_what_failed(exc)}); the file is "
             f"truncated or not an OELM checkpoint: use another checkpoint of the run folder "
             f"(best.pt or an earlier step) or train again") from exc
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
@@ -61,6 +69,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                               f"oelm_core reads format {FORMAT_VERSION}: load it with the oelm_core "
                               f"version that wrote it")
     return state
+
+
+def _what_failed(exc: Exception) -> str:
+    """The error's type and torch's first sentence, whole. The rest of its message is advice for
+    other situations (torch's weights_only failure goes on for lines about trusting the
+    file); where the file holds an object that weights_only refuses, the sentence naming it."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line]
+    refused = [line.split(":", 1)[1].strip() for line in lines if line.startswith("WeightsUnpickler error:")]
+    first = refused[0] if refused else lines[0] if lines else ""
+    sentence = re.match(r"(.+?\.)(\s|$)", first)
+    reason = sentence.group(1) if sentence else first
+    return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
 
 
 def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> GPT:

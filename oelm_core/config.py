@@ -2,9 +2,9 @@
 
 The CLI (`python -m oelm_core.train`), the notebooks (through papermill parameters), the study
 runner and the Gradio app all read these dataclasses; nothing else holds a default. A YAML
-parameter file is a nested mapping with the sections ``model``, ``data`` and ``train`` (plus
-``name`` and ``out_dir``); ``model`` may name a ``preset`` and a ``variant`` whose values the
-remaining keys override.
+parameter file is a nested mapping with the sections ``model``, ``data`` and ``train`` and the
+top-level keys ``name``, ``out_dir``, ``preset`` and ``variant``; the keys of ``model`` override
+the values of the preset and the variant.
 
 Errors name the problem and the fix: an unknown key lists the keys that exist, a wrong type
 says which type was expected.
@@ -320,6 +320,9 @@ class TrainConfig:
         for name in ("lr", "eps", "ddp_bucket_mb"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}: the cosine "
+                              f"schedule decays from lr to min_lr, so min_lr must be at most lr")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be in [0, 1) (AdamW's moment decay, e.g. 0.9), "
@@ -369,6 +372,11 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def model_config(self) -> ModelConfig:
+        for key in ("preset", "variant"):
+            if key in self.model:
+                value = self.model[key]
+                raise ConfigError(f"model.{key} is not a model key: preset and variant are top-level "
+                                  f"keys; write `{key}: {value}` beside `model:` (or --set {key}={value})")
         return model_config(self.preset, self.variant, **self.model)
 
     def validate(self) -> "RunConfig":
@@ -510,13 +518,43 @@ def apply_overrides(values: dict, overrides: list[str] | dict[str, Any] | None) 
     return values
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, first_line: int, line: int):
+        where = f"on line {line}" if line == first_line else f"on lines {first_line} and {line}"
+        super().__init__(f"the key {key!r} appears twice in one mapping ({where}); YAML would keep "
+                         f"only the second silently: merge the two into one")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing a key given twice in one mapping: PyYAML keeps the last
+    value, so a second ``train:`` section would silently drop the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: PyYAML's own error names it
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     """One --set string as (dotted key, value): train.steps=200 -> ("train.steps", 200)."""
     if "=" not in item:
         raise ConfigError(f"--set expects key=value (e.g. train.steps=200), got {item!r}")
     key, raw = item.split("=", 1)
     try:
-        return key.strip(), yaml.safe_load(raw)
+        return key.strip(), yaml.load(raw, Loader=_UniqueKeyLoader)
+    except _DuplicateKey as exc:
+        raise ConfigError(f"--set {item!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
                           f"complete it (e.g. train.lr=0.001, model.freeze_qk=[0,1]) or quote "
@@ -537,11 +575,13 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 def read_yaml(path: str | Path) -> dict:
     """The mapping a YAML file holds ({} for an empty file). ConfigError, naming the file, for a
-    syntax error (with its line and column), a file that is not text, or a top level that is
-    not a mapping."""
+    syntax error (with its line and column), a key given twice in one mapping, a file that is
+    not UTF-8 text, or a top level that is not a mapping."""
     path = Path(path)
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax "
                           f"there (an unclosed bracket or quote is the usual cause)") from None

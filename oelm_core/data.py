@@ -6,6 +6,7 @@ the GPT-2 BPE followed by an end-of-text token, and writes one flat uint16 strea
     out_dir/train.bin   uint16[train_tokens]   story_0 EOT story_1 EOT ...
     out_dir/val.bin     uint16[val_tokens]
     out_dir/meta.json   counts, bytes (for bits per byte) and the content hash that skips re-runs
+    out_dir/.prepare.lock   held while preparing, so that two processes do not write at once
 
 `TokenSampler` then draws random (x, y) windows from a .bin file through a memory map; its
 randomness is keyed by (seed, rank, batch number), so resuming needs only the batch count.
@@ -16,6 +17,7 @@ CLI: python -m oelm_core.data --source ../shared/data/tinystories --out-dir data
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -25,6 +27,8 @@ import os
 import re
 import reprlib
 import sys
+import textwrap
+import time
 from dataclasses import fields
 from datetime import datetime, timezone
 from itertools import islice
@@ -37,7 +41,12 @@ import torch
 from tqdm.auto import tqdm
 
 from oelm_core.config import ConfigError, DataConfig, ModelConfig
-from oelm_core.files import atomic_write
+from oelm_core.files import atomic_write, temporary_files
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks (see _remove_stale_temp_files)
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +78,22 @@ _LOCAL_HINT = ("set data.source (or the environment variable OELM_DATA) to a loc
 
 @functools.lru_cache(maxsize=1)
 def get_tokenizer():
-    """The tiktoken GPT-2 encoding (loaded once per process)."""
+    """The tiktoken GPT-2 encoding (loaded once per process). ConfigError, on one line, when its
+    BPE files are neither cached in TIKTOKEN_CACHE_DIR nor downloadable (offline)."""
     import tiktoken
 
     try:
         return tiktoken.get_encoding(TOKENIZER)
     except Exception as e:  # offline without a cache: tiktoken fails while downloading
-        raise RuntimeError(
-            f"tiktoken could not load the {TOKENIZER!r} encoding ({type(e).__name__}: {e}). "
-            f"Offline, set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files, e.g. "
-            f"TIKTOKEN_CACHE_DIR=../shared/data/tokenizer/tiktoken_cache") from e
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+        missing = (f"TIKTOKEN_CACHE_DIR={cache} does not hold them" if cache
+                   else "TIKTOKEN_CACHE_DIR is not set")
+        reason = textwrap.shorten(f"{type(e).__name__}: {e}", 200)
+        # from None: the CLIs print this line, not the 80 lines of the failed download.
+        raise ConfigError(
+            f"tiktoken could not load the {TOKENIZER!r} BPE files: {missing} and downloading them "
+            f"failed ({reason}); set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files "
+            f"(see the README), e.g. TIKTOKEN_CACHE_DIR=../shared/data/tokenizer/tiktoken_cache") from None
 
 
 def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, int, int]:
@@ -165,20 +180,51 @@ def _import_datasets():
     return datasets
 
 
+_JSONL_EXAMPLE = '{"text": "Once upon a time..."}'
+
+
 def _read_file(path: Path, text_field: str) -> Iterator[str]:
-    """Raw story texts of one .txt, .jsonl or .parquet file."""
+    """Raw story texts of one .txt, .jsonl or .parquet file. ConfigError naming the file (and
+    line) for a file that is not UTF-8 text, a line that is not JSON, or a damaged parquet."""
     if path.suffix == ".txt":
-        yield from split_stories(path.read_text(encoding="utf-8"))
-    elif path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield _field_of(json.loads(line), text_field, f"{path}:{lineno}")
-    else:  # .parquet
+        raw = path.read_bytes()
         try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ConfigError(f"reading {path} needs `pyarrow`: {_INSTALL_HINT}") from e
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lineno = raw.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"{path}:{lineno}: {_not_utf8(e)}") from None
+        yield from split_stories(text)
+    elif path.suffix == ".jsonl":
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"{path}:{lineno}: {_not_utf8(e)}") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    problem = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+                    raise ConfigError(f"{path}:{lineno}: not a JSON object ({problem}); a .jsonl file "
+                                      f"holds one JSON object per line, e.g. {_JSONL_EXAMPLE}") from None
+                yield _field_of(row, text_field, f"{path}:{lineno}")
+    else:  # .parquet
+        yield from _read_parquet(path, text_field)
+
+
+def _not_utf8(e: UnicodeDecodeError) -> str:
+    return f"not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the story files as UTF-8 text"
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ConfigError(f"reading {path} needs `pyarrow`: {_INSTALL_HINT}") from e
+    try:
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
             raise ConfigError(f"{path} has no column {text_field!r} (it has {pf.schema_arrow.names}); "
@@ -186,6 +232,10 @@ def _read_file(path: Path, text_field: str) -> Iterator[str]:
         for batch in pf.iter_batches(columns=[text_field]):
             for value in batch.column(0).to_pylist():
                 yield _story_text(value, text_field, str(path))
+    except pyarrow.ArrowException as e:
+        raise ConfigError(f"{path} is not a readable parquet file ({textwrap.shorten(str(e), 200)}); "
+                          f"replace it with a readable one (e.g. written by pyarrow.parquet.write_table) "
+                          f"or remove it") from None
 
 
 def _rows(rows: Iterable[dict], text_field: str, where: str) -> Iterator[str]:
@@ -308,7 +358,10 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
     Skipped (the existing meta is returned) when meta.json's content_hash matches the source:
     for a local folder a hash of the story texts, for the hub a hash of (name, column, caps),
     which needs no network. `force=True` rebuilds. Under DDP call it on one rank and wait for it on the others.
+    A second process preparing the same folder waits for the first (a lock on out_dir/.prepare.lock)
+    and then finds it up to date; temporary files of a killed preparation are removed.
     """
+    started = time.time()
     cfg.validate()
     source = resolve_source(cfg)
     out = Path(cfg.out_dir)
@@ -343,15 +396,21 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
             totals[split] = n
     content_hash = h.hexdigest()
 
-    meta_path = out / "meta.json"
-    if not force and meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("content_hash") == content_hash and _bins_match(out, meta):
-            log.info("%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
-                     out, resolved, content_hash[:12])
-            return meta
-
+    if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None:
+        return meta
     out.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(out) as locked:
+        # A process preparing the same folder may have finished it while this one waited.
+        if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None:
+            return meta
+        _remove_stale_temp_files(out, locked, started)
+        return _write_all(out, splits, totals, resolved, content_hash, cfg, progress)
+
+
+def _write_all(out: Path, splits: dict, totals: dict, resolved: str, content_hash: str,
+               cfg: DataConfig, progress: bool) -> dict:
+    """Tokenise every split into out/{split}.bin, then write out/meta.json; return the meta."""
+    meta_path = out / "meta.json"
     # Remove the old meta first: if we crash between writing the .bin files, no stale meta can
     # vouch for them, and the next call rebuilds.
     meta_path.unlink(missing_ok=True)
@@ -372,11 +431,71 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
     return meta
 
 
+def _up_to_date(out: Path, content_hash: str, resolved: str) -> dict | None:
+    """out's meta when it was prepared from this content and its token files are whole, else None."""
+    meta = _read_meta(out / "meta.json")
+    if meta is None or meta.get("content_hash") != content_hash or not _bins_match(out, meta):
+        return None
+    log.info("%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
+             out, resolved, content_hash[:12])
+    return meta
+
+
+def _read_meta(path: Path) -> dict | None:
+    """The mapping meta.json holds; None where it is missing or damaged (empty, not JSON, not a
+    mapping: a foreign or interrupted write), which prepare rebuilds and load_meta refuses."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def _bins_match(out: Path, meta: dict) -> bool:
     """Both token files exist with the sizes meta.json records (2 bytes per token)."""
-    return all((out / f"{s}.bin").is_file()
-               and (out / f"{s}.bin").stat().st_size == 2 * meta.get(f"{s}_tokens", -1)
+    return all(isinstance(meta.get(f"{s}_tokens"), int) and (out / f"{s}.bin").is_file()
+               and (out / f"{s}.bin").stat().st_size == 2 * meta[f"{s}_tokens"]
                for s in SPLIT_NAMES)
+
+
+@contextlib.contextmanager
+def _folder_lock(out: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on out/.prepare.lock while preparing ``out``: a second process
+    preparing the same folder waits here. Yields whether the lock is held (False where the
+    platform or file system has no locks)."""
+    if fcntl is None:
+        yield False
+        return
+    with open(out / ".prepare.lock", "a") as f:
+        locked = True
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is preparing %s", out)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (some network mounts)
+            locked = False
+        yield locked  # closing the file releases the lock
+
+
+def _remove_stale_temp_files(out: Path, locked: bool, started: float) -> None:
+    """Remove what killed writes of prepare's outputs left in ``out`` (atomic_write's temporary
+    ``.train.bin.*.tmp`` and the like). Under the lock no other process is writing there. Without
+    it only files untouched since this call started (``started``, time.time()) go: a live write
+    keeps touching its file, and Windows refuses to delete a file that another process holds open."""
+    for name in ("train.bin", "val.bin", "meta.json"):
+        for tmp in temporary_files(out, name):
+            try:
+                if locked or tmp.stat().st_mtime < started:
+                    tmp.unlink()
+                    log.info("removed %s, left by an interrupted preparation", tmp)
+            except OSError:  # removed by another process meanwhile, or open in one
+                pass
+
+
+def _rebuild_hint(out_dir: Path) -> str:
+    return (f"rebuild with `python -m oelm_core.data --source <folder or {HUB_NAME}> --out-dir {out_dir} "
+            f"--force`")
 
 
 def _prepare_hint(out_dir: Path) -> str:
@@ -391,10 +510,13 @@ def load_meta(out_dir: str | Path) -> dict:
     if missing:
         raise ConfigError(f"no prepared data in {out} (missing {', '.join(missing)}); "
                           f"{_prepare_hint(out)}")
-    meta = json.loads((out / "meta.json").read_text())
+    meta = _read_meta(out / "meta.json")
+    if meta is None:
+        raise ConfigError(f"{out / 'meta.json'} is damaged (empty, not JSON or not a mapping: an "
+                          f"interrupted or foreign write); {_rebuild_hint(out)}")
     if not _bins_match(out, meta):
         raise ConfigError(f"the token files in {out} do not match its meta.json (an interrupted or "
-                          f"foreign write); rebuild with `python -m oelm_core.data ... --force`")
+                          f"foreign write); {_rebuild_hint(out)}")
     return meta
 
 
@@ -406,6 +528,10 @@ def _open_tokens(bin_path: str | Path, block_size: int) -> np.memmap:
     path = Path(bin_path)
     if not path.is_file():
         raise ConfigError(f"token file {path} not found; {_prepare_hint(path.parent)}")
+    size = path.stat().st_size
+    if size == 0 or size % 2:  # np.memmap's own errors name neither the file nor the fix
+        raise ConfigError(f"{path} holds {size} bytes, not a whole number of 2-byte (uint16) tokens "
+                          f"(an interrupted or foreign write); {_rebuild_hint(path.parent)}")
     data = np.memmap(path, dtype=np.uint16, mode="r")
     if len(data) < block_size + 1:
         raise ConfigError(f"{path} holds {len(data)} tokens, fewer than block_size + 1 = "

@@ -14,7 +14,10 @@ from typing import Callable, IO
 
 
 def atomic_write(path: str | Path, write: Callable[[IO], None], mode: str = "wb") -> Path:
-    """Create or replace ``path`` with what ``write(f)`` writes to the open file ``f``."""
+    """Create or replace ``path`` with what ``write(f)`` writes to the open file ``f``.
+
+    The temporary is ``.<name>.<random>.tmp`` beside ``path``; a write that fails removes it, a
+    process killed mid-write leaves it (see ``temporary_files``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -34,3 +37,10 @@ def atomic_write(path: str | Path, write: Callable[[IO], None], mode: str = "wb"
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """``Path.write_text`` through ``atomic_write``."""
     return atomic_write(path, lambda f: f.write(text), mode="w")
+
+
+def temporary_files(folder: str | Path, name: str = "*") -> list[Path]:
+    """The temporaries that atomic writes of files named ``name`` (a glob; any name by default)
+    left in ``folder``, which only a process killed mid-write leaves behind. Remove them only
+    while no other process can be writing there (under a lock on the folder)."""
+    return sorted(p for p in Path(folder).glob(f".{name}.*.tmp") if p.is_file())

@@ -15,6 +15,7 @@ A run folder (``RunConfig.out_dir``) holds:
     ckpt/step_XXXXXXX.pt   the last ``keep_last`` step checkpoints (what --resume continues from)
     best.pt                the checkpoint with the lowest validation loss
     summary.json           the run's figures, written when a session ends
+    .lock                  held by the session writing the folder (pid inside): one at a time
 
 Data parallelism is exact: rank r's micro-step m draws its windows as virtual rank r*A + m of
 W*A (A = grad_accum, W = world size), so W ranks with grad_accum A see the very batches one
@@ -24,6 +25,7 @@ process with grad_accum W*A sees, and the two loss curves agree to float roundin
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import inspect
 import itertools
@@ -31,13 +33,14 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,13 +50,18 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
-from oelm_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from oelm_core.checkpoint import RESUME_KEYS, TRAINING_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from oelm_core.config import (PRESETS, RESUMABLE_CHANGES, ConfigError, ModelConfig, RunConfig, TrainConfig,
                               load_run_config, run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
-from oelm_core.files import write_text_atomic
+from oelm_core.files import temporary_files, write_text_atomic
 from oelm_core.model import build_model
 from oelm_core.peer_grads import PeerGradExchange, first_of_each
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; two trainings into one out_dir are not caught there
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +110,17 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     this machine, made the current CUDA device when it is one.
 
     "auto" -> this rank's GPU when there is one, else the CPU; a bare "cuda" gets index
-    ``local_rank`` (torchrun's LOCAL_RANK). ConfigError for a name that is not a device, CUDA
-    without a visible GPU, or an index past the GPUs there are.
+    ``local_rank`` (torchrun's LOCAL_RANK). ConfigError for a name that is not a device or not
+    a CPU or CUDA one, CUDA without a visible GPU, or an index past the GPUs there are.
     """
     resolved = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
     try:
         device = torch.device(resolved)
     except RuntimeError:
         raise ConfigError(f"train.device {name!r} is not a device; use auto, cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xla, meta...: the trainer runs on neither
+        raise ConfigError(f"train.device {name!r} is not supported: the trainer runs on the CPU or on "
+                          f"CUDA GPUs; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device asks for CUDA but no GPU is visible; set train.device: cpu (or auto)")
@@ -145,6 +156,120 @@ def autocast_context(dtype: str, device: torch.device):
     """bf16 autocast on CUDA ("auto") or when asked for; float32 otherwise. Reusable context."""
     use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+
+# glibc's mallopt parameters (malloc.h) and the size up to which freed blocks stay in the heap
+# (mallopt takes a C int: at most 2 GiB - 1).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+HEAP_BLOCK_BYTES = 1 << 30
+
+
+def keep_large_blocks_in_heap() -> bool:
+    """Make glibc keep freed blocks of up to HEAP_BLOCK_BYTES for reuse by the next CPU step.
+
+    Each step allocates and frees the same large temporaries (a 512 x 50,304 float32 logits
+    slice: 103 MB). glibc serves a block above its mmap threshold (adaptive, at most 32 MB)
+    with fresh pages and hands them back when it is freed, so every step faults all of them in
+    again. With both thresholds raised the blocks stay in the heap and are reused: 30 steps of
+    parameters/smoke/oelm_freeze.yaml on 2 shared cores took 59 s wall and 11 s system time
+    (4.5M page faults) before, 41 s and 0.8 s (0.22M) after. The price: the heap keeps freed
+    blocks rather than returning them (peak RSS 0.73 -> 0.90 GiB there), also after training.
+
+    Returns whether glibc took both settings; False, changing nothing, on other C libraries
+    (macOS, musl, Windows), whose allocators have other switches or none.
+    """
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or not that name
+        glibc = False
+    if not glibc:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all([mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_BYTES), mallopt(M_TRIM_THRESHOLD, HEAP_BLOCK_BYTES)])
+
+
+# --------------------------------------------------------------------------------------------
+# The run folder
+# --------------------------------------------------------------------------------------------
+
+def check_folders(cfg: RunConfig) -> None:
+    """ConfigError for an out_dir or data.out_dir that is a file (or lies under one): caught
+    before the data is prepared, not as a FileExistsError after it."""
+    for key, folder in (("out_dir", Path(cfg.out_dir)), ("data.out_dir", Path(cfg.data.out_dir))):
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            where = "is a file" if existing == folder else f"lies under the file {existing}"
+            raise ConfigError(f"{key} {folder} {where}, not a folder: set {key} to a folder")
+
+
+@contextmanager
+def hold_run_folder(out: Path, d: Dist):
+    """Hold the run folder ``out`` for this session: an exclusive lock on out/.lock (rank 0; the
+    file holds its pid), so that a second training into the same folder fails at once instead of
+    interleaving metrics.jsonl, config.yaml and the checkpoints with this one's. Under the lock
+    nothing else writes there: temporaries of atomic writes killed mid-way (a checkpoint's
+    ``.step_*.pt.*.tmp``: 0.5 GB at medium512) are removed.
+
+    ConfigError on every rank when another process holds the lock. The kernel drops the lock of
+    a process that dies, so a killed training leaves nothing to clean up. No lock where the
+    platform (Windows) or the file system (some network mounts) has none.
+    """
+    lock, refused = _lock_run_folder(out) if d.is_main and fcntl is not None else (None, None)
+    if d.enabled:  # the other ranks stop too, rather than wait for rank 0 in the next collective
+        box = [refused]
+        dist.broadcast_object_list(box, src=0)
+        refused = box[0]
+    if refused is not None:
+        raise ConfigError(refused)
+    try:
+        if lock is not None:
+            _remove_killed_writes(out)
+        yield
+    finally:
+        if lock is not None:
+            # Unlocked explicitly: a child process forked meanwhile shares the lock and would
+            # hold it past close() for as long as it lives.
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
+
+
+def _lock_run_folder(out: Path) -> tuple[Optional[IO], Optional[str]]:
+    """(the open, locked out/.lock, or None where there are no locks; why the folder is refused, or None)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a+")
+    except OSError as exc:
+        return None, f"cannot write to out_dir {out} ({exc.strerror}); set out_dir to a folder you can write to"
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        pid = lock.read().strip() or "unknown"
+        lock.close()
+        return None, f"another training (pid {pid}) is writing to {out}; wait for it or choose another out_dir"
+    except OSError:
+        log.warning("the file system of %s has no locks: a second training into it would not be stopped", out)
+        lock.close()
+        return None, None
+    lock.truncate(0)  # "a+" writes at the end, which is now the start
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock, None
+
+
+def _remove_killed_writes(out: Path) -> None:
+    """Remove the temporaries that atomic writes killed mid-way left in ``out`` and out/ckpt."""
+    stale = temporary_files(out) + temporary_files(out / "ckpt")
+    if stale:
+        size = sum(p.stat().st_size for p in stale)
+        for p in stale:
+            p.unlink()
+        log.info("removed %d file(s) left by writes that were killed (%.1f MB): %s",
+                 len(stale), size / 1e6, ", ".join(p.name for p in stale))
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,13 +664,27 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfi
 # The loop
 # --------------------------------------------------------------------------------------------
 
+def _lr_moves(step: int, before: TrainConfig, after: TrainConfig) -> bool:
+    """Whether ``after`` trains the step that follows ``step`` at another learning rate than ``before``."""
+    return not math.isclose(lr_at(step, before), lr_at(step, after), rel_tol=1e-9)
+
+
 def _json_safe(value: Any) -> Any:
     """NaN/inf -> None so metrics.jsonl and summary.json stay standard JSON."""
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _step_number(path: Path) -> int:
-    return int(path.stem.split("_")[1])
+STEP_FILE = re.compile(r"step_(\d+)\.pt")
+
+
+def _step_number(path: Path) -> Optional[int]:
+    """N of a step checkpoint ckpt/step_N.pt; None for any other name (a backup, a copy)."""
+    match = STEP_FILE.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+# What identifies the prepared data a run trains on: meta.json's entries, stored in checkpoints.
+DATA_IDENTITY = ("content_hash", "train_tokens", "val_tokens")
 
 
 class Trainer:
@@ -559,6 +698,8 @@ class Trainer:
         # Checked before the data is prepared: a refused run leaves the token files as they were.
         self.resume_from = self._resume_point(resume)
         self.meta = self._prepare_data()
+        if self.resume_from is not None:  # the stories' content hash is known once they are prepared
+            self._check_same_data(self.resume_from[1], self.resume_from[0])
 
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls outside autocast
@@ -643,7 +784,9 @@ class Trainer:
         log.info("step %d: unfroze Q/K of layers %s (%d new tensors)", self.step, layers, len(new))
 
     def _checkpoints(self) -> list[Path]:
-        return sorted(self.ckpt_dir.glob("step_*.pt"), key=_step_number)
+        """ckpt/step_N.pt, oldest first. Other files there are neither read nor deleted."""
+        return sorted((p for p in self.ckpt_dir.glob("step_*.pt") if _step_number(p) is not None and p.is_file()),
+                      key=_step_number)
 
     def _resume_point(self, resume: bool) -> Optional[tuple[Path, dict]]:
         """The newest checkpoint and its state when resuming (None: start at step 0), after
@@ -661,10 +804,36 @@ class Trainer:
         try:
             state = load_checkpoint(path, map_location="cpu")
         except CheckpointError as exc:
-            raise CheckpointError(f"cannot resume: {exc}. To resume from the checkpoint before it, "
-                                  f"delete {path}") from None
+            fix = (f"To resume from the checkpoint before it ({existing[-2].name}), delete {path}"
+                   if len(existing) > 1 else
+                   f"It is the run's only checkpoint: deleting {path} makes --resume start the run "
+                   f"again from step 0")
+            raise CheckpointError(f"cannot resume: {exc}. {fix}") from None
+        if any(key not in state for key in TRAINING_KEYS):
+            raise CheckpointError(f"{path} holds weights only, not a training checkpoint (best.pt?); "
+                                  f"remove it from {self.ckpt_dir}")
         self._check_resumable(state, path)
         return path, state
+
+    def _check_same_data(self, state: dict, path: Path) -> None:
+        """Refuse a resume on other data than the run's: data.source and data.out_dir may change
+        (the same stories may move), the stories may not. Checkpoints from before the trainer
+        recorded its data resume unchecked."""
+        saved = state.get("data")
+        now = {key: self.meta.get(key) for key in DATA_IDENTITY}
+        if saved is None or saved == now:
+            return
+
+        def described(d: dict) -> str:
+            return (f"content hash {str(d.get('content_hash'))[:12]}..., {d.get('train_tokens')} train "
+                    f"/ {d.get('val_tokens')} val tokens")
+
+        trained_on = run_config_from_dict(state["run_config"]).data.source
+        raise ConfigError(
+            f"cannot resume {path}: it was trained on other data ({described(saved)}, from "
+            f"{trained_on}) than {self.cfg.data.out_dir} holds now ({described(now)}, prepared from "
+            f"{self.meta.get('source')}). Resume with the stories the run trained on, or train on "
+            f"these from step 0 with out_dir set to a new folder")
 
     def _check_resumable(self, state: dict, path: Path) -> None:
         """Refuse a resume whose settings would continue the run along another curve."""
@@ -727,14 +896,13 @@ class Trainer:
 
         Equal there, the run goes on as one started with the new settings would have: a resume
         within the warm-up, or a schedule that does not read train.steps (min_lr = lr)."""
-        was, now = lr_at(step, saved), lr_at(step, self.tc)
-        if math.isclose(was, now, rel_tol=1e-9):
+        if not _lr_moves(step, saved, self.tc):
             return
+        was, now = lr_at(step, saved), lr_at(step, self.tc)
         # Only resumable keys differ here (_check_resumable refused the others): name those that move it.
         moved = [f"train.{key} {getattr(saved, key)!r} -> {getattr(self.tc, key)!r}"
                  for key in sorted(RESUMABLE_CHANGES["train"])
-                 if not math.isclose(was, lr_at(step, dataclasses.replace(saved, **{key: getattr(self.tc, key)})),
-                                     rel_tol=1e-9)]
+                 if _lr_moves(step, saved, dataclasses.replace(saved, **{key: getattr(self.tc, key)}))]
         raise ConfigError(
             f"cannot resume {path}: {', '.join(moved)} changes the learning rate of step "
             f"{step + 1} from {was:.4g} to {now:.4g} (the cosine decays to train.min_lr at "
@@ -744,6 +912,19 @@ class Trainer:
 
     def _tokens_seen(self) -> int:
         return self.step * self.tokens_per_step  # the global batch is the run's own (_check_resumable)
+
+    def _how_to_go_on(self) -> str:
+        """What lets a run that ended train on: the settings --resume would accept."""
+        tc, at_end = self.tc, self.step >= self.tc.steps
+        if at_end and _lr_moves(self.step, tc, dataclasses.replace(tc, steps=self.step + 1)):
+            return (f"its learning rate has decayed to train.min_lr at train.steps ({tc.steps}) and more "
+                    f"steps would raise it again, which --resume refuses: to train longer, train from "
+                    f"step 0 with a larger train.steps and out_dir set to a new folder")
+        ways = ["raise train.steps"] if at_end else []
+        if 0 < tc.early_stop_patience <= self.bad_evals:
+            ways.append(f"raise train.early_stop_patience above {self.bad_evals} (0 turns early "
+                        f"stopping off)")
+        return " and ".join(ways) + " to go on"
 
     def _finished(self) -> Optional[str]:
         """How the restored run ended ("completed", "stopped_early"), or None: it has steps to go."""
@@ -849,6 +1030,7 @@ class Trainer:
         return {"model": self.model.state_dict(),
                 "model_config": dataclasses.asdict(self._model_config_now()),
                 "run_config": self.cfg.to_dict(), "step": self.step,
+                "data": {key: self.meta.get(key) for key in DATA_IDENTITY},
                 "optimizer": self.optimizer.state_dict(),
                 "rng": {"cpu": [r["cpu"] for r in rngs],
                         "cuda": [r["cuda"] for r in rngs if r["cuda"] is not None]},
@@ -863,8 +1045,7 @@ class Trainer:
         if best:
             # best.pt is for evaluation and the demo, not for resuming: the weights without the
             # optimizer state, a third of the size and of the time to write.
-            resume_only = ("optimizer", "rng", "sampler")
-            save_checkpoint({k: v for k, v in state.items() if k not in resume_only}, self.out / "best.pt")
+            save_checkpoint({k: v for k, v in state.items() if k not in RESUME_KEYS}, self.out / "best.pt")
         if step_ckpt:
             save_checkpoint(state, self.ckpt_dir / f"step_{self.step:07d}.pt")
             for old in self._checkpoints()[:-self.tc.keep_last]:
@@ -878,8 +1059,8 @@ class Trainer:
             self.resume_from = None  # the state's tensors are the model's and optimiser's now
         finished = self._finished()
         if finished:
-            log.info("%s already ended (%s at step %d): nothing to train; raise train.steps (or "
-                     "train.early_stop_patience) to go on", self.out, finished, self.step)
+            log.info("%s already ended (%s at step %d): nothing to train; %s", self.out, finished,
+                     self.step, self._how_to_go_on())
             return self._summary_of_ended_run(finished)
         start = self.step
         if self.d.is_main:
@@ -998,16 +1179,20 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     """Train ``cfg`` (under torchrun: this rank's share) and return the summary dict.
 
     ``resume``: continue from the newest ``out_dir/ckpt/step_*.pt`` (from step 0 when there is
-    none). Raises ConfigError / CheckpointError for unusable settings or files and
-    TrainingDiverged for a NaN/inf loss.
+    none). Raises ConfigError / CheckpointError for unusable settings or files (or an out_dir
+    that another training is writing to) and TrainingDiverged for a NaN/inf loss.
     """
     # Before any process group exists: fail fast, everywhere.
     schedule = cfg.validate().train.unfreeze_plan(cfg.model_config().n_layer)
+    check_folders(cfg)
     d = setup_distributed(cfg.train)
     try:
-        # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
-        # process group is destroyed below (destroying it under them can hang at exit).
-        return Trainer(cfg, d, schedule, resume).fit()
+        with hold_run_folder(Path(cfg.out_dir), d):
+            if d.device.type == "cpu":
+                keep_large_blocks_in_heap()
+            # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
+            # process group is destroyed below (destroying it under them can hang at exit).
+            return Trainer(cfg, d, schedule, resume).fit()
     finally:
         if d.owns_group:
             dist.destroy_process_group()

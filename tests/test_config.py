@@ -56,6 +56,8 @@ def test_missing_file_and_bad_override(tmp_path):
     ("train.lr", 0, r"train\.lr must be positive"),
     ("train.lr", float("nan"), r"train\.lr must be positive"),
     ("train.dtype", "fp64", r"train\.dtype must be one of \('auto', 'float32', 'bf16'\)"),
+    ("train.min_lr", 1e-3, r"train\.min_lr=0\.001 exceeds train\.lr=0\.0003: the cosine schedule decays "
+                           r"from lr to min_lr, so min_lr must be at most lr"),
     ("train.unfreeze_schedule", {200: [9]}, r"unfreeze_schedule\[200\] must be 'all' or a list of layer indices in 0\.\.5"),
     ("data.num_proc", -1, r"data\.num_proc must be 0 or positive"),
     ("model.freeze_qk", ["a"], r"model\.freeze_qk must list layer indices as integers"),
@@ -170,3 +172,47 @@ def test_trained_settings_compare_what_a_run_learns():
     assert trained_settings({"preset": "tiny", "variant": "oelm_freeze", "train": {"lr": 1e-3}}) != freeze
     with pytest.raises(ConfigError, match="unknown key"):
         trained_settings({"train": {"stepz": 1}})
+
+
+def test_min_lr_may_equal_lr():
+    """min_lr = lr is the constant schedule after warm-up; only a min_lr above lr, whose "decay"
+    would raise the learning rate, is refused (above, in test_unusable_values_fail_at_load_time)."""
+    cfg = load_run_config(None, ["train.lr=0.002", "train.min_lr=0.002"])
+    assert cfg.train.min_lr == cfg.train.lr == 0.002
+
+
+def test_preset_and_variant_inside_model_name_the_top_level_keys(tmp_path):
+    """model.preset reached model_config(preset, variant, **model) as a second `preset`: a raw
+    TypeError. They are top-level keys, and the error says where to write them."""
+    path = tmp_path / "p.yaml"
+    path.write_text("name: x\nmodel:\n  preset: smoke\n  variant: oelm_freeze\n")
+    with pytest.raises(ConfigError, match=r"^model\.preset is not a model key: preset and variant are top-level "
+                                          r"keys; write `preset: smoke` beside `model:` \(or --set preset=smoke\)$"):
+        load_run_config(path)
+    with pytest.raises(ConfigError, match=r"model\.preset is not a model key.*`preset: smoke` beside `model:`"):
+        load_run_config(None, ["model.preset=smoke"])
+    with pytest.raises(ConfigError, match=r"model\.variant is not a model key.*`variant: oelm_freeze` beside"):
+        load_run_config(None, ["model.variant=oelm_freeze"])
+    path.write_text("name: x\npreset: smoke\nvariant: oelm_freeze\nmodel:\n  n_layer: 3\n")
+    m = load_run_config(path).model_config()
+    assert (m.n_layer, m.d_model, m.freeze_qk) == (3, 64, "all")
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second train: section silently dropped the
+    first one's steps."""
+    path = tmp_path / "p.yaml"
+    path.write_text("name: x\ntrain:\n  steps: 5\nmodel:\n  n_layer: 2\ntrain:\n  lr: 0.001\n")
+    with pytest.raises(ConfigError, match=r"^.*p\.yaml: the key 'train' appears twice in one mapping \(on lines 2 "
+                                          r"and 6\); YAML would keep only the second silently: merge the two"):
+        load_run_config(path)
+    path.write_text("train:\n  steps: 5\n  lr: 0.001\n  steps: 6\n")
+    with pytest.raises(ConfigError, match=r"the key 'steps' appears twice in one mapping \(on lines 2 and 4\)"):
+        read_yaml(path)
+    with pytest.raises(ConfigError, match=r"^--set 'model=\{n_layer: 2, n_layer: 3\}': the key 'n_layer' appears "
+                                          r"twice in one mapping \(on line 1\)"):
+        load_run_config(None, ["model={n_layer: 2, n_layer: 3}"])
+    # A merge key's values may be overridden: that is what it is for, not a repeated key.
+    path.write_text("base: &b {steps: 5, lr: 0.001}\ntrain:\n  <<: *b\n  steps: 7\n")
+    assert read_yaml(path)["train"] == {"steps": 7, "lr": 0.001}
+    assert apply_overrides({}, ["model={n_layer: 2, d_model: 64}"]) == {"model": {"n_layer": 2, "d_model": 64}}

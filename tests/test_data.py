@@ -303,24 +303,189 @@ def test_file_too_short(tmp_path):
     assert len(data.eval_batches(path, block_size=9, batch_size=2, n_batches=5)) == 1
 
 
+def test_an_empty_or_odd_sized_token_file_names_the_fix(tmp_path):
+    """np.memmap said "cannot mmap an empty file" or "not a multiple of the data-type size"."""
+    path = tmp_path / "train.bin"
+    for size in (0, 21):
+        path.write_bytes(b"\1" * size)
+        message = (rf"train\.bin holds {size} bytes, not a whole number of 2-byte \(uint16\) tokens \(an "
+                   rf"interrupted or foreign write\); rebuild with `python -m oelm_core\.data .* --force`")
+        with pytest.raises(ConfigError, match=message):
+            data.TokenSampler(path, block_size=4, batch_size=2, seed=0)
+        with pytest.raises(ConfigError, match=message):
+            data.eval_batches(path, block_size=4, batch_size=2, n_batches=1)
+
+
 def test_load_meta_missing(tmp_path):
     with pytest.raises(ConfigError, match=r"missing meta.json, train.bin, val.bin.*python -m oelm_core.data"):
         data.load_meta(tmp_path)
 
 
-def test_tokenizer_error_names_cache_dir(monkeypatch):
-    import tiktoken
+def test_tokenizer_offline_is_one_config_error_line(story_folder, tmp_path, monkeypatch, capsys):
+    """Offline without the BPE files tiktoken's download failed as a RuntimeError chained to ~80
+    lines of socket and urllib3 tracebacks; it is one ConfigError line naming the fix."""
+    import tiktoken.load
+    import tiktoken.registry
 
-    def offline(name):
-        raise ConnectionError("no network")
+    def offline(url):
+        raise ConnectionError(f"HTTPSConnectionPool(host='openaipublic.blob.core.windows.net'): Max "
+                              f"retries exceeded with url: {url}\n(Caused by NameResolutionError)")
 
+    empty = tmp_path / "empty_cache"
+    empty.mkdir()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(empty))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # forget the encoding loaded by other tests
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
     data.get_tokenizer.cache_clear()
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
     try:
-        with pytest.raises(RuntimeError, match="set TIKTOKEN_CACHE_DIR"):
+        with pytest.raises(ConfigError) as exc:
             data.get_tokenizer()
+        message = str(exc.value)
+        assert message.startswith(f"tiktoken could not load the 'gpt2' BPE files: TIKTOKEN_CACHE_DIR={empty} "
+                                  f"does not hold them and downloading them failed (ConnectionError: "
+                                  f"HTTPSConnectionPool(host='openaipublic.blob.core.windows.net')")
+        assert "set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files (see the README)" in message
+        assert "\n" not in message and exc.value.__suppress_context__ and exc.value.__cause__ is None
+        monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
+        data.get_tokenizer.cache_clear()
+        with pytest.raises(ConfigError, match=r"BPE files: TIKTOKEN_CACHE_DIR is not set and downloading"):
+            data.get_tokenizer()
+        # The CLI prints it as its one error line, exit code 2, before writing anything.
+        data.get_tokenizer.cache_clear()
+        assert data.main(["--source", str(story_folder), "--out-dir", str(tmp_path / "out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: tiktoken could not load the 'gpt2' BPE files") and err.count("\n") == 1
+        assert not (tmp_path / "out" / "train.bin").exists()
     finally:
         data.get_tokenizer.cache_clear()
+
+
+# --- damaged inputs name the file and the fix -----------------------------------------------
+
+def story_files(root, name, train_bytes, val_text="A story."):
+    """A source folder whose train/ holds ``name`` with ``train_bytes``."""
+    (root / "train").mkdir(parents=True)
+    (root / "validation").mkdir()
+    (root / "train" / name).write_bytes(train_bytes)
+    (root / "validation" / "v.txt").write_text(val_text)
+    return root
+
+
+def test_a_story_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    root = story_files(tmp_path / "txt", "part.txt", b"One story.\n<|endoftext|>\nA caf\xe9 story.\n")
+    with pytest.raises(ConfigError, match=r"^.*train/part\.txt:3: not UTF-8 text \(byte 0xe9\); save the story "
+                                          r"files as UTF-8 text$"):
+        data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
+    rows = b'{"text": "One story."}\n{"text": "A caf\xe9 story."}\n'
+    root = story_files(tmp_path / "jsonl", "p.jsonl", rows)
+    with pytest.raises(ConfigError, match=r"train/p\.jsonl:2: not UTF-8 text \(byte 0xe9\)"):
+        data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
+
+
+def test_a_jsonl_line_that_is_not_json_names_the_file_and_line(tmp_path):
+    rows = b'{"text": "One story."}\n\n{"text": "Cut short\n{"text": "Another."}\n'
+    root = story_files(tmp_path / "src", "p.jsonl", rows)
+    with pytest.raises(ConfigError, match=r"train/p\.jsonl:3: not a JSON object \(Invalid control character at "
+                                          r"column 20\); a \.jsonl file holds one JSON object per line, e\.g\. "
+                                          r"\{\"text\": \"Once upon a time\.\.\.\"\}$"):
+        data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
+
+
+def test_a_damaged_parquet_file_is_named(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": ["One story.", "Another story."]}), good)
+    for label, damaged in (("garbage", b"PAR1 not a parquet file PAR1"), ("cut", good.read_bytes()[:-20])):
+        root = story_files(tmp_path / label, "0.parquet", damaged)
+        with pytest.raises(ConfigError, match=r"train/0\.parquet is not a readable parquet file \(.+\); replace it "
+                                              r"with a readable one .*or remove it$"):
+            data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
+
+
+def test_a_damaged_meta_json_is_rebuilt_by_prepare_and_refused_by_load_meta(story_folder, tmp_path):
+    """An empty meta.json (JSONDecodeError) or one holding a list (AttributeError) blocked
+    preparation; prepare now treats it as absent, load_meta names it and the fix."""
+    out = tmp_path / "out"
+    cfg = cfg_for(story_folder, out)
+    first = data.prepare(cfg, progress=False)
+    for damaged in ("", "[1, 2]", '{"train_tokens": null, "val_tokens": "12"}'):
+        (out / "meta.json").write_text(damaged)
+        if damaged.startswith("{"):
+            match = r"the token files in .*out do not match its meta\.json"
+        else:
+            match = r"out/meta\.json is damaged \(empty, not JSON or not a mapping"
+        with pytest.raises(ConfigError, match=match + r".*rebuild with `python -m oelm_core\.data --source "
+                                                       r"<folder or roneneldan/TinyStories> --out-dir .*out --force`"):
+            data.load_meta(out)
+        meta = data.prepare(cfg, progress=False)
+        assert {k: v for k, v in meta.items() if k != "created"} == {k: v for k, v in first.items() if k != "created"}
+        assert data.load_meta(out) == meta
+
+
+def test_prepare_removes_temp_files_of_killed_writes(story_folder, tmp_path):
+    """atomic_write's .train.bin.*.tmp of a killed preparation stayed forever (a full-size copy
+    of the token file each time)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    left = [out / ".train.bin.k1ll3d.tmp", out / ".val.bin.abc123.tmp", out / ".meta.json.x.tmp"]
+    for path in left:
+        path.write_bytes(b"\0" * 1000)
+    other = out / "notes.tmp"
+    other.write_text("not ours")
+    data.prepare(cfg_for(story_folder, out), progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".prepare.lock", "meta.json", "notes.tmp", "train.bin", "val.bin"]
+    np.testing.assert_array_equal(read_bin(out / "train.bin"), expected_ids(STORIES * 20))
+
+
+def test_without_locks_only_temp_files_older_than_the_call_are_removed(story_folder, tmp_path, monkeypatch):
+    """Where fcntl is missing no lock says whether another process is writing: a temporary file
+    touched since this call started may be a live write and stays."""
+    monkeypatch.setattr(data, "fcntl", None)
+    out = tmp_path / "out"
+    out.mkdir()
+    stale, live = out / ".train.bin.stale.tmp", out / ".train.bin.live.tmp"
+    stale.write_bytes(b"\0" * 10)
+    live.write_bytes(b"\0" * 10)
+    hour_ago, soon = time.time() - 3600, time.time() + 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    os.utime(live, (soon, soon))
+    data.prepare(cfg_for(story_folder, out), progress=False)
+    assert not stale.exists() and live.exists()
+    assert not (out / ".prepare.lock").exists()
+
+
+def test_a_second_preparer_waits_and_then_finds_the_folder_prepared(story_folder, tmp_path, caplog):
+    """Two processes preparing one folder: the second waits for the first's lock, removes none of
+    its temporary files meanwhile, and then reuses what the first wrote instead of rewriting it."""
+    fcntl = pytest.importorskip("fcntl")
+    import shutil
+    import threading
+
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    cfg = cfg_for(story_folder, out)
+    expected = data.prepare(cfg_for(story_folder, elsewhere), progress=False)
+    out.mkdir()
+    live = out / ".train.bin.live.tmp"
+    result = {}
+    with open(out / ".prepare.lock", "a") as lock, caplog.at_level(logging.INFO, logger="oelm_core.data"):
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first process, writing
+        live.write_bytes(b"\0" * 10)
+        second = threading.Thread(target=lambda: result.update(meta=data.prepare(cfg, progress=False)))
+        second.start()
+        deadline = time.time() + 60
+        while "waiting for another process" not in caplog.text and time.time() < deadline:
+            time.sleep(0.01)
+        assert f"waiting for another process that is preparing {out}" in caplog.text
+        assert second.is_alive() and live.exists() and not (out / "train.bin").exists()
+        live.unlink()  # the first one finishes: its files are renamed into place
+        for name in ("train.bin", "val.bin", "meta.json"):
+            shutil.copy2(elsewhere / name, out / name)
+        mtime = (out / "train.bin").stat().st_mtime_ns
+    second.join(60)
+    assert result["meta"] == expected
+    assert (out / "train.bin").stat().st_mtime_ns == mtime
 
 
 # --- the hub, faked -----------------------------------------------------------------------
