@@ -29,20 +29,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """Serve the demo; returns the exit code: 2 where the page cannot be built (e.g. offline
+    without the GPT-2 tokenizer files), said in one line rather than a traceback. Checkpoints that
+    do not load, or a --device this machine lacks, still serve a page that says what went wrong."""
     args = parse_args(argv)
-    from app.demo import build_demo, lab_from_args, launch
+    from app.demo import SetupError, build_demo, lab_from_args, launch
+    from oelm_core.config import ConfigError
 
-    lab = lab_from_args(args.ckpt, args.study, args.runs_root, args.device)
-    if lab.errors:
-        print("oelm app: the models could not be loaded; the page shows why:", file=sys.stderr)
-        for e in lab.errors:
-            print(f"  - {e}", file=sys.stderr)
-    else:
-        names = ", ".join(f"{m.group} <- {m.path}" for m in lab.models)
-        print(f"oelm app: loaded {names} on {lab.device}", file=sys.stderr)
-    launch(build_demo(lab), host=args.host, port=args.port, share=args.share, concurrency=args.concurrency)
+    try:
+        lab = lab_from_args(args.ckpt, args.study, args.runs_root, args.device)
+        if lab.errors:
+            print("oelm app: the models could not be loaded; the page shows why:", file=sys.stderr)
+            for e in lab.errors:
+                print(f"  - {e}", file=sys.stderr)
+        else:
+            names = ", ".join(f"{m.group} <- {m.path}" for m in lab.models)
+            print(f"oelm app: loaded {names} on {lab.device}", file=sys.stderr)
+        demo = build_demo(lab)
+    except (ConfigError, SetupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    launch(demo, host=args.host, port=args.port, share=args.share, concurrency=args.concurrency)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

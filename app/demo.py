@@ -76,8 +76,8 @@ def parse_ckpt_args(items: Sequence[str]) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for item in items or []:
         if "=" not in item:
-            raise SetupError(f"--ckpt expects GROUP=PATH (e.g. gpt_base=runs/smoke/gpt_base_s0/best.pt), "
-                             f"got {item!r}")
+            raise SetupError(f"--ckpt expects GROUP=PATH, e.g. gpt_base=runs/smoke/runs/gpt_base_s42/best.pt "
+                             f"(the smoke study's GPT-Base run); got {item!r}")
         group, path = item.split("=", 1)
         group = group.strip()
         if group not in GROUPS:

@@ -87,7 +87,9 @@ def save_figure(fig, path: str | Path | None):
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None,
                    headers: Sequence[str] | None = None) -> str:
-    """A GitHub markdown table of ``rows`` (dicts); floats get 4 significant digits, ints commas."""
+    """A GitHub markdown table of ``rows`` (dicts); floats get 4 significant digits, ints commas.
+    A cell's "|" is escaped and its line breaks become <br>: either would end the row early (the
+    lines of a generated story broke the Samples table of results.md)."""
     if not rows:
         return "(no rows)"
     columns = list(columns or rows[0].keys())
@@ -104,9 +106,12 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None,
             if math.isnan(v):
                 return "-"
             return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"  # .4g writes 12,345.6 as 1.235e+04
-        return str(v)
+        return cell(str(v))
 
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    def cell(text: str) -> str:
+        return re.sub(r"\r\n?|\n", "<br>", text.replace("|", r"\|"))
+
+    lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -160,13 +165,14 @@ def construction_table(d: int = 512, methods: Sequence[str] | None = None, repea
 
 
 def jl_dimensions(d: int) -> list[int]:
-    """The target dimensions k of ``jl_curve`` for width ``d``: the powers of two from 8 to d/2
-    (past d/2 an orthogonal projection keeps most of every vector and its distortion says little).
-    ValueError for d < 32, which leaves fewer than two."""
+    """The target dimensions k of ``jl_curve`` for width ``d``: the powers of two from 8 below d/2,
+    then d // 2 (past d/2 an orthogonal projection keeps most of every vector and its distortion
+    says little; at d/2 itself ``jl_checks`` compares the two methods). ValueError for d < 32,
+    which leaves fewer than two."""
     if d < 32:
-        raise ValueError(f"d={d} leaves fewer than two target dimensions k (powers of two in 8..d/2) for "
-                         f"the JL curve; pass d >= 32")
-    return [2**i for i in range(3, (d // 2).bit_length())]
+        raise ValueError(f"d={d} leaves fewer than two target dimensions k (8 and d/2 >= 16) for the JL "
+                         f"curve; pass d >= 32")
+    return [2**i for i in range(3, (d // 2 - 1).bit_length())] + [d // 2]
 
 
 def jl_curve(d: int = 512, n_points: int = 64, ks: Sequence[int] | None = None,
@@ -190,6 +196,42 @@ def jl_curve(d: int = 512, n_points: int = 64, ks: Sequence[int] | None = None,
                          "max": statistics.fmean(r["max"] for r in res),
                          "mean": statistics.fmean(r["mean"] for r in res)})
     return rows
+
+
+# The least jl_points, and jl_points x jl_trials, from which jl_checks judges the JL curve.
+JL_MIN_POINTS, JL_MIN_SAMPLES = 32, 64
+
+
+def jl_checks(rows: Sequence[dict], n_points: int, trials: int) -> dict:
+    """Section 3 of the 01 notebook judged on ``jl_curve`` ``rows`` measured with ``n_points``
+    points and ``trials`` projections: each method's mean distortion is lower at the largest k
+    (d/2) than at the smallest, and there orthonormal rows ("qr") distort less than Gaussian ones.
+    Returns {"k", "qr", "gaussian" (mean distortions at the largest k), "failed" (the checks that
+    do not hold), "holds", "why"}.
+
+    Each check compares two means whose ratio is about 0.7 or less: at k = d/2, (d/k)||Px||^2 /
+    ||x||^2 varies about half as much for orthonormal rows, 2(d - k)/(k(d + 2)) against 2/k, and
+    distortion shrinks like 1/sqrt(k) (8 against d/2 >= 16). With few points or projections the
+    estimates still overlap, so "holds" is None (not judged) below JL_MIN_POINTS points or
+    JL_MIN_SAMPLES points x trials. At the least sizes judged, 32 points x 2 trials and 64 x 1,
+    no check failed in 1,500 seeds at any of d = 32, 33, 48, 63, 64, 100, 255 and 512; at 16
+    points x 2 trials the comparison of the two methods failed for up to 5 of 1,500."""
+    means = {m: {r["k"]: r["mean"] for r in rows if r["method"] == m} for m in ("qr", "gaussian")}
+    first, k = min(means["qr"]), max(means["qr"])
+    qr, gaussian = means["qr"][k], means["gaussian"][k]
+    checks = {f"{m} distortion lower at k = {k} than at k = {first}": means[m][k] < means[m][first]
+              for m in ("qr", "gaussian")}
+    checks[f"qr distortion lower than gaussian at k = {k}"] = qr < gaussian
+    failed = [name for name, ok in checks.items() if not ok]
+    figures = (f"at k = {k}, orthonormal rows distort distances by {qr:.4f} on average, Gaussian ones "
+               f"by {gaussian:.4f}")
+    if n_points < JL_MIN_POINTS or n_points * trials < JL_MIN_SAMPLES:
+        return {"k": k, "qr": qr, "gaussian": gaussian, "failed": failed, "holds": None,
+                "why": f"not judged: {n_points} points x {trials} trial(s) are too few to order these means "
+                       f"(it takes jl_points >= {JL_MIN_POINTS} and jl_points x jl_trials >= {JL_MIN_SAMPLES}); "
+                       f"{figures}"}
+    return {"k": k, "qr": qr, "gaussian": gaussian, "failed": failed, "holds": not failed,
+            "why": f"{figures}; " + (f"does NOT hold: {'; '.join(failed)}" if failed else "every check holds")}
 
 
 def jl_figure(rows: Sequence[dict], path: str | Path | None = None):

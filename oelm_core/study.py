@@ -20,7 +20,9 @@ A study file has one ``study`` section (see parameters/study_smoke.yaml):
 ``--set study.KEY=VALUE`` changes the study section; any other ``--set`` is handed to every run
 (e.g. ``--set train.steps=20``). The study folder receives the executed notebooks, figures, one
 run folder per (run, seed) with its executed 03_training notebook, results.md/results.json and
-study.json, which the app reads.
+study.json, which the app reads: the planned runs, and when each notebook was last executed into
+the folder (a call that runs some of them, e.g. --set 'study.notebooks=[03_training]', keeps the
+record of the others).
 
 Trainings run one after another; with gpus_per_run = g > 0 and enough GPUs they run side by
 side, run k on GPUs [k*g, (k+1)*g) of those the study sees (numbered as torch numbers them:
@@ -48,6 +50,7 @@ import yaml
 from oelm_core.analysis import WHICH
 from oelm_core.config import ConfigError, apply_overrides, load_run_config, read_yaml
 from oelm_core.files import write_text_atomic
+from oelm_core.sweep import RUNNERS
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -128,7 +131,7 @@ def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: in
     the last lines of the log.
     """
     params = Path(params)
-    if not params.is_file() and (REPO / params).is_file():  # e.g. run from notebooks/
+    if not params.is_file() and (REPO / params).is_file():  # a path from the root, called elsewhere
         params = REPO / params
     overrides = list(overrides)
     if progress is not None:
@@ -198,8 +201,23 @@ GPU_SET_PARAMETERS = {"03_training": {
                             "CUDA_VISIBLE_DEVICES"}}
 
 
-# Notebook parameters whose type does not say enough: the values the notebook accepts.
-PARAMETER_CHOICES = {"04_analysis": {"which": WHICH}}
+# Notebook parameters whose type does not say enough: the values the notebook accepts ...
+PARAMETER_CHOICES = {"04_analysis": {"which": WHICH}, "05_sweep": {"runner": RUNNERS}}
+# ... the least values of those whose smaller values leave the notebook nothing to measure or
+# its checks to chance, and why ...
+PARAMETER_MINIMA = {"01_theory": {
+    "d": (32, "the JL curve needs the target dimensions 8 and d/2 >= 16"),
+    "n_head": (1, "one head at least"),
+    "n_vectors": (1, "the isometry check needs a vector"),
+    "n_tokens": (8, "with fewer the logit statistics of one draw stray past the checked bounds"),
+    "jl_points": (3, "the spread of the distances' distortion needs two pairs of points"),
+    "jl_trials": (1, "one projection at least"),
+    "construction_repeats": (1, "one timing at least")}}
+# ... parameters that must divide another one ...
+PARAMETER_DIVIDES = {"01_theory": {"n_head": "d"}}
+# ... and those whose default, None, names no type: the type of any other value.
+NONE_DEFAULT_TYPES = {"03_training": {"run_dir": str}, "04_analysis": {"fig_dir": str},
+                      "05_sweep": {"variants": list, "seeds": list, "figure_path": str}}
 _TYPE_NAMES = {bool: "true or false", int: "a whole number (int)", float: "a number (float)",
                str: "a string", list: "a list", dict: "a mapping"}
 
@@ -211,7 +229,11 @@ def notebook_defaults(name: str) -> dict[str, Any]:
 
     import nbformat
 
-    nb = nbformat.read(str(NOTEBOOKS / f"{name}.ipynb"), as_version=4)
+    path = NOTEBOOKS / f"{name}.ipynb"
+    if not path.is_file():
+        raise ConfigError(f"no notebook {name!r}: notebooks/ holds "
+                          f"{', '.join(sorted(p.stem for p in NOTEBOOKS.glob('*.ipynb')))}")
+    nb = nbformat.read(str(path), as_version=4)
     cell = next((c for c in nb.cells if "parameters" in c.metadata.get("tags", [])), None)
     if cell is None:
         return {}
@@ -219,22 +241,65 @@ def notebook_defaults(name: str) -> dict[str, Any]:
             if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
 
 
-def _fits(value: Any, default: Any) -> bool:
-    """Whether ``value`` is of the type of the notebook's ``default`` (any value where the default
-    is None, which names no type); bool is not taken for a number, a whole number is for a float."""
-    if default is None:
+def _fits(value: Any, kind: type | None) -> bool:
+    """Whether ``value`` is of type ``kind`` (any value for None, which names no type); bool is not
+    taken for a number, a whole number is for a float."""
+    if kind is None:
         return True
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(default, bool) and isinstance(value, bool)
-    if isinstance(default, float):
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is float:
         return isinstance(value, (int, float))
-    return isinstance(value, type(default))
+    return isinstance(value, kind)
+
+
+def check_notebook_parameters(name: str, values: dict[str, Any], where: str | None = None) -> None:
+    """Raise ConfigError unless every item of ``values`` is a parameter of notebooks/<name>.ipynb,
+    of the type of its default there (where that is None: None or the type in
+    ``NONE_DEFAULT_TYPES``) and, where listed, one of its ``PARAMETER_CHOICES``, at least its
+    ``PARAMETER_MINIMA`` and a divisor of its ``PARAMETER_DIVIDES`` (a parameter left out of
+    ``values`` counts with its default). The message names the parameter, the value and what
+    it must be.
+
+    Each notebook calls it first, on its parameters: papermill injects whatever it is given, and
+    ``-p overrides train.steps=20`` (a string) would be taken apart into characters. ``where``:
+    what the message writes before a parameter's name (the study: "FILE: study.parameters.NAME.");
+    None: a notebook's own call."""
+    defaults = notebook_defaults(name)
+    label = where if where is not None else f"notebook {name}: parameter "
+    for key, value in values.items():
+        if key not in defaults:
+            raise ConfigError(f"{label}{key} is not a parameter of {name}.ipynb; its parameters are "
+                              f"{', '.join(defaults)}")
+        default = defaults[key]
+        kind = type(default) if default is not None else NONE_DEFAULT_TYPES.get(name, {}).get(key)
+        if not (_fits(value, kind) or (value is None and default is None)):
+            expected = _TYPE_NAMES.get(kind, kind.__name__)
+            expected = f"None or {expected}" if default is None else expected
+            # papermill's -p passes text (or a number): a list or mapping needs -y
+            hint = (f"; give a list or mapping to papermill as YAML with -y, e.g. -y '{key}: "
+                    f"{'[...]' if kind is list else '{...}'}'"
+                    if where is None and kind in (list, dict) and isinstance(value, str) else "")
+            raise ConfigError(f"{label}{key} must be {expected} (the notebook's default is {default!r}); "
+                              f"got {value!r}{hint}")
+        choices = PARAMETER_CHOICES.get(name, {}).get(key)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{label}{key} must be one of {', '.join(choices)}; got {value!r}")
+        minimum, why = PARAMETER_MINIMA.get(name, {}).get(key, (None, ""))
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"{label}{key} must be at least {minimum} ({why}); got {value!r}")
+    for key, other in PARAMETER_DIVIDES.get(name, {}).items():
+        value, total = values.get(key, defaults[key]), values.get(other, defaults[other])
+        if total % value:
+            raise ConfigError(f"{label}{key} must divide {other} ({other} = {total} is split into {key} "
+                              f"equal parts); got {key} = {value}")
 
 
 def _check_parameters(parameters: Any, path: Path, gpus_per_run: int) -> dict[str, dict]:
     """study.parameters, checked against the notebooks, the names their parameters cells define
-    and the types of the defaults there: a wrong value would otherwise surface only when its
-    notebook runs, after every training. Those the study sets itself are refused."""
+    and the types of the defaults there (``check_notebook_parameters``): a wrong value would
+    otherwise surface only when its notebook runs, after every training. Those the study sets
+    itself are refused."""
     if not isinstance(parameters, dict):
         raise ConfigError(f"{path}: study.parameters must map notebook names to parameters, e.g. "
                           f"{{01_theory: {{d: 256}}}}; got {parameters!r}")
@@ -245,8 +310,7 @@ def _check_parameters(parameters: Any, path: Path, gpus_per_run: int) -> dict[st
         if not isinstance(values or {}, dict):
             raise ConfigError(f"{path}: study.parameters.{nb} must map parameter names to values, "
                               f"got {values!r}")
-        defaults = notebook_defaults(nb)
-        for key, value in (values or {}).items():
+        for key in values or {}:
             where = f"{path}: study.parameters.{nb}.{key}"
             if key in STUDY_SET_PARAMETERS.get(nb, {}):
                 raise ConfigError(f"{where} is set by the study itself; "
@@ -254,17 +318,7 @@ def _check_parameters(parameters: Any, path: Path, gpus_per_run: int) -> dict[st
             if gpus_per_run > 0 and key in GPU_SET_PARAMETERS.get(nb, {}):
                 raise ConfigError(f"{where} is set by the study itself where study.gpus_per_run > 0 "
                                   f"({GPU_SET_PARAMETERS[nb][key]}); leave it out of study.parameters.{nb}")
-            if key not in defaults:
-                raise ConfigError(f"{path}: unknown parameter study.parameters.{nb}.{key}; the "
-                                  f"notebook's parameters are {', '.join(defaults)}")
-            default = defaults[key]
-            if not _fits(value, default):
-                expected = _TYPE_NAMES.get(type(default), type(default).__name__)
-                raise ConfigError(f"{where} must be {expected} (the notebook's default is "
-                                  f"{default!r}); got {value!r}")
-            choices = PARAMETER_CHOICES.get(nb, {}).get(key)
-            if choices is not None and value not in choices:
-                raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
+        check_notebook_parameters(nb, values or {}, where=f"{path}: study.parameters.{nb}.")
     return {nb: dict(values or {}) for nb, values in parameters.items()}
 
 
@@ -466,9 +520,41 @@ def execute_notebook(name: str, out_path: Path, parameters: dict[str, Any], pref
 # The study
 # --------------------------------------------------------------------------------------------
 
-def _write_study_json(study: Study, status: str, error: str | None = None, created: str | None = None) -> dict:
-    data = {"name": study.name, "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "status": status, "study_file": str(study.path), "notebooks": study.notebooks,
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _notebook_record(name: str) -> dict:
+    """study.json's record of a notebook executed now: when it ended and where its executed copy is."""
+    output = "runs/*/03_training.ipynb" if name == "03_training" else f"notebooks/{name}.ipynb"
+    return {"name": name, "executed": _now(), "output": output}
+
+
+def _earlier_notebooks(study: Study) -> dict[str, dict]:
+    """Name -> record of the notebooks an earlier call of this study executed into study.out, from
+    its study.json: a partial re-run (study.notebooks=[03_training]) keeps their record, as their
+    outputs stay in the folder."""
+    try:
+        old = json.loads((study.out / "study.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(old, dict) or old.get("name") != study.name:
+        return {}
+    records = {}
+    for item in old.get("notebooks") or []:
+        if isinstance(item, dict) and item.get("name") in ALL_NOTEBOOKS:
+            records[item["name"]] = item
+        elif item in ALL_NOTEBOOKS and old.get("status") == "completed":  # names only: an older study.json
+            records[item] = {"name": item, "executed": old.get("created")}
+    return records
+
+
+def _write_study_json(study: Study, status: str, executed: dict[str, dict], created: str,
+                      error: str | None = None) -> dict:
+    """study.json: this call's status, the record of every notebook executed into the folder
+    (``executed``: name -> record, this call's and earlier ones), and the planned runs."""
+    data = {"name": study.name, "created": created, "status": status, "study_file": str(study.path),
+            "notebooks": [executed[n] for n in ALL_NOTEBOOKS if n in executed],
             "runs": [{"name": r.name, "variant": r.variant, "preset": r.preset, "seed": r.seed,
                       "run_dir": str(r.run_dir.relative_to(study.out)),
                       "notebook": str((r.run_dir / "03_training.ipynb").relative_to(study.out))}
@@ -554,31 +640,34 @@ def run_study(study: Study) -> dict:
     """Execute the study's notebooks and trainings into study.out; returns study.json's content."""
     out = study.out
     out.mkdir(parents=True, exist_ok=True)
-    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    _write_study_json(study, "running", created=created)
+    created = _now()
+    executed = _earlier_notebooks(study)
+    _write_study_json(study, "running", executed, created)
     figures = (out / "figures").resolve()
     steps = study.notebooks
     try:
         for k, name in enumerate(steps, 1):
+            _say(f"[study] step {k}/{len(steps)}: {name}")
             if name == "03_training":
-                _say(f"[study] step {k}/{len(steps)}: {name}")
                 _prepare_data(study)
                 _train_all(study)
-                continue
-            params = dict(study.parameters.get(name) or {})
-            if name == "01_theory":
-                params.setdefault("fig_dir", str(figures))
-            if name == "04_analysis":
-                params.update(run_dirs=[str(r.run_dir.resolve()) for r in study.runs],
-                              out_dir=str(out.resolve()))
-                params.setdefault("fig_dir", str(figures))
-            _say(f"[study] step {k}/{len(steps)}: {name}")
-            execute_notebook(name, out / "notebooks" / f"{name}.ipynb", params, prefix="  ")
+            else:
+                params = dict(study.parameters.get(name) or {})
+                if name == "01_theory":
+                    params.setdefault("fig_dir", str(figures))
+                if name == "04_analysis":
+                    params.update(run_dirs=[str(r.run_dir.resolve()) for r in study.runs],
+                                  out_dir=str(out.resolve()))
+                    params.setdefault("fig_dir", str(figures))
+                execute_notebook(name, out / "notebooks" / f"{name}.ipynb", params, prefix="  ")
+            executed[name] = _notebook_record(name)
+            _write_study_json(study, "running", executed, created)
     except (StudyError, ConfigError, RuntimeError) as e:
-        _write_study_json(study, "failed", error=str(e), created=created)
+        _write_study_json(study, "failed", executed, created, error=str(e))
         raise
-    data = _write_study_json(study, "completed", created=created)
-    _say(f"[study] done: {out}/study.json" + (f", {out}/results.md" if (out / "results.md").is_file() else ""))
+    data = _write_study_json(study, "completed", executed, created)
+    # results.md only where this call wrote it: an earlier call's would pass for this one's
+    _say(f"[study] done: {out}/study.json" + (f", {out}/results.md" if "04_analysis" in steps else ""))
     return data
 
 

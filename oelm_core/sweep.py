@@ -1,4 +1,4 @@
-"""Sweeps (A3-A6: heads, head dimension, context, layers) and the ablation runs of issue 7.
+"""Sweeps (A3-A6: heads, head dimension, context, layers) and the ablations of parameters/ablations/.
 
 A sweep file (``parameters/sweeps/*.yaml``) is a training parameter file plus a ``sweep`` section:
 
@@ -123,7 +123,7 @@ def _check_variants(names: Any, path: Path) -> None:
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file (every point of every variant is validated up front)."""
     path = Path(path)
-    if not path.is_file() and (REPO / path).is_file():  # e.g. notebooks/05_sweep opened from notebooks/
+    if not path.is_file() and (REPO / path).is_file():  # a path from the root, called elsewhere
         path = REPO / path
     if not path.is_file():
         raise ConfigError(f"sweep file {path} not found; see parameters/sweeps/ for examples")
@@ -410,24 +410,26 @@ def _poet_spectrum_error(run) -> Optional[float]:
     return max(spectrum_error(m, model.cfg.qk_gain) for m in mods) if mods else None
 
 
+def _row(run, spectrum: bool = True) -> dict:
+    """``run_rows``' row of one run (an analysis.Run with its sweep point, as ``_load`` reads it)."""
+    p = run.point
+    return {
+        "label": p.get("label") or run.name, "variant": run.variant, "seed": run.seed,
+        "key": p.get("key"), "value": p.get("value"), "sweep": p.get("sweep"), "smoke": bool(p.get("smoke")),
+        "status": run.summary.get("status"), "steps": run.value("steps"),
+        "final_val_loss": run.value("final_val_loss"), "final_val_ppl": run.value("final_val_ppl"),
+        "best_val_loss": run.value("best_val_loss"),
+        "trainable": run.value("trainable"), "frozen": run.value("frozen"), "total": run.value("total"),
+        "tokens_per_s": run.value("tokens_per_s"), "wall_time_s": run.value("wall_time_s"),
+        "spectrum_err": _poet_spectrum_error(run) if spectrum else None,
+        "path": str(run.path),
+    }
+
+
 def run_rows(root: str | Path, spectrum: bool = True) -> list[dict]:
     """One row per run folder under ``root``: label, variant, seed, point, final/best val figures,
     parameter counts, throughput and (POET) the spectrum error of the trained Q/K."""
-    rows = []
-    for run in _load(root):
-        p = run.point
-        rows.append({
-            "label": p.get("label") or run.name, "variant": run.variant, "seed": run.seed,
-            "key": p.get("key"), "value": p.get("value"), "sweep": p.get("sweep"), "smoke": bool(p.get("smoke")),
-            "status": run.summary.get("status"), "steps": run.value("steps"),
-            "final_val_loss": run.value("final_val_loss"), "final_val_ppl": run.value("final_val_ppl"),
-            "best_val_loss": run.value("best_val_loss"),
-            "trainable": run.value("trainable"), "frozen": run.value("frozen"), "total": run.value("total"),
-            "tokens_per_s": run.value("tokens_per_s"), "wall_time_s": run.value("wall_time_s"),
-            "spectrum_err": _poet_spectrum_error(run) if spectrum else None,
-            "path": str(run.path),
-        })
-    return rows
+    return [_row(run, spectrum) for run in _load(root)]
 
 
 def _group(rows: list[dict], keys: Sequence[str]) -> dict[tuple, list[dict]]:
@@ -444,27 +446,67 @@ ABLATION_ORDER = [*GROUP_LABELS, "oelm_freeze_gaussian", "oelm_freeze_svd",
 
 
 def _order(label: str) -> tuple[int, str]:
-    return (ABLATION_ORDER.index(label) if label in ABLATION_ORDER else len(ABLATION_ORDER), label)
+    stem = label.split(" (")[0]   # "gpt_base (train.steps=200)": one of several gpt_base groups
+    return (ABLATION_ORDER.index(stem) if stem in ABLATION_ORDER else len(ABLATION_ORDER), label)
+
+
+def _ablation_groups(runs: list, rows: list[dict]) -> list[list[dict]]:
+    """``rows`` (one per run of ``runs``) as groups of seeds: one label, and trained settings
+    (analysis.Run.settings) equal apart from train.seed, so that runs trained otherwise (another
+    --set) are never averaged as seeds. Where a label has several groups, each row's label gets
+    the settings that tell them apart: "gpt_base (train.steps=200)". ConfigError for two runs
+    of one group with the same seed: the same training twice, not two seeds."""
+    groups: list[tuple[str, dict, list[dict]]] = []
+    for run, row in zip(runs, rows):
+        settings = run.settings()
+        settings.pop("train.seed")
+        group = next((g for g in groups if (g[0], g[1]) == (row["label"], settings)), None)
+        if group is None:
+            group = (row["label"], settings, [])
+            groups.append(group)
+        # row["seed"] is None where config.yaml is missing: the seed is unknown
+        twin = next((r for r in group[2] if row["seed"] is not None and r["seed"] == row["seed"]), None)
+        if twin is not None:
+            raise ConfigError(f"{twin['path']} and {row['path']} trained the same settings with the same seed "
+                              f"({row['seed']}): the same run twice, not two seeds of one; tabulate them apart")
+        group[2].append(row)
+    for label, settings, members in groups:
+        siblings = [g[1] for g in groups if g[0] == label]
+        if len(siblings) > 1:
+            differ = [k for k in settings if len({repr(s.get(k)) for s in siblings}) > 1]
+            for row in members:
+                row["label"] = f"{label} ({', '.join(f'{k}={settings[k]}' for k in differ)})"
+    return [members for _, _, members in groups]
 
 
 def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = True) -> dict:
     """{"runs": per-run rows, "rows": per-ablation means over seeds, "markdown_runs", "markdown"}.
 
     Per ablation: mean (and std over seeds) final val loss and ppl, the gap to ``baseline`` in %,
-    trainable/frozen parameters, tokens/s and, for POET, the trained Q/K's spectrum error.
+    trainable/frozen parameters, tokens/s and, for POET, the trained Q/K's spectrum error. An
+    ablation's seeds are its runs trained with the same settings apart from train.seed
+    (``_ablation_groups``). ConfigError where ``root`` holds a sweep's runs: their points share
+    labels (the variant), so ``sweep_results`` tabulates them.
     """
     from oelm_core.analysis import markdown_table, mean_std
 
-    runs = sorted(run_rows(root, spectrum), key=lambda r: (_order(r["label"]), r["seed"] or 0))
+    loaded = _load(root)
+    sweeps = sorted({str(r.point["sweep"]) for r in loaded if r.point.get("sweep") not in (None, "ablations")})
+    if sweeps:
+        raise ConfigError(f"{root} holds runs of the sweep(s) {', '.join(sweeps)}: tabulate a sweep with "
+                          f"--sweep (python -m oelm_core.sweep table {root} --sweep --name NAME), or point "
+                          f"the ablation table at a folder of ablation runs only (e.g. runs/ablations)")
+    runs = [_row(run, spectrum) for run in loaded]
     rows = []
-    for (label,), group in sorted(_group(runs, ["label"]).items(), key=lambda kv: _order(kv[0][0])):
+    for group in sorted(_ablation_groups(loaded, runs), key=lambda g: _order(g[0]["label"])):
         loss, loss_std = mean_std(r["final_val_loss"] for r in group)
-        rows.append({"label": label, "variant": group[0]["variant"], "seeds": len(group),
+        rows.append({"label": group[0]["label"], "variant": group[0]["variant"], "seeds": len(group),
                      "val_loss": loss, "val_loss_std": loss_std,
                      "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
                      "trainable": group[0]["trainable"], "frozen": group[0]["frozen"],
                      "tokens_per_s": mean_std(r["tokens_per_s"] for r in group)[0],
                      "spectrum_err": mean_std(r["spectrum_err"] for r in group)[0]})
+    runs.sort(key=lambda r: (_order(r["label"]), r["seed"] or 0))
     base = next((r for r in rows if r["label"] == baseline), None)
     for r in rows:
         ok = base is not None and r["val_loss"] is not None and base["val_loss"]
@@ -581,26 +623,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m oelm_core.sweep", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train every point of a sweep file, then tabulate and plot it")
-    r.add_argument("sweep_file")
-    r.add_argument("--out", default="runs/sweeps")
+    r.add_argument("sweep_file", help="a sweep file, e.g. parameters/sweeps/a6_layers.yaml")
+    r.add_argument("--out", default="runs/sweeps",
+                   help="folder of the sweeps' run folders: OUT/<sweep>/<key>=<value>/<variant>/seed<S> "
+                        "(OUT/<sweep>_smoke/... with --smoke) (default: runs/sweeps)")
     r.add_argument("--smoke", action="store_true", help="the file's smoke points and settings")
-    r.add_argument("--runner", choices=RUNNERS, default="inprocess")
-    r.add_argument("--variants", nargs="+")
-    r.add_argument("--seeds", nargs="+", type=int)
+    r.add_argument("--runner", choices=RUNNERS, default="inprocess",
+                   help="inprocess: train in this process; subprocess: python -m oelm_core.train per run; "
+                        "notebook: papermill runs notebooks/03_training.ipynb per run (default: inprocess)")
+    r.add_argument("--variants", nargs="+", metavar="VARIANT",
+                   help="variants to train (default: the sweep file's sweep.variants)")
+    r.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
+                   help="seeds to train (default: the sweep file's sweep.seeds)")
     r.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override a parameter of every run, e.g. --set train.steps=200 train.lr=1e-3")
     a = sub.add_parser("ablations", help="train every parameters/ablations file x seeds, then tabulate")
-    a.add_argument("--params-dir", default="parameters/ablations")
-    a.add_argument("--out", default="runs/ablations")
-    a.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    a.add_argument("--params-dir", default="parameters/ablations",
+                   help="folder of the ablations' parameter files, one run per *.yaml and seed "
+                        "(default: parameters/ablations)")
+    a.add_argument("--out", default="runs/ablations",
+                   help="folder of the run folders, OUT/<file stem>/seed<S>, and of the table "
+                        "(ablations.md, .json, .png) (default: runs/ablations)")
+    a.add_argument("--seeds", nargs="+", type=int, default=[0, 1], metavar="SEED",
+                   help="seeds to train each ablation with (default: 0 1)")
     a.add_argument("--only", nargs="+", help="file stems to run (default: all)")
     a.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override a parameter of every run, e.g. --set train.steps=200 train.lr=1e-3")
-    a.add_argument("--runner", choices=RUNNERS, default="inprocess")
+    a.add_argument("--runner", choices=RUNNERS, default="inprocess",
+                   help="as for run: inprocess, subprocess or notebook (default: inprocess)")
     a.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: none)")
     a.add_argument("--keep-checkpoints", action="store_true", help="keep each run's ckpt/ folder")
     t = sub.add_parser("table", help="tabulate (and plot) the ablation or sweep runs under a folder")
-    t.add_argument("root")
+    t.add_argument("root", help="folder holding the run folders, e.g. runs/ablations, or runs/sweeps with --sweep")
     t.add_argument("--sweep", action="store_true", help="a sweep folder (default: ablations)")
     t.add_argument("--name", help="with --sweep: the sweep to tabulate (needed where the folder holds several)")
     kind = t.add_mutually_exclusive_group()
@@ -608,8 +662,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="with --sweep: the smoke runs only (needed where the folder holds both kinds)")
     kind.add_argument("--full", dest="smoke", action="store_const", const=False,
                       help="with --sweep: the full runs only")
-    t.add_argument("--figure")
-    t.add_argument("--markdown")
+    t.add_argument("--figure", help="where to write the figure (default: ROOT/ablations.png for ablations; "
+                                    "none for --sweep)")
+    t.add_argument("--markdown", help="where to write the markdown table (default: ROOT/ablations.md for "
+                                      "ablations; none for --sweep, which prints it)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":

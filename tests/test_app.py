@@ -514,3 +514,41 @@ def test_missing_or_unreadable_checkpoint_shows_error_page(tmp_path, checkpoints
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_the_ckpt_example_is_where_the_smoke_study_writes_gpt_base():
+    """The example named runs/smoke/gpt_base_s0/best.pt, a file no study writes."""
+    from app.demo import SetupError, parse_ckpt_args
+    from oelm_core.study import load_study
+
+    study = load_study(REPO / "parameters" / "study_smoke.yaml")
+    best = next(r.run_dir for r in study.runs if r.variant == "gpt_base") / "best.pt"
+    with pytest.raises(SetupError) as err:
+        parse_ckpt_args(["runs/smoke/best.pt"])
+    assert f"e.g. gpt_base={best} " in str(err.value)
+
+
+def test_an_app_that_cannot_start_says_why_in_one_line(monkeypatch, capsys, checkpoints):
+    """Offline without the GPT-2 BPE files the tokenizer raises ConfigError (as a SetupError
+    would): `python -m app` printed a traceback."""
+    import app.demo
+    import oelm_core.data
+    from app.__main__ import main
+    from oelm_core.config import ConfigError
+
+    def missing():
+        raise ConfigError("tiktoken could not load the 'gpt2' encoding; set TIKTOKEN_CACHE_DIR")
+
+    monkeypatch.setattr(oelm_core.data, "get_tokenizer", missing)
+    monkeypatch.setattr(app.demo, "launch", lambda *a, **k: pytest.fail("launched without a tokenizer"))
+    args = [f"--ckpt={g}={checkpoints[g]}" for g in GROUPS] + ["--device", "cpu"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("error: tiktoken could not load the 'gpt2' encoding; "
+                                                        "set TIKTOKEN_CACHE_DIR")
+
+    def no_study(*a, **k):
+        raise app.demo.SetupError("no study found under runs")
+
+    monkeypatch.setattr(app.demo, "build_demo", no_study)
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "error: no study found under runs"

@@ -15,7 +15,8 @@ from conftest import REPO, run_smoke_study
 from conftest import SMOKE_STEPS as STEPS
 from conftest import SMOKE_STUDY as STUDY_FILE
 from oelm_core.config import ConfigError, load_run_config, run_config_from_dict
-from oelm_core.study import StudyError, execute_notebook, failed_cell, load_study, train_command
+from oelm_core.study import (StudyError, check_notebook_parameters, execute_notebook, failed_cell, load_study,
+                              notebook_defaults, train_command)
 
 # --- end to end -------------------------------------------------------------------------------
 
@@ -25,6 +26,8 @@ def test_smoke_study_writes_study_json_and_runs(smoke_study):
     out, proc = smoke_study
     study = json.loads((out / "study.json").read_text())
     assert study["name"] == "smoke" and study["status"] == "completed" and study["created"]
+    assert [n["name"] for n in study["notebooks"]] == ["01_theory", "02_model", "03_training", "04_analysis"]
+    assert all((out / n["output"]).is_file() for n in study["notebooks"] if n["name"] != "03_training")
     assert [r["variant"] for r in study["runs"]] == ["gpt_base", "oelm_nofreeze", "oelm_freeze"]
     for r in study["runs"]:
         run_dir = out / r["run_dir"]
@@ -100,7 +103,9 @@ def test_load_study_errors_are_clear(tmp_path):
 @pytest.mark.parametrize("sets,message", [
     (["study.parameters.05_extra.d=3"], r"study.parameters names the notebook '05_extra'; choose from"),
     (["study.parameters.01_theory.dd=3"],
-     r"unknown parameter study.parameters.01_theory.dd; the notebook's parameters are d, n_head"),
+     r"study.parameters.01_theory.dd is not a parameter of 01_theory.ipynb; its parameters are d, n_head"),
+    (["study.parameters.04_analysis.fig_dir=3"],
+     r"04_analysis.fig_dir must be None or a string \(the notebook's default is None\); got 3"),
     (["study.parameters.03_training.params=x.yaml"], r"03_training.params is set by the study.*study.runs"),
     # with GPUs per run, the study gives each run its processes and GPUs: the smoke file's nproc
     # and cuda_visible_devices would be overwritten without a word
@@ -370,3 +375,110 @@ def test_launch_training_sets_the_progress_bar_only_when_asked(monkeypatch, prog
     S.launch_training("parameters/smoke/gpt_base.yaml", progress=progress, echo=lambda line: None)
     sets = [commands[0][k + 1] for k, arg in enumerate(commands[0]) if arg == "--set"]
     assert load_run_config("parameters/smoke/gpt_base.yaml", sets).train.progress is expected
+
+
+# --- notebook parameters given to papermill directly ----------------------------------------------
+
+@pytest.mark.parametrize("name,values,message", [
+    # papermill -p passes text: a list became its characters, a count a string deep in a call
+    ("03_training", {"overrides": "train.steps=20"},
+     r"^notebook 03_training: parameter overrides must be a list \(the notebook's default is \[\]\); got "
+     r"'train.steps=20'; give a list or mapping to papermill as YAML with -y, e.g. -y 'overrides: \[...\]'$"),
+    ("03_training", {"nproc": "two"}, r"^notebook 03_training: parameter nproc must be a whole number \(int\) "
+                                      r"\(the notebook's default is 1\); got 'two'$"),
+    ("03_training", {"run_dir": 3}, r"parameter run_dir must be None or a string \(the notebook's default is None\)"),
+    ("01_theory", {"d": "abc"}, r"^notebook 01_theory: parameter d must be a whole number \(int\).*got 'abc'$"),
+    ("05_sweep", {"overrides": "train.steps=20"},
+     r"parameter overrides must be a mapping \(the notebook's default is \{\}\); got 'train.steps=20'; give a "
+     r"list or mapping to papermill as YAML with -y, e.g. -y 'overrides: \{...\}'"),
+    ("05_sweep", {"smoke": "no"}, r"parameter smoke must be true or false \(the notebook's default is True\); got 'no'"),
+    ("05_sweep", {"seeds": 3}, r"parameter seeds must be None or a list \(the notebook's default is None\); got 3"),
+    ("05_sweep", {"runner": "in-process"},
+     r"parameter runner must be one of inprocess, subprocess, notebook; got 'in-process'"),
+    ("04_analysis", {"which": "last"}, r"parameter which must be one of final, best; got 'last'"),
+    # values of the right type that leave 01's checks nothing to measure, or to chance
+    ("01_theory", {"d": 16}, r"^notebook 01_theory: parameter d must be at least 32 \(the JL curve needs the target "
+                             r"dimensions 8 and d/2 >= 16\); got 16$"),
+    ("01_theory", {"n_tokens": 2}, r"parameter n_tokens must be at least 8 .*; got 2$"),
+    ("01_theory", {"jl_points": 2}, r"parameter jl_points must be at least 3 .*; got 2$"),
+    ("01_theory", {"d": 64, "n_head": 3}, r"parameter n_head must divide d \(d = 64 is split into n_head equal "
+                                          r"parts\); got n_head = 3$"),
+    ("01_theory", {"n_head": 5}, r"n_head must divide d \(d = 512 .*got n_head = 5$"),
+    ("02_model", {"presets": "tiny"}, r"parameter presets is not a parameter of 02_model.ipynb; its parameters are "
+                                      r"preset, grad_check_preset, all_variants"),
+])
+def test_notebook_parameters_of_the_wrong_type_are_named(name, values, message):
+    with pytest.raises(ConfigError, match=message):
+        check_notebook_parameters(name, values)
+
+
+@pytest.mark.parametrize("name", ["01_theory", "02_model", "03_training", "04_analysis", "05_sweep"])
+def test_a_notebooks_defaults_and_values_of_their_types_pass(name):
+    check_notebook_parameters(name, notebook_defaults(name))
+    given = {"03_training": {"run_dir": "/tmp/run", "overrides": ["train.steps=20"], "nproc": 2},
+             "04_analysis": {"fig_dir": "figs", "which": "best"},
+             "05_sweep": {"seeds": [0, 1], "variants": ["gpt_base"], "runner": "notebook", "figure_path": "f.png"},
+             "01_theory": {"d": 64}, "02_model": {"all_variants": False}}[name]
+    check_notebook_parameters(name, given)
+
+
+# --- a study run again in part ---------------------------------------------------------------------
+
+def test_a_partial_rerun_keeps_the_record_of_the_notebooks_run_before(monkeypatch, tmp_path, capsys):
+    """--set 'study.notebooks=[03_training]' rewrote study.json with that notebook alone, and its
+    last line named results.md, the earlier call's, as if it had written it."""
+    import oelm_core.study as S
+
+    clock = iter(f"2026-01-0{day}T00:00:00+00:00" for day in range(1, 10))
+    monkeypatch.setattr(S, "_now", lambda: next(clock))
+    monkeypatch.setattr(S, "_prepare_data", lambda study: None)
+    monkeypatch.setattr(S, "_train_all", lambda study: None)
+
+    written = {}
+
+    def execute(name, out_path, parameters, prefix="", cwd=None):
+        written[name] = out_path
+        if name == "04_analysis":
+            (Path(parameters["out_dir"]) / "results.md").write_text("# Results\n")
+
+    monkeypatch.setattr(S, "execute_notebook", execute)
+    out = tmp_path / "study"
+    S.run_study(load_study(STUDY_FILE, out))
+    assert capsys.readouterr().out.endswith(f"[study] done: {out}/study.json, {out}/results.md\n")
+    first = json.loads((out / "study.json").read_text())["notebooks"]
+    assert [(n["name"], n["executed"]) for n in first] == [
+        ("01_theory", "2026-01-02T00:00:00+00:00"), ("02_model", "2026-01-03T00:00:00+00:00"),
+        ("03_training", "2026-01-04T00:00:00+00:00"), ("04_analysis", "2026-01-05T00:00:00+00:00")]
+    assert all(out / n["output"] == written[n["name"]] for n in first if n["name"] != "03_training")
+
+    data = S.run_study(load_study(STUDY_FILE, out, ["study.notebooks=[03_training]"]))
+    assert capsys.readouterr().out.endswith(f"[study] done: {out}/study.json\n")
+    assert data == json.loads((out / "study.json").read_text())
+    assert data["status"] == "completed" and data["created"] == "2026-01-06T00:00:00+00:00"
+    assert [(n["name"], n["executed"]) for n in data["notebooks"]] == [
+        ("01_theory", "2026-01-02T00:00:00+00:00"), ("02_model", "2026-01-03T00:00:00+00:00"),
+        ("03_training", "2026-01-07T00:00:00+00:00"), ("04_analysis", "2026-01-05T00:00:00+00:00")]
+
+
+def test_an_older_study_json_lists_the_notebooks_it_completed_by_name(tmp_path):
+    import oelm_core.study as S
+
+    study = load_study(STUDY_FILE, tmp_path)
+    (tmp_path / "study.json").write_text(json.dumps({"name": "smoke", "created": "2025-12-01T00:00:00+00:00",
+                                                     "status": "completed", "notebooks": ["03_training", "04_analysis"]}))
+    assert S._earlier_notebooks(study) == {n: {"name": n, "executed": "2025-12-01T00:00:00+00:00"}
+                                           for n in ("03_training", "04_analysis")}
+    (tmp_path / "study.json").write_text(json.dumps({"name": "other", "status": "completed",
+                                                     "notebooks": ["03_training"]}))
+    assert S._earlier_notebooks(study) == {}   # another study's folder: nothing of this one ran there
+
+
+def test_the_smoke_parameter_files_train_outside_the_smoke_studys_folder():
+    """`python -m oelm_core.train --params parameters/smoke/oelm_freeze.yaml` trained into
+    runs/smoke/oelm_freeze, where an analysis of the smoke study folder took it for a study run."""
+    study = load_study(STUDY_FILE)
+    assert study.out == Path("runs/smoke")
+    for path in sorted((REPO / "parameters" / "smoke").glob("*.yaml")):
+        out = Path(load_run_config(path).out_dir)
+        assert out == Path("runs/train") / f"smoke_{path.stem}", path
+        assert study.out not in out.parents

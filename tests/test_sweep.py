@@ -17,6 +17,7 @@ from oelm_core.sweep import (
     load_sweep,
     main,
     run_ablations,
+    run_rows,
     run_sweep,
     sweep_figure,
     sweep_results,
@@ -89,8 +90,8 @@ def test_load_sweep_requires_lists_of_seeds_and_variants(tmp_path, sweep, messag
 
 
 def test_load_sweep_from_the_notebooks_folder(monkeypatch):
-    """05_sweep's default sweep_file is relative to the repository; JupyterLab runs the kernel in
-    notebooks/."""
+    """05_sweep's default sweep_file is relative to the repository root; a caller elsewhere (a
+    kernel in notebooks/ before its setup cell) finds it too."""
     monkeypatch.chdir(REPO / "notebooks")
     assert load_sweep("parameters/sweeps/a6_layers.yaml").name == "a6_layers"
 
@@ -110,9 +111,10 @@ def test_ablation_plan_is_seed_major_and_complete(tmp_path):
         ablation_runs(REPO / "parameters" / "ablations", tmp_path, overrides={"train.dtype": "fp64"})
 
 
-def _fake_run(folder: Path, label: str, variant: str, seed: int, loss: float, params=(100, 10), extra=None):
+def _fake_run(folder: Path, label: str, variant: str, seed: int, loss: float, params=(100, 10), extra=None,
+              model=None):
     folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump({"variant": variant, "preset": "mini",
+    (folder / "config.yaml").write_text(yaml.safe_dump({"variant": variant, "preset": "mini", "model": model or {},
                                                          "train": {"seed": seed}}))
     (folder / "summary.json").write_text(json.dumps({
         "name": label, "variant": variant, "preset": "mini", "status": "completed", "steps": 800,
@@ -142,6 +144,38 @@ def test_ablation_table_and_figure(tmp_path):
     assert [p.get_height() for p in ax.patches] == pytest.approx([3.05, 3.3])
     dots = [list(c.get_offsets()) for c in ax.collections]
     assert [[tuple(xy) for xy in d] for d in dots] == [[(0, 3.0), (0, 3.1)], [(1, 3.2), (1, 3.4)]]
+
+
+def test_the_ablation_table_refuses_a_sweeps_runs(tmp_path, capsys):
+    """`table runs/sweeps` without --sweep averaged the points n_head=2 and n_head=4 of one
+    variant, both seed 0, as "2 seeds" of one ablation."""
+    for value, loss in ((2, 3.0), (4, 3.4)):
+        _fake_run(tmp_path / "a3_heads" / f"n_head={value}" / "gpt_base" / "seed0", "gpt_base", "gpt_base", 0,
+                  loss, extra={"sweep": "a3_heads", "key": "n_head", "value": value}, model={"n_head": value})
+    message = (f"{tmp_path} holds runs of the sweep(s) a3_heads: tabulate a sweep with --sweep "
+               f"(python -m oelm_core.sweep table {tmp_path} --sweep --name NAME)")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ablation_table(tmp_path)
+    assert main(["table", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+    assert [r["seeds"] for r in sweep_results(tmp_path, "a3_heads")["rows"]] == [1, 1]
+
+
+def test_ablation_runs_trained_otherwise_are_not_seeds_of_one_row(tmp_path):
+    """Runs of one label are seeds only where their settings differ in train.seed alone."""
+    root = tmp_path / "abl"
+    for folder, seed, heads, loss in (("a", 0, 2, 3.0), ("b", 0, 4, 3.4), ("c", 1, 4, 3.6)):
+        _fake_run(root / folder / "gpt_base" / f"seed{seed}", "gpt_base", "gpt_base", seed, loss,
+                  model={"n_head": heads})
+    table = ablation_table(root)
+    rows = {r["label"]: (r["seeds"], r["val_loss"], r["val_loss_std"]) for r in table["rows"]}
+    assert rows == {"gpt_base (model.n_head=2)": (1, 3.0, None),
+                    "gpt_base (model.n_head=4)": (2, pytest.approx(3.5), pytest.approx(0.1414, abs=1e-4))}
+    assert sorted(r["label"] for r in table["runs"]) == ["gpt_base (model.n_head=2)"] + ["gpt_base (model.n_head=4)"] * 2
+    # the same settings and seed twice: one training copied, not two seeds
+    _fake_run(root / "d" / "gpt_base" / "seed1", "gpt_base", "gpt_base", 1, 3.6, model={"n_head": 4})
+    with pytest.raises(ConfigError, match=r"trained the same settings with the same seed \(1\): the same run twice"):
+        ablation_table(root)
 
 
 def test_sweep_results_and_figure(tmp_path):
@@ -368,8 +402,7 @@ def test_a_tiny_sweep_really_trains(tmp_path, story_folder, monkeypatch):
     again = run_sweep(tmp_path / "t.yaml", tmp_path / "runs", log=lambda *_: None)
     assert [r["status"] for r in again] == ["skipped", "skipped"]
     # The POET run's best checkpoint still has an orthogonal spectrum.
-    table = ablation_table(tmp_path / "runs")
-    poet = [r for r in table["runs"] if r["variant"] == "oelm_poet"]
+    poet = [r for r in run_rows(tmp_path / "runs") if r["variant"] == "oelm_poet"]
     assert poet and poet[0]["spectrum_err"] is not None and poet[0]["spectrum_err"] < 1e-4
 
 
