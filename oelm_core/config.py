@@ -187,7 +187,7 @@ register_variant("oelm_nofreeze", "OELM-NoFreeze: Q/K start Haar-orthogonal (QR)
                  qk_init="qr")
 register_variant("oelm_freeze", "OELM-Freeze: Q/K Haar-orthogonal (QR) and frozen in every layer",
                  qk_init="qr", freeze_qk="all")
-# Ablations (issue 7). A1: the non-orthogonal control; A7: other orthogonal constructions.
+# Ablations (parameters/ablations/). A1: the non-orthogonal control; A7: other orthogonal constructions.
 register_variant("oelm_freeze_gaussian", "A1: frozen Gaussian Q/K, N(0, 1/d), same logit scale as orthogonal",
                  qk_init="gaussian", qk_gain=1.0, freeze_qk="all")
 register_variant("oelm_freeze_svd", "A7: frozen orthogonal Q/K from the SVD polar factor (Haar)",

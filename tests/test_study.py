@@ -183,20 +183,9 @@ def test_trainings_run_side_by_side_on_the_gpus_this_process_sees(monkeypatch, t
     assert {devices for _, devices in given} == expected  # 3 runs on 2 slots of 1 GPU use both
 
 
-@pytest.mark.parametrize("visible, gpus, child", [("2,3", "0", "2"), ("2,3", "1", "3"), ("5,7", "0,1", "5,7"),
-                                                  ("2,3", "", ""), (None, "1", "1"), (None, "", ""),
-                                                  ("GPU-aa, GPU-bb", "1", "GPU-bb")])
-def test_a_training_gets_the_gpu_of_this_process_it_was_given(monkeypatch, visible, gpus, child):
-    """A job confined to GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3) trained on GPUs 0 and 1: a child's
-    CUDA_VISIBLE_DEVICES names the machine's devices, not this process's view of them."""
+def fake_popen(monkeypatch) -> list:
+    """subprocess.Popen records (command, keywords) and starts nothing; the list it fills."""
     import subprocess
-
-    import oelm_core.study as S
-
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
 
     class Done:
         stdout = iter(())
@@ -204,10 +193,27 @@ def test_a_training_gets_the_gpu_of_this_process_it_was_given(monkeypatch, visib
         def wait(self):
             return 0
 
-    envs = []
-    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: envs.append(kw["env"]) or Done())
+    launched = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: launched.append((cmd, kw)) or Done())
+    return launched
+
+
+@pytest.mark.parametrize("visible, gpus, child", [("2,3", "0", "2"), ("2,3", "1", "3"), ("5,7", "0,1", "5,7"),
+                                                  ("2,3", "", ""), (None, "1", "1"), (None, "", ""),
+                                                  ("GPU-aa, GPU-bb", "1", "GPU-bb")])
+def test_a_training_gets_the_gpu_of_this_process_it_was_given(monkeypatch, visible, gpus, child):
+    """A job confined to GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3) trained on GPUs 0 and 1: a child's
+    CUDA_VISIBLE_DEVICES names the machine's devices, not this process's view of them."""
+    import oelm_core.study as S
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+    launched = fake_popen(monkeypatch)
     S.launch_training("parameters/smoke/gpt_base.yaml", cuda_visible_devices=gpus, echo=lambda line: None)
-    assert envs[0]["CUDA_VISIBLE_DEVICES"] == child
+    assert launched[0][1]["env"]["CUDA_VISIBLE_DEVICES"] == child
 
 
 @pytest.mark.parametrize("visible, gpus, message", [
@@ -225,8 +231,6 @@ def test_a_gpu_this_process_does_not_see_is_refused(monkeypatch, visible, gpus, 
 def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
     """--set values are YAML: a study folder with " #" in its path was cut at the comment, and a
     run named off or 2024 became a bool or an int that the trainer refused."""
-    import subprocess
-
     import oelm_core.study as S
 
     study = load_study(STUDY_FILE, tmp_path / "study #2 😀", [
@@ -236,18 +240,11 @@ def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
     for run in study.runs:
         assert load_run_config(run.params, run.overrides).name == run.name
 
-    class Done:
-        stdout = iter(())
-
-        def wait(self):
-            return 0
-
-    commands = []
-    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: commands.append(cmd) or Done())
+    launched = fake_popen(monkeypatch)
     run = study.runs[0]
     out = S.launch_training(run.params, run.overrides, run_dir=run.run_dir, echo=lambda line: None)
     assert out == run.run_dir.resolve() and " #2 😀" in str(out)
-    sets = [commands[0][k + 1] for k, arg in enumerate(commands[0]) if arg == "--set"]
+    sets = [launched[0][0][k + 1] for k, arg in enumerate(launched[0][0]) if arg == "--set"]
     assert load_run_config(run.params, sets).out_dir == str(out)   # what the trainer will read
 
 
@@ -360,20 +357,11 @@ def test_failed_notebook_names_the_cell(tmp_path, monkeypatch):
 @pytest.mark.parametrize("progress, expected", [(None, True), (False, False), (True, True)])
 def test_launch_training_sets_the_progress_bar_only_when_asked(monkeypatch, progress, expected):
     """Notebook 03 turns the bar off (it streams badly there); None keeps the parameter file's."""
-    import subprocess
-
     import oelm_core.study as S
 
-    class Done:
-        stdout = iter(())
-
-        def wait(self):
-            return 0
-
-    commands = []
-    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: commands.append(cmd) or Done())
+    launched = fake_popen(monkeypatch)
     S.launch_training("parameters/smoke/gpt_base.yaml", progress=progress, echo=lambda line: None)
-    sets = [commands[0][k + 1] for k, arg in enumerate(commands[0]) if arg == "--set"]
+    sets = [launched[0][0][k + 1] for k, arg in enumerate(launched[0][0]) if arg == "--set"]
     assert load_run_config("parameters/smoke/gpt_base.yaml", sets).train.progress is expected
 
 
