@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from oelm_core.config import ModelConfig, _build
+from oelm_core.config import ConfigError, ModelConfig, _build
 from oelm_core.files import atomic_write
 from oelm_core.model import GPT
 
@@ -84,18 +84,27 @@ def _what_failed(exc: Exception) -> str:
     return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
 
 
-def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu") -> GPT:
+def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
+                     source: str = "the checkpoint") -> GPT:
     """Rebuild the GPT a checkpoint holds. ``model_config`` describes the model as saved: a run
-    that unfroze Q/K on a schedule saves ``freeze_qk`` with the layers still frozen then."""
-    cfg: ModelConfig = _build(ModelConfig, dict(state["model_config"]), "model_config").validate()
-    model = GPT(cfg)
-    model.load_state_dict(state["model"])
+    that unfroze Q/K on a schedule saves ``freeze_qk`` with the layers still frozen then.
+    CheckpointError, naming ``source``, where the config is unusable or the weights do not fit it
+    exactly (a loose load would leave the missing weights random)."""
+    try:
+        cfg: ModelConfig = _build(ModelConfig, dict(state["model_config"]), "model_config").validate()
+        model = GPT(cfg)
+        model.load_state_dict(state["model"])
+    except (ConfigError, RuntimeError) as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise CheckpointError(f"{source} holds no model this oelm_core can rebuild ({reason}); it was "
+                              f"not written by this oelm_core's trainer, or was edited: use another "
+                              f"checkpoint or train again") from exc
     return model.to(device)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict[str, Any]]:
     """(model in eval mode on ``device``, the checkpoint dict without its optimizer state)."""
     state = load_checkpoint(path)
-    model = model_from_state(state, device).eval()
+    model = model_from_state(state, device, source=str(path)).eval()
     state.pop("optimizer", None)
     return model, state

@@ -30,3 +30,14 @@ def test_peak_flops_takes_the_longest_matching_card_name(monkeypatch, name, peak
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops("cuda:0") == peak
     assert peak_flops("cpu") is None
+
+
+def test_flops_per_token_medium512_exact():
+    from oelm_core import flops_per_token, model_config
+    b = flops_per_token(model_config("medium512", "gpt_base"))
+    assert b["attn_scores"] == {"forward": 6_291_456, "backward": 12_582_912}
+    assert b["mlp"] == {"forward": 25_165_824, "backward": 50_331_648}
+    assert b["total"] == 286_510_080
+    f = flops_per_token(model_config("medium512", "oelm_freeze"))
+    assert f["frozen_saving"]["flops"] == 6_291_456
+    assert f["frozen_saving"]["fraction"] == pytest.approx(6_291_456 / 286_510_080)

@@ -747,3 +747,18 @@ def test_committed_results_tables_have_one_line_per_row(path):
                     break
                 assert row.startswith("| ") and row.endswith(" |"), f"{path}: {row[:80]}"
                 assert row.replace(r"\|", "").count(" | ") + 1 == cells, f"{path}: {row[:80]}"
+
+
+def test_welch_degrees_of_freedom():
+    res = A.significance([10.1, 10.4, 9.9, 10.3], [10.9, 11.2, 10.6])
+    assert res["df"] == pytest.approx(3.574584357380371)
+
+
+def test_h3_uses_its_threshold(tmp_path):
+    assert verdicts(A.hypotheses(study_runs(tmp_path / "a", tok=(1000, 1000, 990))))["H3"] is True
+    assert verdicts(A.hypotheses(study_runs(tmp_path / "b", tok=(1000, 1000, 990)), h3_min_ratio=0.995))["H3"] is False
+
+
+def test_best_without_summary_is_the_lowest_evaluation(tmp_path):
+    run_ = A.load_run(make_run(tmp_path, "gpt_base", 10.0, best=9.0, summary=False))
+    assert run_.value("best_val_ppl") == pytest.approx(9.0) and run_.value("final_val_ppl") == pytest.approx(10.0)

@@ -86,5 +86,14 @@ def test_other_formats_and_shapes_are_refused(tmp_path):
     bad_shape = state_of(model)
     bad_shape["model_config"]["n_head"] = 3  # does not divide d_model: no model to rebuild
     save_checkpoint(bad_shape, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(CheckpointError, match=r"bad.pt holds no model this oelm_core can rebuild \(n_head=3 does not divide"):
         load_model(tmp_path / "bad.pt")
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tmp_path):
+    m = build_model("tiny", "gpt_base", seed=1)
+    cfg = dataclasses.asdict(m.cfg)
+    cfg["tie_embeddings"] = False  # lm_head.weight is missing from the state
+    save_checkpoint({"model": m.state_dict(), "model_config": cfg}, tmp_path / "x.pt")
+    with pytest.raises(CheckpointError, match=r"x.pt holds no model this oelm_core can rebuild.*lm_head.weight"):
+        load_model(tmp_path / "x.pt")

@@ -216,3 +216,17 @@ def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path):
     path.write_text("base: &b {steps: 5, lr: 0.001}\ntrain:\n  <<: *b\n  steps: 7\n")
     assert read_yaml(path)["train"] == {"steps": 7, "lr": 0.001}
     assert apply_overrides({}, ["model={n_layer: 2, d_model: 64}"]) == {"model": {"n_layer": 2, "d_model": 64}}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("model.dropout", 1.0, r"model\.dropout must be in \[0, 1\)"),          # K2
+    ("train.beta2", 1.0, r"train\.beta2 must be in \[0, 1\)"),             # K3
+    ("train.steps", 0, r"train\.steps must be at least 1, got 0"),        # K4
+    ("train.batch_size", 0, r"train\.batch_size must be at least 1"),     # K4
+    ("train.steps", True, r"params\.train\.steps should be int, got bool True"),  # K5
+])
+def test_more_unusable_values(key, value, message):
+    from oelm_core.config import run_config_from_dict
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=message):
+        run_config_from_dict({section: {name: value}})

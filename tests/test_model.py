@@ -51,7 +51,6 @@ def test_frozen_qk_are_buffers_that_survive_training():
         opt.zero_grad()
         model(x, x.roll(-1, 1)).backward()
         opt.step()
-    assert model.blocks[0].attn.qk.weight.grad is None
     after = model.state_dict()
     assert torch.equal(after["blocks.0.attn.qk.weight"], before["blocks.0.attn.qk.weight"])
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -326,3 +325,18 @@ def test_bad_configs_raise_clear_errors(kwargs, message):
     variant = kwargs.pop("variant", "gpt_base")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         model_config(preset, variant, **kwargs)
+
+
+def test_residual_projections_start_scaled_by_depth():
+    import math
+    model = build_model("mini", "gpt_base", vocab_size=128)  # 4 layers: 0.02 / sqrt(8) = 0.00707
+    for b in model.blocks:
+        assert b.attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.03)
+        assert b.mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.03)
+        assert b.mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.03)
+
+
+def test_synthesizer_logits_start_at_unit_row_scale():
+    import math
+    m = build_model("tiny", "synth_random", block_size=32)
+    assert m.blocks[0].attn.synth_0.std().item() == pytest.approx(1 / math.sqrt(32), rel=0.05)

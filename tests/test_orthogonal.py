@@ -86,14 +86,6 @@ def test_the_haar_statistics_reject_the_non_haar_constructions(method):
     assert haar_statistics(method, draws=200)["p_det_positive"] == 1.0
 
 
-def test_raw_lapack_qr_is_not_haar():
-    # LAPACK fixes R's diagonal signs instead, which pushes Q's diagonal negative: what the sign
-    # correction of the "qr" construction undoes.
-    Q, _ = torch.linalg.qr(torch.randn(2000, 8, 8, generator=gen(2), dtype=torch.float64))
-    assert Q.diagonal(dim1=1, dim2=2).mean().item() < -0.1
-    assert (Q[:, 0, 0] < 0).all()
-
-
 def test_jl_distortion_shrinks_with_k():
     d, n = 512, 50
     X = torch.randn(n, d, generator=gen(3))
@@ -157,3 +149,35 @@ def test_random_projection_refuses_k_above_d():
         with pytest.raises(ValueError, match=r"k=64 > d=16"):
             random_projection(64, 16, method)
     assert random_projection(16, 16).shape == (16, 16)
+
+
+def test_gaussian_rectangular_uses_fan_in():
+    from oelm_core.orthogonal import gaussian
+    G = gaussian(64, 512, generator=gen(0))
+    assert abs(G.double().pow(2).sum(1).mean().item() - 1) < 0.05   # 1.012; var 1/rows gives 8
+    X = torch.randn(50, 512, generator=gen(3))
+    assert jl_distortion(random_projection(32, 512, "gaussian", generator=gen(32)), X)["mean"] < 0.2  # 0.097
+
+
+def test_orthogonality_and_isometry_errors_known_values():
+    from oelm_core.orthogonal import isometry_error
+    assert orthogonality_error(0.5 * torch.eye(4)) == pytest.approx(0.75)
+    assert orthogonality_error(torch.diag(torch.tensor([2.0, 1.0]))) == pytest.approx(3.0)
+    assert isometry_error(torch.diag(torch.tensor([2.0, 1.0])), torch.eye(2)) == pytest.approx(1.0)
+
+
+def test_attention_logit_stats_splits_heads_by_feature():
+    from oelm_core.orthogonal import attention_logit_stats
+    x = torch.arange(24, dtype=torch.float64).reshape(3, 8) / 10
+    eye = torch.eye(8, dtype=torch.float64)
+    s = attention_logit_stats(eye, eye, x, 2)
+    assert s["std"] == pytest.approx(2.567379070982243) and s["entropy"] == pytest.approx(0.5594273727139393)
+
+
+def test_cayley_eigen_angles_stay_below_pi():
+    import math
+
+    from oelm_core.orthogonal import orthogonal
+    W = orthogonal(64, 64, "cayley", generator=gen(0), dtype=torch.float64)
+    ang = torch.linalg.eigvals(W).angle().abs()
+    assert 100 < math.degrees(ang.max().item()) < 135 and 55 < math.degrees(ang.mean().item()) < 85

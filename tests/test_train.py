@@ -1052,3 +1052,56 @@ def test_an_unreadable_only_checkpoint_says_that_deleting_it_restarts_the_run(tm
                         f"checkpoint: use another checkpoint of the run folder (best.pt or an earlier step) "
                         f"or train again. It is the run's only checkpoint: deleting {only} makes --resume "
                         f"start the run again from step 0\n"), err
+
+
+def test_resume_at_the_unfreeze_step(tmp_path, folded):
+    full = params(tmp_path, folded, out="full", steps=8, ckpt_every=1, unfreeze_schedule={5: "all"})
+    run(full)
+    split = params(tmp_path, folded, out="split", steps=8, ckpt_every=1, unfreeze_schedule={5: "all"})
+    run({**split, "train": {**split["train"], "stop_after": 5}})
+    run(split, resume=True)
+    a, b = losses(full["out_dir"]), losses(split["out_dir"])
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) <= 1e-6 for s in a)
+
+
+def test_a_pause_keeps_the_count_of_evaluations_without_improvement(tmp_path, folded, monkeypatch):
+    import math
+
+    from oelm_core.train import Trainer
+
+    scripted = {3: 3.0, 6: 3.5, 9: 3.6, 12: 3.7, 15: 3.8}   # best at 3, then only worse
+
+    def evaluate(self):
+        v = scripted[self.step]
+        return {"val_loss": v, "val_ppl": math.exp(v), "val_bpb": v}
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    common = dict(steps=15, eval_every=3, ckpt_every=3, early_stop_patience=2)
+    straight = run(params(tmp_path, folded, out="full", **common))
+    split = params(tmp_path, folded, out="split", **common)
+    run({**split, "train": {**split["train"], "stop_after": 7}})   # paused with one bad evaluation
+    resumed = run(split, resume=True)
+    assert straight["status"] == resumed["status"] == "stopped_early"
+    assert straight["steps"] == resumed["steps"] == 9
+
+
+def test_every_session_ends_on_a_checkpoint(tmp_path, folded):
+    values = params(tmp_path, folded, steps=7, ckpt_every=4, eval_every=4)
+    run({**values, "train": {**values["train"], "stop_after": 5}})
+    run(values, resume=True)
+    names = sorted(p.name for p in (Path(values["out_dir"]) / "ckpt").iterdir())
+    assert names == ["step_0000004.pt", "step_0000005.pt", "step_0000007.pt"]
+
+
+def test_one_process_may_not_change_the_global_batch_on_resume(tmp_path, folded, capsys):
+    values = params(tmp_path, folded, steps=4, ckpt_every=2)
+    good = write_params(tmp_path / "p.yaml", values)
+    assert main(["--params", str(good), "--set", "train.stop_after=2"]) == 0
+    capsys.readouterr()
+    assert main(["--params", str(good), "--resume", "--set", "train.grad_accum=2"]) == 2
+    assert "world size x train.grad_accum = 1" in capsys.readouterr().err
+
+
+def test_tokens_seen_count_every_micro_batch(tmp_path, folded):
+    summary = run(params(tmp_path, folded, steps=2, ckpt_every=2, eval_every=2, grad_accum=2))
+    assert summary["global_batch_tokens"] == 2 * 4 * 32 and summary["tokens_seen"] == 2 * 2 * 4 * 32
