@@ -698,6 +698,8 @@ class Trainer:
         # Checked before the data is prepared: a refused run leaves the token files as they were.
         self.resume_from = self._resume_point(resume)
         self.meta = self._prepare_data()
+        # what the checkpoints record of the data, for a resume to check (_check_same_data)
+        self.data_identity = {key: self.meta.get(key) for key in DATA_IDENTITY}
         if self.resume_from is not None:  # the stories' content hash is known once they are prepared
             self._check_same_data(self.resume_from[1], self.resume_from[0])
 
@@ -785,8 +787,8 @@ class Trainer:
 
     def _checkpoints(self) -> list[Path]:
         """ckpt/step_N.pt, oldest first. Other files there are neither read nor deleted."""
-        return sorted((p for p in self.ckpt_dir.glob("step_*.pt") if _step_number(p) is not None and p.is_file()),
-                      key=_step_number)
+        numbered = ((_step_number(p), p) for p in self.ckpt_dir.glob("step_*.pt") if p.is_file())
+        return [p for n, p in sorted((n, p) for n, p in numbered if n is not None)]
 
     def _resume_point(self, resume: bool) -> Optional[tuple[Path, dict]]:
         """The newest checkpoint and its state when resuming (None: start at step 0), after
@@ -820,7 +822,7 @@ class Trainer:
         (the same stories may move), the stories may not. Checkpoints from before the trainer
         recorded its data resume unchecked."""
         saved = state.get("data")
-        now = {key: self.meta.get(key) for key in DATA_IDENTITY}
+        now = self.data_identity
         if saved is None or saved == now:
             return
 
@@ -1030,7 +1032,7 @@ class Trainer:
         return {"model": self.model.state_dict(),
                 "model_config": dataclasses.asdict(self._model_config_now()),
                 "run_config": self.cfg.to_dict(), "step": self.step,
-                "data": {key: self.meta.get(key) for key in DATA_IDENTITY},
+                "data": self.data_identity,
                 "optimizer": self.optimizer.state_dict(),
                 "rng": {"cpu": [r["cpu"] for r in rngs],
                         "cuda": [r["cuda"] for r in rngs if r["cuda"] is not None]},
