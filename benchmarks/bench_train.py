@@ -8,7 +8,8 @@ backward, clip_grad_norm_, the trainer's AdamW) captured whole in one CUDA graph
 uncaptured; compile: a torch.compile mode or "none", for the graph/plain steps; cuda_graph: 0/1
 sets TrainConfig.cuda_graph for the trainer's step - the reference defaults to 0, as the issue
 defines it: compiled, no CUDA graph; pad: 0/1, the reference's vocabulary padded to 50,304 as
-nanoGPT does, default 1; chunk: tokens per loss slice). The JSON's options.cuda_graph says whether
+nanoGPT does, default 1; chunk: tokens per loss slice; gemm: cublaslt|torch, the model's
+training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops). The JSON's options.cuda_graph says whether
 the timed step replayed a CUDA graph (never on CPU, nor where the capture failed). Each figure is
 the median of --blocks blocks of --steps steps after warm-up, timed with CUDA events; peak memory
 is torch.cuda.max_memory_allocated over building, compiling, capturing and the timed steps, less
@@ -39,7 +40,7 @@ from oelm_core.model import GPT  # noqa: E402
 # A group's options after the colon (the module docstring says what they do) and, where the set
 # is closed, the values each takes; compile takes any mode torch.compile knows, or "none".
 OPTIONS = {"loss": ("chunked", "full"), "step": ("trainer", "graph", "plain"), "compile": None,
-           "cuda_graph": ("0", "1"), "pad": ("0", "1"), "chunk": None}
+           "cuda_graph": ("0", "1"), "pad": ("0", "1"), "chunk": None, "gemm": ("cublaslt", "torch")}
 
 
 def parse_variant(spec: str, args) -> dict:
@@ -275,12 +276,20 @@ def main():
     for batch in args.batch:
         for spec, parsed in zip(args.groups, variants):
             v = dict(parsed)  # bench_one records what applied in it
+            # oelm_core.cublaslt reads its switch when a step is built and compiled
+            switch = os.environ.pop("OELM_CUBLASLT", None)
+            if v.get("gemm") == "torch":
+                os.environ["OELM_CUBLASLT"] = "0"
             try:
                 r = bench_one(v, batch, args, device)
             except Exception as e:  # keep the other figures
                 import traceback
                 traceback.print_exc()
                 r = {"label": spec, "group": v["group"], "batch": batch, "error": repr(e)[:300]}
+            finally:
+                os.environ.pop("OELM_CUBLASLT", None)
+                if switch is not None:
+                    os.environ["OELM_CUBLASLT"] = switch
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.cache_out:

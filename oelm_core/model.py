@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from oelm_core import cublaslt
 from oelm_core.config import ModelConfig, model_config
 from oelm_core.orthogonal import init_qk
 
@@ -115,7 +116,7 @@ class QKProjection(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 def _make_qk(cfg: ModelConfig, layer: int, generator: torch.Generator) -> Optional[nn.Module]:
@@ -218,11 +219,11 @@ class CausalSelfAttention(nn.Module):
             # One matmul for q, k and v when all three are trained. Without gradients (eval,
             # decoding) two: the concatenation copies the weights on every call, which for one
             # token costs more than the products themselves.
-            q, k, v = F.linear(x, torch.cat([self.qk.weight, self.v.weight])).split(d, dim=2)
+            q, k, v = linear(x, torch.cat([self.qk.weight, self.v.weight])).split(d, dim=2)
         else:
             # Kept apart so autograd skips the frozen weight's gradient (the point of freezing).
             q, k = self.qk(x).split(d, dim=2)
-            v = self.v(x)
+            v = linear(x, self.v.weight, self.v.bias)
         return q, k, v
 
     def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None,
@@ -265,7 +266,7 @@ class CausalSelfAttention(nn.Module):
     def project(self, y: torch.Tensor) -> torch.Tensor:
         """The output projection of the heads' output, and in training the residual dropout after
         it (GPT-2's resid_dropout), as the MLP drops its output: both branches regularised alike."""
-        y = self.proj(y)
+        y = linear(y, self.proj.weight, self.proj.bias)
         return F.dropout(y, self.dropout, self.training) if self.dropout > 0 else y
 
     def decode(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -309,6 +310,80 @@ def _add_linear(residual: torch.Tensor, h: torch.Tensor, layer: nn.Linear) -> to
     return torch.addmm(acc, h.reshape(b, -1), layer.weight.t()).view_as(residual)
 
 
+# --------------------------------------------------------------------------------------------
+# Linear layers of the training step on CUDA: GEMMs through cuBLASLt (oelm_core/cublaslt.py)
+# --------------------------------------------------------------------------------------------
+
+class _LtLinear(torch.autograd.Function):
+    """x W^T + b for x (M, K), W (N, K), b (N,) or None, all one low-precision dtype, each of the
+    three GEMMs (forward, input and weight gradient) with its timed cuBLASLt algorithm. A weight
+    that needs no gradient (frozen Q/K) gets none computed."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return cublaslt.gemm(x, w, b, False, True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        return (cublaslt.gemm(grad, w, None, False, False) if need_x else None,
+                cublaslt.gemm(grad, x, None, True, False) if need_w else None,
+                grad.sum(0) if need_b else None)
+
+
+class _LtGeluMLP(torch.autograd.Function):
+    """proj(GELU(fc(x))) for x (M, d_model) with GELU in fc's GEMM epilogue, which writes GELU and
+    its input: the forward pass has no GELU pass of its own. Inputs as ``_LtLinear``'s; biases
+    may be None."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj):
+        h, pre = cublaslt.gemm_gelu(x, w_fc, b_fc)
+        ctx.save_for_backward(x, w_fc, w_proj, h, pre)
+        ctx.biases = (b_fc is not None, b_proj is not None)
+        return cublaslt.gemm(h, w_proj, b_proj, False, True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w_fc, w_proj, h, pre = ctx.saved_tensors
+        fc_bias, proj_bias = ctx.biases
+        # GELU' in one fused pass with fc's bias sum (cuBLASLt's DGELU epilogue is slower here).
+        d_pre = torch.ops.aten.gelu_backward(cublaslt.gemm(grad, w_proj, None, False, False), pre,
+                                             approximate="tanh")
+        return (cublaslt.gemm(d_pre, w_fc, None, False, False), cublaslt.gemm(d_pre, x, None, True, False),
+                d_pre.sum(0) if fc_bias else None, cublaslt.gemm(grad, h, None, True, False),
+                grad.sum(0) if proj_bias else None)
+
+
+@torch.compiler.assume_constant_result
+def _lt_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return cublaslt.available(device, dtype)
+
+
+def _lt_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype the cuBLASLt path computes in for a training step on ``x``, or None where it
+    does not apply (CPU, no gradient, no low-precision autocast, no cuBLASLt)."""
+    if not (x.is_cuda and torch.is_grad_enabled() and torch.is_autocast_enabled("cuda")):
+        return None
+    dtype = torch.get_autocast_dtype("cuda")
+    return dtype if _lt_usable(x.device, dtype) else None
+
+
+def _as(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, through ``_LtLinear`` in a CUDA training step under autocast."""
+    dtype = _lt_dtype(x)
+    if dtype is None:
+        return F.linear(x, weight, bias)
+    y = _LtLinear.apply(x.reshape(-1, x.size(-1)).to(dtype), weight.to(dtype), _as(bias, dtype))
+    return y.view(*x.shape[:-1], -1)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -327,7 +402,13 @@ class MLP(nn.Module):
         return F.gelu(self.fc(x), approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.proj(self.hidden(x))
+        dtype = _lt_dtype(x)
+        if dtype is None:
+            y = self.proj(self.hidden(x))
+        else:
+            fc, proj = self.fc, self.proj
+            y = _LtGeluMLP.apply(x.reshape(-1, x.size(-1)).to(dtype), fc.weight.to(dtype), _as(fc.bias, dtype),
+                                 proj.weight.to(dtype), _as(proj.bias, dtype)).view(*x.shape[:-1], -1)
         return self.dropout(y) if self.dropout.p > 0 else y
 
 
@@ -442,16 +523,20 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
     grad_w = None
     if need_grad and n > chunk:  # several slices: accumulate the weight gradient in float32
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
+    lt = cublaslt.available(x.device, dtype)
     for s in range(0, n, chunk):
         xs = xc[s:s + chunk]
-        logits = xs @ wc.T
+        logits = cublaslt.gemm(xs, wc, None, False, True) if lt else xs @ wc.T
         _ce_rows_kernel[(xs.size(0),)](logits, logits.stride(0), targets[s:s + chunk], row_loss[s:],
                                        inv_n, vocab, padded, WRITE_GRAD=need_grad, BLOCK=2048,
                                        num_warps=4)
         if need_grad:
-            torch.mm(logits, wc, out=grad_x[s:s + chunk])
+            if lt:
+                cublaslt.matmul_into(grad_x[s:s + chunk], logits, wc)
+            else:
+                torch.mm(logits, wc, out=grad_x[s:s + chunk])
             if grad_w is None:
-                grad_w = logits.T @ xs
+                grad_w = cublaslt.gemm(logits, xs, None, True, False) if lt else logits.T @ xs
             else:
                 _addmm_fp32_(grad_w, logits.T, xs)
     loss = row_loss.sum() / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives
