@@ -33,9 +33,10 @@ from oelm_core.analysis import GROUP_LABELS, SAMPLE_TOP_K, attention_maps, summa
 from oelm_core.attention_plots import (compare_figure, heatmap_figure, summary_figure, token_label,
                                        uniform_reference)
 from oelm_core.checkpoint import CheckpointError, load_model
-from oelm_core.config import ModelConfig, variant_overrides, variants
+from oelm_core.config import ConfigError, ModelConfig, variant_overrides, variants
 from oelm_core.data import perplexity
 from oelm_core.generate import SamplingConfig, detokenize, stream_tokens
+from oelm_core.train import check_device
 
 GROUPS = tuple(GROUP_LABELS)
 
@@ -158,28 +159,15 @@ class Lab:
         raise refuse(f"unknown model {group!r}; choose one of {', '.join(m.group for m in self.models)}")
 
 
-DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
-
-
 def pick_device(device: str = "auto") -> str:
     """The device to load the models on; a SetupError naming --device when this machine lacks
     it (else every checkpoint would be reported as one that cannot be loaded)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise SetupError(f"--device {device!r} is not a device: choose {DEVICE_CHOICES}") from None
-    if parsed.type not in ("cpu", "cuda"):
-        raise SetupError(f"--device {device!r}: the demo runs on the CPU or a CUDA GPU; choose {DEVICE_CHOICES}")
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise SetupError(f"--device {device!r}, but PyTorch finds no CUDA GPU on this machine: "
-                             f"use --device cpu (or auto, which picks a GPU only when there is one)")
-        if parsed.index is not None and parsed.index >= count:
-            raise SetupError(f"--device {device!r}, but this machine has {count} CUDA GPU(s), "
-                             f"cuda:0..cuda:{count - 1}: choose one of them, or auto")
+        check_device(device, setting="--device")
+    except ConfigError as exc:
+        raise SetupError(str(exc)) from None
     return device
 
 

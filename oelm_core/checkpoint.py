@@ -9,7 +9,7 @@ unpickles arbitrary objects:
     run_config      the RunConfig as a dict (absent for models saved outside a run)
     step            optimiser steps taken
     metrics         latest figures, e.g. val_loss, val_ppl, train_loss, tokens_seen
-    data            the prepared data trained on: content_hash, train_tokens, val_tokens
+    data            the prepared data trained on: text_hash, content_hash, train_tokens, val_tokens
                     (from its meta.json; --resume refuses other data)
     optimizer, rng, sampler   what ``--resume`` needs (training checkpoints only)
 """

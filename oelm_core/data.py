@@ -5,7 +5,8 @@ the GPT-2 BPE followed by an end-of-text token, and writes one flat uint16 strea
 
     out_dir/train.bin   uint16[train_tokens]   story_0 EOT story_1 EOT ...
     out_dir/val.bin     uint16[val_tokens]
-    out_dir/meta.json   counts, bytes (for bits per byte) and the content hash that skips re-runs
+    out_dir/meta.json   counts, bytes (for bits per byte), the content hash that skips re-runs
+                        and the text hash of the stories, whatever their source
     out_dir/.prepare.lock   held while preparing, so that two processes do not write at once
 
 `TokenSampler` then draws random (x, y) windows from a .bin file through a memory map; its
@@ -17,7 +18,6 @@ CLI: python -m oelm_core.data --source ../shared/data/tinystories --out-dir data
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import hashlib
 import json
@@ -41,12 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oelm_core.config import ConfigError, DataConfig, ModelConfig
-from oelm_core.files import atomic_write, temporary_files
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks (see _remove_stale_temp_files)
-    fcntl = None
+from oelm_core.files import atomic_write, exclusive_lock, temporary_files
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +330,16 @@ def _is_hub(source: str) -> bool:
 # prepare / load_meta
 # --------------------------------------------------------------------------------------------
 
+def _hashed(stories: Iterable[str], split: str, h) -> Iterator[str]:
+    """``stories`` unchanged, each also fed to the hash ``h`` (after a mark of ``split``)."""
+    h.update(f"\0split:{split}\0".encode())
+    for text in stories:
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))  # length prefix: no ambiguous joins
+        h.update(data)
+        yield text
+
+
 def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | None,
                  progress: bool) -> dict:
     counts = {"tokens": 0, "stories": 0, "bytes": 0}
@@ -357,7 +362,9 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
 
     Skipped (the existing meta is returned) when meta.json's content_hash matches the source:
     for a local folder a hash of the story texts, for the hub a hash of (name, column, caps),
-    which needs no network. `force=True` rebuilds. Under DDP call it on one rank and wait for it on the others.
+    which needs no network. meta.json's text_hash is a hash of the story texts as tokenised,
+    for either source: the same stories from the hub and from a folder have the same one (what
+    a resume compares). `force=True` rebuilds. Under DDP call it on one rank and wait for it on the others.
     A second process preparing the same folder waits for the first (a lock on out_dir/.prepare.lock)
     and then finds it up to date; temporary files of a killed preparation are removed.
     """
@@ -384,16 +391,8 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
         resolved = str(root)
         splits = _folder_splits(root, cfg)
         h.update(json.dumps(key, sort_keys=True).encode())
-        totals = {}
-        for split, stories in splits.items():  # a first, cheap pass: hash and count the texts
-            h.update(f"\0split:{split}\0".encode())
-            n = 0
-            for text in stories():
-                data = text.encode("utf-8")
-                h.update(len(data).to_bytes(8, "little"))  # length prefix: no ambiguous joins
-                h.update(data)
-                n += 1
-            totals[split] = n
+        # A first, cheap pass: hash and count the texts.
+        totals = {split: sum(1 for _ in _hashed(stories(), split, h)) for split, stories in splits.items()}
     content_hash = h.hexdigest()
 
     if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None:
@@ -416,15 +415,17 @@ def _write_all(out: Path, splits: dict, totals: dict, resolved: str, content_has
     meta_path.unlink(missing_ok=True)
     get_tokenizer()  # fail here with the TIKTOKEN_CACHE_DIR hint, not inside a worker
     meta = {"source": resolved, "tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16"}
+    text_hash = hashlib.sha256()
     for split, stories in splits.items():
         procs = _num_procs(cfg.num_proc, totals[split])
-        counts = _write_split(stories(), out / f"{split}.bin", procs, totals[split], progress)
+        counts = _write_split(_hashed(stories(), split, text_hash), out / f"{split}.bin", procs,
+                              totals[split], progress)
         if counts["tokens"] == 0:
             raise ConfigError(f"the {split} split of {resolved} holds no stories; check its files "
                               f"and data.text_field")
         meta.update({f"{split}_{k}": v for k, v in counts.items()})
     meta.update(max_train_stories=cfg.max_train_stories, max_val_stories=cfg.max_val_stories,
-                content_hash=content_hash,
+                content_hash=content_hash, text_hash=text_hash.hexdigest(),
                 created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     atomic_write(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w")
     log.info("prepared %s: %d train / %d val tokens", out, meta["train_tokens"], meta["val_tokens"])
@@ -458,27 +459,15 @@ def _bins_match(out: Path, meta: dict) -> bool:
                for s in SPLIT_NAMES)
 
 
-@contextlib.contextmanager
-def _folder_lock(out: Path) -> Iterator[bool]:
+def _folder_lock(out: Path):
     """Hold an exclusive lock on out/.prepare.lock while preparing ``out``: a second process
-    preparing the same folder waits here. Yields whether the lock is held (False where the
+    preparing the same folder waits here. Yields whether the lock is held (falsy where the
     platform or file system has no locks)."""
-    if fcntl is None:
-        yield False
-        return
-    with open(out / ".prepare.lock", "a") as f:
-        locked = True
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process that is preparing %s", out)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks (some network mounts)
-            locked = False
-        yield locked  # closing the file releases the lock
+    return exclusive_lock(out / ".prepare.lock",
+                          on_wait=lambda: log.info("waiting for another process that is preparing %s", out))
 
 
-def _remove_stale_temp_files(out: Path, locked: bool, started: float) -> None:
+def _remove_stale_temp_files(out: Path, locked: bool | None, started: float) -> None:
     """Remove what killed writes of prepare's outputs left in ``out`` (atomic_write's temporary
     ``.train.bin.*.tmp`` and the like). Under the lock no other process is writing there. Without
     it only files untouched since this call started (``started``, time.time()) go: a live write

@@ -37,10 +37,10 @@ import re
 import statistics
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,14 +54,9 @@ from oelm_core.checkpoint import RESUME_KEYS, TRAINING_KEYS, CheckpointError, lo
 from oelm_core.config import (PRESETS, RESUMABLE_CHANGES, ConfigError, ModelConfig, RunConfig, TrainConfig,
                               load_run_config, run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
-from oelm_core.files import temporary_files, write_text_atomic
+from oelm_core.files import LockHeld, exclusive_lock, temporary_files, write_text_atomic
 from oelm_core.model import build_model
 from oelm_core.peer_grads import PeerGradExchange, first_of_each
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; two trainings into one out_dir are not caught there
-    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -105,35 +100,50 @@ class Dist:
         return self.rank == 0
 
 
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def check_device(name: str, setting: str = "train.device") -> torch.device:
+    """``name`` ("cpu", "cuda" or "cuda:N", not "auto") as a torch.device, after checking that
+    this machine has it; a bare "cuda" keeps index None. ConfigError naming ``setting`` (where
+    ``name`` was given: train.device, the demo's --device) for a name that is not a device or
+    not a CPU or CUDA one, CUDA without a visible GPU, or an index past the GPUs there are.
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{setting} {name!r} is not a device: choose {DEVICE_CHOICES}") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xla, meta...: the models run on neither
+        raise ConfigError(f"{setting} {name!r} is not supported: OELM Lab runs on the CPU or on CUDA "
+                          f"GPUs; choose {DEVICE_CHOICES}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{setting} is {name!r}, but PyTorch finds no CUDA GPU on this machine: set "
+                              f"{setting} to cpu (or auto, which picks a GPU only when there is one)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"{setting} is {name!r}, but this machine has {count} CUDA GPU(s), "
+                              f"cuda:0..cuda:{count - 1}: choose one of them, or auto")
+    return device
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """The torch.device that ``name`` (train.device: "auto", "cpu", "cuda" or "cuda:N") means on
     this machine, made the current CUDA device when it is one.
 
     "auto" -> this rank's GPU when there is one, else the CPU; a bare "cuda" gets index
-    ``local_rank`` (torchrun's LOCAL_RANK). ConfigError for a name that is not a device or not
-    a CPU or CUDA one, CUDA without a visible GPU, or an index past the GPUs there are.
+    ``local_rank`` (torchrun's LOCAL_RANK). ConfigError as ``check_device`` says, or for a local
+    rank past the GPUs there are.
     """
-    resolved = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-    try:
-        device = torch.device(resolved)
-    except RuntimeError:
-        raise ConfigError(f"train.device {name!r} is not a device; use auto, cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):  # mps, xla, meta...: the trainer runs on neither
-        raise ConfigError(f"train.device {name!r} is not supported: the trainer runs on the CPU or on "
-                          f"CUDA GPUs; use auto, cpu, cuda or cuda:N")
+    device = check_device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device asks for CUDA but no GPU is visible; set train.device: cpu (or auto)")
-        bare = device.index is None
-        if bare:
+        if device.index is None:
             device = torch.device("cuda", local_rank)
-        count = torch.cuda.device_count()
-        if device.index >= count:
-            there = f"this machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}"
-            if bare:
-                raise ConfigError(f"train.device {name!r} puts local rank {local_rank} on {device}, but "
-                                  f"{there}: start at most {count} processes per node")
-            raise ConfigError(f"train.device is {name!r}, but {there}: choose one of them, or auto")
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise ConfigError(f"train.device {name!r} puts local rank {local_rank} on {device}, but this "
+                                  f"machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}: start at "
+                                  f"most {count} processes per node")
         torch.cuda.set_device(device)
     return device
 
@@ -218,47 +228,32 @@ def hold_run_folder(out: Path, d: Dist):
     a process that dies, so a killed training leaves nothing to clean up. No lock where the
     platform (Windows) or the file system (some network mounts) has none.
     """
-    lock, refused = _lock_run_folder(out) if d.is_main and fcntl is not None else (None, None)
-    if d.enabled:  # the other ranks stop too, rather than wait for rank 0 in the next collective
-        box = [refused]
-        dist.broadcast_object_list(box, src=0)
-        refused = box[0]
-    if refused is not None:
-        raise ConfigError(refused)
-    try:
-        if lock is not None:
+    with ExitStack() as held:
+        locked, refused = _lock_run_folder(out, held) if d.is_main else (None, None)
+        if d.enabled:  # the other ranks stop too, rather than wait for rank 0 in the next collective
+            box = [refused]
+            dist.broadcast_object_list(box, src=0)
+            refused = box[0]
+        if refused is not None:
+            raise ConfigError(refused)
+        if locked:
             _remove_killed_writes(out)
         yield
-    finally:
-        if lock is not None:
-            # Unlocked explicitly: a child process forked meanwhile shares the lock and would
-            # hold it past close() for as long as it lives.
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
 
 
-def _lock_run_folder(out: Path) -> tuple[Optional[IO], Optional[str]]:
-    """(the open, locked out/.lock, or None where there are no locks; why the folder is refused, or None)."""
+def _lock_run_folder(out: Path, held: ExitStack) -> tuple[Optional[bool], Optional[str]]:
+    """(``exclusive_lock``'s answer for out/.lock, which ``held`` then holds; why the folder is
+    refused, or None)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "a+")
+        locked = held.enter_context(exclusive_lock(out / ".lock"))
+    except LockHeld as exc:
+        return None, f"another training (pid {exc.holder}) is writing to {out}; wait for it or choose another out_dir"
     except OSError as exc:
         return None, f"cannot write to out_dir {out} ({exc.strerror}); set out_dir to a folder you can write to"
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        pid = lock.read().strip() or "unknown"
-        lock.close()
-        return None, f"another training (pid {pid}) is writing to {out}; wait for it or choose another out_dir"
-    except OSError:
+    if locked is False:
         log.warning("the file system of %s has no locks: a second training into it would not be stopped", out)
-        lock.close()
-        return None, None
-    lock.truncate(0)  # "a+" writes at the end, which is now the start
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    return lock, None
+    return locked, None
 
 
 def _remove_killed_writes(out: Path) -> None:
@@ -684,7 +679,9 @@ def _step_number(path: Path) -> Optional[int]:
 
 
 # What identifies the prepared data a run trains on: meta.json's entries, stored in checkpoints.
-DATA_IDENTITY = ("content_hash", "train_tokens", "val_tokens")
+# text_hash is the same for the same stories from the hub or a folder; content_hash is not, and
+# is what data prepared (and checkpoints written) before text_hash existed have.
+DATA_IDENTITY = ("text_hash", "content_hash", "train_tokens", "val_tokens")
 
 
 class Trainer:
@@ -819,15 +816,19 @@ class Trainer:
 
     def _check_same_data(self, state: dict, path: Path) -> None:
         """Refuse a resume on other data than the run's: data.source and data.out_dir may change
-        (the same stories may move), the stories may not. Checkpoints from before the trainer
-        recorded its data resume unchecked."""
+        (the same stories may move, or come from a folder instead of the hub), the stories may
+        not. Compared by text hash where both the checkpoint and the data have one, else by
+        content hash. Checkpoints from before the trainer recorded its data resume unchecked."""
         saved = state.get("data")
         now = self.data_identity
-        if saved is None or saved == now:
+        if saved is None:
+            return
+        by = "text_hash" if saved.get("text_hash") and now.get("text_hash") else "content_hash"
+        if all(saved.get(key) == now.get(key) for key in (by, "train_tokens", "val_tokens")):
             return
 
         def described(d: dict) -> str:
-            return (f"content hash {str(d.get('content_hash'))[:12]}..., {d.get('train_tokens')} train "
+            return (f"{by.replace('_', ' ')} {str(d.get(by))[:12]}..., {d.get('train_tokens')} train "
                     f"/ {d.get('val_tokens')} val tokens")
 
         trained_on = run_config_from_dict(state["run_config"]).data.source

@@ -454,15 +454,38 @@ def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):
     assert pick_device("auto") == "cpu" and pick_device("cpu") == "cpu"
     with pytest.raises(SetupError, match=r"^--device 'gpu' is not a device: choose auto, cpu, cuda or cuda:N$"):
         pick_device("gpu")
-    with pytest.raises(SetupError, match=r"^--device 'mps': the demo runs on the CPU or a CUDA GPU"):
+    with pytest.raises(SetupError, match=r"^--device 'mps' is not supported: OELM Lab runs on the CPU or on CUDA GPUs"):
         pick_device("mps")
     for device in ("cuda", "cuda:1"):
-        with pytest.raises(SetupError, match=rf"^--device '{device}', but PyTorch finds no CUDA GPU.*--device cpu"):
+        with pytest.raises(SetupError, match=rf"^--device is '{device}', but PyTorch finds no CUDA GPU.*set --device to cpu"):
             pick_device(device)
     lab = lab_from_args(ckpt=[f"gpt_base={checkpoints['gpt_base']}"], device="cuda")
-    assert not lab.ok and lab.models == [] and len(lab.errors) == 1 and lab.errors[0].startswith("--device 'cuda'")
+    assert not lab.ok and lab.models == [] and len(lab.errors) == 1 and lab.errors[0].startswith("--device is 'cuda'")
     lab = load_lab(checkpoints, "gpu")
     assert lab.models == [] and lab.errors == ["--device 'gpu' is not a device: choose auto, cpu, cuda or cuda:N"]
+
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_the_demo_checks_a_device_as_the_trainer_does(monkeypatch, gpus):
+    """pick_device had its own copy of train.resolve_device's checks, worded apart: both now run
+    train.check_device, whose message names the demo's --device instead of train.device."""
+    import torch
+    from app.demo import SetupError, pick_device
+    from oelm_core.config import ConfigError
+    from oelm_core.train import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for device in ("gpu", "mps", "cuda:2", "cuda" if gpus == 0 else "cuda:7"):
+        with pytest.raises(ConfigError) as trainer:
+            resolve_device(device)
+        with pytest.raises(SetupError) as demo:
+            pick_device(device)
+        assert str(demo.value) == str(trainer.value).replace("train.device", "--device")
+        assert "\n" not in str(demo.value)
+    assert pick_device("cuda:1" if gpus else "cpu") == ("cuda:1" if gpus else "cpu")
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

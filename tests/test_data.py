@@ -1,5 +1,6 @@
 """oelm_core.data: story splitting, every source format, caching, samplers, errors, metrics."""
 
+import hashlib
 import json
 import logging
 import math
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from conftest import STORIES
-from oelm_core import data
+from oelm_core import data, files
 from oelm_core.config import ConfigError, DataConfig
 
 SHARED_STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
@@ -441,7 +442,7 @@ def test_prepare_removes_temp_files_of_killed_writes(story_folder, tmp_path):
 def test_without_locks_only_temp_files_older_than_the_call_are_removed(story_folder, tmp_path, monkeypatch):
     """Where fcntl is missing no lock says whether another process is writing: a temporary file
     touched since this call started may be a live write and stays."""
-    monkeypatch.setattr(data, "fcntl", None)
+    monkeypatch.setattr(files, "fcntl", None)
     out = tmp_path / "out"
     out.mkdir()
     stale, live = out / ".train.bin.stale.tmp", out / ".train.bin.live.tmp"
@@ -513,6 +514,45 @@ def test_hub_source_uses_load_dataset(tmp_path, monkeypatch):
     assert calls[2:] == [("roneneldan/TinyStories", "train", False),
                          ("roneneldan/TinyStories", "validation", False)]
     assert data.load_meta(tmp_path / "full")["train_stories"] == 5
+
+
+def fake_hub(datasets, monkeypatch, rows: dict) -> None:
+    """The hub's TinyStories, offline: split ("train", "validation") -> its story texts."""
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]]))
+
+
+def text_hash(splits: dict) -> str:
+    """The text hash of split ("train", "val") -> stories: each split's mark, then each story's
+    UTF-8 length (8 bytes, little-endian) and bytes."""
+    h = hashlib.sha256()
+    for split, stories in splits.items():
+        h.update(f"\0split:{split}\0".encode())
+        for story in stories:
+            h.update(len(story.encode()).to_bytes(8, "little") + story.encode())
+    return h.hexdigest()
+
+
+def test_the_same_stories_from_the_hub_and_a_folder_have_one_text_hash(story_folder, tmp_path, monkeypatch):
+    """The content hash (what skips a re-run) of the hub is one of its name and caps, that of a
+    folder one of its texts: the same stories had no hash in common, and a run could not resume
+    from a local copy of the hub's stories. The text hash is of the stories as tokenised, from
+    either source, tokenised in one process or several."""
+    datasets = pytest.importorskip("datasets")
+    train, val = [f"  {s}\n" for s in STORIES * 20], STORIES[:3] * 10  # the hub's rows, unstripped
+    fake_hub(datasets, monkeypatch, {"train": train, "validation": val})
+    hub = data.prepare(DataConfig(out_dir=str(tmp_path / "hub")), progress=False)
+    monkeypatch.setattr(data, "_PARALLEL_MIN_STORIES", 0)
+    local = data.prepare(cfg_for(story_folder, tmp_path / "local", num_proc=2), progress=False)
+    assert hub["content_hash"] != local["content_hash"]
+    assert hub["text_hash"] == local["text_hash"] == text_hash({"train": STORIES * 20, "val": STORIES[:3] * 10})
+    assert (hub["train_tokens"], hub["val_tokens"]) == (local["train_tokens"], local["val_tokens"])
+
+    other = [s.replace("Tom", "Tim") for s in STORIES * 20]
+    fake_hub(datasets, monkeypatch, {"train": other, "validation": val})
+    changed = data.prepare(DataConfig(out_dir=str(tmp_path / "hub")), force=True, progress=False)
+    assert changed["text_hash"] == text_hash({"train": other, "val": STORIES[:3] * 10}) != hub["text_hash"]
+    assert changed["train_tokens"] == hub["train_tokens"]
 
 
 def test_hub_offline_error(tmp_path, monkeypatch):
@@ -608,7 +648,7 @@ def test_moving_a_story_boundary_is_new_content(tmp_path):
     first = data.prepare(cfg, progress=False)
     part.write_text("abc<|endoftext|>d")  # the same characters, another boundary
     second = data.prepare(cfg, progress=False)
-    assert second["content_hash"] != first["content_hash"]
+    assert second["content_hash"] != first["content_hash"] and second["text_hash"] != first["text_hash"]
     enc = data.get_tokenizer()
     expected = enc.encode_ordinary("abc") + [data.EOT] + enc.encode_ordinary("d") + [data.EOT]
     assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist() == expected

@@ -1,15 +1,19 @@
 """oelm_core.files: a write that fails part-way leaves the previous file whole, and no temporary;
-one that is killed leaves a temporary that temporary_files finds."""
+one that is killed leaves a temporary that temporary_files finds; a folder's lock file is held
+by one holder at a time."""
 
 import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from oelm_core.files import atomic_write, temporary_files, write_text_atomic
+from oelm_core import files
+from oelm_core.files import LockHeld, atomic_write, exclusive_lock, temporary_files, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,3 +66,56 @@ def test_temporary_files_are_those_of_writes_killed_mid_way(tmp_path):
     assert left[0].read_bytes() == b"half a checkpoint" and not (tmp_path / "step_0000004.pt").exists()
     assert temporary_files(tmp_path, "best.pt") == [] and temporary_files(tmp_path, "step_*.pt") == left
     assert temporary_files(tmp_path / "absent") == []
+
+
+# Two holders in one process: flock locks belong to an open file description, and each
+# exclusive_lock opens its own, so the second contends with the first as another process would.
+
+def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
+    pytest.importorskip("fcntl")
+    path = tmp_path / ".lock"
+    path.write_text("stale 999\n")
+    with exclusive_lock(path) as locked:
+        assert locked is True and path.read_text() == f"{os.getpid()}\n"
+        with pytest.raises(LockHeld) as refused:
+            with exclusive_lock(path):
+                pytest.fail("entered a lock that is held")
+        assert refused.value.holder == str(os.getpid())
+    with exclusive_lock(path) as locked:  # released on leaving the block
+        assert locked is True
+
+
+def test_a_lock_held_by_a_writer_that_left_no_pid_names_an_unknown_holder(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    with open(tmp_path / ".lock", "w") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(LockHeld, match=r"held by process unknown$"):
+            with exclusive_lock(tmp_path / ".lock"):
+                pass
+
+
+def test_a_waiting_holder_says_so_and_enters_when_the_first_leaves(tmp_path):
+    pytest.importorskip("fcntl")
+    path = tmp_path / ".prepare.lock"
+    events = []
+    waiting = threading.Event()
+
+    def second():
+        with exclusive_lock(path, on_wait=lambda: (events.append("waiting"), waiting.set())) as locked:
+            events.append(("entered", locked))
+
+    with exclusive_lock(path):
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert waiting.wait(60)
+        time.sleep(0.2)  # time enough to enter, were the lock not held
+        assert events == ["waiting"]
+    thread.join(60)
+    assert events == ["waiting", ("entered", True)]
+
+
+def test_without_fcntl_nothing_is_locked_and_no_file_is_made(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "fcntl", None)
+    with exclusive_lock(tmp_path / ".lock") as locked:
+        assert locked is None
+    assert list(tmp_path.iterdir()) == []

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from conftest import STORIES
 from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import load_checkpoint, model_from_state, save_checkpoint
 from oelm_core.config import ConfigError, DataConfig, TrainConfig, run_config_from_dict
@@ -837,7 +838,7 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, folded, monke
 
 
 def test_resume_refuses_other_stories_and_accepts_the_same_ones_moved(tmp_path, story_folder, capsys):
-    """The checkpoint records the prepared data's content hash and token counts. After a story
+    """The checkpoint records the prepared data's text and content hashes and token counts. After a story
     file changed (one name: the token counts stay), --resume is refused, naming both; the same
     stories in another folder, prepared into another data folder, resume (data.source and
     data.out_dir may change)."""
@@ -846,7 +847,7 @@ def test_resume_refuses_other_stories_and_accepts_the_same_ones_moved(tmp_path, 
     good = write_params(tmp_path / "p.yaml", values)
     assert main(["--params", str(good), "--set", "train.stop_after=2"]) == 0
     trained = json.loads((tmp_path / "data" / "meta.json").read_text())
-    identity = ("content_hash", "train_tokens", "val_tokens")
+    identity = ("text_hash", "content_hash", "train_tokens", "val_tokens")
     assert load_checkpoint(tmp_path / "run" / "ckpt" / "step_0000002.pt")["data"] == {k: trained[k] for k in identity}
     moved = shutil.copytree(story_folder, tmp_path / "moved")
 
@@ -856,17 +857,64 @@ def test_resume_refuses_other_stories_and_accepts_the_same_ones_moved(tmp_path, 
     assert main(["--params", str(good), "--resume"]) == 2
     err = capsys.readouterr().err
     now = json.loads((tmp_path / "data" / "meta.json").read_text())  # prepared from the changed stories
-    assert now["content_hash"] != trained["content_hash"] and now["train_tokens"] == trained["train_tokens"]
+    assert now["text_hash"] != trained["text_hash"] and now["train_tokens"] == trained["train_tokens"]
     assert err.startswith(f"error: cannot resume {tmp_path / 'run' / 'ckpt' / 'step_0000002.pt'}: it was "
-                          f"trained on other data (content hash {trained['content_hash'][:12]}..., "
+                          f"trained on other data (text hash {trained['text_hash'][:12]}..., "
                           f"{trained['train_tokens']} train / {trained['val_tokens']} val tokens, from "
-                          f"{story_folder}) than {tmp_path / 'data'} holds now (content hash "
-                          f"{now['content_hash'][:12]}..., {now['train_tokens']} train / "), err
+                          f"{story_folder}) than {tmp_path / 'data'} holds now (text hash "
+                          f"{now['text_hash'][:12]}..., {now['train_tokens']} train / "), err
     assert "out_dir set to a new folder" in err and err.count("\n") == 1
     assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir()) == ["step_0000002.pt"]
 
     assert main(["--params", str(good), "--resume", "--set", f"data.source={moved}",
                  f"data.out_dir={tmp_path / 'moved_data'}"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(tmp_path, story_folder,
+                                                                            monkeypatch, capsys):
+    """The content hash of hub data is one of (name, column, caps), that of a folder one of its
+    texts: a run trained from the hub was refused when resumed offline from a local copy of the
+    same stories. Resume compares the stories' text hash, the same from either source (the hub
+    is simulated: it serves story_folder's stories); other stories are still refused. A
+    checkpoint from before the text hash (content hash only) resumes on the same data."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"train": STORIES * 20, "validation": STORIES[:3] * 10}  # story_folder's, see conftest
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]]))
+    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=1,
+                    eval_every=2)
+    values["data"] = {"source": "roneneldan/TinyStories", "out_dir": str(tmp_path / "hub_data"), "num_proc": 1}
+    good = write_params(tmp_path / "p.yaml", values)
+    once = ["--set", "train.stop_after=1"]
+    assert main(["--params", str(good), *once]) == 0
+    ckpt = tmp_path / "run" / "ckpt"
+    from_hub = load_checkpoint(ckpt / "step_0000001.pt")["data"]
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'roneneldan/TinyStories' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    other = shutil.copytree(story_folder, tmp_path / "other")
+    part = other / "train" / "part.txt"
+    part.write_text(part.read_text().replace("Tom", "Tim"))
+    capsys.readouterr()
+    assert main(["--params", str(good), "--resume", "--set", f"data.source={other}",
+                 f"data.out_dir={tmp_path / 'other_data'}"]) == 2
+    assert f"trained on other data (text hash {from_hub['text_hash'][:12]}...," in capsys.readouterr().err
+
+    local = ["--set", f"data.source={story_folder}", f"data.out_dir={tmp_path / 'local_data'}"]
+    assert main(["--params", str(good), "--resume", *local, *once]) == 0
+    from_folder = load_checkpoint(ckpt / "step_0000002.pt")["data"]
+    assert from_folder["content_hash"] != from_hub["content_hash"] and from_folder == {
+        **from_hub, "content_hash": from_folder["content_hash"]}
+    assert main(["--params", str(good), "--resume", *once]) == 0  # back to the hub's data, cached
+
+    # A checkpoint written before checkpoints recorded the text hash.
+    state = load_checkpoint(ckpt / "step_0000003.pt")
+    del state["data"]["text_hash"]
+    save_checkpoint(state, ckpt / "step_0000003.pt")
+    assert main(["--params", str(good), "--resume"]) == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
 
 
@@ -941,8 +989,8 @@ def test_stray_files_in_ckpt_are_ignored_or_named(tmp_path, folded, capsys):
 
 @pytest.mark.parametrize("name", ["mps", "xla", "meta", "xpu:0"])
 def test_devices_the_trainer_does_not_run_on_are_refused(name):
-    with pytest.raises(ConfigError, match=rf"^train.device '{name}' is not supported: the trainer runs on "
-                                          rf"the CPU or on CUDA GPUs; use auto, cpu, cuda or cuda:N$"):
+    with pytest.raises(ConfigError, match=rf"^train.device '{name}' is not supported: OELM Lab runs on "
+                                          rf"the CPU or on CUDA GPUs; choose auto, cpu, cuda or cuda:N$"):
         resolve_device(name)
 
 
