@@ -28,6 +28,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -602,31 +603,47 @@ class Group:
     seeds: list[int] = field(default_factory=list)   # runs[i] trained with seeds[i]
 
 
+def seed_groups(runs: Sequence[Run], keys: Sequence) -> list[tuple[Any, dict, list[int]]]:
+    """The positions of ``runs`` as groups of seeds, in the order first met: runs of one key
+    (``keys[i]`` is ``runs[i]``'s) whose trained settings (Run.settings) are equal apart from
+    train.seed. Each group is (key, those settings without train.seed, positions). A run without
+    config.yaml has an unknown seed (Run.seed None) and the default settings. ConfigError for two
+    runs of one group with the same seed: the same training twice, not two seeds."""
+    groups: list[tuple[Any, dict, list[int]]] = []
+    for i, (run, key) in enumerate(zip(runs, keys)):
+        settings = run.settings()
+        del settings["train.seed"]
+        group = next((g for g in groups if (g[0], g[1]) == (key, settings)), None)
+        if group is None:
+            group = (key, settings, [])
+            groups.append(group)
+        twin = next((runs[j] for j in group[2] if run.seed is not None and runs[j].seed == run.seed), None)
+        if twin is not None:
+            raise ConfigError(f"{twin.path} and {run.path} trained the same settings with the same seed "
+                              f"({run.seed}): the same run twice, not two seeds of one; analyse them apart")
+        group[2].append(i)
+    return groups
+
+
+def settings_apart(settings: dict, siblings: Sequence[dict]) -> str:
+    """What tells groups of one name apart: ``settings``' "key=value" pairs, comma-separated,
+    for the keys in which the ``siblings`` (those groups' settings, its own included) differ."""
+    return ", ".join(f"{k}={settings[k]}" for k in settings if len({repr(s[k]) for s in siblings}) > 1)
+
+
 def group_runs(runs: Iterable[Run]) -> list[Group]:
     """The runs as groups of seeds, by preset, then GPT-Base, OELM-NoFreeze, OELM-Freeze, others.
 
     Runs of one variant trained otherwise (per-run overrides, an unfreeze schedule) are groups
-    of their own, never averaged as if they were seeds. A group's label is the variant's display
-    name where the preset has no other group of that variant; otherwise the name has what tells
-    the group apart added: its runs' name without ``_s<seed>``, or where those coincide, the
-    settings in which the variant's groups differ. ConfigError for two runs of one group with
-    the same seed: the same training twice, not two seeds.
+    of their own, never averaged as if they were seeds (``seed_groups``). A group's label is the
+    variant's display name where the preset has no other group of that variant; otherwise the
+    name has what tells the group apart added: its runs' name without ``_s<seed>``, or where
+    those coincide, the settings in which the variant's groups differ. ConfigError for two runs
+    of one group with the same seed: the same training twice, not two seeds.
     """
-    groups: list[Group] = []
-    for run in runs:
-        settings = run.settings()
-        seed = settings.pop("train.seed") if run.seed is not None else None  # no config.yaml: unknown
-        group = next((g for g in groups if (g.variant, g.preset, g.settings) == (run.variant, run.preset, settings)),
-                     None)
-        if group is None:
-            group = Group("", run.variant, run.preset, settings)
-            groups.append(group)
-        if seed is not None and seed in group.seeds:
-            twin = group.runs[group.seeds.index(seed)]
-            raise ConfigError(f"{twin.path} and {run.path} trained the same settings with the same seed ({seed}): "
-                              f"the same run twice, not two seeds of one; analyse them apart")
-        group.runs.append(run)
-        group.seeds.append(seed)
+    runs = list(runs)
+    groups = [Group("", variant, preset, settings, [runs[i] for i in at], [runs[i].seed for i in at])
+              for (variant, preset), settings, at in seed_groups(runs, [(r.variant, r.preset) for r in runs])]
     groups.sort(key=lambda g: (g.preset, _variant_order(g.variant)))
     for g in groups:
         g.label = _group_label(g, groups)
@@ -645,8 +662,7 @@ def _group_label(group: Group, groups: Sequence[Group]) -> str:
     names = [_run_names(g) for g in siblings]
     if len(set(names)) == len(names):
         return f"{name} ({_run_names(group)})"
-    differ = [k for k in group.settings if len({repr(g.settings[k]) for g in siblings}) > 1]
-    return f"{name} ({', '.join(f'{k}={group.settings[k]}' for k in differ)})"
+    return f"{name} ({settings_apart(group.settings, [g.settings for g in siblings])})"
 
 
 def variant_alone(a: Group, b: Group) -> bool:
@@ -657,10 +673,17 @@ def variant_alone(a: Group, b: Group) -> bool:
         return False
     keys = {f"model.{k}" for g in (a, b) for k in variant_overrides(g.variant)}
     for g in (a, b):
-        own = dataclasses.asdict(model_config(g.preset, g.variant))
-        if any(g.settings[k] != own[k.removeprefix("model.")] for k in keys):
+        own = _variant_model(g.preset, g.variant)
+        if any(g.settings[k] != own[k] for k in keys):
             return False
     return all(a.settings[k] == b.settings[k] for k in a.settings if k not in keys)
+
+
+@functools.lru_cache(maxsize=None)
+def _variant_model(preset: str, variant: str) -> MappingProxyType:
+    """{"model.<key>": value} of the preset's variant as model_config builds it, read-only and
+    built once: variant_alone checks every pair of groups it is given against it."""
+    return MappingProxyType({f"model.{k}": v for k, v in dataclasses.asdict(model_config(preset, variant)).items()})
 
 
 def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "step"):

@@ -1,5 +1,5 @@
 """The training step's GEMMs through cuBLASLt: each problem's algorithm chosen by timing, and the
-MLP's GELU inside the GEMMs' epilogues.
+MLP's forward GELU inside its GEMM's epilogue.
 
 Why, measured on an H200 at 64 x 512 tokens (benchmarks/RESULTS.md):
 - cuBLAS's heuristic takes its first guess. For the MLP's (32,768 x 512) @ (512 x 2,048) product

@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.analysis import BASELINE, GROUP_LABELS
+from oelm_core.analysis import BASELINE, GROUP_LABELS, seed_groups, settings_apart
 from oelm_core.config import (ConfigError, apply_overrides, read_yaml, run_config_from_dict, trained_settings,
                               variants as known_variants)
 from oelm_core.files import write_text_atomic
@@ -452,31 +452,17 @@ def _order(label: str) -> tuple[int, str]:
 
 def _ablation_groups(runs: list, rows: list[dict]) -> list[list[dict]]:
     """``rows`` (one per run of ``runs``) as groups of seeds: one label, and trained settings
-    (analysis.Run.settings) equal apart from train.seed, so that runs trained otherwise (another
+    equal apart from train.seed (analysis.seed_groups), so that runs trained otherwise (another
     --set) are never averaged as seeds. Where a label has several groups, each row's label gets
     the settings that tell them apart: "gpt_base (train.steps=200)". ConfigError for two runs
     of one group with the same seed: the same training twice, not two seeds."""
-    groups: list[tuple[str, dict, list[dict]]] = []
-    for run, row in zip(runs, rows):
-        settings = run.settings()
-        settings.pop("train.seed")
-        group = next((g for g in groups if (g[0], g[1]) == (row["label"], settings)), None)
-        if group is None:
-            group = (row["label"], settings, [])
-            groups.append(group)
-        # row["seed"] is None where config.yaml is missing: the seed is unknown
-        twin = next((r for r in group[2] if row["seed"] is not None and r["seed"] == row["seed"]), None)
-        if twin is not None:
-            raise ConfigError(f"{twin['path']} and {row['path']} trained the same settings with the same seed "
-                              f"({row['seed']}): the same run twice, not two seeds of one; tabulate them apart")
-        group[2].append(row)
-    for label, settings, members in groups:
+    groups = seed_groups(runs, [row["label"] for row in rows])
+    for label, settings, at in groups:
         siblings = [g[1] for g in groups if g[0] == label]
         if len(siblings) > 1:
-            differ = [k for k in settings if len({repr(s.get(k)) for s in siblings}) > 1]
-            for row in members:
-                row["label"] = f"{label} ({', '.join(f'{k}={settings[k]}' for k in differ)})"
-    return [members for _, _, members in groups]
+            for i in at:
+                rows[i]["label"] = f"{label} ({settings_apart(settings, siblings)})"
+    return [[rows[i] for i in at] for _, _, at in groups]
 
 
 def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = True) -> dict:
@@ -485,7 +471,9 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
     Per ablation: mean (and std over seeds) final val loss and ppl, the gap to ``baseline`` in %,
     trainable/frozen parameters, tokens/s and, for POET, the trained Q/K's spectrum error. An
     ablation's seeds are its runs trained with the same settings apart from train.seed
-    (``_ablation_groups``). ConfigError where ``root`` holds a sweep's runs: their points share
+    (``_ablation_groups``); "seeds" counts the evaluated ones: a run that ended before its first
+    evaluation is left out of the validation figures and named in a warning, as
+    analysis.results_table does. ConfigError where ``root`` holds a sweep's runs: their points share
     labels (the variant), so ``sweep_results`` tabulates them.
     """
     from oelm_core.analysis import markdown_table, mean_std
@@ -500,7 +488,11 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
     rows = []
     for group in sorted(_ablation_groups(loaded, runs), key=lambda g: _order(g[0]["label"])):
         loss, loss_std = mean_std(r["final_val_loss"] for r in group)
-        rows.append({"label": group[0]["label"], "variant": group[0]["variant"], "seeds": len(group),
+        missing = [r["path"] for r in group if r["final_val_loss"] is None]
+        if missing:
+            warnings.warn(f"{group[0]['label']}: {', '.join(missing)} ended before its first evaluation; "
+                          f"the validation figures average the other seeds", stacklevel=2)
+        rows.append({"label": group[0]["label"], "variant": group[0]["variant"], "seeds": len(group) - len(missing),
                      "val_loss": loss, "val_loss_std": loss_std,
                      "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
                      "trainable": group[0]["trainable"], "frozen": group[0]["frozen"],

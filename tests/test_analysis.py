@@ -388,6 +388,35 @@ def test_the_variant_alone_is_what_the_hypotheses_compare(tmp_path):
     assert len(A.significance_tests(runs)) == 2
 
 
+def test_variant_alone_builds_each_variants_model_once(monkeypatch):
+    """variant_alone rebuilt both groups' ModelConfig for every pair it was given. Its answers
+    are those it gave then: an override restating the variant's own value keeps it the variant;
+    one changing it (freezing one layer, GPT-Base with orthogonal Q/K), another learning rate or
+    another preset does not."""
+    built = []
+    real = A.model_config
+    monkeypatch.setattr(A, "model_config", lambda preset, variant: built.append((preset, variant))
+                        or real(preset, variant))
+
+    def group(variant, preset="mini", model=None, train=None):
+        config = {"model": model or {}, "train": {"seed": 0, **(train or {})}}
+        run = A.Run(Path("x"), "x", variant, preset, 0, config, {})
+        settings = run.settings()
+        del settings["train.seed"]
+        return A.Group("x", variant, preset, settings)
+
+    groups = {"base": group("gpt_base"), "nofreeze": group("oelm_nofreeze"), "freeze": group("oelm_freeze"),
+              "freeze_qr": group("oelm_freeze", model={"qk_init": "qr"}),
+              "gaussian": group("oelm_freeze_gaussian"), "synth": group("synth_random"),
+              "freeze_layer0": group("oelm_freeze", model={"freeze_qk": [0]}),
+              "base_lr": group("gpt_base", train={"lr": 1e-2}), "base_small": group("gpt_base", preset="small"),
+              "base_qr": group("gpt_base", model={"qk_init": "qr"})}
+    alone = {(a, b) for a in groups for b in groups if a != b and A.variant_alone(groups[a], groups[b])}
+    same = ("base", "nofreeze", "freeze", "freeze_qr", "gaussian", "synth")
+    assert alone == {(a, b) for a in same for b in same if a != b}
+    assert len(built) == len(set(built))
+
+
 def test_groups_whose_run_names_coincide_are_told_apart_by_their_settings(tmp_path):
     make_run(tmp_path / "x", "oelm_freeze", 10.5, train={"lr": 1e-3})
     make_run(tmp_path / "y", "oelm_freeze", 11.0, train={"lr": 1e-2})
@@ -437,6 +466,20 @@ def test_seeds_without_config_yaml_are_one_group_of_unknown_seeds(tmp_path):
     (group,) = A.group_runs(runs)
     assert group.seeds == [None, None] and len(group.runs) == 2
     assert [line.get_label() for line in A.plot_curves(runs).axes[0].lines] == ["GPT-Base", "GPT-Base"]
+
+
+def test_a_run_of_unknown_seed_is_a_seed_of_the_setup_it_trained(tmp_path):
+    """A folder without config.yaml kept the default train.seed among its settings: it never
+    joined the seeds of its setup, and comparing its group with another variant's raised
+    KeyError 'train.seed' (results table, hypotheses, significance tests)."""
+    make_run(tmp_path, "gpt_base", 10.0, seed=1)
+    make_run(tmp_path, "gpt_base", 10.4, seed=2)
+    make_run(tmp_path, "oelm_freeze", 10.5, seed=1)
+    (make_run(tmp_path, "oelm_freeze", 10.9, seed=2) / "config.yaml").unlink()
+    runs = A.load_runs(tmp_path)
+    assert [(g.label, g.seeds) for g in A.group_runs(runs)] == [("GPT-Base", [1, 2]), ("OELM-Freeze", [1, None])]
+    h4 = A.hypotheses(runs)[3]
+    assert h4["value"] == pytest.approx(10.7 / 10.2 - 1) and h4["holds"] is True
 
 
 def test_the_global_batch_is_grad_accum_times_the_processes(tmp_path):

@@ -3,6 +3,7 @@
 import copy
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,46 @@ def test_ablation_runs_trained_otherwise_are_not_seeds_of_one_row(tmp_path):
     _fake_run(root / "d" / "gpt_base" / "seed1", "gpt_base", "gpt_base", 1, 3.6, model={"n_head": 4})
     with pytest.raises(ConfigError, match=r"trained the same settings with the same seed \(1\): the same run twice"):
         ablation_table(root)
+
+
+def test_the_ablation_table_groups_seeds_as_the_analysis_does(tmp_path):
+    """One grouping (analysis.seed_groups) serves the ablation table and analysis.group_runs:
+    seeds of one setting together, another setting apart, a run of unknown seed (no
+    config.yaml, so the default settings) with the default setting's seeds, and one setting
+    and seed twice refused by both."""
+    from oelm_core.analysis import group_runs, load_runs
+
+    root = tmp_path / "abl"
+    for folder, seed, model, loss in (("a", 0, {"n_head": 2}, 3.0), ("b", 0, None, 3.4), ("c", 1, None, 3.6),
+                                      ("d", 2, None, 3.5)):
+        _fake_run(root / folder / "gpt_base" / f"seed{seed}", "gpt_base", "gpt_base", seed, loss, model=model)
+    (root / "d" / "gpt_base" / "seed2" / "config.yaml").unlink()
+    rows = {r["label"]: (r["seeds"], r["val_loss"]) for r in ablation_table(root)["rows"]}
+    assert rows == {"gpt_base (model.n_head=2)": (1, 3.0), "gpt_base (model.n_head=4)": (3, pytest.approx(3.5))}
+    assert [(g.label, g.seeds) for g in group_runs(load_runs(root))] == [
+        ("GPT-Base (model.n_head=2)", [0]), ("GPT-Base (model.n_head=4)", [0, 1, None])]
+    shutil.copytree(root / "c", root / "e")
+    twice = r"c/gpt_base/seed1 and .*e/gpt_base/seed1 trained the same settings with the same seed \(1\)"
+    with pytest.raises(ConfigError, match=twice):
+        ablation_table(root)
+    with pytest.raises(ConfigError, match=twice):
+        group_runs(load_runs(root))
+
+
+def test_an_ablation_seed_without_an_evaluation_is_not_counted_and_is_named(tmp_path):
+    """A seed killed before its first evaluation was counted in "seeds" (2) while the mean
+    covered the other seed alone."""
+    root = tmp_path / "abl"
+    for seed, loss in ((0, 3.2), (1, 3.6)):
+        _fake_run(root / "gpt_base" / f"seed{seed}", "gpt_base", "gpt_base", seed, loss)
+    cut = root / "gpt_base" / "seed1"
+    (cut / "summary.json").unlink()
+    (cut / "metrics.jsonl").write_text(json.dumps({"step": 10, "train_loss": 5.0}) + "\n")
+    with pytest.warns(UserWarning, match=re.escape(f"gpt_base: {cut} ended before its first evaluation")):
+        table = ablation_table(root)
+    (row,) = table["rows"]
+    assert (row["seeds"], row["val_loss"], row["val_loss_std"]) == (1, 3.2, None)
+    assert row["val_ppl"] == pytest.approx(2.718281828 ** 3.2)
 
 
 def test_sweep_results_and_figure(tmp_path):
