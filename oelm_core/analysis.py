@@ -731,6 +731,16 @@ RESULT_COLUMNS = [
 ]
 
 
+def evaluated_seeds(label: str, names: list[str], values: list) -> int:
+    """How many seeds of one group have a validation figure (``values``, None where a run ended
+    before its first evaluation); warns naming the others, which the group's means leave out."""
+    missing = [name for name, value in zip(names, values) if value is None]
+    if missing:
+        warnings.warn(f"{label}: {', '.join(missing)} ended before its first evaluation; "
+                      f"the validation figures average the other seeds", stacklevel=3)
+    return len(names) - len(missing)
+
+
 def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BASELINE) -> dict:
     """The study's results table: one row per group of seeds (group_runs), averaged over them.
 
@@ -749,13 +759,9 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
     for group in groups:
         ppls = [r.value(f"{which}_val_ppl") for r in group.runs]
         ppl_mean, ppl_std = mean_std(ppls)
-        missing = [r.name for r, v in zip(group.runs, ppls) if v is None]
-        if missing:
-            warnings.warn(f"{group.label}: {', '.join(missing)} ended before its first evaluation; "
-                          f"the validation figures average the other seeds", stacklevel=2)
         rows.append({
             "variant": group.variant, "model": group.label, "preset": group.preset,
-            "seeds": len(group.runs) - len(missing), "val_loss": _mean(group, f"{which}_val_loss"), "val_ppl": ppl_mean,
+            "seeds": evaluated_seeds(group.label, [r.name for r in group.runs], ppls), "val_loss": _mean(group, f"{which}_val_loss"), "val_ppl": ppl_mean,
             "val_ppl_std": ppl_std, "val_bpb": _mean(group, f"{which}_val_bpb"),
             "train_loss": _mean(group, "final_train_loss"), "total_params": group.runs[0].value("total"),
             "trainable_params": group.runs[0].value("trainable"),

@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.analysis import BASELINE, GROUP_LABELS, seed_groups, settings_apart
+from oelm_core.analysis import BASELINE, GROUP_LABELS, evaluated_seeds, seed_groups, settings_apart
 from oelm_core.config import (ConfigError, apply_overrides, read_yaml, run_config_from_dict, trained_settings,
                               variants as known_variants)
 from oelm_core.files import write_text_atomic
@@ -487,12 +487,10 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
     runs = [_row(run, spectrum) for run in loaded]
     rows = []
     for group in sorted(_ablation_groups(loaded, runs), key=lambda g: _order(g[0]["label"])):
-        loss, loss_std = mean_std(r["final_val_loss"] for r in group)
-        missing = [r["path"] for r in group if r["final_val_loss"] is None]
-        if missing:
-            warnings.warn(f"{group[0]['label']}: {', '.join(missing)} ended before its first evaluation; "
-                          f"the validation figures average the other seeds", stacklevel=2)
-        rows.append({"label": group[0]["label"], "variant": group[0]["variant"], "seeds": len(group) - len(missing),
+        losses = [r["final_val_loss"] for r in group]
+        loss, loss_std = mean_std(losses)
+        seeds = evaluated_seeds(group[0]["label"], [str(r["path"]) for r in group], losses)
+        rows.append({"label": group[0]["label"], "variant": group[0]["variant"], "seeds": seeds,
                      "val_loss": loss, "val_loss_std": loss_std,
                      "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
                      "trainable": group[0]["trainable"], "frozen": group[0]["frozen"],
