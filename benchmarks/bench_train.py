@@ -9,11 +9,13 @@ uncaptured; compile: a torch.compile mode or "none", for the graph/plain steps; 
 sets TrainConfig.cuda_graph for the trainer's step - the reference defaults to 0, as the issue
 defines it: compiled, no CUDA graph; pad: 0/1, the reference's vocabulary padded to 50,304 as
 nanoGPT does, default 1; chunk: tokens per loss slice; gemm: cublaslt|torch, the model's
-training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops). The JSON's options.cuda_graph says whether
-the timed step replayed a CUDA graph (never on CPU, nor where the capture failed). Each figure is
-the median of --blocks blocks of --steps steps after warm-up, timed with CUDA events; peak memory
-is torch.cuda.max_memory_allocated over building, compiling, capturing and the timed steps, less
-what was allocated before the variant began. Prints a table last; --json writes all.
+training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops).
+The JSON's options.cuda_graph says whether the timed step replayed a CUDA graph (never on CPU,
+nor where the capture failed), options.gemm whether the model's GEMMs went through cuBLASLt.
+Each figure is the median of --blocks blocks of --steps steps after warm-up, timed with CUDA
+events; peak memory is torch.cuda.max_memory_allocated over building, compiling, capturing and
+the timed steps, less what was allocated before the variant began. Prints a table last; --json
+writes all.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PlainStep, at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
 from reference import ReferenceGPT, copy_from, reference_grads_as_model  # noqa: E402
 
+from oelm_core import cublaslt  # noqa: E402
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
 from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.model import GPT  # noqa: E402
@@ -132,6 +135,9 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     # the capture failed (either step then runs eagerly).
     v["cuda_graph"] = (getattr(step, "cuda_graph", None) if v["step"] == "trainer"
                        else step.g is not None)
+    # Whether the model's training GEMMs went through cuBLASLt (never the reference's)
+    v["gemm"] = ("cublaslt" if v["group"] != "reference" and cublaslt.available(device, torch.bfloat16)
+                 else "torch")
 
     time_blocks(one, 1, args.warmup, cuda)  # more warm-up
     secs = time_blocks(one, args.blocks, args.steps, cuda)
@@ -276,10 +282,11 @@ def main():
     for batch in args.batch:
         for spec, parsed in zip(args.groups, variants):
             v = dict(parsed)  # bench_one records what applied in it
-            # oelm_core.cublaslt reads its switch when a step is built and compiled
-            switch = os.environ.pop("OELM_CUBLASLT", None)
-            if v.get("gemm") == "torch":
-                os.environ["OELM_CUBLASLT"] = "0"
+            # oelm_core.cublaslt reads its switch when a step is built and compiled; a variant
+            # without gemm= keeps the caller's
+            switch = os.environ.get("OELM_CUBLASLT")
+            if "gemm" in v:
+                os.environ["OELM_CUBLASLT"] = "0" if v["gemm"] == "torch" else "1"
             try:
                 r = bench_one(v, batch, args, device)
             except Exception as e:  # keep the other figures

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -42,18 +43,34 @@ EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
 # with an older, slower kernel (180 us against 107 for the product and ~125 for a fused GELU'
 # and bias-sum pass at 32,768 x 2,048, 42 against 30 at 4,096), and DGELU_BGRAD took 660-680 us.
 
-# Hopper's recommended cuBLAS workspace; one per device, kept for the process (CUDA graphs that
-# captured a GEMM replay into it).
+# Hopper's recommended cuBLAS workspace, one per stream the GEMMs run on (as torch keeps one per
+# stream for cuBLAS: split-K kernels on two streams must not share one), kept for the process
+# (CUDA graphs that captured a GEMM replay into it).
 _WORKSPACE_BYTES = 32 * 1024 * 1024
 _CANDIDATES = 8      # the heuristic's best guesses timed per problem
 _TIMED_CALLS = 3     # calls per candidate, after one untimed
 _QUEUE_CYCLES = 20_000_000  # ~10 ms of GPU sleep: covers the host's launches of every candidate
+_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES
 
 
 class _HeuristicResult(ctypes.Structure):
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t),
                 ("state", ctypes.c_int), ("waves_count", ctypes.c_float),
                 ("reserved", ctypes.c_int * 4)]
+
+
+_P, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+_SIGNATURES = {  # argument types, so that 64-bit pointers and sizes are passed whole
+    "cublasLtCreate": [_P],
+    "cublasLtMatmulDescCreate": [_P, _INT, _INT],
+    "cublasLtMatmulDescSetAttribute": [_P, _INT, _P, _SIZE],
+    "cublasLtMatrixLayoutCreate": [_P, _INT, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+    "cublasLtMatmulPreferenceCreate": [_P],
+    "cublasLtMatmulPreferenceSetAttribute": [_P, _INT, _P, _SIZE],
+    "cublasLtMatmulPreferenceDestroy": [_P],
+    "cublasLtMatmulAlgoGetHeuristic": [_P] * 7 + [_INT, _P, _P],
+    "cublasLtMatmul": [_P] * 14 + [_SIZE, _P],
+}
 
 
 class CublasLtError(RuntimeError):
@@ -71,29 +88,57 @@ def _find_library() -> Optional[ctypes.CDLL]:
         pass
     for name in names + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]:
         try:
-            return ctypes.CDLL(name)
-        except OSError:
+            lib = ctypes.CDLL(name)
+            for function, argtypes in _SIGNATURES.items():
+                getattr(lib, function).argtypes = argtypes
+                getattr(lib, function).restype = _INT
+            return lib
+        except (OSError, AttributeError):
             continue
     return None
 
 
+def _dense_rows(t: torch.Tensor) -> bool:
+    """True for a 2-D tensor cuBLASLt can read as it is: unit column stride, rows apart by at
+    least a row (a contiguous tensor, or rows sliced from one)."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= max(1, t.size(1))
+
+
 def _layout_of(t: torch.Tensor) -> tuple[int, int, int]:
-    """A row-major (rows, cols) tensor with unit column stride as cuBLASLt's column-major
-    (rows, cols, leading dimension) of the same memory: its transpose."""
+    """A ``_dense_rows`` (rows, cols) tensor as cuBLASLt's column-major (rows, cols, leading
+    dimension) of the same memory: its transpose."""
     return t.size(1), t.size(0), t.stride(0)
 
 
+def _alignment(t: Optional[torch.Tensor]) -> int:
+    """Bytes the tensor's address is aligned to, up to 256 (what cuBLASLt asks about)."""
+    if t is None:
+        return 256
+    address = t.data_ptr()
+    return min(256, address & -address) if address else 256
+
+
+@dataclass
+class _Plan:
+    """One problem's descriptor, layouts (A, B, D), the heuristic's candidates and the index of
+    the fastest (None until timed)."""
+    desc: ctypes.c_void_p
+    layouts: tuple
+    candidates: list
+    chosen: Optional[int] = None
+
+
 class _Lt:
-    """One cuBLASLt handle and workspace per device; per problem (shapes, strides, transposes,
-    dtype, epilogue) a descriptor, its layouts and the fastest of the heuristic's candidates."""
+    """One cuBLASLt handle per device; per problem (shapes, strides, transposes, alignments,
+    dtype, epilogue) a ``_Plan``, or None where cuBLASLt cannot run it."""
 
     def __init__(self, lib: ctypes.CDLL, device: torch.device):
         self.lib, self.device = lib, device
         self.handle = ctypes.c_void_p()
-        lib.cublasLtMatmul.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_size_t, ctypes.c_void_p]
-        self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
-        self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        with torch.cuda.device(device):
+            self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self._plans: dict = {}
+        self._workspaces: dict = {}
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -107,14 +152,12 @@ class _Lt:
 
     def _layout(self, dtype: torch.dtype, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatrixLayoutCreate(
-            ctypes.byref(layout), _CUDA_DTYPE[dtype], ctypes.c_uint64(rows), ctypes.c_uint64(cols),
-            ctypes.c_int64(ld)), "cublasLtMatrixLayoutCreate")
+        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), _CUDA_DTYPE[dtype], rows, cols, ld),
+                    "cublasLtMatrixLayoutCreate")
         return layout
 
-    def _new_plan(self, key) -> list:
-        """[descriptor, layouts, candidates, chosen index or None (not yet timed)]."""
-        dtype, la, trans_a, lb, trans_b, ld, epilogue, aux_ld = key
+    def _new_plan(self, key, bias, aux) -> _Plan:
+        dtype, la, trans_a, lb, trans_b, ld, epilogue, aux_ld, alignments = key
         desc = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F,
                                                       _CUDA_DTYPE[torch.float32]),
@@ -124,72 +167,111 @@ class _Lt:
         self._set(desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
         if aux_ld:
             self._set(desc, _DESC_AUX_LD, ctypes.c_int64(aux_ld))
-        layouts = [self._layout(dtype, *shape) for shape in (la, lb, ld)]
+        self._set_pointers(desc, bias, aux)  # the heuristic infers their alignment from them
+        layouts = tuple(self._layout(dtype, *shape) for shape in (la, lb, ld))
         pref = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
                     "cublasLtMatmulPreferenceCreate")
-        ws = ctypes.c_uint64(_WORKSPACE_BYTES)
-        self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
-            pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), ctypes.sizeof(ws)),
-            "cublasLtMatmulPreferenceSetAttribute")
-        results, count = (_HeuristicResult * _CANDIDATES)(), ctypes.c_int(0)
-        self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(
-            self.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref, _CANDIDATES,
-            results, ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
-        self.lib.cublasLtMatmulPreferenceDestroy(pref)
-        if count.value == 0:
+        try:
+            for attr, value in zip((_PREF_MAX_WORKSPACE_BYTES, *_PREF_MIN_ALIGNMENT),
+                                   (_WORKSPACE_BYTES, *alignments)):
+                value = ctypes.c_uint64(value) if attr == _PREF_MAX_WORKSPACE_BYTES else ctypes.c_uint32(value)
+                self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
+                    pref, attr, ctypes.byref(value), ctypes.sizeof(value)), "cublasLtMatmulPreferenceSetAttribute")
+            results, count = (_HeuristicResult * _CANDIDATES)(), ctypes.c_int(0)
+            self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], pref, _CANDIDATES,
+                results, ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
+        finally:
+            self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        candidates = [results[i] for i in range(count.value) if results[i].state == 0]
+        if not candidates:
             raise CublasLtError(f"cuBLASLt has no algorithm for {key}")
-        return [desc, layouts, [results[i] for i in range(count.value)], None]
+        return _Plan(desc, layouts, candidates)
 
-    def _launch(self, plan, algo, a, b, out, bias, aux) -> None:
-        desc, (la, lb, ld) = plan[0], plan[1]
+    def _set_pointers(self, desc, bias, aux) -> None:
         for attr, tensor in ((_DESC_BIAS_POINTER, bias), (_DESC_AUX_POINTER, aux)):
             if tensor is not None:
                 self._set(desc, attr, ctypes.c_void_p(tensor.data_ptr()))
-        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self._check(self.lib.cublasLtMatmul(
-            self.handle, desc, ctypes.byref(one), ctypes.c_void_p(b.data_ptr()), la,
-            ctypes.c_void_p(a.data_ptr()), lb, ctypes.byref(zero),
-            ctypes.c_void_p(out.data_ptr()), ld, ctypes.c_void_p(out.data_ptr()), ld,
-            ctypes.byref(algo.algo), ctypes.c_void_p(self.workspace.data_ptr()),
-            ctypes.c_size_t(_WORKSPACE_BYTES),
-            ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)), "cublasLtMatmul")
 
-    def _fastest(self, plan, *args) -> int:
-        """Index of the candidate that ran ``args`` fastest. All launches queue behind one long
-        sleep kernel, so the events time the GPU's work, not this process's ctypes calls
-        (~tens of us each, as long as a small GEMM)."""
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in plan[2]]
+    def _launch(self, plan: _Plan, algo, stream, a, b, out, bias, aux) -> None:
+        """One GEMM on ``stream``. The descriptor's pointers are read when the kernel is
+        enqueued, so re-pointing a shared descriptor leaves earlier launches (and graphs) alone."""
+        self._set_pointers(plan.desc, bias, aux)
+        workspace = self._workspaces.get(stream.cuda_stream)
+        if workspace is None:
+            workspace = self._workspaces[stream.cuda_stream] = torch.empty(
+                _WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        la, lb, ld = plan.layouts
+        self._check(self.lib.cublasLtMatmul(
+            self.handle, plan.desc, ctypes.byref(one), b.data_ptr(), la, a.data_ptr(), lb, ctypes.byref(zero),
+            out.data_ptr(), ld, out.data_ptr(), ld, ctypes.byref(algo.algo), workspace.data_ptr(),
+            _WORKSPACE_BYTES, stream.cuda_stream), "cublasLtMatmul")
+
+    def _fastest(self, plan: _Plan, stream, *args) -> int:
+        """Index of the candidate that ran ``args`` fastest. Each runs once untimed (which loads
+        its kernel: lazy loading may synchronise), then all timed launches queue behind one long
+        sleep kernel, so the events time the GPU's work, not this process's ctypes calls (tens of
+        us each, as long as a small GEMM). If the sleep ended before the last launch was queued,
+        the timing is not trusted and the heuristic's first guess stays."""
+        usable = []
+        for i, algo in enumerate(plan.candidates):
+            try:
+                self._launch(plan, algo, stream, *args)
+                usable.append(i)
+            except CublasLtError:
+                continue
+        if not usable:
+            raise CublasLtError("no candidate algorithm ran")
+        events = {i: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for i in usable}
+        slept = torch.cuda.Event()
         torch.cuda._sleep(_QUEUE_CYCLES)
-        for algo, (start, end) in zip(plan[2], events):
-            self._launch(plan, algo, *args)
-            start.record()
+        slept.record(stream)
+        for i, (start, end) in events.items():
+            start.record(stream)
             for _ in range(_TIMED_CALLS):
-                self._launch(plan, algo, *args)
-            end.record()
-        torch.cuda.current_stream(self.device).synchronize()
-        times = [start.elapsed_time(end) for start, end in events]
-        return min(range(len(times)), key=times.__getitem__)
+                self._launch(plan, plan.candidates[i], stream, *args)
+            end.record(stream)
+        timed_behind_the_sleep = not slept.query()
+        stream.synchronize()
+        if not timed_behind_the_sleep:
+            return usable[0]
+        return min(usable, key=lambda i: events[i][0].elapsed_time(events[i][1]))
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool,
                trans_b: bool, epilogue: int = EPILOGUE_DEFAULT, bias: Optional[torch.Tensor] = None,
-               aux: Optional[torch.Tensor] = None) -> None:
-        """out = epilogue(op(a) @ op(b)) on the current stream; op transposes where asked.
-
-        a, b, out: 2-D with unit column stride, one dtype. bias (N,): added (BIAS, GELU_AUX_BIAS).
-        aux, like out: the pre-activation it writes (GELU_AUX*)."""
+               aux: Optional[torch.Tensor] = None) -> bool:
+        """out (M, N) = epilogue(op(a) @ op(b)) on the current stream of this device, op a
+        transpose where asked; False, with nothing written, where cuBLASLt cannot run it (the
+        caller then uses torch). a, b, out (and aux): ``_dense_rows``, one dtype. bias (N,): added
+        (BIAS, GELU_AUX_BIAS). aux like out: the pre-activation written beside GELU (GELU_AUX*)."""
+        if (min(a.shape + b.shape) == 0 or not all(_dense_rows(t) for t in (a, b, out))
+                or (aux is not None and (not _dense_rows(aux) or aux.stride(0) % 8))):
+            return False  # (cuBLASLt wants the pre-activation's rows 8-element aligned)
         key = (a.dtype, _layout_of(b), _OP_T if trans_b else _OP_N, _layout_of(a),
                _OP_T if trans_a else _OP_N, _layout_of(out), epilogue,
-               aux.stride(0) if aux is not None else 0)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._new_plan(key)
-        if plan[3] is None:
-            if torch.cuda.is_current_stream_capturing():  # no timing inside a capture
-                return self._launch(plan, plan[2][0], a, b, out, bias, aux)
-            plan[3] = self._fastest(plan, a, b, out, bias, aux)
-        self._launch(plan, plan[2][plan[3]], a, b, out, bias, aux)
+               aux.stride(0) if aux is not None else 0,
+               tuple(_alignment(t) for t in (b, a, out, out)) + (_alignment(bias), _alignment(aux)))
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream()
+            args = (a, b, out, bias, aux)
+            try:
+                if key not in self._plans:
+                    self._plans[key] = self._new_plan(key, bias, aux)
+                plan = self._plans[key]
+                if plan is None:
+                    return False
+                if plan.chosen is None:
+                    if torch.are_deterministic_algorithms_enabled():
+                        plan.chosen = 0  # the same algorithm in every run, not the fastest of this one
+                    elif not torch.cuda.is_current_stream_capturing():  # no timing inside a capture
+                        plan.chosen = self._fastest(plan, stream, *args)
+                self._launch(plan, plan.candidates[plan.chosen or 0], stream, *args)
+            except CublasLtError:
+                self._plans[key] = None
+                return False
+        return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,44 +281,55 @@ def _lt(device_index: int) -> Optional[_Lt]:
         return None
     try:
         return _Lt(lib, torch.device("cuda", device_index))
-    except (CublasLtError, AttributeError):
+    except CublasLtError:
         return None
 
 
-def _lt_for(t: torch.Tensor) -> _Lt:
-    lt = _lt(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    if lt is None:
-        raise CublasLtError("cuBLASLt is not available on this machine")
-    return lt
+def _lt_for(t: torch.Tensor) -> Optional[_Lt]:
+    return _lt(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def _out_shape(a, b, trans_a: bool, trans_b: bool) -> tuple[int, int]:
-    return a.size(1) if trans_a else a.size(0), b.size(0) if trans_b else b.size(1)
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if _dense_rows(t) else t.contiguous()
+
+
+def _op(t: torch.Tensor, transpose: bool) -> torch.Tensor:
+    return t.t() if transpose else t
 
 
 @torch.library.custom_op("oelm::gemm", mutates_args=(), device_types="cuda")
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], trans_a: bool,
          trans_b: bool) -> torch.Tensor:
-    """op(a) @ op(b) (+ bias, over rows): a, b contiguous 2-D, op = transpose where asked."""
-    out = a.new_empty(_out_shape(a, b, trans_a, trans_b))
-    _lt_for(a).matmul(a, b, out, trans_a, trans_b,
-                      EPILOGUE_DEFAULT if bias is None else EPILOGUE_BIAS, bias=bias)
+    """op(a) @ op(b) (+ bias (N,), over rows) -> (M, N), op a transpose where asked: a is (M, K)
+    or, transposed, (K, M); b (K, N) or (N, K)."""
+    a, b = _dense(a), _dense(b)
+    out = a.new_empty(_op(a, trans_a).size(0), _op(b, trans_b).size(1))
+    lt = _lt_for(a)
+    if lt is None or not lt.matmul(a, b, out, trans_a, trans_b,
+                                   EPILOGUE_DEFAULT if bias is None else EPILOGUE_BIAS, bias=bias):
+        product = _op(a, trans_a) @ _op(b, trans_b)
+        out = product if bias is None else product + bias
     return out
 
 
 @gemm.register_fake
 def _(a, b, bias, trans_a, trans_b):
-    return a.new_empty(_out_shape(a, b, trans_a, trans_b))
+    return a.new_empty(_op(a, trans_a).size(0), _op(b, trans_b).size(1))
 
 
 @torch.library.custom_op("oelm::gemm_gelu", mutates_args=(), device_types="cuda")
 def gemm_gelu(x: torch.Tensor, weight: torch.Tensor,
               bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(GELU(x W^T + b), x W^T + b): x (M, K), weight (N, K), bias (N,) or None -> two (M, N)."""
+    x, weight = _dense(x), _dense(weight)
     out = x.new_empty(x.size(0), weight.size(0))
     pre = torch.empty_like(out)
-    _lt_for(x).matmul(x, weight, out, False, True,
-                      EPILOGUE_GELU_AUX if bias is None else EPILOGUE_GELU_AUX_BIAS, bias=bias, aux=pre)
+    lt = _lt_for(x)
+    if lt is None or not lt.matmul(x, weight, out, False, True,
+                                   EPILOGUE_GELU_AUX if bias is None else EPILOGUE_GELU_AUX_BIAS,
+                                   bias=bias, aux=pre):
+        pre = torch.nn.functional.linear(x, weight, bias)
+        out = torch.nn.functional.gelu(pre, approximate="tanh")
     return out, pre
 
 
@@ -247,13 +340,19 @@ def _(x, weight, bias):
 
 
 def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out = a @ b, written into ``out`` (e.g. a slice of a larger tensor); eager use only."""
-    _lt_for(a).matmul(a, b, out, False, False)
+    """out (M, N) = a (M, K) @ b (K, N), written into ``out`` (e.g. rows of a larger tensor);
+    eager use only."""
+    a, b = _dense(a), _dense(b)
+    lt = _lt_for(a)
+    if lt is None or not lt.matmul(a, b, out, False, False):
+        torch.mm(a, b, out=out)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """True where these GEMMs can run for ``dtype`` on ``device``: checked once against torch on
-    small problems of each kind. ``OELM_CUBLASLT=0`` turns them off (to compare)."""
+    small problems of each kind. ``OELM_CUBLASLT=0`` turns them off (to compare); a compiled
+    model keeps the answer it was traced with, so set it before the first step (or call
+    ``torch._dynamo.reset()``)."""
     if (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)
             or os.environ.get("OELM_CUBLASLT", "1") == "0"):
         return False
@@ -262,23 +361,30 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _probe(device_index: int, dtype: torch.dtype) -> bool:
-    if _lt(device_index) is None:
+    lt = _lt(device_index)
+    if lt is None:
         return False
+    device = torch.device("cuda", device_index)
     # Asked from inside a training step too: check in plain float32.
-    with torch.autocast("cuda", enabled=False):
-        return _agrees_with_torch(torch.device("cuda", device_index), dtype)
+    with torch.cuda.device(device), torch.autocast("cuda", enabled=False):
+        return _agrees_with_torch(lt, device, dtype)
 
 
-def _agrees_with_torch(device: torch.device, dtype: torch.dtype) -> bool:
+def _agrees_with_torch(lt: _Lt, device: torch.device, dtype: torch.dtype) -> bool:
+    """Each kind of call the model makes, through cuBLASLt itself (no fallback), against float32."""
     gen = torch.Generator(device).manual_seed(0)
-    x, w, b, g, w2 = (torch.randn(shape, device=device, generator=gen).to(dtype)
-                      for shape in ((64, 32), (48, 32), (48,), (64, 16), (16, 48)))
-    try:
-        got = [gemm(x, w, b, False, True), gemm(g, x, None, True, False), gemm(g, w2, None, False, False),
-               *gemm_gelu(x, w, b)]
-    except CublasLtError:
+    x, w, b, g = (torch.randn(shape, device=device, generator=gen).to(dtype)
+                  for shape in ((64, 32), (48, 32), (48,), (64, 48)))
+    out = {name: torch.empty(shape, device=device, dtype=dtype)
+           for name, shape in (("bias", (64, 48)), ("wgrad", (48, 32)), ("dgrad", (64, 32)),
+                               ("gelu", (64, 48)), ("pre", (64, 48)))}
+    ran = [lt.matmul(x, w, out["bias"], False, True, EPILOGUE_BIAS, bias=b),
+           lt.matmul(g, x, out["wgrad"], True, False),
+           lt.matmul(g, w, out["dgrad"], False, False),
+           lt.matmul(x, w, out["gelu"], False, True, EPILOGUE_GELU_AUX_BIAS, bias=b, aux=out["pre"])]
+    if not all(ran):
         return False
     pre = x.float() @ w.float().t() + b.float()
-    want = [pre, g.float().t() @ x.float(), g.float() @ w2.float(),
-            torch.nn.functional.gelu(pre, approximate="tanh"), pre]
-    return all(torch.allclose(a.float(), e, atol=0.1, rtol=0.02) for a, e in zip(got, want))
+    want = {"bias": pre, "wgrad": g.float().t() @ x.float(), "dgrad": g.float() @ w.float(),
+            "gelu": torch.nn.functional.gelu(pre, approximate="tanh"), "pre": pre}
+    return all(torch.allclose(out[k].float(), want[k], atol=0.1, rtol=0.02) for k in want)

@@ -209,7 +209,7 @@ class CausalSelfAttention(nn.Module):
     def _qkv(self, x: torch.Tensor):
         d = self.cfg.d_model
         if self.qk is None:
-            return None, None, self.v(x)
+            return None, None, linear(x, self.v.weight, self.v.bias)
         if isinstance(self.qk, QKProjection) and _one_cpu_row(x):
             # A decoding step on the CPU: one product over a kept transposed [W_q; W_k; W_v].
             q, k, v = (x @ self._qkv_t(self.qk.weight, self.v.weight)).split(d, dim=-1)
@@ -328,6 +328,7 @@ class _LtLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
+        grad = grad.contiguous()  # (a no-op for the model's gradients; an expanded one is not)
         return (cublaslt.gemm(grad, w, None, False, False) if need_x else None,
                 cublaslt.gemm(grad, x, None, True, False) if need_w else None,
                 grad.sum(0) if need_b else None)
@@ -348,13 +349,17 @@ class _LtGeluMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w_fc, w_proj, h, pre = ctx.saved_tensors
-        fc_bias, proj_bias = ctx.biases
-        # GELU' in one fused pass with fc's bias sum (cuBLASLt's DGELU epilogue is slower here).
+        need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj = ctx.needs_input_grad
+        grad = grad.contiguous()
+        # GELU' as torch computes it (compiled, one pass with fc's bias sum): cuBLASLt's DGELU
+        # epilogue is slower here (oelm_core/cublaslt.py).
         d_pre = torch.ops.aten.gelu_backward(cublaslt.gemm(grad, w_proj, None, False, False), pre,
                                              approximate="tanh")
-        return (cublaslt.gemm(d_pre, w_fc, None, False, False), cublaslt.gemm(d_pre, x, None, True, False),
-                d_pre.sum(0) if fc_bias else None, cublaslt.gemm(grad, h, None, True, False),
-                grad.sum(0) if proj_bias else None)
+        return (cublaslt.gemm(d_pre, w_fc, None, False, False) if need_x else None,
+                cublaslt.gemm(d_pre, x, None, True, False) if need_w_fc else None,
+                d_pre.sum(0) if need_b_fc else None,
+                cublaslt.gemm(grad, h, None, True, False) if need_w_proj else None,
+                grad.sum(0) if need_b_proj else None)
 
 
 @torch.compiler.assume_constant_result
@@ -363,8 +368,9 @@ def _lt_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _lt_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
-    """The dtype the cuBLASLt path computes in for a training step on ``x``, or None where it
-    does not apply (CPU, no gradient, no low-precision autocast, no cuBLASLt)."""
+    """The dtype the body's linear layers compute in through cuBLASLt for a training step on
+    ``x``, or None where they use torch's ops (CPU, no gradient, no low-precision autocast, no
+    cuBLASLt). Without gradients (evaluation, decoding) torch's ops launch faster from Python."""
     if not (x.is_cuda and torch.is_grad_enabled() and torch.is_autocast_enabled("cuda")):
         return None
     dtype = torch.get_autocast_dtype("cuda")
