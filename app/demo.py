@@ -33,10 +33,9 @@ from oelm_core.analysis import GROUP_LABELS, SAMPLE_TOP_K, attention_maps, summa
 from oelm_core.attention_plots import (compare_figure, heatmap_figure, summary_figure, token_label,
                                        uniform_reference)
 from oelm_core.checkpoint import CheckpointError, load_model
-from oelm_core.config import ConfigError, ModelConfig, variant_overrides, variants
+from oelm_core.config import ConfigError, ModelConfig, check_device, variant_overrides, variants
 from oelm_core.data import perplexity
 from oelm_core.generate import SamplingConfig, detokenize, stream_tokens
-from oelm_core.train import check_device
 
 GROUPS = tuple(GROUP_LABELS)
 

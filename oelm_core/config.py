@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 import yaml
 
 from oelm_core.files import write_text_atomic
@@ -357,6 +358,31 @@ class TrainConfig:
 DTYPES = ("auto", "float32", "bf16")
 BACKENDS = ("auto", "nccl", "gloo")
 GRAD_EXCHANGES = ("auto", "ddp", "peer")
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def check_device(name: str, setting: str = "train.device") -> torch.device:
+    """``name`` ("cpu", "cuda" or "cuda:N", not "auto") as a torch.device, after checking that
+    this machine has it; a bare "cuda" keeps index None. ConfigError naming ``setting`` (where
+    ``name`` was given: train.device, the demo's --device) for a name that is not a device or
+    not a CPU or CUDA one, CUDA without a visible GPU, or an index past the GPUs there are.
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{setting} {name!r} is not a device: choose {DEVICE_CHOICES}") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xla, meta...: the models run on neither
+        raise ConfigError(f"{setting} {name!r} is not supported: OELM Lab runs on the CPU or on CUDA "
+                          f"GPUs; choose {DEVICE_CHOICES}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{setting} is {name!r}, but PyTorch finds no CUDA GPU on this machine: set "
+                              f"{setting} to cpu (or auto, which picks a GPU only when there is one)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"{setting} is {name!r}, but this machine has {count} CUDA GPU(s), "
+                              f"cuda:0..cuda:{count - 1}: choose one of them, or auto")
+    return device
 
 
 @dataclass

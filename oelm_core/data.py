@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from itertools import islice
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, ContextManager, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -332,12 +332,28 @@ def _is_hub(source: str) -> bool:
 
 def _hashed(stories: Iterable[str], split: str, h) -> Iterator[str]:
     """``stories`` unchanged, each also fed to the hash ``h`` (after a mark of ``split``)."""
-    h.update(f"\0split:{split}\0".encode())
+    h.update(_split_mark(split))
     for text in stories:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))  # length prefix: no ambiguous joins
-        h.update(data)
+        _hash_story(h, text.encode("utf-8"))
         yield text
+
+
+def _split_mark(split: str) -> bytes:
+    return f"\0split:{split}\0".encode()
+
+
+def _hash_story(h, data: bytes) -> None:
+    """Feed one story's UTF-8 ``data`` to the hash ``h``."""
+    h.update(len(data).to_bytes(8, "little"))  # length prefix: no ambiguous joins
+    h.update(data)
+
+
+def _new_text_hash():
+    """The hash that meta.json's text_hash is the digest of, before any story: it starts with
+    what the content hash also holds of the token layout (FORMAT_VERSION, TOKENIZER), so that
+    token files of another layout never pass for the same stories."""
+    return hashlib.sha256(json.dumps({"format": FORMAT_VERSION, "tokenizer": TOKENIZER},
+                                     sort_keys=True).encode())
 
 
 def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | None,
@@ -362,9 +378,11 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
 
     Skipped (the existing meta is returned) when meta.json's content_hash matches the source:
     for a local folder a hash of the story texts, for the hub a hash of (name, column, caps),
-    which needs no network. meta.json's text_hash is a hash of the story texts as tokenised,
-    for either source: the same stories from the hub and from a folder have the same one (what
-    a resume compares). `force=True` rebuilds. Under DDP call it on one rank and wait for it on the others.
+    which needs no network. meta.json's text_hash is a hash of the token layout and the story
+    texts as tokenised, for either source: the same stories from the hub and from a folder have
+    the same one (what a resume compares); data prepared before meta.json held one gets it added
+    from its token files. `force=True` rebuilds. Under DDP call it on one rank and wait for it
+    on the others.
     A second process preparing the same folder waits for the first (a lock on out_dir/.prepare.lock)
     and then finds it up to date; temporary files of a killed preparation are removed.
     """
@@ -395,13 +413,13 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
         totals = {split: sum(1 for _ in _hashed(stories(), split, h)) for split, stories in splits.items()}
     content_hash = h.hexdigest()
 
-    if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None:
+    if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None and meta.get("text_hash"):
         return meta
     out.mkdir(parents=True, exist_ok=True)
     with _folder_lock(out) as locked:
         # A process preparing the same folder may have finished it while this one waited.
         if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None:
-            return meta
+            return meta if meta.get("text_hash") else _add_text_hash(out, meta)
         _remove_stale_temp_files(out, locked, started)
         return _write_all(out, splits, totals, resolved, content_hash, cfg, progress)
 
@@ -415,7 +433,7 @@ def _write_all(out: Path, splits: dict, totals: dict, resolved: str, content_has
     meta_path.unlink(missing_ok=True)
     get_tokenizer()  # fail here with the TIKTOKEN_CACHE_DIR hint, not inside a worker
     meta = {"source": resolved, "tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16"}
-    text_hash = hashlib.sha256()
+    text_hash = _new_text_hash()
     for split, stories in splits.items():
         procs = _num_procs(cfg.num_proc, totals[split])
         counts = _write_split(_hashed(stories(), split, text_hash), out / f"{split}.bin", procs,
@@ -432,13 +450,38 @@ def _write_all(out: Path, splits: dict, totals: dict, resolved: str, content_has
     return meta
 
 
+def _add_text_hash(out: Path, meta: dict) -> dict:
+    """``meta`` of data prepared before meta.json held a text hash, with the text hash added
+    (and written to out/meta.json); no re-tokenising, nor, for the hub, downloading. The token
+    files hold each story's ids and then EOT, which no story's own ids contain (encode_ordinary),
+    and the GPT-2 BPE decodes ids back to exactly the bytes they encode: the stories decoded
+    between EOTs hash as the texts they were tokenised from."""
+    log.info("adding the text hash of the stories to %s/meta.json (prepared before it held one): "
+             "decoding the token files", out)
+    enc = get_tokenizer()
+    h = _new_text_hash()
+    for split in SPLIT_NAMES:
+        tokens = np.memmap(out / f"{split}.bin", dtype=np.uint16, mode="r")
+        h.update(_split_mark(split))
+        start = 0
+        for end in np.flatnonzero(tokens == EOT).tolist():
+            _hash_story(h, enc.decode_bytes(tokens[start:end].tolist()))
+            start = end + 1
+    meta = {**meta, "text_hash": h.hexdigest()}
+    atomic_write(out / "meta.json", lambda f: json.dump(meta, f, indent=2), mode="w")
+    return meta
+
+
 def _up_to_date(out: Path, content_hash: str, resolved: str) -> dict | None:
-    """out's meta when it was prepared from this content and its token files are whole, else None."""
+    """out's meta when it was prepared from this content and its token files are whole, else None.
+    A meta without text_hash (prepared before there was one) is returned as it is, for prepare
+    to add it."""
     meta = _read_meta(out / "meta.json")
     if meta is None or meta.get("content_hash") != content_hash or not _bins_match(out, meta):
         return None
-    log.info("%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
-             out, resolved, content_hash[:12])
+    if meta.get("text_hash"):
+        log.info("%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
+                 out, resolved, content_hash[:12])
     return meta
 
 
@@ -459,10 +502,11 @@ def _bins_match(out: Path, meta: dict) -> bool:
                for s in SPLIT_NAMES)
 
 
-def _folder_lock(out: Path):
-    """Hold an exclusive lock on out/.prepare.lock while preparing ``out``: a second process
-    preparing the same folder waits here. Yields whether the lock is held (falsy where the
-    platform or file system has no locks)."""
+def _folder_lock(out: Path) -> ContextManager[bool | None]:
+    """A context manager holding an exclusive lock on out/.prepare.lock while preparing ``out``:
+    a second process preparing the same folder waits on entering it. Entering it gives whether
+    the lock is held (``exclusive_lock``'s answer: False or None where the file system or the
+    platform has no locks)."""
     return exclusive_lock(out / ".prepare.lock",
                           on_wait=lambda: log.info("waiting for another process that is preparing %s", out))
 

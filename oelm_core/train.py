@@ -52,7 +52,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.checkpoint import RESUME_KEYS, TRAINING_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from oelm_core.config import (PRESETS, RESUMABLE_CHANGES, ConfigError, ModelConfig, RunConfig, TrainConfig,
-                              load_run_config, run_config_from_dict, save_run_config)
+                              check_device, load_run_config, run_config_from_dict, save_run_config)
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.files import LockHeld, exclusive_lock, temporary_files, write_text_atomic
 from oelm_core.model import build_model
@@ -98,33 +98,6 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
-
-
-def check_device(name: str, setting: str = "train.device") -> torch.device:
-    """``name`` ("cpu", "cuda" or "cuda:N", not "auto") as a torch.device, after checking that
-    this machine has it; a bare "cuda" keeps index None. ConfigError naming ``setting`` (where
-    ``name`` was given: train.device, the demo's --device) for a name that is not a device or
-    not a CPU or CUDA one, CUDA without a visible GPU, or an index past the GPUs there are.
-    """
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"{setting} {name!r} is not a device: choose {DEVICE_CHOICES}") from None
-    if device.type not in ("cpu", "cuda"):  # mps, xla, meta...: the models run on neither
-        raise ConfigError(f"{setting} {name!r} is not supported: OELM Lab runs on the CPU or on CUDA "
-                          f"GPUs; choose {DEVICE_CHOICES}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"{setting} is {name!r}, but PyTorch finds no CUDA GPU on this machine: set "
-                              f"{setting} to cpu (or auto, which picks a GPU only when there is one)")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ConfigError(f"{setting} is {name!r}, but this machine has {count} CUDA GPU(s), "
-                              f"cuda:0..cuda:{count - 1}: choose one of them, or auto")
-    return device
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -680,7 +653,8 @@ def _step_number(path: Path) -> Optional[int]:
 
 # What identifies the prepared data a run trains on: meta.json's entries, stored in checkpoints.
 # text_hash is the same for the same stories from the hub or a folder; content_hash is not, and
-# is what data prepared (and checkpoints written) before text_hash existed have.
+# is all that checkpoints written before text_hash existed have (prepare adds text_hash to data
+# prepared before then, so the data always has one).
 DATA_IDENTITY = ("text_hash", "content_hash", "train_tokens", "val_tokens")
 
 
@@ -697,7 +671,7 @@ class Trainer:
         self.meta = self._prepare_data()
         # what the checkpoints record of the data, for a resume to check (_check_same_data)
         self.data_identity = {key: self.meta.get(key) for key in DATA_IDENTITY}
-        if self.resume_from is not None:  # the stories' content hash is known once they are prepared
+        if self.resume_from is not None:  # the stories' hashes are known once they are prepared
             self._check_same_data(self.resume_from[1], self.resume_from[0])
 
         if self.device.type == "cuda":
@@ -817,24 +791,37 @@ class Trainer:
     def _check_same_data(self, state: dict, path: Path) -> None:
         """Refuse a resume on other data than the run's: data.source and data.out_dir may change
         (the same stories may move, or come from a folder instead of the hub), the stories may
-        not. Compared by text hash where both the checkpoint and the data have one, else by
-        content hash. Checkpoints from before the trainer recorded its data resume unchecked."""
+        not. Compared by text hash, or by content hash where the checkpoint predates text hashes.
+        Checkpoints from before the trainer recorded its data resume unchecked."""
         saved = state.get("data")
         now = self.data_identity
         if saved is None:
             return
-        by = "text_hash" if saved.get("text_hash") and now.get("text_hash") else "content_hash"
-        if all(saved.get(key) == now.get(key) for key in (by, "train_tokens", "val_tokens")):
+        by = "text_hash" if saved.get("text_hash") else "content_hash"
+        same_counts = all(saved.get(key) == now.get(key) for key in ("train_tokens", "val_tokens"))
+        if same_counts and saved.get(by) == now.get(by):
             return
 
         def described(d: dict) -> str:
             return (f"{by.replace('_', ' ')} {str(d.get(by))[:12]}..., {d.get('train_tokens')} train "
                     f"/ {d.get('val_tokens')} val tokens")
 
-        trained_on = run_config_from_dict(state["run_config"]).data.source
+        trained = run_config_from_dict(state["run_config"]).data
+        if by == "content_hash" and same_counts:
+            # The content hash of hub data is one of the dataset's name, that of a folder one of
+            # its texts: the same stories, from the hub once and from a folder now, differ by it.
+            unset = " and OELM_DATA unset" if os.environ.get("OELM_DATA") else ""
+            raise ConfigError(
+                f"cannot resume {path}: it predates text hashes and records only the content hash of its "
+                f"data ({described(saved)}, from {trained.source}), which differs from that of "
+                f"{self.cfg.data.out_dir} ({described(now)}, prepared from {self.meta.get('source')}). The "
+                f"stories may be the same (from the hub once and from a folder now, or the other way "
+                f"round), which that hash cannot tell. Resume once from the source it was trained on "
+                f"(--set data.source={trained.source} data.out_dir={trained.out_dir}{unset}) until it "
+                f"writes a checkpoint: that one records the text hash, which is the same from either source")
         raise ConfigError(
             f"cannot resume {path}: it was trained on other data ({described(saved)}, from "
-            f"{trained_on}) than {self.cfg.data.out_dir} holds now ({described(now)}, prepared from "
+            f"{trained.source}) than {self.cfg.data.out_dir} holds now ({described(now)}, prepared from "
             f"{self.meta.get('source')}). Resume with the stories the run trained on, or train on "
             f"these from step 0 with out_dir set to a new folder")
 

@@ -465,11 +465,10 @@ def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):
     assert lab.models == [] and lab.errors == ["--device 'gpu' is not a device: choose auto, cpu, cuda or cuda:N"]
 
 
-
 @pytest.mark.parametrize("gpus", [0, 2])
 def test_the_demo_checks_a_device_as_the_trainer_does(monkeypatch, gpus):
     """pick_device had its own copy of train.resolve_device's checks, worded apart: both now run
-    train.check_device, whose message names the demo's --device instead of train.device."""
+    config.check_device, whose message names the demo's --device instead of train.device."""
     import torch
     from app.demo import SetupError, pick_device
     from oelm_core.config import ConfigError
@@ -486,6 +485,16 @@ def test_the_demo_checks_a_device_as_the_trainer_does(monkeypatch, gpus):
         assert str(demo.value) == str(trainer.value).replace("train.device", "--device")
         assert "\n" not in str(demo.value)
     assert pick_device("cuda:1" if gpus else "cpu") == ("cuda:1" if gpus else "cpu")
+
+
+def test_the_demo_does_not_import_the_trainer():
+    """The device check lived in oelm_core.train, so the demo imported the whole trainer (its
+    gradient exchange, torch.distributed) for one function; it is config.check_device now."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = ("import sys, app.demo; "
+            "print(sorted(m for m in ('oelm_core.train', 'oelm_core.peer_grads') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

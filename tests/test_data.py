@@ -523,9 +523,11 @@ def fake_hub(datasets, monkeypatch, rows: dict) -> None:
 
 
 def text_hash(splits: dict) -> str:
-    """The text hash of split ("train", "val") -> stories: each split's mark, then each story's
-    UTF-8 length (8 bytes, little-endian) and bytes."""
-    h = hashlib.sha256()
+    """The text hash of split ("train", "val") -> stories: the token layout (format version and
+    tokenizer, as JSON), then each split's mark, then each story's UTF-8 length (8 bytes,
+    little-endian) and bytes."""
+    h = hashlib.sha256(json.dumps({"format": data.FORMAT_VERSION, "tokenizer": data.TOKENIZER},
+                                  sort_keys=True).encode())
     for split, stories in splits.items():
         h.update(f"\0split:{split}\0".encode())
         for story in stories:
@@ -553,6 +555,52 @@ def test_the_same_stories_from_the_hub_and_a_folder_have_one_text_hash(story_fol
     changed = data.prepare(DataConfig(out_dir=str(tmp_path / "hub")), force=True, progress=False)
     assert changed["text_hash"] == text_hash({"train": other, "val": STORIES[:3] * 10}) != hub["text_hash"]
     assert changed["train_tokens"] == hub["train_tokens"]
+
+
+def test_a_new_token_layout_changes_the_text_hash(story_folder, tmp_path, monkeypatch):
+    """The text hash, which a resume compares before the content hash, held the stories only: a
+    FORMAT_VERSION bump (token files laid out anew) left it as it was. It starts with the format
+    version and the tokenizer, as the content hash does."""
+    cfg = cfg_for(story_folder, tmp_path / "out")
+    first = data.prepare(cfg, progress=False)
+    monkeypatch.setattr(data, "FORMAT_VERSION", data.FORMAT_VERSION + 1)
+    second = data.prepare(cfg, progress=False)
+    stories = {"train": STORIES * 20, "val": STORIES[:3] * 10}
+    assert second["content_hash"] != first["content_hash"]
+    assert second["text_hash"] == text_hash(stories) != first["text_hash"]
+
+
+TRICKY_STORIES = [
+    "Mia ate cr\u00e8me br\u00fbl\u00e9e \U0001F36E and said \u201cyum\u201d.",  # bytes split across tokens
+    "A story that says <|endoftext|> in its text, and goes on.",  # plain text, not an EOT
+    "Two lines.\r\n\n  Indented, then \u732b (a cat) and a combining e\u0301.",
+    "\U0001F600",
+]
+
+
+def test_a_meta_without_text_hash_gets_it_from_the_token_files(tmp_path, monkeypatch, caplog):
+    """Data prepared before meta.json held a text hash was reused as it was, so runs on it
+    recorded none. prepare adds it from the token files, without tokenising again: the stories
+    decoded between EOTs hash exactly as the texts did, also where a character's bytes span two
+    tokens or a story holds the text <|endoftext|>."""
+    rows = "".join(json.dumps({"text": story}) + "\n" for story in TRICKY_STORIES * 3).encode()
+    root = story_files(tmp_path / "src", "p.jsonl", rows, val_text=TRICKY_STORIES[0])
+    cfg = cfg_for(root, tmp_path / "out")
+    first = data.prepare(cfg, progress=False)
+    assert first["text_hash"] == text_hash({"train": TRICKY_STORIES * 3, "val": TRICKY_STORIES[:1]})
+    meta_path = tmp_path / "out" / "meta.json"
+    old = {k: v for k, v in first.items() if k != "text_hash"}
+    meta_path.write_text(json.dumps(old))
+
+    def tokenises(*args, **kwargs):
+        raise AssertionError("tokenised again")
+
+    monkeypatch.setattr(data, "_write_split", tokenises)
+    with caplog.at_level("INFO", logger="oelm_core.data"):
+        assert data.prepare(cfg, progress=False) == first
+    assert json.loads(meta_path.read_text()) == first
+    assert f"adding the text hash of the stories to {tmp_path / 'out'}/meta.json" in caplog.text
+    assert data.prepare(cfg, progress=False) == first  # now up to date as it is
 
 
 def test_hub_offline_error(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 one that is killed leaves a temporary that temporary_files finds; a folder's lock file is held
 by one holder at a time."""
 
+import errno
 import os
 import stat
 import subprocess
@@ -119,3 +120,19 @@ def test_without_fcntl_nothing_is_locked_and_no_file_is_made(tmp_path, monkeypat
     with exclusive_lock(tmp_path / ".lock") as locked:
         assert locked is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_on_a_file_system_without_locks_nothing_is_held_and_no_pid_is_written(tmp_path, monkeypatch):
+    """Some network mounts have no locks: flock fails with ENOLCK there."""
+    fcntl = pytest.importorskip("fcntl")
+
+    def refuses(f, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuses)
+    path = tmp_path / ".lock"
+    with exclusive_lock(path) as locked:
+        assert locked is False and path.read_text() == ""
+        with exclusive_lock(path) as second:  # nothing stops a second holder
+            assert second is False
+    assert path.read_text() == ""

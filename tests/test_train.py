@@ -8,6 +8,7 @@ so) so that the CPU time goes to the trainer rather than to a 50,257-way output 
 
 import ctypes
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -871,6 +872,18 @@ def test_resume_refuses_other_stories_and_accepts_the_same_ones_moved(tmp_path, 
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
 
 
+def hub_params(tmp_path: Path, story_folder: Path, datasets, monkeypatch) -> Path:
+    """The parameter file of a 4-step run on the hub's TinyStories (into tmp_path/hub_data), a
+    checkpoint every step; the hub is simulated: it serves story_folder's stories."""
+    rows = {"train": STORIES * 20, "validation": STORIES[:3] * 10}  # story_folder's, see conftest
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]]))
+    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=1,
+                    eval_every=2)
+    values["data"] = {"source": "roneneldan/TinyStories", "out_dir": str(tmp_path / "hub_data"), "num_proc": 1}
+    return write_params(tmp_path / "p.yaml", values)
+
+
 def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(tmp_path, story_folder,
                                                                             monkeypatch, capsys):
     """The content hash of hub data is one of (name, column, caps), that of a folder one of its
@@ -879,13 +892,7 @@ def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(tm
     is simulated: it serves story_folder's stories); other stories are still refused. A
     checkpoint from before the text hash (content hash only) resumes on the same data."""
     datasets = pytest.importorskip("datasets")
-    rows = {"train": STORIES * 20, "validation": STORIES[:3] * 10}  # story_folder's, see conftest
-    monkeypatch.setattr(datasets, "load_dataset",
-                        lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]]))
-    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=1,
-                    eval_every=2)
-    values["data"] = {"source": "roneneldan/TinyStories", "out_dir": str(tmp_path / "hub_data"), "num_proc": 1}
-    good = write_params(tmp_path / "p.yaml", values)
+    good = hub_params(tmp_path, story_folder, datasets, monkeypatch)
     once = ["--set", "train.stop_after=1"]
     assert main(["--params", str(good), *once]) == 0
     ckpt = tmp_path / "run" / "ckpt"
@@ -918,6 +925,68 @@ def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(tm
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
 
 
+def test_data_prepared_before_text_hashes_resumes_from_the_hub_or_a_folder(tmp_path, story_folder,
+                                                                             monkeypatch):
+    """Data folders prepared before meta.json held a text hash kept their meta, so a run on the
+    hub's stories recorded no text hash and a resume from a local copy compared content hashes
+    (one of the hub's name, one of the folder's texts): refused as "other data". prepare now adds
+    the text hash to such a meta from the token files, without tokenising again."""
+    datasets = pytest.importorskip("datasets")
+    good = hub_params(tmp_path, story_folder, datasets, monkeypatch)
+    folders = {"roneneldan/TinyStories": tmp_path / "hub_data", str(story_folder): tmp_path / "local_data"}
+    for source, out in folders.items():
+        prepare(DataConfig(source=source, out_dir=str(out), num_proc=1), progress=False)
+        meta = json.loads((out / "meta.json").read_text())
+        (out / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "text_hash"}))
+    written = {out: (out / "train.bin").stat().st_mtime_ns for out in folders.values()}
+    once = ["--set", "train.stop_after=1"]
+    assert main(["--params", str(good), *once]) == 0
+    local = ["--set", f"data.source={story_folder}", f"data.out_dir={tmp_path / 'local_data'}"]
+    assert main(["--params", str(good), "--resume", *local, *once]) == 0
+
+    hub, folder = (json.loads((out / "meta.json").read_text()) for out in folders.values())
+    assert hub["content_hash"] != folder["content_hash"] and hub["text_hash"] == folder["text_hash"]
+    assert {out: (out / "train.bin").stat().st_mtime_ns for out in folders.values()} == written
+    ckpt = tmp_path / "run" / "ckpt"
+    recorded = [load_checkpoint(ckpt / f"step_000000{n}.pt")["data"]["text_hash"] for n in (1, 2)]
+    assert recorded == [hub["text_hash"]] * 2
+
+
+def test_a_checkpoint_from_before_text_hashes_says_how_to_move_to_another_source(tmp_path, story_folder,
+                                                                               monkeypatch, capsys):
+    """A checkpoint that records only the content hash cannot tell the hub's stories from the
+    same ones in a folder: the refusal said "other data". It says that the stories may be the
+    same and how to go on; done as it says, the run then resumes from the folder."""
+    datasets = pytest.importorskip("datasets")
+    good = hub_params(tmp_path, story_folder, datasets, monkeypatch)
+    once = ["--set", "train.stop_after=1"]
+    assert main(["--params", str(good), *once]) == 0
+    path = tmp_path / "run" / "ckpt" / "step_0000001.pt"
+    state = load_checkpoint(path)
+    del state["data"]["text_hash"]
+    save_checkpoint(state, path)
+    trained = state["data"]
+
+    local = ["--set", f"data.source={story_folder}", f"data.out_dir={tmp_path / 'local_data'}"]
+    capsys.readouterr()
+    assert main(["--params", str(good), "--resume", *local, *once]) == 2
+    now = json.loads((tmp_path / "local_data" / "meta.json").read_text())
+    err = capsys.readouterr().err
+    fix = f"--set data.source=roneneldan/TinyStories data.out_dir={tmp_path / 'hub_data'}"
+    assert err == (f"error: cannot resume {path}: it predates text hashes and records only the content hash "
+                   f"of its data (content hash {trained['content_hash'][:12]}..., {trained['train_tokens']} "
+                   f"train / {trained['val_tokens']} val tokens, from roneneldan/TinyStories), which differs "
+                   f"from that of {tmp_path / 'local_data'} (content hash {now['content_hash'][:12]}..., "
+                   f"{now['train_tokens']} train / {now['val_tokens']} val tokens, prepared from "
+                   f"{story_folder}). The stories may be the same (from the hub once and from a folder now, "
+                   f"or the other way round), which that hash cannot tell. Resume once from the source it "
+                   f"was trained on ({fix}) until it writes a checkpoint: that one records the text hash, "
+                   f"which is the same from either source\n")
+    assert main(["--params", str(good), "--resume", *fix.split(), *once]) == 0
+    assert main(["--params", str(good), "--resume", *local]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+
+
 def test_a_second_training_into_a_held_folder_is_refused_at_once(tmp_path, folded, capsys):
     """Two trainings into one out_dir once both passed the "already holds a run" check and wrote
     into each other's files. A session holds out_dir/.lock (with its pid); another is refused
@@ -941,6 +1010,40 @@ def test_a_second_training_into_a_held_folder_is_refused_at_once(tmp_path, folde
     assert "pass --resume" in capsys.readouterr().err
     assert main(["--params", str(good), "--resume"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("platform", ["no locks on the file system", "no fcntl"])
+def test_a_run_folder_without_locks_is_used_with_one_warning_where_locks_could_exist(tmp_path, caplog,
+                                                                                    monkeypatch, platform):
+    """Where the file system has no locks (flock: ENOLCK, some network mounts) a second training
+    would not be stopped: the session says so once, and removes no temporaries (one may be another
+    session's live write). Without fcntl (Windows) there are no locks to miss: nothing is said."""
+    from oelm_core import files
+    from oelm_core.train import Dist, hold_run_folder
+
+    fcntl = pytest.importorskip("fcntl")
+    if platform == "no fcntl":
+        monkeypatch.setattr(files, "fcntl", None)
+    else:
+        def refuses(f, operation):
+            raise OSError(errno.ENOLCK, "No locks available")
+
+        monkeypatch.setattr(fcntl, "flock", refuses)
+    out = tmp_path / "run"
+    live = out / "ckpt" / ".step_0000004.pt.k1l2m3.tmp"
+    live.parent.mkdir(parents=True)
+    live.write_bytes(b"another session's write")
+    with caplog.at_level("INFO", logger="oelm_core.train"):
+        with hold_run_folder(out, Dist(0, 1, torch.device("cpu"), False)):
+            entered = True
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert entered and live.exists() and "removed" not in caplog.text
+    if platform == "no fcntl":
+        assert warned == [] and not (out / ".lock").exists()
+    else:
+        assert warned == [f"the file system of {out} has no locks: a second training into it would not "
+                          f"be stopped"]
+        assert (out / ".lock").read_text() == ""
 
 
 def test_a_session_removes_what_killed_writes_left(tmp_path, folded, caplog):
