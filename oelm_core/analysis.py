@@ -33,7 +33,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from oelm_core.config import (ConfigError, RunConfig, model_config, read_yaml, trained_settings,
+from oelm_core.config import (PRESETS, ConfigError, RunConfig, model_config, read_yaml, trained_settings,
                              variant_overrides)
 from oelm_core.generate import SamplingConfig
 
@@ -273,14 +273,22 @@ def logit_stats_table(d: int = 512, n_head: int = 8, n_tokens: int = 128,
 # 02 model: parameter table, FLOPs and memory, gradient flow, shape explorer
 # ============================================================================================
 
+def _registered(preset: str, variant: str) -> str:
+    """The preset's values and the variant's registered overrides, what model_config(preset,
+    variant) builds from, as text for the caches' keys: a variant registered again
+    (config.register_variant) or a preset changed at runtime is then built anew, not read stale."""
+    return repr((PRESETS.get(preset), variant_overrides(variant)))
+
+
 def _accounts(preset: str, variant: str, overrides: dict) -> tuple[dict, dict]:
     """(count_parameters, memory_account) of one built model; cached so tables share one build.
-    The cache key holds the overrides as JSON: a list value (freeze_qk=[0]) is not hashable."""
-    return _accounts_cached(preset, variant, json.dumps(overrides, sort_keys=True))
+    The cache key holds the overrides as JSON (a list value, freeze_qk=[0], is not hashable) and
+    what the preset and variant stand for now (_registered)."""
+    return _accounts_cached(preset, variant, json.dumps(overrides, sort_keys=True), _registered(preset, variant))
 
 
 @functools.lru_cache(maxsize=64)
-def _accounts_cached(preset: str, variant: str, overrides_json: str) -> tuple[dict, dict]:
+def _accounts_cached(preset: str, variant: str, overrides_json: str, registered: str) -> tuple[dict, dict]:
     from oelm_core import build_model, count_parameters, memory_account
 
     model = build_model(preset, variant, **json.loads(overrides_json))
@@ -607,8 +615,9 @@ def seed_groups(runs: Sequence[Run], keys: Sequence) -> list[tuple[Any, dict, li
     """The positions of ``runs`` as groups of seeds, in the order first met: runs of one key
     (``keys[i]`` is ``runs[i]``'s) whose trained settings (Run.settings) are equal apart from
     train.seed. Each group is (key, those settings without train.seed, positions). A run without
-    config.yaml has an unknown seed (Run.seed None) and the default settings. ConfigError for two
-    runs of one group with the same seed: the same training twice, not two seeds."""
+    config.yaml has an unknown seed (Run.seed None) and is taken to have trained its variant's
+    default settings (the tables name it: assumed_settings). ConfigError for two runs of one
+    group with the same seed: the same training twice, not two seeds."""
     groups: list[tuple[Any, dict, list[int]]] = []
     for i, (run, key) in enumerate(zip(runs, keys)):
         settings = run.settings()
@@ -620,7 +629,8 @@ def seed_groups(runs: Sequence[Run], keys: Sequence) -> list[tuple[Any, dict, li
         twin = next((runs[j] for j in group[2] if run.seed is not None and runs[j].seed == run.seed), None)
         if twin is not None:
             raise ConfigError(f"{twin.path} and {run.path} trained the same settings with the same seed "
-                              f"({run.seed}): the same run twice, not two seeds of one; analyse them apart")
+                              f"({run.seed}): the same run twice, not two seeds of one; leave one of them out "
+                              f"of the runs read")
         group[2].append(i)
     return groups
 
@@ -673,17 +683,19 @@ def variant_alone(a: Group, b: Group) -> bool:
         return False
     keys = {f"model.{k}" for g in (a, b) for k in variant_overrides(g.variant)}
     for g in (a, b):
-        own = _variant_model(g.preset, g.variant)
+        own = _variant_model(g.preset, g.variant, _registered(g.preset, g.variant))
         if any(g.settings[k] != own[k] for k in keys):
             return False
     return all(a.settings[k] == b.settings[k] for k in a.settings if k not in keys)
 
 
 @functools.lru_cache(maxsize=None)
-def _variant_model(preset: str, variant: str) -> MappingProxyType:
+def _variant_model(preset: str, variant: str, registered: str) -> MappingProxyType:
     """{"model.<key>": value} of the preset's variant as model_config builds it, read-only and
-    built once: variant_alone checks every pair of groups it is given against it."""
-    return MappingProxyType({f"model.{k}": v for k, v in dataclasses.asdict(model_config(preset, variant)).items()})
+    built once per ``registered`` (_registered: what it is built from, only in the cache's key):
+    variant_alone checks every pair of groups it is given against it."""
+    model = dataclasses.asdict(model_config(preset, variant))
+    return MappingProxyType({f"model.{k}": v for k, v in model.items()})
 
 
 def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "step"):
@@ -741,6 +753,17 @@ def evaluated_seeds(label: str, names: list[str], values: list) -> int:
     return len(names) - len(missing)
 
 
+def assumed_settings(label: str, runs: Sequence[Run]) -> None:
+    """Warns naming the runs of one group of seeds that have no config.yaml (Run.config empty):
+    seed_groups took them for runs of their variant's default settings, so the group's means
+    are that setting's only if they trained it."""
+    assumed = [str(run.path) for run in runs if not run.config]
+    if assumed:
+        warnings.warn(f"{label}: {', '.join(assumed)} without config.yaml, averaged as seeds of its variant's "
+                      f"default settings; if one trained other settings, restore its config.yaml or leave it "
+                      f"out of the runs read", stacklevel=3)
+
+
 def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BASELINE) -> dict:
     """The study's results table: one row per group of seeds (group_runs), averaged over them.
 
@@ -757,12 +780,14 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
     groups = group_runs(runs)
     rows = []
     for group in groups:
+        assumed_settings(group.label, group.runs)
         ppls = [r.value(f"{which}_val_ppl") for r in group.runs]
         ppl_mean, ppl_std = mean_std(ppls)
         rows.append({
             "variant": group.variant, "model": group.label, "preset": group.preset,
-            "seeds": evaluated_seeds(group.label, [r.name for r in group.runs], ppls), "val_loss": _mean(group, f"{which}_val_loss"), "val_ppl": ppl_mean,
-            "val_ppl_std": ppl_std, "val_bpb": _mean(group, f"{which}_val_bpb"),
+            "seeds": evaluated_seeds(group.label, [r.name for r in group.runs], ppls),
+            "val_loss": _mean(group, f"{which}_val_loss"), "val_ppl": ppl_mean, "val_ppl_std": ppl_std,
+            "val_bpb": _mean(group, f"{which}_val_bpb"),
             "train_loss": _mean(group, "final_train_loss"), "total_params": group.runs[0].value("total"),
             "trainable_params": group.runs[0].value("trainable"),
             "checkpoint_mb": _mean(group, "checkpoint_mb"), "tokens_per_s": _mean(group, "tokens_per_s"),

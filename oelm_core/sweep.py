@@ -48,7 +48,8 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from oelm_core.analysis import BASELINE, GROUP_LABELS, evaluated_seeds, seed_groups, settings_apart
+from oelm_core.analysis import (BASELINE, GROUP_LABELS, assumed_settings, evaluated_seeds, seed_groups,
+                                settings_apart)
 from oelm_core.config import (ConfigError, apply_overrides, read_yaml, run_config_from_dict, trained_settings,
                               variants as known_variants)
 from oelm_core.files import write_text_atomic
@@ -450,19 +451,19 @@ def _order(label: str) -> tuple[int, str]:
     return (ABLATION_ORDER.index(stem) if stem in ABLATION_ORDER else len(ABLATION_ORDER), label)
 
 
-def _ablation_groups(runs: list, rows: list[dict]) -> list[list[dict]]:
-    """``rows`` (one per run of ``runs``) as groups of seeds: one label, and trained settings
-    equal apart from train.seed (analysis.seed_groups), so that runs trained otherwise (another
-    --set) are never averaged as seeds. Where a label has several groups, each row's label gets
-    the settings that tell them apart: "gpt_base (train.steps=200)". ConfigError for two runs
-    of one group with the same seed: the same training twice, not two seeds."""
+def _ablation_groups(runs: list, rows: list[dict]) -> list[list[int]]:
+    """The positions of ``rows`` (one per run of ``runs``) as groups of seeds: one label, and
+    trained settings equal apart from train.seed (analysis.seed_groups), so that runs trained
+    otherwise (another --set) are never averaged as seeds. Where a label has several groups, each
+    row's label gets the settings that tell them apart: "gpt_base (train.steps=200)". ConfigError
+    for two runs of one group with the same seed: the same training twice, not two seeds."""
     groups = seed_groups(runs, [row["label"] for row in rows])
     for label, settings, at in groups:
         siblings = [g[1] for g in groups if g[0] == label]
         if len(siblings) > 1:
             for i in at:
                 rows[i]["label"] = f"{label} ({settings_apart(settings, siblings)})"
-    return [[rows[i] for i in at] for _, _, at in groups]
+    return [at for _, _, at in groups]
 
 
 def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = True) -> dict:
@@ -473,8 +474,10 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
     ablation's seeds are its runs trained with the same settings apart from train.seed
     (``_ablation_groups``); "seeds" counts the evaluated ones: a run that ended before its first
     evaluation is left out of the validation figures and named in a warning, as
-    analysis.results_table does. ConfigError where ``root`` holds a sweep's runs: their points share
-    labels (the variant), so ``sweep_results`` tabulates them.
+    analysis.results_table does; a run without config.yaml is averaged with its variant's default
+    settings, which it is taken to have trained, and named in a warning too. ConfigError where
+    ``root`` holds a sweep's runs: their points share labels (the variant), so ``sweep_results``
+    tabulates them.
     """
     from oelm_core.analysis import markdown_table, mean_std
 
@@ -486,7 +489,9 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
                           f"the ablation table at a folder of ablation runs only (e.g. runs/ablations)")
     runs = [_row(run, spectrum) for run in loaded]
     rows = []
-    for group in sorted(_ablation_groups(loaded, runs), key=lambda g: _order(g[0]["label"])):
+    for at in sorted(_ablation_groups(loaded, runs), key=lambda at: _order(runs[at[0]]["label"])):
+        group = [runs[i] for i in at]
+        assumed_settings(group[0]["label"], [loaded[i] for i in at])
         losses = [r["final_val_loss"] for r in group]
         loss, loss_std = mean_std(losses)
         seeds = evaluated_seeds(group[0]["label"], [str(r["path"]) for r in group], losses)

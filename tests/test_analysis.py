@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from oelm_core import analysis as A
-from oelm_core import build_model, count_parameters
+from oelm_core import build_model, config, count_parameters
 from oelm_core.config import ConfigError, model_config
 
 MEDIUM = {"gpt_base": (44_896_768, 0), "oelm_nofreeze": (44_896_768, 0), "oelm_freeze": (41_751_040, 3_145_728)}
@@ -388,23 +388,33 @@ def test_the_variant_alone_is_what_the_hypotheses_compare(tmp_path):
     assert len(A.significance_tests(runs)) == 2
 
 
-def test_variant_alone_builds_each_variants_model_once(monkeypatch):
+@pytest.fixture
+def cold_variant_models():
+    """variant_alone's cache of the variants' models, empty before the test and after it."""
+    A._variant_model.cache_clear()
+    yield
+    A._variant_model.cache_clear()
+
+
+def settings_group(variant: str, preset: str = "mini", model: dict | None = None, train: dict | None = None):
+    """A Group of one seed of ``variant`` trained with the ``model`` and ``train`` settings given."""
+    params = {"model": model or {}, "train": {"seed": 0, **(train or {})}}
+    settings = A.Run(Path("x"), "x", variant, preset, 0, params, {}).settings()
+    del settings["train.seed"]
+    return A.Group("x", variant, preset, settings)
+
+
+def test_variant_alone_builds_each_variants_model_once(monkeypatch, cold_variant_models):
     """variant_alone rebuilt both groups' ModelConfig for every pair it was given. Its answers
     are those it gave then: an override restating the variant's own value keeps it the variant;
     one changing it (freezing one layer, GPT-Base with orthogonal Q/K), another learning rate or
-    another preset does not."""
+    another preset does not. The cache starts cold, so that a second run of this test in one
+    session still counts the builds."""
     built = []
     real = A.model_config
     monkeypatch.setattr(A, "model_config", lambda preset, variant: built.append((preset, variant))
                         or real(preset, variant))
-
-    def group(variant, preset="mini", model=None, train=None):
-        config = {"model": model or {}, "train": {"seed": 0, **(train or {})}}
-        run = A.Run(Path("x"), "x", variant, preset, 0, config, {})
-        settings = run.settings()
-        del settings["train.seed"]
-        return A.Group("x", variant, preset, settings)
-
+    group = settings_group
     groups = {"base": group("gpt_base"), "nofreeze": group("oelm_nofreeze"), "freeze": group("oelm_freeze"),
               "freeze_qr": group("oelm_freeze", model={"qk_init": "qr"}),
               "gaussian": group("oelm_freeze_gaussian"), "synth": group("synth_random"),
@@ -414,7 +424,24 @@ def test_variant_alone_builds_each_variants_model_once(monkeypatch):
     alone = {(a, b) for a in groups for b in groups if a != b and A.variant_alone(groups[a], groups[b])}
     same = ("base", "nofreeze", "freeze", "freeze_qr", "gaussian", "synth")
     assert alone == {(a, b) for a in same for b in same if a != b}
-    assert len(built) == len(set(built))
+    # "small" is never built: a pair of two presets differs in more than the variant
+    assert sorted(built) == [("mini", "gpt_base"), ("mini", "oelm_freeze"), ("mini", "oelm_freeze_gaussian"),
+                             ("mini", "oelm_nofreeze"), ("mini", "synth_random")]
+
+
+def test_variant_alone_follows_a_variant_registered_again(monkeypatch, cold_variant_models):
+    """variant_alone cached each variant's model by its name alone: a variant registered again
+    (config.register_variant) kept the settings it had first, so runs of its first settings
+    still counted as the variant, and runs of its new ones did not."""
+    monkeypatch.setattr(config, "_VARIANT_SPECS", dict(config._VARIANT_SPECS))  # undone after the test
+    config.register_variant("late", "Late: frozen SVD Q/K", qk_init="svd", freeze_qk="all")
+    base, svd = settings_group("gpt_base"), settings_group("late")
+    assert A.variant_alone(svd, base)
+    config.register_variant("late", "Late: frozen Cayley Q/K", qk_init="cayley", freeze_qk="all")
+    cayley = settings_group("late")
+    assert (svd.settings["model.qk_init"], cayley.settings["model.qk_init"]) == ("svd", "cayley")
+    assert not A.variant_alone(svd, base)
+    assert A.variant_alone(cayley, base)
 
 
 def test_groups_whose_run_names_coincide_are_told_apart_by_their_settings(tmp_path):
@@ -466,6 +493,21 @@ def test_seeds_without_config_yaml_are_one_group_of_unknown_seeds(tmp_path):
     (group,) = A.group_runs(runs)
     assert group.seeds == [None, None] and len(group.runs) == 2
     assert [line.get_label() for line in A.plot_curves(runs).axes[0].lines] == ["GPT-Base", "GPT-Base"]
+
+
+def test_the_results_table_names_the_runs_whose_settings_it_assumed(tmp_path, recwarn):
+    """A run that lost its config.yaml joins the seeds of its variant's default settings; one
+    trained otherwise (lr=1e-2, PPL 31) moved the default seeds' mean from 10.1 to 17.07, and
+    nothing said that a run's settings had been assumed."""
+    for seed, ppl in ((1, 10.0), (2, 10.2)):
+        make_run(tmp_path, "gpt_base", ppl, seed=seed)
+    lost = make_run(tmp_path, "gpt_base", 31.0, seed=3, train={"lr": 1e-2})
+    (lost / "config.yaml").unlink()
+    (row,) = A.results_table(A.load_runs(tmp_path))["rows"]
+    assert (row["seeds"], row["val_ppl"]) == (3, pytest.approx(51.2 / 3))
+    (warning,) = [str(w.message) for w in recwarn.list if "config.yaml" in str(w.message)]
+    assert warning.startswith(f"GPT-Base: {lost} without config.yaml, averaged as seeds of its variant's "
+                              f"default settings")
 
 
 def test_a_run_of_unknown_seed_is_a_seed_of_the_setup_it_trained(tmp_path):
@@ -613,6 +655,17 @@ def test_parameter_and_flops_tables_take_list_overrides():
     flops = A.flops_table("tiny", ["oelm_freeze"], freeze_qk=[0])
     assert flops[0]["frozen_saving_flops"] > 0 and flops[0]["state_saving_mb"] > 0
     assert A.parameter_table("tiny", ["oelm_freeze"])[0]["frozen"] == 2 * 2 * d * d  # both layers
+
+
+def test_the_parameter_table_follows_a_variant_registered_again(monkeypatch):
+    """The models the tables count were cached by preset, variant and call overrides alone: a
+    variant registered again kept the counts of its first registration."""
+    monkeypatch.setattr(config, "_VARIANT_SPECS", dict(config._VARIANT_SPECS))  # undone after the test
+    d = model_config("tiny").d_model
+    config.register_variant("late", "Late: Q/K frozen in every layer", qk_init="qr", freeze_qk="all")
+    assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * 2 * d * d   # both layers' Q/K
+    config.register_variant("late", "Late: Q/K frozen in the first layer", qk_init="qr", freeze_qk=[0])
+    assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * d * d
 
 
 @pytest.mark.parametrize("overrides", [{}, {"bias": False, "attn_bias": True, "tie_embeddings": False}])

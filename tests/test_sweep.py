@@ -183,7 +183,8 @@ def test_the_ablation_table_groups_seeds_as_the_analysis_does(tmp_path):
     """One grouping (analysis.seed_groups) serves the ablation table and analysis.group_runs:
     seeds of one setting together, another setting apart, a run of unknown seed (no
     config.yaml, so the default settings) with the default setting's seeds, and one setting
-    and seed twice refused by both."""
+    and seed twice refused by both, in words that fit both (they told the table's user to
+    "analyse them apart")."""
     from oelm_core.analysis import group_runs, load_runs
 
     root = tmp_path / "abl"
@@ -191,16 +192,33 @@ def test_the_ablation_table_groups_seeds_as_the_analysis_does(tmp_path):
                                       ("d", 2, None, 3.5)):
         _fake_run(root / folder / "gpt_base" / f"seed{seed}", "gpt_base", "gpt_base", seed, loss, model=model)
     (root / "d" / "gpt_base" / "seed2" / "config.yaml").unlink()
-    rows = {r["label"]: (r["seeds"], r["val_loss"]) for r in ablation_table(root)["rows"]}
+    with pytest.warns(UserWarning, match="without config.yaml"):
+        rows = {r["label"]: (r["seeds"], r["val_loss"]) for r in ablation_table(root)["rows"]}
     assert rows == {"gpt_base (model.n_head=2)": (1, 3.0), "gpt_base (model.n_head=4)": (3, pytest.approx(3.5))}
     assert [(g.label, g.seeds) for g in group_runs(load_runs(root))] == [
         ("GPT-Base (model.n_head=2)", [0]), ("GPT-Base (model.n_head=4)", [0, 1, None])]
     shutil.copytree(root / "c", root / "e")
-    twice = r"c/gpt_base/seed1 and .*e/gpt_base/seed1 trained the same settings with the same seed \(1\)"
+    twice = (r"c/gpt_base/seed1 and .*e/gpt_base/seed1 trained the same settings with the same seed \(1\): "
+             r"the same run twice, not two seeds of one; leave one of them out of the runs read$")
     with pytest.raises(ConfigError, match=twice):
         ablation_table(root)
     with pytest.raises(ConfigError, match=twice):
         group_runs(load_runs(root))
+
+
+def test_the_ablation_table_names_the_runs_whose_settings_it_assumed(tmp_path, recwarn):
+    """A run without config.yaml is averaged with its variant's default settings (one loss 3.0,
+    another 3.2, the third trained otherwise at 6.1: a mean of 4.1); nothing named it."""
+    root = tmp_path / "abl"
+    for seed, loss, model in ((0, 3.0, None), (1, 3.2, None), (2, 6.1, {"n_head": 2})):
+        _fake_run(root / "gpt_base" / f"seed{seed}", "gpt_base", "gpt_base", seed, loss, model=model)
+    lost = root / "gpt_base" / "seed2"
+    (lost / "config.yaml").unlink()
+    (row,) = ablation_table(root)["rows"]
+    assert (row["seeds"], row["val_loss"]) == (3, pytest.approx(4.1))
+    (warning,) = [str(w.message) for w in recwarn.list if "config.yaml" in str(w.message)]
+    assert warning.startswith(f"gpt_base: {lost} without config.yaml, averaged as seeds of its variant's "
+                              f"default settings")
 
 
 def test_an_ablation_seed_without_an_evaluation_is_not_counted_and_is_named(tmp_path):
