@@ -458,38 +458,66 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 if triton is not None:
+    # How far above the running offset a logit may go before the kernel moves the offset: E stays
+    # below e^30 (1e13) and S below 50,304 e^30 (5e17), far from overflow in the gradient GEMMs'
+    # float32 sums, and the row scale above 1/(n 5e17), far from underflow when it scales x in bf16.
+    _CE_HEADROOM = tl.constexpr(30.0)
+
     @triton.jit
-    def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, inv_n_ptr, vocab, padded,
+    def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, scale_ptr, inv_n_ptr, vocab, padded,
                         WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per row of logits: loss = lse - logit[target]; then, in place, the
-        gradient (softmax - one_hot) * valid / n_valid over all padded columns (0 past vocab).
-        The running max and sum are scalars, so the first pass costs one exp per logit."""
+        """One program per row of logits; loss = lse - logit[target] (0 where ignored).
+
+        WRITE_GRAD: one pass over the row that also writes, in place, E = exp(logit - c) over all
+        padded columns (0 past vocab) and E[target] = exp(logit[target] - c) - S, where c is a
+        running offset and S = sum(exp(logit - c)); row ``scale`` = valid / n_valid / S. E * scale
+        is the gradient (softmax - one_hot) * valid / n_valid, the scale being applied later to
+        the small operands of the gradient GEMMs (``_ce_forward_cuda``). The softmax's usual
+        second read of the row, to normalise by a sum known only at its end, is gone.
+        c starts at the target's logit, so S >= 1, and moves up to a block's max if that exceeds
+        it by more than _CE_HEADROOM; the blocks written so far are then scaled down (read again)
+        so that E never exceeds exp(_CE_HEADROOM). The target's logit is at most the row's
+        loss below the max, so that happens only for tokens with a loss above ~30 nats."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         target = tl.load(targets_ptr + row)
-        cols0 = tl.arange(0, BLOCK)
-        m = tl.full([], float("-inf"), tl.float32)
-        s = tl.full([], 0.0, tl.float32)
-        for off in tl.range(0, vocab, BLOCK):
-            cols = off + cols0
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, 0))  # finite from the first block on (vocab > 0)
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-            m = m_new
-        lse = m + tl.log(s)
         valid = target >= 0
         safe_t = tl.where(valid, target, 0)
         t_logit = tl.load(base + safe_t).to(tl.float32)
-        tl.store(loss_ptr + row, tl.where(valid, lse - t_logit, 0.0))
+        cols0 = tl.arange(0, BLOCK)
         if WRITE_GRAD:
-            scale = tl.where(valid, tl.load(inv_n_ptr), 0.0)
+            c = t_logit
+            s = tl.full([], 0.0, tl.float32)
             for off in tl.range(0, padded, BLOCK):
                 cols = off + cols0
-                x = tl.load(base + cols, mask=cols < padded, other=0.0).to(tl.float32)
-                g = tl.exp(x - lse)
-                g = tl.where(cols == safe_t, g - 1.0, g)
-                g = tl.where(cols < vocab, g * scale, 0.0)
-                tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < padded)
+                x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                top = tl.max(x, 0)
+                if top > c + _CE_HEADROOM:
+                    shrink = tl.exp(c - top)
+                    s = s * shrink
+                    tl.debug_barrier()
+                    for done in tl.range(0, off, BLOCK):
+                        back = done + cols0
+                        e = tl.load(base + back, mask=back != safe_t, other=0.0).to(tl.float32)
+                        tl.store(base + back, (e * shrink).to(logits_ptr.dtype.element_ty), mask=back != safe_t)
+                    c = top
+                e = tl.exp(x - c)  # 0 past vocab, where x = -inf
+                s += tl.sum(e, 0)
+                tl.store(base + cols, e.to(logits_ptr.dtype.element_ty), mask=(cols < padded) & (cols != safe_t))
+            lse = c + tl.log(s)
+            tl.store(base + safe_t, (tl.exp(t_logit - c) - s).to(logits_ptr.dtype.element_ty))
+            tl.store(scale_ptr + row, tl.where(valid, tl.load(inv_n_ptr) / s, 0.0))
+        else:  # the loss alone: the online log-sum-exp, one exp per logit
+            m = tl.full([], float("-inf"), tl.float32)
+            s = tl.full([], 0.0, tl.float32)
+            for off in tl.range(0, vocab, BLOCK):
+                cols = off + cols0
+                x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, 0))  # finite from the first block on (vocab > 0)
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                m = m_new
+            lse = m + tl.log(s)
+        tl.store(loss_ptr + row, tl.where(valid, lse - t_logit, 0.0))
 
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -512,28 +540,35 @@ _HAS_ADDMM_OUT_DTYPE = True
 
 def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bool):
     """The CUDA path: per slice one matmul over the *padded* vocabulary (aligned for the tensor
-    cores), one Triton pass that turns the logits into the loss and, in place, the gradient
-    (each row read twice, written once), then the two gradient matmuls.
-    Compared with full logits + F.cross_entropy under torch.compile this saves about two passes
-    over the (tokens x vocab) logits. Measured on an H200 for one 8,192 x 50,304 bf16 slice
-    (benchmarks/bench_ce.py, benchmarks/RESULTS.md): the kernel takes 0.662 ms, where a plain copy
-    of the slice (one read, one write) takes 0.395 ms; small programs (2,048 columns, 4 warps), many
-    per SM, keep enough loads in flight, where one 32-warp program per SM took 0.946 ms."""
+    cores), one Triton pass that turns the logits into the loss and, in place, the unnormalised
+    gradient E (each row read once, written once; see ``_ce_rows_kernel``), then the two gradient
+    matmuls. Returns (loss, grad_x, grad_w, row_scale): grad_w = E^T (row_scale * x) is final,
+    grad_x = E W (n, d) is still to be multiplied by row_scale (n,), which the backward does in the
+    pass that applies the incoming gradient; without need_grad all but the loss are None.
+    Compared with full logits + F.cross_entropy under torch.compile this saves three passes over the
+    (tokens x vocab) logits. On an H200, for one 8,192 x 50,304 bf16 slice (benchmarks/bench_ce.py,
+    benchmarks/RESULTS.md), a plain copy of the slice (one read, one write) takes 0.395 ms and the
+    earlier kernel, which read each row twice to normalise before writing, 0.662 ms; small programs
+    (2,048 columns, 4 warps), many per SM, keep enough loads in flight, where one 32-warp program
+    per SM took 0.946 ms."""
     n, padded = x.size(0), w.size(0)
     xc, wc = x.to(dtype), w.to(dtype)
     targets = targets.contiguous()
     n_valid = (targets >= 0).sum()
     inv_n = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
     row_loss = torch.empty(n, dtype=torch.float32, device=x.device)
-    grad_x = torch.empty((n, x.size(1)), dtype=dtype, device=x.device) if need_grad else None
-    grad_w = None
-    if need_grad and n > chunk:  # several slices: accumulate the weight gradient in float32
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
+    grad_x = grad_w = row_scale = None
+    if need_grad:
+        grad_x = torch.empty((n, x.size(1)), dtype=dtype, device=x.device)
+        row_scale = torch.empty(n, dtype=torch.float32, device=x.device)
+        if n > chunk:  # several slices: accumulate the weight gradient in float32
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
     lt = cublaslt.available(x.device, dtype)
     for s in range(0, n, chunk):
         xs = xc[s:s + chunk]
         logits = cublaslt.gemm(xs, wc, None, False, True) if lt else xs @ wc.T
         _ce_rows_kernel[(xs.size(0),)](logits, logits.stride(0), targets[s:s + chunk], row_loss[s:],
+                                       row_loss if row_scale is None else row_scale[s:],  # unused without grad
                                        inv_n, vocab, padded, WRITE_GRAD=need_grad, BLOCK=2048,
                                        num_warps=4)
         if need_grad:
@@ -541,12 +576,14 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
                 cublaslt.matmul_into(grad_x[s:s + chunk], logits, wc)
             else:
                 torch.mm(logits, wc, out=grad_x[s:s + chunk])
+            # Rounded to bf16 once, from the float32 product, like the gradient it stands for.
+            xs = torch.mul(xs, row_scale[s:s + chunk, None], out=torch.empty_like(xs))
             if grad_w is None:
                 grad_w = cublaslt.gemm(logits, xs, None, True, False) if lt else logits.T @ xs
             else:
                 _addmm_fp32_(grad_w, logits.T, xs)
     loss = row_loss.sum() / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives
-    return loss, grad_x, grad_w
+    return loss, grad_x, grad_w, row_scale
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -557,7 +594,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (softmax - one_hot), so the backward only scales them by the incoming scalar: the same
     matmuls as the plain path, with one slice of logits alive instead of all of them in float32.
     Targets: see ``linear_cross_entropy``. On CUDA (with Triton) the per-slice
-    softmax/loss/gradient is one fused kernel (``_ce_rows_kernel``); elsewhere it is plain torch ops.
+    softmax/loss/gradient is one fused kernel (``_ce_rows_kernel``), whose x gradient still has a
+    per-row factor to apply (``_ce_forward_cuda``); elsewhere it is plain torch ops.
     """
 
     @staticmethod
@@ -566,9 +604,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ctx.w_grad_hook = w_grad_hook
         if x.is_cuda and triton is not None:
-            loss, grad_x, grad_w = _ce_forward_cuda(x, w, targets, vocab, chunk, dtype, need_grad)
+            loss, grad_x, grad_w, row_scale = _ce_forward_cuda(x, w, targets, vocab, chunk, dtype, need_grad)
             if need_grad:
-                ctx.save_for_backward(grad_x, grad_w)
+                ctx.save_for_backward(grad_x, grad_w, row_scale)
                 ctx.dtypes = (x.dtype, w.dtype)
             return loss
         if not targets.is_cuda:  # on a GPU the check would wait for it every step
@@ -596,19 +634,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_x[s:s + chunk] = (g @ wc).to(x.dtype)
                 grad_w[:vocab] += (g.T @ xs).float()
         if need_grad:
-            ctx.save_for_backward(grad_x, grad_w)
+            ctx.save_for_backward(grad_x, grad_w, None)
             ctx.dtypes = (x.dtype, w.dtype)
         return loss / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w = ctx.saved_tensors
+        grad_x, grad_w, row_scale = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         grad_w = (grad_w * grad_loss).to(w_dtype)
         if ctx.w_grad_hook is not None:
             ctx.w_grad_hook(grad_w)
             grad_w = None
-        return (grad_x * grad_loss).to(x_dtype), grad_w, None, None, None, None
+        scale = grad_loss if row_scale is None else (row_scale * grad_loss)[:, None]
+        return (grad_x * scale).to(x_dtype), grad_w, None, None, None, None
 
 
 @torch.compiler.disable

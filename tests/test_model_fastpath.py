@@ -165,15 +165,52 @@ def check_loss_kernel(device: str) -> None:
     w[vocab:] = 0
     t = torch.randint(0, vocab, (n,), generator=g).to(device)
     t[::5] = -1
-    loss, gx, gw = _ce_forward_cuda(x, w, t, vocab, 16, torch.float32, True)
+    loss, gx, gw, row_scale = _ce_forward_cuda(x, w, t, vocab, 16, torch.float32, True)
+    gx = gx * row_scale[:, None]
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     ref = torch.nn.functional.cross_entropy(xr @ wr[:vocab].T, t, ignore_index=-1)
     ref.backward()
     assert abs(float(loss) - float(ref)) < 1e-5, (float(loss), float(ref))
     assert float((gx - xr.grad).abs().max()) < 1e-5 and float((gw - wr.grad).abs().max()) < 1e-5
     # Every target ignored: NaN (0/0) and zero gradients, as F.cross_entropy gives.
-    loss, gx, gw = _ce_forward_cuda(x, w, torch.full_like(t, -1), vocab, 16, torch.float32, True)
-    assert loss.isnan() and float(gx.abs().max()) == 0 and float(gw.abs().max()) == 0
+    loss, gx, gw, row_scale = _ce_forward_cuda(x, w, torch.full_like(t, -1), vocab, 16, torch.float32, True)
+    assert loss.isnan() and float((gx * row_scale[:, None]).abs().max()) == 0 and float(gw.abs().max()) == 0
+
+
+def check_loss_kernel_offsets(device: str) -> None:
+    """The kernel's running offset: rows whose logits climb far above the target's, block after
+    block (the blocks written so far are scaled down again), with the target early or late, losses
+    up to ~200 nats, and an ignored row: loss, and E * row_scale against float64 softmax - one_hot."""
+    from oelm_core.model import _ce_rows_kernel
+    g = torch.Generator().manual_seed(1)
+    vocab, padded, block = 150, 160, 16  # 10 blocks, the last one partly padding
+    logits = torch.randn(6, padded, generator=g, dtype=torch.float64)
+    logits[0] += torch.arange(padded) * 2.5  # the max rises ~40 nats a block: a rescale in most
+    logits[1, 100] = 60.0  # one far logit in a late block
+    logits[2, 3] = 200.0  # in the first block
+    logits[3] += torch.arange(padded).flip(0) * 2.5  # the max first: one offset move, nothing to rescale
+    logits[4] += torch.arange(padded) * 2.5  # ignored
+    targets = torch.tensor([2, 140, 77, 159 - 10, -1, 5])
+    n_valid = int((targets >= 0).sum())
+    x = logits.float().to(device)
+    loss, scale = torch.empty(6, device=device), torch.empty(6, device=device)
+    inv_n = torch.tensor([1.0 / n_valid], device=device)
+    _ce_rows_kernel[(6,)](x, x.stride(0), targets.to(device), loss, scale, inv_n, vocab, padded,
+                          WRITE_GRAD=True, BLOCK=block, num_warps=1)
+    ref = logits.clone()
+    ref[:, vocab:] = float("-inf")
+    lse = torch.logsumexp(ref, 1)
+    valid = targets >= 0
+    safe = targets.clamp(min=0)
+    ref_loss = torch.where(valid, lse - logits.gather(1, safe[:, None])[:, 0], 0.0)
+    ref_grad = torch.softmax(ref, 1)
+    ref_grad[torch.arange(6), safe] -= 1.0
+    ref_grad *= (valid / n_valid)[:, None]
+    got = x.double().cpu() * scale.double().cpu()[:, None]
+    assert float(ref_loss[0]) > 150 and float(ref_loss[2]) > 150  # the far rows are far
+    assert float((loss.double().cpu() - ref_loss).abs().max()) < 1e-4 * float(ref_loss.abs().max())
+    assert float((got - ref_grad).abs().max()) < 1e-6, float((got - ref_grad).abs().max())
+    assert float(x[:, vocab:].abs().max()) == 0.0 and float(got[4].abs().max()) == 0.0
 
 
 def test_the_triton_loss_kernel_equals_cross_entropy():
@@ -189,6 +226,16 @@ def test_the_triton_loss_kernel_equals_cross_entropy():
     else:
         from conftest import run_in_triton_interpreter
         run_in_triton_interpreter(Path(__file__), "check_loss_kernel")
+
+
+def test_the_triton_loss_kernel_moves_its_offset_for_far_logits():
+    """On a GPU here; without one, on the CPU through Triton's interpreter (skipped without Triton)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        check_loss_kernel_offsets("cuda")
+    else:
+        from conftest import run_in_triton_interpreter
+        run_in_triton_interpreter(Path(__file__), "check_loss_kernel_offsets")
 
 
 if __name__ == "__main__":  # the interpreter subprocess: python test_model_fastpath.py CHECK
