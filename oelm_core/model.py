@@ -458,7 +458,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 if triton is not None:
-    # How far above the running offset a logit may go before the kernel moves the offset: E stays
+    # How far above the offset (the target's logit) a logit may go in the kernel's one pass: E stays
     # below e^30 (1e13) and S below 50,304 e^30 (5e17), far from overflow in the gradient GEMMs'
     # float32 sums, and the row scale above 1/(n 5e17), far from underflow when it scales x in bf16.
     _CE_HEADROOM = tl.constexpr(30.0)
@@ -469,15 +469,14 @@ if triton is not None:
         """One program per row of logits; loss = lse - logit[target] (0 where ignored).
 
         WRITE_GRAD: one pass over the row that also writes, in place, E = exp(logit - c) over all
-        padded columns (0 past vocab) and E[target] = exp(logit[target] - c) - S, where c is a
-        running offset and S = sum(exp(logit - c)); row ``scale`` = valid / n_valid / S. E * scale
-        is the gradient (softmax - one_hot) * valid / n_valid, the scale being applied later to
-        the small operands of the gradient GEMMs (``_ce_forward_cuda``). The softmax's usual
-        second read of the row, to normalise by a sum known only at its end, is gone.
-        c starts at the target's logit, so S >= 1, and moves up to a block's max if that exceeds
-        it by more than _CE_HEADROOM; the blocks written so far are then scaled down (read again)
-        so that E never exceeds exp(_CE_HEADROOM). The target's logit is at most the row's
-        loss below the max, so that happens only for tokens with a loss above ~30 nats."""
+        padded columns (0 past vocab) and E[target] = exp(logit[target] - c) - S, where
+        S = sum(exp(logit - c)), and the row's ``scale`` = valid / n_valid / S: E * scale is the
+        gradient (softmax - one_hot) * valid / n_valid, the scale being applied later to the small
+        operands of the gradient GEMMs (``_ce_forward_cuda``). The usual second read of the row, to
+        normalise by a sum known only at its end, is gone.
+        The offset c is the target's logit, so S >= 1. A logit more than _CE_HEADROOM above it
+        (the row's loss is then above 30 nats: rare) is written as -(logit - c) instead, and after
+        the pass such a row is read and written once more with the offset at its max."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         target = tl.load(targets_ptr + row)
@@ -487,23 +486,31 @@ if triton is not None:
         cols0 = tl.arange(0, BLOCK)
         if WRITE_GRAD:
             c = t_logit
+            m = t_logit
             s = tl.full([], 0.0, tl.float32)
             for off in tl.range(0, padded, BLOCK):
                 cols = off + cols0
                 x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-                top = tl.max(x, 0)
-                if top > c + _CE_HEADROOM:
-                    shrink = tl.exp(c - top)
-                    s = s * shrink
-                    tl.debug_barrier()
-                    for done in tl.range(0, off, BLOCK):
-                        back = done + cols0
-                        e = tl.load(base + back, mask=back != safe_t, other=0.0).to(tl.float32)
-                        tl.store(base + back, (e * shrink).to(logits_ptr.dtype.element_ty), mask=back != safe_t)
-                    c = top
-                e = tl.exp(x - c)  # 0 past vocab, where x = -inf
-                s += tl.sum(e, 0)
-                tl.store(base + cols, e.to(logits_ptr.dtype.element_ty), mask=(cols < padded) & (cols != safe_t))
+                m = tl.maximum(m, tl.max(x, 0))
+                d = x - c
+                far = d > _CE_HEADROOM
+                e = tl.exp(tl.where(far, 0.0, d))  # 0 past vocab, where d = -inf
+                s += tl.sum(tl.where(far, 0.0, e), 0)
+                # The target's column keeps its logit until the end (the loss reads it).
+                tl.store(base + cols, tl.where(far, -d, e).to(logits_ptr.dtype.element_ty),
+                         mask=(cols < padded) & (cols != safe_t))
+            if m > c + _CE_HEADROOM:  # a far logit: exp(logit - m) from what was written
+                tl.debug_barrier()
+                shift = c - m
+                s = tl.full([], 0.0, tl.float32)
+                for off in tl.range(0, padded, BLOCK):
+                    cols = off + cols0
+                    keep = cols != safe_t
+                    v = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
+                    e = tl.where(v < 0, tl.exp(shift - v), v * tl.exp(shift))
+                    s += tl.sum(e, 0)
+                    tl.store(base + cols, e.to(logits_ptr.dtype.element_ty), mask=keep)
+                c = m
             lse = c + tl.log(s)
             tl.store(base + safe_t, (tl.exp(t_logit - c) - s).to(logits_ptr.dtype.element_ty))
             tl.store(scale_ptr + row, tl.where(valid, tl.load(inv_n_ptr) / s, 0.0))
