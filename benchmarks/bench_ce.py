@@ -42,9 +42,11 @@ def make_slice(rows: int, device):
     return logits, targets, inv_n
 
 
-def run_kernel(logits, targets, inv_n, loss, scale, block: int, warps: int):
+def run_kernel(logits, targets, inv_n, loss, scale, x, x_scaled, block: int, warps: int):
+    """The kernel on one slice; x (rows, d_model) is the output layer's input it scales into x_scaled."""
     oelm_model._ce_rows_kernel[(logits.size(0),)](logits, logits.stride(0), targets, loss, scale, inv_n,
-                                                  VOCAB, PADDED, WRITE_GRAD=True, BLOCK=block, num_warps=warps)
+                                                  x, x_scaled, D_MODEL, VOCAB, PADDED, WRITE_GRAD=True,
+                                                  BLOCK=block, BLOCK_D=D_MODEL, num_warps=warps)
 
 
 def reference(logits, targets, inv_n):
@@ -61,13 +63,16 @@ def reference(logits, targets, inv_n):
 def check(logits, targets, inv_n, ref, block: int, warps: int) -> dict:
     """The kernel's loss, and its gradient E * row scale (``_ce_rows_kernel``), against float32."""
     ref_loss, ref_grad = ref
-    x = logits.clone()
+    out = logits.clone()
     loss, scale = (torch.empty(len(targets), device=logits.device) for _ in range(2))
-    run_kernel(x, targets, inv_n, loss, scale, block, warps)
-    grad = x[:, :VOCAB].float().mul_(scale[:, None])
+    x = torch.randn(len(targets), D_MODEL, device=logits.device, dtype=logits.dtype)
+    x_scaled = torch.empty_like(x)
+    run_kernel(out, targets, inv_n, loss, scale, x, x_scaled, block, warps)
+    grad = out[:, :VOCAB].float().mul_(scale[:, None])
     return {"loss_err": float((loss - ref_loss).abs().max()),
             "grad_err": float((grad - ref_grad).abs().max() / ref_grad.abs().max()),
-            "pad_zero": bool((x[:, VOCAB:] == 0).all())}
+            "pad_zero": bool((out[:, VOCAB:] == 0).all()),
+            "x_scaled_err": float((x_scaled.float() - x.float() * scale[:, None]).abs().max())}
 
 
 def time_ms(fn, reps: int, restore=None) -> float:
@@ -117,9 +122,11 @@ def main():
     ref = reference(logits, targets, inv_n)
     work = logits.clone()
     loss, scale = (torch.empty(args.rows, device="cuda") for _ in range(2))
+    x = torch.randn(args.rows, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    x_scaled = torch.empty_like(x)
     kernel = []
     for block, warps in map(config, args.configs):
-        ms = time_ms(lambda: run_kernel(work, targets, inv_n, loss, scale, block, warps), args.reps,
+        ms = time_ms(lambda: run_kernel(work, targets, inv_n, loss, scale, x, x_scaled, block, warps), args.reps,
                      restore=lambda: work.copy_(logits))
         kernel.append({"block": block, "num_warps": warps, "ms": ms, "gbs": 2 * gb / ms * 1e3,
                        "x_copy": ms / copy_ms, **check(logits, targets, inv_n, ref, block, warps)})

@@ -179,8 +179,9 @@ def check_loss_kernel(device: str) -> None:
 
 def check_loss_kernel_offsets(device: str) -> None:
     """The kernel's running offset: rows whose logits climb far above the target's, block after
-    block (the blocks written so far are scaled down again), with the target early or late, losses
-    up to ~200 nats, and an ignored row: loss, and E * row_scale against float64 softmax - one_hot."""
+    block, in the first block or a late one (such rows are redone after the pass), with the target
+    early or late, losses up to ~400 nats, and an ignored row: loss, E * row_scale against float64
+    softmax - one_hot, and the input rows times the row scale."""
     from oelm_core.model import _ce_rows_kernel
     g = torch.Generator().manual_seed(1)
     vocab, padded, block = 150, 160, 16  # 10 blocks, the last one partly padding
@@ -195,8 +196,10 @@ def check_loss_kernel_offsets(device: str) -> None:
     x = logits.float().to(device)
     loss, scale = torch.empty(6, device=device), torch.empty(6, device=device)
     inv_n = torch.tensor([1.0 / n_valid], device=device)
-    _ce_rows_kernel[(6,)](x, x.stride(0), targets.to(device), loss, scale, inv_n, vocab, padded,
-                          WRITE_GRAD=True, BLOCK=block, num_warps=1)
+    h = torch.randn(6, 24, generator=g).to(device)  # the rows of the output layer's input, d = 24
+    h_scaled = torch.empty_like(h)
+    _ce_rows_kernel[(6,)](x, x.stride(0), targets.to(device), loss, scale, inv_n, h, h_scaled, 24, vocab,
+                          padded, WRITE_GRAD=True, BLOCK=block, BLOCK_D=32, num_warps=1)
     ref = logits.clone()
     ref[:, vocab:] = float("-inf")
     lse = torch.logsumexp(ref, 1)
@@ -211,6 +214,7 @@ def check_loss_kernel_offsets(device: str) -> None:
     assert float((loss.double().cpu() - ref_loss).abs().max()) < 1e-4 * float(ref_loss.abs().max())
     assert float((got - ref_grad).abs().max()) < 1e-6, float((got - ref_grad).abs().max())
     assert float(x[:, vocab:].abs().max()) == 0.0 and float(got[4].abs().max()) == 0.0
+    assert torch.equal(h_scaled, h * scale[:, None])
 
 
 def test_the_triton_loss_kernel_equals_cross_entropy():
