@@ -7,7 +7,8 @@ the memory roofline on that slice (a copy: one read, one write; a float32 sum: o
 with WRITE_GRAD for each BLOCKxnum_warps config, at GB/s counting its two passes over the slice
 (one read, one write), each run on a fresh copy of the logits (the kernel works in place, and what
 it leaves is no longer logits) and checked against float32 torch; and the output layer's
-weight-gradient accumulation for the slice, bf16 matmul + float add vs oelm_core.model._addmm_fp32_.
+weight-gradient accumulation for the slice, bf16 matmul + float add vs oelm_core.model._addmm_fp32_
+vs cuBLASLt's float32 sum (what the model runs).
 Each figure is the median of --reps CUDA-event timings after 3 warm-up runs. CUDA and Triton only.
 """
 
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
+from oelm_core import cublaslt  # noqa: E402
 from oelm_core import model as oelm_model  # noqa: E402
 from oelm_core.config import ModelConfig  # noqa: E402
 
@@ -143,6 +145,10 @@ def main():
           "addmm_fp32_rel_err": float((acc - exact).norm() / exact.norm()),
           # False: this torch lacks the mixed-dtype addmm and _addmm_fp32_ fell back to (a).
           "mixed_dtype_addmm": oelm_model._HAS_ADDMM_OUT_DTYPE}
+    if cublaslt.available(logits.device, logits.dtype):  # what the model runs (oelm_core/cublaslt.py)
+        lt_ms = time_ms(lambda: cublaslt.matmul_into(acc, logits, x, trans_a=True, accumulate=True), args.reps)
+        cublaslt.matmul_into(acc, logits, x, trans_a=True)
+        dw |= {"cublaslt_ms": lt_ms, "cublaslt_rel_err": float((acc - exact).norm() / exact.norm())}
 
     if args.json:
         with open(args.json, "w") as f:
@@ -161,7 +167,8 @@ def print_tables(meta, roofline, kernel, dw):
               f"{k['loss_err']:9.2e} {k['grad_err']:9.2e} {'yes' if k['pad_zero'] else 'NO':>5s}")
     print(f"\ndW += logits.T @ x ({PADDED} x {D_MODEL} float32): bf16 mm + float add {dw['bf16_mm_float_add_ms']:.3f} ms, "
           f"_addmm_fp32_ {dw['addmm_fp32_ms']:.3f} ms (rel err {dw['addmm_fp32_rel_err']:.1e}"
-          f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})")
+          f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})"
+          + (f", cuBLASLt {dw['cublaslt_ms']:.3f} ms (rel err {dw['cublaslt_rel_err']:.1e})" if "cublaslt_ms" in dw else ""))
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ class _Lt:
         return layout
 
     def _new_plan(self, key, bias, aux) -> _Plan:
-        dtype, la, trans_a, lb, trans_b, ld, epilogue, aux_ld, alignments = key
+        dtype, la, trans_a, lb, trans_b, out_dtype, ld, _, epilogue, aux_ld, alignments = key
         desc = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F,
                                                       _CUDA_DTYPE[torch.float32]),
@@ -168,7 +168,7 @@ class _Lt:
         if aux_ld:
             self._set(desc, _DESC_AUX_LD, ctypes.c_int64(aux_ld))
         self._set_pointers(desc, bias, aux)  # the heuristic infers their alignment from them
-        layouts = tuple(self._layout(dtype, *shape) for shape in (la, lb, ld))
+        layouts = (self._layout(dtype, *la), self._layout(dtype, *lb), self._layout(out_dtype, *ld))
         pref = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
                     "cublasLtMatmulPreferenceCreate")
@@ -194,7 +194,7 @@ class _Lt:
             if tensor is not None:
                 self._set(desc, attr, ctypes.c_void_p(tensor.data_ptr()))
 
-    def _launch(self, plan: _Plan, algo, stream, a, b, out, bias, aux) -> None:
+    def _launch(self, plan: _Plan, algo, stream, a, b, out, bias, aux, accumulate) -> None:
         """One GEMM on ``stream``. The descriptor's pointers are read when the kernel is
         enqueued, so re-pointing a shared descriptor leaves earlier launches (and graphs) alone."""
         self._set_pointers(plan.desc, bias, aux)
@@ -202,10 +202,10 @@ class _Lt:
         if workspace is None:
             workspace = self._workspaces[stream.cuda_stream] = torch.empty(
                 _WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        one, beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)
         la, lb, ld = plan.layouts
         self._check(self.lib.cublasLtMatmul(
-            self.handle, plan.desc, ctypes.byref(one), b.data_ptr(), la, a.data_ptr(), lb, ctypes.byref(zero),
+            self.handle, plan.desc, ctypes.byref(one), b.data_ptr(), la, a.data_ptr(), lb, ctypes.byref(beta),
             out.data_ptr(), ld, out.data_ptr(), ld, ctypes.byref(algo.algo), workspace.data_ptr(),
             _WORKSPACE_BYTES, stream.cuda_stream), "cublasLtMatmul")
 
@@ -241,21 +241,23 @@ class _Lt:
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool,
                trans_b: bool, epilogue: int = EPILOGUE_DEFAULT, bias: Optional[torch.Tensor] = None,
-               aux: Optional[torch.Tensor] = None) -> bool:
-        """out (M, N) = epilogue(op(a) @ op(b)) on the current stream of this device, op a
-        transpose where asked; False, with nothing written, where cuBLASLt cannot run it (the
-        caller then uses torch). a, b, out (and aux): ``_dense_rows``, one dtype. bias (N,): added
-        (BIAS, GELU_AUX_BIAS). aux like out: the pre-activation written beside GELU (GELU_AUX*)."""
+               aux: Optional[torch.Tensor] = None, accumulate: bool = False) -> bool:
+        """out (M, N) = epilogue(op(a) @ op(b)) (+ out, with ``accumulate``) on the current stream
+        of this device, op a transpose where asked; False, with nothing written, where cuBLASLt
+        cannot run it (the caller then uses torch). a, b, out (and aux): ``_dense_rows``, one dtype,
+        except that out may be float32 (sums kept in float32 over several products). bias (N,):
+        added (BIAS, GELU_AUX_BIAS). aux like out: the pre-activation written beside GELU
+        (GELU_AUX*)."""
         if (min(a.shape + b.shape) == 0 or not all(_dense_rows(t) for t in (a, b, out))
                 or (aux is not None and (not _dense_rows(aux) or aux.stride(0) % 8))):
             return False  # (cuBLASLt wants the pre-activation's rows 8-element aligned)
         key = (a.dtype, _layout_of(b), _OP_T if trans_b else _OP_N, _layout_of(a),
-               _OP_T if trans_a else _OP_N, _layout_of(out), epilogue,
+               _OP_T if trans_a else _OP_N, out.dtype, _layout_of(out), accumulate, epilogue,
                aux.stride(0) if aux is not None else 0,
                tuple(_alignment(t) for t in (b, a, out, out)) + (_alignment(bias), _alignment(aux)))
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream()
-            args = (a, b, out, bias, aux)
+            args = (a, b, out, bias, aux, accumulate)
             try:
                 if key not in self._plans:
                     self._plans[key] = self._new_plan(key, bias, aux)
@@ -266,7 +268,9 @@ class _Lt:
                     if torch.are_deterministic_algorithms_enabled():
                         plan.chosen = 0  # the same algorithm in every run, not the fastest of this one
                     elif not torch.cuda.is_current_stream_capturing():  # no timing inside a capture
-                        plan.chosen = self._fastest(plan, stream, *args)
+                        # (timed into a copy where each launch would add to out again)
+                        scratch = out.clone() if accumulate else out
+                        plan.chosen = self._fastest(plan, stream, a, b, scratch, bias, aux, accumulate)
                 self._launch(plan, plan.candidates[plan.chosen or 0], stream, *args)
             except CublasLtError:
                 self._plans[key] = None
@@ -339,13 +343,20 @@ def _(x, weight, bias):
     return out, torch.empty_like(out)
 
 
-def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out (M, N) = a (M, K) @ b (K, N), written into ``out`` (e.g. rows of a larger tensor);
-    eager use only."""
+def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bool = False,
+                accumulate: bool = False) -> None:
+    """out (M, N) = op(a) @ b, or out += op(a) @ b with ``accumulate``: a (M, K) or, transposed,
+    (K, M); b (K, N); out of a's dtype or float32 (a sum over several products), e.g. rows of a
+    larger tensor. Eager use only."""
     a, b = _dense(a), _dense(b)
     lt = _lt_for(a)
-    if lt is None or not lt.matmul(a, b, out, False, False):
-        torch.mm(a, b, out=out)
+    if lt is not None and lt.matmul(a, b, out, trans_a, False, accumulate=accumulate):
+        return
+    product = _op(a, trans_a) @ b
+    if accumulate:
+        out += product
+    else:
+        out.copy_(product)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -378,13 +389,16 @@ def _agrees_with_torch(lt: _Lt, device: torch.device, dtype: torch.dtype) -> boo
     out = {name: torch.empty(shape, device=device, dtype=dtype)
            for name, shape in (("bias", (64, 48)), ("wgrad", (48, 32)), ("dgrad", (64, 32)),
                                ("gelu", (64, 48)), ("pre", (64, 48)))}
+    out["wgrad_sum"] = torch.randn((48, 32), device=device, generator=gen)  # float32
+    want = {"wgrad_sum": out["wgrad_sum"] + g.float().t() @ x.float()}
     ran = [lt.matmul(x, w, out["bias"], False, True, EPILOGUE_BIAS, bias=b),
            lt.matmul(g, x, out["wgrad"], True, False),
+           lt.matmul(g, x, out["wgrad_sum"], True, False, accumulate=True),
            lt.matmul(g, w, out["dgrad"], False, False),
            lt.matmul(x, w, out["gelu"], False, True, EPILOGUE_GELU_AUX_BIAS, bias=b, aux=out["pre"])]
     if not all(ran):
         return False
     pre = x.float() @ w.float().t() + b.float()
-    want = {"bias": pre, "wgrad": g.float().t() @ x.float(), "dgrad": g.float() @ w.float(),
-            "gelu": torch.nn.functional.gelu(pre, approximate="tanh"), "pre": pre}
+    want |= {"bias": pre, "wgrad": g.float().t() @ x.float(), "dgrad": g.float() @ w.float(),
+             "gelu": torch.nn.functional.gelu(pre, approximate="tanh"), "pre": pre}
     return all(torch.allclose(out[k].float(), want[k], atol=0.1, rtol=0.02) for k in want)

@@ -26,6 +26,12 @@ from oelm_core import cublaslt
 from oelm_core.config import ModelConfig, model_config
 from oelm_core.orthogonal import init_qk
 
+try:  # the CUDA fast paths of training; CPU-only installs have no Triton and use plain ops
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
 
 # --------------------------------------------------------------------------------------------
 # One-row products on the CPU (a decoding step)
@@ -334,6 +340,60 @@ class _LtLinear(torch.autograd.Function):
                 grad.sum(0) if need_b else None)
 
 
+if triton is not None:
+    @triton.jit
+    def _gelu_backward_kernel(grad_ptr, pre_ptr, out_ptr, partial_ptr, n_rows, n_cols,
+                              ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """d_pre = grad * GELU'(pre) (tanh form) for a tile of ROWS rows x BLOCK_N columns, and the
+        tile's column sums of d_pre (float32) into partial[tile row, columns]."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r in tl.range(0, ROWS, BLOCK_M):
+            rows = (pid_m * ROWS + r + tl.arange(0, BLOCK_M)).to(tl.int64)
+            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+            at = rows[:, None] * n_cols + cols[None, :]
+            g = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(pre_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) (x + 0.044715 x^3)
+            t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(inner, 20.0)) + 1.0)  # tanh(inner); 1 in float32 from 20 on
+            dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+            d = (g * dgelu).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + at, d, mask=mask)
+            acc += tl.sum(d.to(tl.float32), 0)
+        tl.store(partial_ptr + pid_m * n_cols + cols, acc, mask=cols < n_cols)
+
+
+_GELU_ROWS = 256  # rows per program of _gelu_backward_kernel: 128 partial sums at 32,768 tokens
+
+
+@torch.library.custom_op("oelm::gelu_backward", mutates_args=(), device_types="cuda")
+def gelu_backward(grad: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad * GELU'(pre), its column sums): the MLP's backward through its tanh GELU and the
+    gradient of fc's bias, grad and pre (M, N) -> (M, N) in their dtype and (N,) in float32.
+    One pass over the (M, N) tensors where torch.compile made two (GELU' 108 us, then the bias
+    sum 32 us at 32,768 x 2,048 on an H200)."""
+    grad, pre = grad.contiguous(), pre.contiguous()
+    if triton is None:
+        d_pre = torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")
+        return d_pre, d_pre.float().sum(0)
+    return _gelu_backward_triton(grad, pre)
+
+
+def _gelu_backward_triton(grad: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = grad.shape
+    out = torch.empty_like(grad)
+    partial = torch.empty((triton.cdiv(m, _GELU_ROWS), n), dtype=torch.float32, device=grad.device)
+    _gelu_backward_kernel[(partial.size(0), triton.cdiv(n, 128))](
+        grad, pre, out, partial, m, n, ROWS=_GELU_ROWS, BLOCK_M=32, BLOCK_N=128, num_warps=4)
+    return out, partial.sum(0)
+
+
+@gelu_backward.register_fake
+def _(grad, pre):
+    return torch.empty_like(grad), grad.new_empty(grad.size(1), dtype=torch.float32)
+
+
 class _LtGeluMLP(torch.autograd.Function):
     """proj(GELU(fc(x))) for x (M, d_model) with GELU in fc's GEMM epilogue, which writes GELU and
     its input: the forward pass has no GELU pass of its own. Inputs as ``_LtLinear``'s; biases
@@ -351,13 +411,12 @@ class _LtGeluMLP(torch.autograd.Function):
         x, w_fc, w_proj, h, pre = ctx.saved_tensors
         need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj = ctx.needs_input_grad
         grad = grad.contiguous()
-        # GELU' as torch computes it (compiled, one pass with fc's bias sum): cuBLASLt's DGELU
-        # epilogue is slower here (oelm_core/cublaslt.py).
-        d_pre = torch.ops.aten.gelu_backward(cublaslt.gemm(grad, w_proj, None, False, False), pre,
-                                             approximate="tanh")
+        # GELU' and fc's bias sum in one pass of our own: cuBLASLt's DGELU epilogue is slower here
+        # (oelm_core/cublaslt.py), and torch.compile made two passes of them.
+        d_pre, d_b_fc = gelu_backward(cublaslt.gemm(grad, w_proj, None, False, False), pre)
         return (cublaslt.gemm(d_pre, w_fc, None, False, False) if need_x else None,
                 cublaslt.gemm(d_pre, x, None, True, False) if need_w_fc else None,
-                d_pre.sum(0) if need_b_fc else None,
+                d_b_fc.to(d_pre.dtype) if need_b_fc else None,
                 cublaslt.gemm(grad, h, None, True, False) if need_w_proj else None,
                 grad.sum(0) if need_b_proj else None)
 
@@ -451,12 +510,6 @@ class Block(nn.Module):
 # The loss: output layer and cross-entropy fused over slices of tokens
 # --------------------------------------------------------------------------------------------
 
-try:  # the CUDA fast path of the loss; CPU-only installs have no Triton and use plain ops
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
 if triton is not None:
     # How far above the offset (the target's logit) a logit may go in the kernel's one pass: E stays
     # below e^30 (1e13) and S below 50,304 e^30 (5e17), far from overflow in the gradient GEMMs'
@@ -531,6 +584,42 @@ if triton is not None:
             lse = m + tl.log(s)
         tl.store(loss_ptr + row, tl.where(valid, lse - t_logit, 0.0))
 
+    @triton.jit
+    def _scale_rows_kernel(src_ptr, out_ptr, row_scale_ptr, factor_ptr, n_cols,
+                           ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        """out[row] = src[row] * factor (* row_scale[row]), one program per row of contiguous
+        tensors, computed in float32. (PyTorch's broadcasting multiply by a device
+        scalar, or by a column of row scales with a dtype change, is not vectorised: 2-3x slower.)"""
+        row = tl.program_id(0).to(tl.int64)
+        factor = tl.load(factor_ptr).to(tl.float32)
+        if ROW_SCALE:
+            factor = factor * tl.load(row_scale_ptr + row)
+        for off in tl.range(0, n_cols, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            v = tl.load(src_ptr + row * n_cols + cols, mask=cols < n_cols).to(tl.float32)
+            tl.store(out_ptr + row * n_cols + cols, (v * factor).to(out_ptr.dtype.element_ty),
+                     mask=cols < n_cols)
+
+
+def _scale_rows(src: torch.Tensor, factor: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """src (rows, cols) * factor (a one-element tensor) [* row_scale (rows,) per row], a new tensor
+    of ``dtype`` (default src's; src, saved for the backward, stays as it is for a second one):
+    the backward's scaling of the loss's gradients."""
+    dtype = dtype or src.dtype
+    if src.is_cuda and triton is not None:
+        return _scale_rows_triton(src, factor, row_scale, dtype)
+    return (src * (factor if row_scale is None else row_scale[:, None] * factor)).to(dtype)
+
+
+def _scale_rows_triton(src, factor, row_scale, dtype):
+    src = src.contiguous()
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    _scale_rows_kernel[(src.size(0),)](src, out, src if row_scale is None else row_scale,
+                                       factor.reshape(1).float(), src.size(1),
+                                       ROW_SCALE=row_scale is not None, BLOCK=512, num_warps=4)
+    return out
+
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (float32) += a @ b for bf16/fp16 a, b: one GEMM accumulating in place where torch has
@@ -569,14 +658,14 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
     n_valid = (targets >= 0).sum()
     inv_n = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
     row_loss = torch.empty(n, dtype=torch.float32, device=x.device)
+    lt = cublaslt.available(x.device, dtype)
     grad_x = grad_w = row_scale = x_scaled = None
     if need_grad:
         grad_x = torch.empty((n, x.size(1)), dtype=dtype, device=x.device)
         row_scale = torch.empty(n, dtype=torch.float32, device=x.device)
         x_scaled = torch.empty_like(xc[:chunk])  # one slice's x times its row scales, reused
-        if n > chunk:  # several slices: accumulate the weight gradient in float32
-            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
-    lt = cublaslt.available(x.device, dtype)
+        if n > chunk:  # several slices: the weight gradient summed in float32 (cuBLASLt: from the first)
+            grad_w = (torch.empty if lt else torch.zeros)(w.shape, dtype=torch.float32, device=x.device)
     for s in range(0, n, chunk):
         xs = xc[s:s + chunk]
         logits = cublaslt.gemm(xs, wc, None, False, True) if lt else xs @ wc.T
@@ -592,8 +681,10 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
             else:
                 torch.mm(logits, wc, out=grad_x[s:s + chunk])
             xs = x_scaled[:xs.size(0)]
-            if grad_w is None:
+            if n <= chunk:
                 grad_w = cublaslt.gemm(logits, xs, None, True, False) if lt else logits.T @ xs
+            elif lt:
+                cublaslt.matmul_into(grad_w, logits, xs, trans_a=True, accumulate=s > 0)
             else:
                 _addmm_fp32_(grad_w, logits.T, xs)
     loss = row_loss.sum() / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives
@@ -656,12 +747,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w, row_scale = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        grad_w = (grad_w * grad_loss).to(w_dtype)
+        grad_w = _scale_rows(grad_w, grad_loss, dtype=w_dtype)
         if ctx.w_grad_hook is not None:
             ctx.w_grad_hook(grad_w)
             grad_w = None
-        scale = grad_loss if row_scale is None else (row_scale * grad_loss)[:, None]
-        return (grad_x * scale).to(x_dtype), grad_w, None, None, None, None
+        return _scale_rows(grad_x, grad_loss, row_scale, dtype=x_dtype), grad_w, None, None, None, None
 
 
 @torch.compiler.disable
