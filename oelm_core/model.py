@@ -340,60 +340,6 @@ class _LtLinear(torch.autograd.Function):
                 grad.sum(0) if need_b else None)
 
 
-if triton is not None:
-    @triton.jit
-    def _gelu_backward_kernel(grad_ptr, pre_ptr, out_ptr, partial_ptr, n_rows, n_cols,
-                              ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """d_pre = grad * GELU'(pre) (tanh form) for a tile of ROWS rows x BLOCK_N columns, and the
-        tile's column sums of d_pre (float32) into partial[tile row, columns]."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for r in tl.range(0, ROWS, BLOCK_M):
-            rows = (pid_m * ROWS + r + tl.arange(0, BLOCK_M)).to(tl.int64)
-            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-            at = rows[:, None] * n_cols + cols[None, :]
-            g = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(pre_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2/pi) (x + 0.044715 x^3)
-            t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(inner, 20.0)) + 1.0)  # tanh(inner); 1 in float32 from 20 on
-            dgelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-            d = (g * dgelu).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + at, d, mask=mask)
-            acc += tl.sum(d.to(tl.float32), 0)
-        tl.store(partial_ptr + pid_m * n_cols + cols, acc, mask=cols < n_cols)
-
-
-_GELU_ROWS = 256  # rows per program of _gelu_backward_kernel: 128 partial sums at 32,768 tokens
-
-
-@torch.library.custom_op("oelm::gelu_backward", mutates_args=(), device_types="cuda")
-def gelu_backward(grad: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad * GELU'(pre), its column sums): the MLP's backward through its tanh GELU and the
-    gradient of fc's bias, grad and pre (M, N) -> (M, N) in their dtype and (N,) in float32.
-    One pass over the (M, N) tensors where torch.compile made two (GELU' 108 us, then the bias
-    sum 32 us at 32,768 x 2,048 on an H200)."""
-    grad, pre = grad.contiguous(), pre.contiguous()
-    if triton is None:
-        d_pre = torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")
-        return d_pre, d_pre.float().sum(0)
-    return _gelu_backward_triton(grad, pre)
-
-
-def _gelu_backward_triton(grad: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    m, n = grad.shape
-    out = torch.empty_like(grad)
-    partial = torch.empty((triton.cdiv(m, _GELU_ROWS), n), dtype=torch.float32, device=grad.device)
-    _gelu_backward_kernel[(partial.size(0), triton.cdiv(n, 128))](
-        grad, pre, out, partial, m, n, ROWS=_GELU_ROWS, BLOCK_M=32, BLOCK_N=128, num_warps=4)
-    return out, partial.sum(0)
-
-
-@gelu_backward.register_fake
-def _(grad, pre):
-    return torch.empty_like(grad), grad.new_empty(grad.size(1), dtype=torch.float32)
-
-
 class _LtGeluMLP(torch.autograd.Function):
     """proj(GELU(fc(x))) for x (M, d_model) with GELU in fc's GEMM epilogue, which writes GELU and
     its input: the forward pass has no GELU pass of its own. Inputs as ``_LtLinear``'s; biases
@@ -411,12 +357,14 @@ class _LtGeluMLP(torch.autograd.Function):
         x, w_fc, w_proj, h, pre = ctx.saved_tensors
         need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj = ctx.needs_input_grad
         grad = grad.contiguous()
-        # GELU' and fc's bias sum in one pass of our own: cuBLASLt's DGELU epilogue is slower here
-        # (oelm_core/cublaslt.py), and torch.compile made two passes of them.
-        d_pre, d_b_fc = gelu_backward(cublaslt.gemm(grad, w_proj, None, False, False), pre)
+        # GELU' as torch computes it (compiled, with fc's bias sum): cuBLASLt's DGELU epilogue is
+        # slower here (oelm_core/cublaslt.py), and so was a Triton pass of our own for both
+        # (benchmarks/RESULTS.md).
+        d_pre = torch.ops.aten.gelu_backward(cublaslt.gemm(grad, w_proj, None, False, False), pre,
+                                             approximate="tanh")
         return (cublaslt.gemm(d_pre, w_fc, None, False, False) if need_x else None,
                 cublaslt.gemm(d_pre, x, None, True, False) if need_w_fc else None,
-                d_b_fc.to(d_pre.dtype) if need_b_fc else None,
+                d_pre.sum(0) if need_b_fc else None,
                 cublaslt.gemm(grad, h, None, True, False) if need_w_proj else None,
                 grad.sum(0) if need_b_proj else None)
 

@@ -259,31 +259,6 @@ def test_the_backward_scales_the_loss_gradients_row_by_row():
         run_in_triton_interpreter(Path(__file__), "check_scale_rows")
 
 
-def check_gelu_backward(device: str) -> None:
-    """The MLP's GELU' and bias sum in one pass against torch's gelu_backward and sum: bf16, a
-    partial tile of rows and of columns, pre-activations far out on both sides."""
-    from oelm_core.model import _gelu_backward_triton
-    g = torch.Generator().manual_seed(3)
-    grad = torch.randn(300, 200, generator=g).to(device, torch.bfloat16)
-    pre = (torch.randn(300, 200, generator=g) * 4).to(device, torch.bfloat16)
-    pre[0, :4] = torch.tensor([-60.0, 60.0, 1e-3, 0.0])
-    d_pre, d_bias = _gelu_backward_triton(grad, pre)
-    want = torch.ops.aten.gelu_backward(grad.float(), pre.float(), approximate="tanh")
-    assert d_pre.dtype == torch.bfloat16 and d_bias.dtype == torch.float32
-    assert float((d_pre.float() - want).abs().max()) <= 2 ** -8 * float(want.abs().max())
-    assert torch.allclose(d_bias, d_pre.float().sum(0), rtol=1e-5, atol=1e-4)
-
-
-def test_the_mlp_gelu_backward_and_bias_sum_in_one_pass():
-    """On a GPU here; without one, on the CPU through Triton's interpreter (skipped without Triton)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        check_gelu_backward("cuda")
-    else:
-        from conftest import run_in_triton_interpreter
-        run_in_triton_interpreter(Path(__file__), "check_gelu_backward")
-
-
 def test_the_triton_loss_kernel_moves_its_offset_for_far_logits():
     """On a GPU here; without one, on the CPU through Triton's interpreter (skipped without Triton)."""
     pytest.importorskip("triton")
