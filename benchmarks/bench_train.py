@@ -9,7 +9,9 @@ uncaptured; compile: a torch.compile mode or "none", for the graph/plain steps; 
 sets TrainConfig.cuda_graph for the trainer's step - the reference defaults to 0, as the issue
 defines it: compiled, no CUDA graph; pad: 0/1, the reference's vocabulary padded to 50,304 as
 nanoGPT does, default 1; chunk: tokens per loss slice; gemm: cublaslt|torch, the model's
-training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops).
+training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops;
+tuning: 0/1 sets TrainConfig.compile_tuning for the trainer's step, default 1 as the trainer's; the
+reference is compiled as the issue defines it, plainly).
 The JSON's options.cuda_graph says whether the timed step replayed a CUDA graph (never on CPU,
 nor where the capture failed), options.gemm whether the model's GEMMs went through cuBLASLt.
 Each figure is the median of --blocks blocks of --steps steps after warm-up, timed with CUDA
@@ -43,7 +45,8 @@ from oelm_core.model import GPT  # noqa: E402
 # A group's options after the colon (the module docstring says what they do) and, where the set
 # is closed, the values each takes; compile takes any mode torch.compile knows, or "none".
 OPTIONS = {"loss": ("chunked", "full"), "step": ("trainer", "graph", "plain"), "compile": None,
-           "cuda_graph": ("0", "1"), "pad": ("0", "1"), "chunk": None, "gemm": ("cublaslt", "torch")}
+           "cuda_graph": ("0", "1"), "pad": ("0", "1"), "chunk": None, "gemm": ("cublaslt", "torch"),
+           "tuning": ("0", "1")}
 
 
 def parse_variant(spec: str, args) -> dict:
@@ -93,6 +96,7 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     if mode != "none":
         fwd = torch.compile(model, **({} if mode == "default" else {"mode": mode}))
     tc = TrainConfig(compile=mode != "none")
+    tc.compile_tuning = bool(int(v.get("tuning", int(tc.compile_tuning))))
     # The reference is timed as the issue defines it (compiled, no CUDA graph) unless asked.
     tc.cuda_graph = bool(int(v.get("cuda_graph", 0 if v["group"] == "reference" else int(tc.cuda_graph))))
     n_batches = 4

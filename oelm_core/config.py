@@ -287,6 +287,10 @@ class TrainConfig:
     device: str = "auto"         # "auto": cuda when there is one, else cpu
     dtype: str = "auto"          # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
     compile: bool = False        # torch.compile the model (falls back to eager if it fails)
+    # With compile on CUDA: inductor tunes the launch shapes of its Triton kernels (LayerNorm,
+    # casts, reductions) by coordinate descent: about a minute more compiling, 0.4 ms (2%) less a
+    # step at medium512, 64 x 512 on an H200 (benchmarks/RESULTS.md).
+    compile_tuning: bool = True
     # Capture the whole step (forward, backward, clip, AdamW; under DDP with NCCL the gradient
     # all-reduce too) in one CUDA graph after 2 warm-up steps (11 under DDP) and replay it: small
     # batches are launch-bound (benchmarks/RESULTS.md). Falls back to eager if capture fails.
@@ -507,7 +511,7 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 # below reads this too.
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
-              "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
+              "early_stop_patience", "progress", "device", "dtype", "compile", "compile_tuning", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }

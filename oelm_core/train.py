@@ -401,11 +401,12 @@ class TrainStep:
     WARMUP_STEPS, WARMUP_STEPS_DDP = 2, 11
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float,
-                 autocast, compile: bool = False, ddp: bool = False, cuda_graph: bool = False,
-                 bucket_mb: float = TrainConfig.ddp_bucket_mb,
+                 autocast, compile: bool = False, compile_tuning: bool = False, ddp: bool = False,
+                 cuda_graph: bool = False, bucket_mb: float = TrainConfig.ddp_bucket_mb,
                  grad_exchange: str = TrainConfig.grad_exchange):
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.autocast, self.compile, self.ddp, self.bucket_mb = autocast, compile, ddp, bucket_mb
+        self.compile_options = {"coordinate_descent_tuning": True} if compile_tuning else None
         self.grad_exchange = grad_exchange
         self.cuda_graph = cuda_graph and torch.cuda.is_available() and (
             not ddp or dist.get_backend() == "nccl")  # NCCL (>= 2.9) collectives can be captured
@@ -428,7 +429,7 @@ class TrainStep:
                                   "access (NVLink) under NCCL; use auto to fall back to DDP")
         module = self.model
         if self.compile:
-            module = torch.compile(module)
+            module = torch.compile(module, options=self.compile_options)
         if self.grads is not None:
             log.info("gradients exchanged by NVLink copies during the backward (PeerGradExchange)")
             with torch.no_grad():  # what DDP's constructor does: every rank starts from rank 0's state
@@ -624,7 +625,8 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfi
               device: torch.device, ddp: bool = False) -> TrainStep:
     """The trainer's step for ``model`` (already on ``device``) as TrainConfig configures it."""
     return TrainStep(model, optimizer, grad_clip=tc.grad_clip, autocast=autocast_context(tc.dtype, device),
-                     compile=tc.compile, ddp=ddp, cuda_graph=tc.cuda_graph and device.type == "cuda",
+                     compile=tc.compile, compile_tuning=tc.compile_tuning and device.type == "cuda",
+                     ddp=ddp, cuda_graph=tc.cuda_graph and device.type == "cuda",
                      bucket_mb=tc.ddp_bucket_mb, grad_exchange=tc.grad_exchange)
 
 
