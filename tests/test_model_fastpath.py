@@ -165,13 +165,18 @@ def check_loss_kernel(device: str) -> None:
     w[vocab:] = 0
     t = torch.randint(0, vocab, (n,), generator=g).to(device)
     t[::5] = -1
-    loss, gx, gw, row_scale = _ce_forward_cuda(x, w, t, vocab, 16, torch.float32, True)
-    gx = gx * row_scale[:, None]
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    ref = torch.nn.functional.cross_entropy(xr @ wr[:vocab].T, t, ignore_index=-1)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs on a GPU, to compare within 1e-5
+    try:
+        loss, gx, gw, row_scale = _ce_forward_cuda(x, w, t, vocab, 16, torch.float32, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    gx = (gx * row_scale[:, None]).double().cpu()
+    xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()  # float64, here
+    ref = torch.nn.functional.cross_entropy(xr @ wr[:vocab].T, t.cpu(), ignore_index=-1)
     ref.backward()
     assert abs(float(loss) - float(ref)) < 1e-5, (float(loss), float(ref))
-    assert float((gx - xr.grad).abs().max()) < 1e-5 and float((gw - wr.grad).abs().max()) < 1e-5
+    assert float((gx - xr.grad).abs().max()) < 1e-5 and float((gw.double().cpu() - wr.grad).abs().max()) < 1e-5
     # Every target ignored: NaN (0/0) and zero gradients, as F.cross_entropy gives.
     loss, gx, gw, row_scale = _ce_forward_cuda(x, w, torch.full_like(t, -1), vocab, 16, torch.float32, True)
     assert loss.isnan() and float((gx * row_scale[:, None]).abs().max()) == 0 and float(gw.abs().max()) == 0
@@ -217,21 +222,6 @@ def check_loss_kernel_offsets(device: str) -> None:
     assert torch.equal(h_scaled, h * scale[:, None])
 
 
-def test_the_triton_loss_kernel_equals_cross_entropy():
-    """On a GPU here; without one, on the CPU through Triton's interpreter (skipped without Triton)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False  # float32 GEMMs, to compare within 1e-5
-        try:
-            check_loss_kernel("cuda")
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-    else:
-        from conftest import run_in_triton_interpreter
-        run_in_triton_interpreter(Path(__file__), "check_loss_kernel")
-
-
 def check_scale_rows(device: str) -> None:
     """The backward's scaling of the loss's gradients: rows longer than one block, a row scale and
     a dtype change (bf16 -> float32), or the factor alone; the source left as it was."""
@@ -249,24 +239,16 @@ def check_scale_rows(device: str) -> None:
         assert torch.equal(src, before) and torch.allclose(out, src * 0.25, rtol=1e-6, atol=0)
 
 
-def test_the_backward_scales_the_loss_gradients_row_by_row():
-    """On a GPU here; without one, on the CPU through Triton's interpreter (skipped without Triton)."""
+@pytest.mark.parametrize("check", ["check_loss_kernel", "check_loss_kernel_offsets", "check_scale_rows"])
+def test_the_triton_kernels_of_the_loss(check):
+    """Each check on a GPU here; without one, on the CPU through Triton's interpreter (skipped
+    without Triton)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
-        check_scale_rows("cuda")
+        globals()[check]("cuda")
     else:
         from conftest import run_in_triton_interpreter
-        run_in_triton_interpreter(Path(__file__), "check_scale_rows")
-
-
-def test_the_triton_loss_kernel_moves_its_offset_for_far_logits():
-    """On a GPU here; without one, on the CPU through Triton's interpreter (skipped without Triton)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        check_loss_kernel_offsets("cuda")
-    else:
-        from conftest import run_in_triton_interpreter
-        run_in_triton_interpreter(Path(__file__), "check_loss_kernel_offsets")
+        run_in_triton_interpreter(Path(__file__), check)
 
 
 if __name__ == "__main__":  # the interpreter subprocess: python test_model_fastpath.py CHECK
