@@ -48,7 +48,8 @@ def run_kernel(logits, targets, inv_n, loss, scale, x, x_scaled, block: int, war
     """The kernel on one slice; x (rows, d_model) is the output layer's input it scales into x_scaled."""
     oelm_model._ce_rows_kernel[(logits.size(0),)](logits, logits.stride(0), targets, loss, scale, inv_n,
                                                   x, x_scaled, D_MODEL, VOCAB, PADDED, WRITE_GRAD=True,
-                                                  BLOCK=block, BLOCK_D=D_MODEL, num_warps=warps)
+                                                  BLOCK=block, BLOCK_D=oelm_model.triton.next_power_of_2(D_MODEL),
+                                                  num_warps=warps)
 
 
 def reference(logits, targets, inv_n):

@@ -10,8 +10,8 @@ sets TrainConfig.cuda_graph for the trainer's step - the reference defaults to 0
 defines it: compiled, no CUDA graph; pad: 0/1, the reference's vocabulary padded to 50,304 as
 nanoGPT does, default 1; chunk: tokens per loss slice; gemm: cublaslt|torch, the model's
 training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops;
-tuning: 0/1 sets TrainConfig.compile_tuning for the trainer's step, default 1 as the trainer's; the
-reference is compiled as the issue defines it, plainly).
+tuning: 0/1 sets TrainConfig.compile_tuning for the trainer's step (the default step), default 1
+as the trainer's, and 0 for the reference, compiled as the issue defines it, plainly).
 The JSON's options.cuda_graph says whether the timed step replayed a CUDA graph (never on CPU,
 nor where the capture failed), options.gemm whether the model's GEMMs went through cuBLASLt.
 Each figure is the median of --blocks blocks of --steps steps after warm-up, timed with CUDA
@@ -96,8 +96,8 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     if mode != "none":
         fwd = torch.compile(model, **({} if mode == "default" else {"mode": mode}))
     tc = TrainConfig(compile=mode != "none")
-    tc.compile_tuning = bool(int(v.get("tuning", int(tc.compile_tuning))))
-    # The reference is timed as the issue defines it (compiled, no CUDA graph) unless asked.
+    # The reference is timed as the issue defines it (compiled plainly, no CUDA graph) unless asked.
+    tc.compile_tuning = bool(int(v.get("tuning", 0 if v["group"] == "reference" else int(tc.compile_tuning))))
     tc.cuda_graph = bool(int(v.get("cuda_graph", 0 if v["group"] == "reference" else int(tc.cuda_graph))))
     n_batches = 4
     gen = torch.Generator().manual_seed(1)

@@ -61,19 +61,24 @@ def test_strided_operands_and_row_slices_of_the_output():
 
 
 @gpu
-def test_a_float32_sum_of_products_is_added_once_per_call():
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_float32_sum_of_products_is_added_once_per_call(sliced):
     """The output layer's weight gradient over slices: out (float32) += a^T b for bf16 a, b. The
-    first call times the candidates on a copy of out: out still gets the product once."""
+    first call times the candidates on a buffer of out's layout: out still gets the product once,
+    also where out is a column slice of a wider tensor (its rows further apart than its width)."""
     a = torch.randn(256, 96, device="cuda").bfloat16()
     b = torch.randn(256, 40, device="cuda").bfloat16()
     product = a.float().t() @ b.float()
-    out = torch.randn(96, 40, device="cuda")
-    start = out.clone()
+    wide = torch.randn(96, 64 if sliced else 40, device="cuda")
+    out = wide[:, 8:48] if sliced else wide
+    start, whole = out.clone(), wide.clone()
     for calls in (1, 2):
         cublaslt.matmul_into(out, a, b, trans_a=True, accumulate=True)
         assert _rel(out - start, calls * product) < 1e-5
     cublaslt.matmul_into(out, a, b, trans_a=True)  # without accumulate: the product alone
     assert _rel(out, product) < 1e-5
+    if sliced:  # nothing written beside the slice
+        assert torch.equal(wide[:, :8], whole[:, :8]) and torch.equal(wide[:, 48:], whole[:, 48:])
 
 
 @gpu

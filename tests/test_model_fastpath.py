@@ -154,6 +154,22 @@ def test_an_all_ignored_batch_gives_the_full_paths_nan_loss_and_zero_gradients()
     assert all(float(g.abs().max()) == 0 for g in (*g1.values(), *g2.values()))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused loss kernel runs on CUDA")
+def test_float16_autocast_keeps_the_loss_in_range():
+    """Under float16 autocast the loss takes the plain slices (the kernel's unnormalised gradient
+    would leave float16's range): loss and gradients as the full-logits path's."""
+    fast = build_model("tiny", "gpt_base", vocab_size=100, loss_chunk_tokens=7).cuda()
+    full = build_model("tiny", "gpt_base", vocab_size=100, loss_impl="full").cuda()
+    full.load_state_dict(fast.state_dict())
+    x, y = (t.cuda() for t in _batch(fast.cfg))
+    with torch.autocast("cuda", torch.float16):
+        (l1, g1), (l2, g2) = _loss_and_grads(fast, x, y), _loss_and_grads(full, x, y)
+    assert abs(float(l1) - float(l2)) < 1e-2 * float(l2)
+    for name in g2:
+        assert torch.isfinite(g1[name]).all()
+        assert float((g1[name] - g2[name]).norm()) <= 3e-2 * float(g2[name].norm()) + 1e-6, name
+
+
 def check_loss_kernel(device: str) -> None:
     """The CUDA loss path (Triton kernel, slices, float32 weight-gradient accumulation) against
     F.cross_entropy: loss and both gradients."""
@@ -191,10 +207,10 @@ def check_loss_kernel_offsets(device: str) -> None:
     g = torch.Generator().manual_seed(1)
     vocab, padded, block = 150, 160, 16  # 10 blocks, the last one partly padding
     logits = torch.randn(6, padded, generator=g, dtype=torch.float64)
-    logits[0] += torch.arange(padded) * 2.5  # the max rises ~40 nats a block: a rescale in most
+    logits[0] += torch.arange(padded) * 2.5  # far logits in most blocks, the max in the last
     logits[1, 100] = 60.0  # one far logit in a late block
     logits[2, 3] = 200.0  # in the first block
-    logits[3] += torch.arange(padded).flip(0) * 2.5  # the max first: one offset move, nothing to rescale
+    logits[3] += torch.arange(padded).flip(0) * 2.5  # the max in the first block
     logits[4] += torch.arange(padded) * 2.5  # ignored
     targets = torch.tensor([2, 140, 77, 159 - 10, -1, 5])
     n_valid = int((targets >= 0).sum())
@@ -218,8 +234,30 @@ def check_loss_kernel_offsets(device: str) -> None:
     assert float(ref_loss[0]) > 150 and float(ref_loss[2]) > 150  # the far rows are far
     assert float((loss.double().cpu() - ref_loss).abs().max()) < 1e-4 * float(ref_loss.abs().max())
     assert float((got - ref_grad).abs().max()) < 1e-6, float((got - ref_grad).abs().max())
-    assert float(x[:, vocab:].abs().max()) == 0.0 and float(got[4].abs().max()) == 0.0
+    assert float(x[:, vocab:].abs().max()) == 0.0
+    assert float(x[4].abs().max()) == 0.0  # the ignored row: E = 0, never redone
     assert torch.equal(h_scaled, h * scale[:, None])
+    # bf16, as in training: a row with one far logit is redone with that logit's entry exactly 1,
+    # so its loss is the bf16 logits' own to float32 rounding (not to the bf16 rounding of a
+    # distance of 57 or 200 nats).
+    rows = [1, 2, 5]
+    half = logits[rows].to(torch.bfloat16)
+    x16 = half.clone().to(device)  # (on the CPU .to would not copy, and the kernel works in place)
+    t16 = targets[rows].to(device)
+    loss16, scale16 = torch.empty(3, device=device), torch.empty(3, device=device)
+    inv16 = torch.tensor([1.0 / 3], device=device)
+    h16 = torch.zeros(3, 24, device=device)
+    _ce_rows_kernel[(3,)](x16, x16.stride(0), t16, loss16, scale16, inv16, h16, h16.clone(), 24, vocab,
+                          padded, WRITE_GRAD=True, BLOCK=block, BLOCK_D=32, num_warps=1)
+    ref16 = half.double()
+    ref16[:, vocab:] = float("-inf")
+    want16 = torch.logsumexp(ref16, 1) - ref16.gather(1, targets[rows][:, None])[:, 0]
+    assert float(want16[:2].min()) > 50  # the far rows are far
+    assert float((loss16.double().cpu() - want16).abs().max()) < 1e-4 * float(want16.abs().max())
+    got16 = x16.double().cpu() * scale16.double().cpu()[:, None]
+    grad16 = torch.softmax(ref16, 1)
+    grad16[torch.arange(3), targets[rows]] -= 1.0
+    assert float((got16 - grad16 / 3).abs().max()) < 2 ** -8
 
 
 def check_scale_rows(device: str) -> None:
