@@ -504,7 +504,8 @@ if triton is not None:
                 tl.store(base + cols, tl.where(far, -dist, e).to(logits_ptr.dtype.element_ty),
                          mask=cols < padded)
             tl.debug_barrier()  # the stores above before the reads and the target's store below
-            if m - c > _CE_HEADROOM:  # a far logit (the test ``far`` made): exp(logit - m) from what was written
+            # A far logit (``far``'s own test, so the two agree): exp(logit - m) from what was written.
+            if m - c > _CE_HEADROOM:
                 shift = c - m
                 # The max's entry as the pass stored it, so that it decodes to exactly 1.
                 top = shift.to(logits_ptr.dtype.element_ty).to(tl.float32)
