@@ -577,8 +577,9 @@ def _scale_rows_triton(src, factor, row_scale, dtype):
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (float32) += a @ b for bf16/fp16 a, b: one GEMM accumulating in place where torch has
     the mixed-dtype addmm (CUDA, torch >= 2.8), else a low-precision product added in float32.
-    On an H200, for the output layer's weight gradient of one 8,192-token slice: 0.610 vs 0.746 ms
-    (benchmarks/RESULTS.md)."""
+    The loss's float32 sum where cuBLASLt does not run (``cublaslt.matmul_into`` does it where it
+    does). On an H200, for the output layer's weight gradient of one 8,192-token slice: 0.572-0.610
+    against 0.718-0.746 ms (benchmarks/RESULTS.md)."""
     global _HAS_ADDMM_OUT_DTYPE
     if _HAS_ADDMM_OUT_DTYPE:
         try:
