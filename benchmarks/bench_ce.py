@@ -8,7 +8,8 @@ with WRITE_GRAD for each BLOCKxnum_warps config, at GB/s counting its two passes
 (one read, one write), each run on a fresh copy of the logits (the kernel works in place, and what
 it leaves is no longer logits) and checked against float32 torch; and the output layer's
 weight-gradient accumulation for the slice, bf16 matmul + float add vs oelm_core.model._addmm_fp32_
-vs cuBLASLt's float32 sum (what the model runs).
+vs cuBLASLt's float32 sum (what the model runs); and the slice's whole forward, cuBLASLt's GEMM +
+the kernel against the fused logits GEMM (oelm_core/logits_gemm.py), from x and w.
 Each figure is the median of --reps CUDA-event timings after 3 warm-up runs. CUDA and Triton only.
 """
 
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
-from oelm_core import cublaslt  # noqa: E402
+from oelm_core import cublaslt, logits_gemm  # noqa: E402
 from oelm_core import model as oelm_model  # noqa: E402
 from oelm_core.config import ModelConfig  # noqa: E402
 
@@ -151,13 +152,53 @@ def main():
         cublaslt.matmul_into(acc, logits, x, trans_a=True)
         dw |= {"cublaslt_ms": lt_ms, "cublaslt_rel_err": float((acc - exact).norm() / exact.norm())}
 
+    forward = forward_paths(args.rows, args.reps)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "roofline": roofline, "kernel": kernel, "dw": dw}, f, indent=1)
-    print_tables(meta, roofline, kernel, dw)
+            json.dump({"meta": meta, "roofline": roofline, "kernel": kernel, "dw": dw, "forward": forward}, f,
+                      indent=1)
+    print_tables(meta, roofline, kernel, dw, forward)
 
 
-def print_tables(meta, roofline, kernel, dw):
+def forward_paths(rows: int, reps: int) -> dict:
+    """The slice's forward as the training step runs it, from x (rows, d) and w (padded, d) to E, the
+    loss and the row scales: cuBLASLt's GEMM + ``_ce_rows_kernel`` against the fused logits GEMM
+    (``oelm_core/logits_gemm.py``), with the GEMM alone for scale, and the two paths' agreement."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(rows, D_MODEL, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(PADDED, D_MODEL, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (rows,), device="cuda", generator=g)
+    targets[::7] = -1
+    inv_n = (1.0 / (targets >= 0).sum().float()).reshape(1)
+    loss, scale = (torch.empty(rows, device="cuda") for _ in range(2))
+    x_scaled = torch.empty_like(x)
+    lt = cublaslt.available(x.device, x.dtype)
+
+    def gemm():
+        return cublaslt.gemm(x, w, None, False, True) if lt else x @ w.T
+
+    def split():
+        logits = gemm()
+        run_kernel(logits, targets, inv_n, loss, scale, x, x_scaled, 2048, 4)
+        return logits
+
+    out = {"gemm_ms": time_ms(gemm, reps), "gemm_and_kernel_ms": time_ms(split, reps)}
+    if not logits_gemm.available(x.device, x.dtype, D_MODEL, PADDED):
+        return out
+
+    def fused():
+        return logits_gemm.loss_and_grad(x, w, targets, VOCAB, inv_n, loss, scale, x_scaled)
+
+    out["fused_ms"] = time_ms(fused, reps)
+    grad_a = split()[:, :VOCAB].float().mul_(scale[:, None])
+    loss_a = loss.clone()
+    grad_b = fused()[:, :VOCAB].float().mul_(scale[:, None])
+    out |= {"loss_diff": float((loss - loss_a).abs().max()),
+            "grad_rel_diff": float((grad_b - grad_a).norm() / grad_a.norm())}
+    return out
+
+
+def print_tables(meta, roofline, kernel, dw, forward):
     r = roofline
     print(f"\n{meta['card']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  commit {meta['commit']}")
     print(f"slice {meta['rows']} x {PADDED} bf16 ({r['slice_gb']:.2f} GB): copy {r['copy_ms']:.3f} ms "
@@ -170,6 +211,11 @@ def print_tables(meta, roofline, kernel, dw):
           f"_addmm_fp32_ {dw['addmm_fp32_ms']:.3f} ms (rel err {dw['addmm_fp32_rel_err']:.1e}"
           f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})"
           + (f", cuBLASLt {dw['cublaslt_ms']:.3f} ms (rel err {dw['cublaslt_rel_err']:.1e})" if "cublaslt_ms" in dw else ""))
+    f = forward
+    print(f"\nforward, x ({meta['rows']} x {D_MODEL}) to E, loss and row scales: GEMM alone {f['gemm_ms']:.3f} ms, "
+          f"GEMM + loss kernel {f['gemm_and_kernel_ms']:.3f} ms"
+          + (f", fused logits GEMM {f['fused_ms']:.3f} ms (loss diff {f['loss_diff']:.1e}, "
+             f"gradient rel. diff {f['grad_rel_diff']:.1e})" if "fused_ms" in f else ", no fused logits GEMM here"))
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ def dynamo_graphs():
 
 # Kernel families of a training step, matched on the profiler's kernel names, in this order.
 KERNEL_FAMILIES = [
-    ("fused loss kernel", ("_ce_rows_kernel",)),
+    ("fused loss kernel", ("_ce_rows_kernel", "_target_logit_kernel", "_finish_kernel")),
+    ("logits GEMM with the loss's exp", ("_logits_exp_kernel",)),
     ("compiled cross-entropy", ("log_softmax", "nll_loss")),
     ("attention", ("sdpa", "fmha", "flash", "cudnn")),
     ("GEMM", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce")),

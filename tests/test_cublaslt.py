@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oelm_core import cublaslt
+from oelm_core import cublaslt, logits_gemm
 from oelm_core.model import _lt_dtype, build_model
 
 CUDA = torch.cuda.is_available()
@@ -177,9 +177,12 @@ def test_a_training_step_matches_torchs_ops(variant, chunk, monkeypatch):
         launches, loss_lt, grads_lt = _gemm_calls_and_step(model, idx, monkeypatch)
     n, slices = model.cfg.n_layer, -(-4 * (model.cfg.block_size - 1) // chunk)
     # per layer: q/k/v (3, or 5 apart), projection (3), MLP (6); the loss: 3 a slice (over several
-    # slices its weight gradient is summed in float32)
-    assert launches == n * (5 if variant == "oelm_freeze" else 3) + n * 3 + n * 6 + 3 * slices
+    # slices its weight gradient is summed in float32), 2 where the logits come from the fused
+    # Triton GEMM (oelm_core/logits_gemm.py)
+    fused = logits_gemm.available(idx.device, torch.bfloat16, model.cfg.d_model, model.cfg.padded_vocab_size)
+    assert launches == n * (5 if variant == "oelm_freeze" else 3) + n * 3 + n * 6 + (2 if fused else 3) * slices
     monkeypatch.setenv("OELM_CUBLASLT", "0")
+    monkeypatch.setenv("OELM_FUSED_LOGITS", "0")  # all of it through torch's ops and the loss kernel
     launches, loss_torch, grads_torch = _gemm_calls_and_step(model, idx, monkeypatch)
     assert launches == 0
     assert abs(loss_lt - loss_torch) < 2e-3 * abs(loss_torch)
