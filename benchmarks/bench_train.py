@@ -11,9 +11,12 @@ defines it: compiled, no CUDA graph; pad: 0/1, the reference's vocabulary padded
 nanoGPT does, default 1; chunk: tokens per loss slice; gemm: cublaslt|torch, the model's
 training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops;
 tuning: 0/1 sets TrainConfig.compile_tuning for the trainer's step (the default step), default 1
-as the trainer's, and 0 for the reference, compiled as the issue defines it, plainly).
+as the trainer's, and 0 for the reference, compiled as the issue defines it, plainly;
+fused_logits: 0/1, the loss's logits GEMM with its exp in the epilogue (oelm_core/logits_gemm.py;
+the default where it runs) or cuBLAS's GEMM and the loss kernel).
 The JSON's options.cuda_graph says whether the timed step replayed a CUDA graph (never on CPU,
-nor where the capture failed), options.gemm whether the model's GEMMs went through cuBLASLt.
+nor where the capture failed), options.gemm whether the model's GEMMs went through cuBLASLt,
+options.fused_logits whether the loss's logits came from the fused GEMM.
 Each figure is the median of --blocks blocks of --steps steps after warm-up, timed with CUDA
 events; peak memory is torch.cuda.max_memory_allocated over building, compiling, capturing and
 the timed steps, less what was allocated before the variant began. Prints a table last; --json
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PlainStep, at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
 from reference import ReferenceGPT, copy_from, reference_grads_as_model  # noqa: E402
 
-from oelm_core import cublaslt  # noqa: E402
+from oelm_core import cublaslt, logits_gemm  # noqa: E402
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
 from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.model import GPT  # noqa: E402
@@ -46,7 +49,10 @@ from oelm_core.model import GPT  # noqa: E402
 # is closed, the values each takes; compile takes any mode torch.compile knows, or "none".
 OPTIONS = {"loss": ("chunked", "full"), "step": ("trainer", "graph", "plain"), "compile": None,
            "cuda_graph": ("0", "1"), "pad": ("0", "1"), "chunk": None, "gemm": ("cublaslt", "torch"),
-           "tuning": ("0", "1")}
+           "tuning": ("0", "1"), "fused_logits": ("0", "1")}
+# Options that are environment switches the library reads when a step runs: (variable, its value).
+ENV_OPTIONS = {"gemm": ("OELM_CUBLASLT", lambda val: "0" if val == "torch" else "1"),
+               "fused_logits": ("OELM_FUSED_LOGITS", str)}
 
 
 def parse_variant(spec: str, args) -> dict:
@@ -142,6 +148,8 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     # Whether the model's training GEMMs went through cuBLASLt (never the reference's)
     v["gemm"] = ("cublaslt" if v["group"] != "reference" and cublaslt.available(device, torch.bfloat16)
                  else "torch")
+    v["fused_logits"] = int(v["group"] != "reference" and v["loss"] == "chunked" and logits_gemm.available(
+        device, torch.bfloat16, cfg.d_model, cfg.padded_vocab_size))
 
     time_blocks(one, 1, args.warmup, cuda)  # more warm-up
     secs = time_blocks(one, args.blocks, args.steps, cuda)
@@ -287,11 +295,12 @@ def main():
     for batch in args.batch:
         for spec, parsed in zip(args.groups, variants):
             v = dict(parsed)  # bench_one records what applied in it
-            # oelm_core.cublaslt reads its switch when a step is built and compiled; a variant
-            # without gemm= keeps the caller's
-            switch = os.environ.get("OELM_CUBLASLT")
-            if "gemm" in v:
-                os.environ["OELM_CUBLASLT"] = "0" if v["gemm"] == "torch" else "1"
+            # The library reads these switches when a step is built and compiled (cuBLASLt) or run
+            # (the loss); a variant without the option keeps the caller's setting
+            saved = {var: os.environ.get(var) for var, _ in ENV_OPTIONS.values()}
+            for key, (var, value) in ENV_OPTIONS.items():
+                if key in v:
+                    os.environ[var] = value(v[key])
             try:
                 r = bench_one(v, batch, args, device)
             except Exception as e:  # keep the other figures
@@ -299,9 +308,10 @@ def main():
                 traceback.print_exc()
                 r = {"label": spec, "group": v["group"], "batch": batch, "error": repr(e)[:300]}
             finally:
-                os.environ.pop("OELM_CUBLASLT", None)
-                if switch is not None:
-                    os.environ["OELM_CUBLASLT"] = switch
+                for var, value in saved.items():
+                    os.environ.pop(var, None)
+                    if value is not None:
+                        os.environ[var] = value
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.cache_out:
