@@ -14,11 +14,12 @@ accumulator, so the logits never reach memory (and are never rounded to bf16 fir
    its row: loss = log S, E[target] = 1 - S, the row scale valid / n_valid / S and x times it.
    A row with S above e^30 has a logit more than ~30 nats above the target's (its loss is above 30
    nats: rare), and E there would leave the range that the gradient GEMMs sum safely. It is redone
-   with the offset at its max: rescaled from what the GEMM stored while that is finite (logits up to
-   88 nats above the target's), else recomputed from x and w (two passes over w: slow, and only for
-   rows whose loss exceeds 88 nats).
+   with the offset at its max: rescaled from what the GEMM stored while S < 3e38 (so that every
+   stored bf16 entry is finite: logits up to ~88 nats above the target's), else recomputed from x
+   and w (two passes over w, milliseconds a row: only for rows whose loss exceeds ~88 nats).
 
-Hopper and later (TMA descriptors), bf16 only: ``available``. One slice of 8,192 x 50,304 x 512 on an
+Hopper and datacenter Blackwell (TMA descriptors, ~210 KB of shared memory a program), bf16,
+Triton >= 3.4 (measured with 3.6): ``available``. One slice of 8,192 x 50,304 x 512 on an
 H200 (benchmarks/RESULTS.md): the three kernels take ~0.85 ms where cuBLAS's GEMM and the loss kernel
 take ~1.14 (each timed on a cold L2).
 """
@@ -36,36 +37,50 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: the model keeps cuBLAS + _ce_rows_kernel, or plain torch
     triton = None
+# Host tensor descriptors and flattened persistent loops (tl.range(..., flatten=True)) need 3.4.
+_TRITON_OK = triton is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 4)
 
 # Tiles of the GEMM (rows x columns x depth), its pipeline depth and warps: the fastest of a sweep of
 # 16 on an H200 at 8,192 x 50,304 x 512 (.device scratch, recorded in benchmarks/RESULTS.md).
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS = 128, 256, 64, 3, 8
-# A row whose sum of exp(logit - target's logit) exceeds this is redone with the offset at its max.
+# A row whose sum of exp(logit - target's logit) exceeds e^HEADROOM is redone with the offset at its
+# max; from its stored entries while the sum is below RESCALE_MAX (under bf16's largest finite value,
+# 3.39e38, so that no entry rounded to inf), else from x and w.
 HEADROOM = 30.0
+RESCALE_MAX = 3.0e38
+# What the tiles above need of a program's shared memory (the pipeline's 3 stages of x and w, 144 KB,
+# and the bf16 tile of E, 64 KB): Hopper's and datacenter Blackwell's 227 KB, not the 99 KB of
+# consumer Blackwell (sm_120).
+_SMEM_NEEDED = 216 * 1024
 
 _SMS: dict = {}
 
 
 def available(device: torch.device, dtype: torch.dtype, d_model: int, padded_vocab: int) -> bool:
-    """Whether the fused GEMM runs here: CUDA with TMA (compute capability 9+), Triton, bf16,
-    rows of 16-byte multiples; ``OELM_FUSED_LOGITS=0`` turns it off (the loss then runs cuBLAS and
-    ``model._ce_rows_kernel``)."""
-    return (triton is not None and device.type == "cuda" and dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether the fused GEMM runs here: CUDA with TMA (compute capability 9+) and the shared memory
+    of its tiles, Triton >= 3.4, bf16, rows of 16-byte multiples; ``OELM_FUSED_LOGITS=0`` turns it
+    off (the loss then runs cuBLAS and ``model._ce_rows_kernel``)."""
+    if not (_TRITON_OK and device.type == "cuda" and dtype == torch.bfloat16
             and d_model % 8 == 0 and padded_vocab % 8 == 0
-            and os.environ.get("OELM_FUSED_LOGITS", "1") != "0")
+            and os.environ.get("OELM_FUSED_LOGITS", "1") != "0"):
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= _SMEM_NEEDED
 
 
 if triton is not None:
     _LOG2E = tl.constexpr(1.4426950408889634)
     _S_MAX = tl.constexpr(math.exp(HEADROOM))
+    _RESCALE_MAX = tl.constexpr(RESCALE_MAX)
 
     @triton.jit
-    def _target_logit_kernel(x_ptr, w_ptr, targets_ptr, c_ptr, n, d, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-        """c[row] = x[row] . w[target[row]] in float32, +inf where the target is negative (ignored)."""
+    def _target_logit_kernel(x_ptr, w_ptr, targets_ptr, c_ptr, n, d, vocab, ROWS: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        """c[row] = x[row] . w[target[row]] in float32, +inf where the target is negative (ignored) or
+        past the vocabulary (never read: no loss, no gradient)."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         t = tl.load(targets_ptr + rows, mask=rows < n, other=-1)
-        valid = t >= 0
+        valid = (t >= 0) & (t < vocab)
         dims = tl.arange(0, BLOCK_D)
         xr = tl.load(x_ptr + rows[:, None].to(tl.int64) * d + dims[None, :],
                      mask=(rows < n)[:, None] & (dims < d)[None, :], other=0.0)
@@ -81,7 +96,8 @@ if triton is not None:
 
         Persistent: ``programs`` programs (one per SM) walk the tiles; the row tiles of one column tile come one
         after another, so each (BN, d) block of w is read from HBM once and x (8 MB) stays in L2.
-        Past the vocabulary E = 0; beyond e^88 it is inf (the row's S then says: recompute)."""
+        Past the vocabulary E = 0; beyond ~e^88.7 it is inf in bf16 (``_finish_kernel`` then
+        recomputes the row: its S is at least 3e38)."""
         row_tiles = tl.cdiv(n, BM)
         for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, programs, flatten=True):
             off_m = (tile % row_tiles) * BM
@@ -102,21 +118,22 @@ if triton is not None:
     def _finish_kernel(e_ptr, part_ptr, col_tiles, targets_ptr, c_ptr, x_ptr, w_ptr, d, vocab, padded,
                        loss_ptr, scale_ptr, inv_n_ptr, xs_ptr,
                        BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
-        """One program per row: S from the parts, the loss, E[target] -= S, the row scale and x times it
-        (what ``model._ce_rows_kernel`` does at the end of a row); a row with S > e^HEADROOM (or not
-        a NaN) is first redone with the offset at its max. E is (n, padded) contiguous."""
+        """One program per row: S from the parts, the loss, E[target] = exp(-shift) - S (shift: the
+        offset's move, 0 unless redone), the row scale and x times it (what ``model._ce_rows_kernel``
+        does at the end of a row); a counted row with S > e^HEADROOM (or a NaN) is first redone with
+        the offset at its max. E is (n, padded) contiguous."""
         row = tl.program_id(0).to(tl.int64)
         base = e_ptr + row * padded
         target = tl.load(targets_ptr + row)
-        valid = target >= 0
+        valid = (target >= 0) & (target < vocab)  # (an id past the vocabulary must not write past E's row)
         j = tl.arange(0, BLOCK_T)
         s = tl.sum(tl.load(part_ptr + row * col_tiles + j, mask=j < col_tiles, other=0.0), 0)
         dims = tl.arange(0, BLOCK_D)
         xr = tl.load(x_ptr + row * d + dims, mask=dims < d, other=0.0).to(tl.float32)
         shift = 0.0  # (the row's offset) - (the target's logit): the loss is shift + log S
-        if (s > _S_MAX) | (s != s):
+        if valid & ((s > _S_MAX) | (s != s)):
             cols0 = tl.arange(0, BLOCK)
-            if s < float("inf"):  # every stored entry finite: rescale them by 1 / their max
+            if s < _RESCALE_MAX:  # every stored entry (<= S) finite in bf16: rescale them by 1 / their max
                 top = tl.full([], 0.0, tl.float32)
                 for off in tl.range(0, padded, BLOCK):
                     v = tl.load(base + off + cols0, mask=off + cols0 < padded, other=0.0).to(tl.float32)
@@ -126,10 +143,10 @@ if triton is not None:
                 for off in tl.range(0, padded, BLOCK):
                     cols = off + cols0
                     v = tl.load(base + cols, mask=cols < padded, other=0.0).to(tl.float32)
-                    e = v / top  # the max's entry decodes to exactly 1
+                    e = v / top  # the max's entry: 1 to an ulp of float32, exactly 1 once stored in bf16
                     s += tl.sum(e, 0)
                     tl.store(base + cols, e.to(e_ptr.dtype.element_ty), mask=cols < padded)
-            else:  # logits beyond e^88 of the target's (or not finite): recompute them from x and w
+            else:  # logits ~88 nats beyond the target's (or not finite): recompute them from x and w
                 vcols0 = tl.arange(0, BLOCK_V)
                 m = tl.full([], float("-inf"), tl.float32)
                 for off in tl.range(0, vocab, BLOCK_V):
@@ -167,8 +184,10 @@ def _num_sms(device: torch.device) -> int:
 
 def loss_and_grad(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int, inv_n: torch.Tensor,
                   row_loss: torch.Tensor, row_scale: torch.Tensor, x_scaled: torch.Tensor) -> torch.Tensor:
-    """One slice of the loss: x (n, d) and w (padded, d) contiguous, of one dtype; targets (n,) token
-    ids or negative (ignored); inv_n (1,) float32 = 1 / valid tokens of the whole batch.
+    """One slice of the loss: x (n, d) and w (padded, d) contiguous, of one dtype, 16-byte aligned, d
+    and padded multiples of 8; targets (n,) token ids in [0, vocab) (the real vocabulary: columns past
+    it get E = 0) or negative (ignored; so is an id >= vocab, which the trainer never feeds); inv_n (1,)
+    float32 = 1 / valid tokens of the whole batch.
 
     Returns E (n, padded) in x's dtype, and fills row_loss (n,) float32 (0 where ignored), row_scale
     (n,) float32 and x_scaled (n, d) = x * row_scale: E * row_scale[:, None] is the gradient of the
@@ -177,14 +196,19 @@ def loss_and_grad(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab
     n, d = x.shape
     padded = w.size(0)
     device = x.device
-    if not (x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype):
-        raise ValueError("logits_gemm.loss_and_grad: x and w must be contiguous and of one dtype")
+    if not (x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype and d % 8 == 0 and padded % 8 == 0
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0):
+        raise ValueError(f"logits_gemm.loss_and_grad: x {tuple(x.shape)} and w {tuple(w.shape)} must be contiguous, "
+                         f"of one dtype, 16-byte aligned, with d and the padded vocabulary multiples of 8 "
+                         f"(TMA's rules); check logits_gemm.available first")
     e = torch.empty((n, padded), dtype=x.dtype, device=device)
     c = torch.empty(n, dtype=torch.float32, device=device)
     col_tiles = triton.cdiv(padded, BLOCK_N)
     part = torch.empty((n, col_tiles), dtype=torch.float32, device=device)
     block_d = triton.next_power_of_2(d)
-    _target_logit_kernel[(triton.cdiv(n, 32),)](x, w, targets, c, n, d, ROWS=32, BLOCK_D=block_d, num_warps=4)
+    rows = max(1, 4096 // block_d)  # two (rows, d) float32 tiles in 4 warps' registers
+    _target_logit_kernel[(triton.cdiv(n, rows),)](x, w, targets, c, n, d, vocab, ROWS=rows, BLOCK_D=block_d,
+                                                  num_warps=4)
     grid = min(_num_sms(device), triton.cdiv(n, BLOCK_M) * col_tiles)
     _logits_exp_kernel[(grid,)](TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
                                 TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K]),

@@ -663,8 +663,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (softmax - one_hot), so the backward only scales them by the incoming scalar: the same
     matmuls as the plain path, with one slice of logits alive instead of all of them in float32.
     Targets: see ``linear_cross_entropy``. On CUDA (with Triton) the per-slice
-    softmax/loss/gradient is one fused kernel (``_ce_rows_kernel``), whose x gradient still has a
-    per-row factor to apply (``_ce_forward_cuda``); elsewhere it is plain torch ops.
+    softmax/loss/gradient is one fused kernel (``_ce_rows_kernel``) after the logits GEMM, or on
+    Hopper the logits GEMM itself (``oelm_core/logits_gemm.py``); the x gradient still has a per-row
+    factor to apply (``_ce_forward_cuda``). Elsewhere it is plain torch ops.
     """
 
     @staticmethod
@@ -726,8 +727,9 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
 
     ``targets`` are what ``F.cross_entropy(..., ignore_index=-1)`` takes: token ids in
     [0, vocab), or -1 for a position without loss. Any other id raises an IndexError on the CPU;
-    on CUDA nothing is checked (a check would wait on the GPU every step): the Triton kernel
-    ignores every negative id and reads a wrong logit for an id >= vocab. The trainer refuses
+    on CUDA nothing is checked (a check would wait on the GPU every step): every negative id is
+    ignored, and an id >= vocab reads a wrong logit (``_ce_rows_kernel``) or, with the fused logits
+    GEMM, gets no loss (it still counts in the mean). The trainer refuses
     token files whose ids exceed the model's vocabulary before it starts. When every target is
     -1 the loss is NaN (0/0) and the gradients 0, as with ``F.cross_entropy``.
 
@@ -739,7 +741,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     step, instead of flowing back to w through autograd.
 
     Runs outside torch.compile (a clean graph break: the transformer body is compiled, the loss
-    is a few large cuBLAS matmuls and one Triton kernel that the compiler would not improve).
+    is a few large matmuls and Triton kernels that the compiler would not improve).
     """
     if chunk is None:
         chunk = ModelConfig.loss_chunk_tokens  # the dataclass field's default
