@@ -116,6 +116,13 @@ if triton is not None:
             tl.store(part_ptr + rows * col_tiles + col_tile, tl.sum(e, 1), mask=rows < n)
 
     @triton.jit
+    def _logits_of_row(w_ptr, xr, cols, dims, d, vocab):
+        """x_row . w[cols] in float32 for a block of columns, -inf past the vocabulary."""
+        wb = tl.load(w_ptr + cols[:, None].to(tl.int64) * d + dims[None, :],
+                     mask=(cols < vocab)[:, None] & (dims < d)[None, :], other=0.0)
+        return tl.where(cols < vocab, tl.sum(wb.to(tl.float32) * xr[None, :], 1), float("-inf"))
+
+    @triton.jit
     def _finish_kernel(e_ptr, part_ptr, col_tiles, targets_ptr, c_ptr, x_ptr, w_ptr, d, vocab, padded,
                        loss_ptr, scale_ptr, inv_n_ptr, xs_ptr,
                        BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -151,18 +158,11 @@ if triton is not None:
                 vcols0 = tl.arange(0, BLOCK_V)
                 m = tl.full([], float("-inf"), tl.float32)
                 for off in tl.range(0, vocab, BLOCK_V):
-                    cols = off + vcols0
-                    wb = tl.load(w_ptr + cols[:, None].to(tl.int64) * d + dims[None, :],
-                                 mask=(cols < vocab)[:, None] & (dims < d)[None, :], other=0.0)
-                    logit = tl.sum(wb.to(tl.float32) * xr[None, :], 1)
-                    m = tl.maximum(m, tl.max(tl.where(cols < vocab, logit, float("-inf")), 0))
+                    m = tl.maximum(m, tl.max(_logits_of_row(w_ptr, xr, off + vcols0, dims, d, vocab), 0))
                 s = tl.full([], 0.0, tl.float32)
                 for off in tl.range(0, padded, BLOCK_V):
                     cols = off + vcols0
-                    wb = tl.load(w_ptr + cols[:, None].to(tl.int64) * d + dims[None, :],
-                                 mask=(cols < vocab)[:, None] & (dims < d)[None, :], other=0.0)
-                    logit = tl.sum(wb.to(tl.float32) * xr[None, :], 1)
-                    e = tl.where(cols < vocab, tl.exp(logit - m), 0.0)
+                    e = tl.exp(_logits_of_row(w_ptr, xr, cols, dims, d, vocab) - m)  # 0 past vocab
                     s += tl.sum(e, 0)
                     tl.store(base + cols, e.to(e_ptr.dtype.element_ty), mask=cols < padded)
                 shift = m - tl.load(c_ptr + row)
