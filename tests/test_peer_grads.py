@@ -117,7 +117,7 @@ class InProcessPair:
 
         class InProcess(PeerGradExchange):
             def _connect(self):
-                self.rank, self._allocated = rank, 0
+                self.rank, self._allocated, self._pending = rank, 0, []
 
             def _buffer(self, numel, dtype):
                 i, self._allocated = self._allocated, self._allocated + 1
@@ -128,7 +128,14 @@ class InProcessPair:
                 dst.copy_(src.reshape(-1))
 
             def _join(self):
-                pass
+                # Both ranks' backward passes have run (one after the other): the peer's copies
+                # have landed, as the GPU's side stream waits for them to.
+                for fn in self._pending:
+                    fn()
+                self._pending.clear()
+
+            def _after_peer(self, channel, fn):
+                self._pending.append(fn)
 
             def _barrier(self, channel):
                 pair.meet.wait(timeout=60)
