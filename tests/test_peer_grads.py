@@ -137,6 +137,12 @@ class InProcessPair:
             def _after_peer(self, channel, fn):
                 self._pending.append(fn)
 
+            def _aside(self):
+                return nullcontext()
+
+            def _rejoin(self):
+                pass
+
             def _barrier(self, channel):
                 pair.meet.wait(timeout=60)
 
