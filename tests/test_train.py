@@ -312,6 +312,7 @@ sys.exit(main(sys.argv[1:]))
     # parameters that unfreezing adds at step 5 (captured after 11 more eager steps)
     ("peer", False, 4, 1, True, {5: "all"}),
     ("peer", True, 8, 2, False, {}),   # the tied weight dense; accumulated micro-steps
+    ("peer", False, 8, 2, False, {}),  # the same, captured: no side-stream work to wait for
 ])
 def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, exchange, one_rank_fails,
                                                                     batch, accum, compile, unfreeze):
