@@ -7,9 +7,11 @@ made it 4.76-4.79 ms on two (87-88%). The bytes are not the problem (180 MB each
 engines 0.5 ms, and only ~0.1 ms of the step's time when they run beside it); DDP's work on the
 compute stream is: the copies of every gradient into its buckets, the NCCL kernels' SMs, and the
 buckets still in flight when the backward ends. Here the copy engines move the gradients while
-the SMs compute, and what is left after the backward is one barrier and one foreach add:
-4.52 ms against DDP's 4.80 on two H200s (92.2% against 86.7% of two one-GPU steps; 92.9% against
-88.8% at 16 x 512; at 64 x 512 both 93.3%; benchmarks/RESULTS.md, "DDP scaling").
+the SMs compute, and what is left after the backward is one barrier and the adds of the body's
+gradients and the embedding's rows: 4.52 ms against DDP's 4.80 on two H200s (92.2% against 86.7%
+of two one-GPU steps; 92.9% against 88.8% at 16 x 512; at 64 x 512 both 93.3%; benchmarks/RESULTS.md,
+"DDP scaling"). Since the one-GPU step got faster (3.77 ms at 8 x 512) the two-GPU step is 4.20 ms:
+89.8%.
 
 Two pieces:
 
@@ -22,7 +24,10 @@ Two pieces:
   embedding/output weight's two shares (the dense output share as the backward starts, then only
   the rows of the batch's tokens, as ``train.TiedGradReducer`` does over NCCL), and ``finish``:
   after a barrier each rank adds the peer's copy to its own. Both ranks add the same two numbers,
-  so the sums (and the weights) stay bitwise equal.
+  so the sums (and the weights) stay bitwise equal. The output shares (103 MB) are summed during
+  the backward, on a side stream, once the peer signals that its copy has landed, and the token
+  ids are sorted there beside the forward: together 45 us off the step at 8 x 512 (4.20 against
+  4.25 ms on one start).
 
 ``finish`` leaves the *sum* over the two ranks in ``.grad`` (``grad_divisor`` = 2): the halving
 rides in the fused AdamW's divisor (``train.TrainStep._clip_and_step``) instead of a pass over
