@@ -50,7 +50,100 @@ class Old(Late):
             del self._aside
 
 
-VARIANTS = {"early": PeerGradExchange, "late": Late, "old": Old}
+class BodyEarly(PeerGradExchange):
+    """The body's sums too during the backward: group by group (~GROUP_MB of gradients each, by
+    slot, the same groups on both ranks whatever order the backward sends them in), once both
+    ranks' copies of a group have left / landed, on the side stream, *into the receive buffer*,
+    which then becomes ``.grad`` (autograd owns the gradients' memory until the backward returns).
+    The barrier that kept the peer from writing a receive buffer before it was read moves from the
+    end of ``finish`` to the next step's ``begin``: after this rank's optimizer step has read it."""
+
+    GROUP_MB = 12
+
+    def __init__(self, model, device):
+        super().__init__(model, device)
+        self._groups, members, size = [], [], 0
+        for i, p in enumerate(self.params):
+            members.append(i)
+            size += 4 * p.numel()
+            if size >= self.GROUP_MB * 2**20:
+                self._groups.append(members)
+                members, size = [], 0
+        if members:
+            self._groups.append(members)
+        self._group_of = {i: g for g, m in enumerate(self._groups) for i in m}
+        self._mine = [None] * len(self.params)
+
+    def begin(self, tokens):
+        self._barrier(1)  # the peer's optimizer step has read what this rank wrote last step
+        self._left = [len(m) for m in self._groups]
+        super().begin(tokens)
+
+    def _on_grad(self, slot, grad):
+        if not self.sync:
+            return
+        self._sent[slot] += 1
+        earlier = self.params[slot].grad
+        src = grad if earlier is None else grad + earlier
+        self._send(self._peer_slots[slot], src)
+        self._mine[slot] = src.new_empty(0).set_(src.untyped_storage(), src.storage_offset(),
+                                                 src.shape, src.stride())
+        g = self._group_of[slot]
+        self._left[g] -= 1
+        if self._left[g] == 0:
+            recv = [self._recv_slots[i] for i in self._groups[g]]
+            mine = [self._mine[i] for i in self._groups[g]]
+            self._after_peer(3 + g, lambda: torch._foreach_add_(recv, mine))
+
+    def finish(self):
+        assert self._sent == [1] * len(self.params)
+        if self.tied is not None and self._ids is None:
+            self._out.add_(self.tied.grad)
+            self._send(self._peer_out, self._out)
+        self._join()
+        self._barrier(0)
+        for p, r in zip(self.params, self._recv_slots):
+            p.grad = r
+        if self.tied is not None:
+            out = self._out
+            if self._ids is None:
+                out.add_(self._recv_out.view_as(out))
+            else:
+                n = self._ids.numel()
+                ids = {self.rank: self._ids, 1 - self.rank: self._recv_ids[:n]}
+                peer_rows = self._recv_rows[: self._rows.numel()].view_as(self._rows)
+                rows = {self.rank: self._rows, 1 - self.rank: peer_rows}
+                for r in (0, 1):
+                    out.index_add_(0, ids[r], rows[r])
+            self.tied.grad = out
+        self._out = self._ids = self._first = self._rows = None
+        self._mine = [None] * len(self.params)
+
+
+class NoMask(PeerGradExchange):
+    """The embedding's rows gathered without the mask's multiply: a repeated id gathers a zero
+    padding row instead (its embedding gradient is 0: no token has that id). Needs
+    padded_vocab > vocab (medium512: 50,304 > 50,257)."""
+
+    def begin(self, tokens):
+        super().begin(tokens)
+        if self._ids is not None:
+            with self._aside():
+                self._gather = torch.where(self._first, self._ids, self.tied.size(0) - 1)
+
+    def _on_embedding_grad(self, weight):
+        if self.sync and self._ids is not None:
+            self._rejoin()
+            self._rows = weight.grad[self._gather]
+            self._send(self._peer_rows[: self._rows.numel()], self._rows)
+
+
+class Both(NoMask, BodyEarly):
+    pass
+
+
+VARIANTS = {"early": PeerGradExchange, "late": Late, "old": Old, "body": BodyEarly,
+            "nomask": NoMask, "both": Both}
 
 
 def build(batch, variant, device):
