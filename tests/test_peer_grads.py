@@ -103,19 +103,19 @@ def test_tap_refuses_a_parameter_the_model_does_not_hold():
 
 
 class InProcessPair:
-    """Two PeerGradExchanges in one process: each one's "peer memory" is the other's receive
-    buffers, a copy is immediate, and the barrier is a threading.Barrier (the two finish() calls
-    run in two threads). What the GPUs add (streams, copy engines, symmetric memory) is left out;
-    the arithmetic is the library's."""
+    """Two PeerGradExchanges (or ``cls``, a subclass) in one process: each one's "peer memory" is
+    the other's receive buffers, a copy is immediate, and the barrier is a threading.Barrier (the
+    two finish() calls run in two threads). What the GPUs add (streams, copy engines, symmetric
+    memory) is left out; the arithmetic is the library's."""
 
-    def __init__(self, models):
+    def __init__(self, models, cls=PeerGradExchange):
         self.models, self.buffers, self.meet = models, {}, threading.Barrier(2)
-        self.exchanges = [self._exchange(model, rank) for rank, model in enumerate(models)]
+        self.exchanges = [self._exchange(model, rank, cls) for rank, model in enumerate(models)]
 
-    def _exchange(self, model, rank):
+    def _exchange(self, model, rank, cls):
         pair = self
 
-        class InProcess(PeerGradExchange):
+        class InProcess(cls):
             def _connect(self):
                 self.rank, self._allocated, self._pending = rank, 0, []
 
@@ -144,7 +144,10 @@ class InProcessPair:
                 pass
 
             def _barrier(self, channel):
-                pair.meet.wait(timeout=60)
+                # The ranks' backward passes run one after the other in the main thread: only
+                # their finish() calls, in two threads, can meet.
+                if threading.current_thread() is not threading.main_thread():
+                    pair.meet.wait(timeout=60)
 
         return InProcess(model, torch.device("cpu"))
 

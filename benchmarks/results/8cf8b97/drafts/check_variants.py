@@ -1,61 +1,23 @@
 """Scratch (CPU): the arithmetic of prof_ddp.py's exchange variants with two exchanges in one
-process, as tests/test_peer_grads.py checks the library's: .grad = the two ranks' sum, bitwise the
-same on both, over three steps (the receive buffers reused)."""
-import copy
+process (tests/test_peer_grads.py's InProcessPair), as that test checks the library's: .grad = the
+two ranks' sum, bitwise the same on both, over three steps (the receive buffers reused).
+Run from the repository root: python benchmarks/results/8cf8b97/drafts/check_variants.py"""
 import os
 import sys
-import threading
-from contextlib import nullcontext
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, "tests")
 sys.path.insert(0, ".")
 import prof_ddp  # noqa: E402
+from test_peer_grads import InProcessPair  # noqa: E402
 from oelm_core import build_model  # noqa: E402
 
 
-def pair(base_cls, models):
-    buffers, meet = {}, threading.Barrier(2)
-
-    def make(rank, model):
-        class InProcess(base_cls):
-            def _connect(self):
-                self.rank, self._allocated, self._pending = rank, 0, []
-
-            def _buffer(self, numel, dtype):
-                i, self._allocated = self._allocated, self._allocated + 1
-                return tuple(buffers.setdefault((r, i), torch.full((numel,), -1).to(dtype))
-                             for r in (self.rank, 1 - self.rank))
-
-            def _send(self, dst, src):
-                dst.copy_(src.reshape(-1))
-
-            def _join(self):
-                for fn in self._pending:
-                    fn()
-                self._pending.clear()
-
-            def _after_peer(self, channel, fn):
-                self._pending.append(fn)
-
-            def _aside(self):
-                return nullcontext()
-
-            def _rejoin(self):
-                pass
-
-            def _barrier(self, channel):
-                if channel == 0:  # finish runs in two threads; begin runs rank by rank
-                    meet.wait(timeout=60)
-        return InProcess(model, torch.device("cpu"))
-    return [make(r, m) for r, m in enumerate(models)]
-
-
 def check(cls, variant, vocab, n_micro, batch):
-    base = build_model("tiny", variant, seed=0, vocab_size=vocab)
-    models = [copy.deepcopy(base) for _ in range(2)]
-    ex = pair(cls, models)
+    models = [build_model("tiny", variant, seed=0, vocab_size=vocab) for _ in range(2)]
+    pair = InProcessPair(models, cls)
     for step in range(3):
         data = []
         for r in range(2):
@@ -71,13 +33,8 @@ def check(cls, variant, vocab, n_micro, batch):
             expected.append([p.grad.clone() for p in alone.parameters() if p.requires_grad])
         for r in range(2):
             models[r].zero_grad(set_to_none=True)
-            ex[r].begin([x for x, _ in data[r]])
-            for i, (x, y) in enumerate(data[r]):
-                ex[r].sync = i == n_micro - 1
-                (models[r](x, y) / n_micro).backward()
-        threads = [threading.Thread(target=ex[r].finish) for r in range(2)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+            pair.backward(r, data[r])
+        pair.finish()
         got = [[p.grad for p in m.parameters() if p.requires_grad] for m in models]
         worst = 0.0
         for a, b, e0, e1 in zip(got[0], got[1], expected[0], expected[1]):
@@ -89,7 +46,7 @@ def check(cls, variant, vocab, n_micro, batch):
                 for p in m.parameters():
                     if p.grad is not None:
                         p -= 0.1 * p.grad
-        print(f"{cls.__name__:10s} {variant:14s} vocab {vocab} micro {n_micro} batch {batch} step {step}: "
+        print(f"{cls.__name__:16s} {variant:14s} micro {n_micro} batch {batch} step {step}: "
               f"bitwise equal on both ranks, {worst:.1e} from the sum", flush=True)
 
 
