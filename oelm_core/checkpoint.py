@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from oelm_core.config import ConfigError, ModelConfig, _build
+from oelm_core.config import ConfigError, ModelConfig, model_config_from_dict
 from oelm_core.files import atomic_write
 from oelm_core.model import GPT
 
@@ -91,7 +91,7 @@ def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
     CheckpointError, naming ``source``, where the config is unusable or the weights do not fit it
     exactly (a loose load would leave the missing weights random)."""
     try:
-        cfg: ModelConfig = _build(ModelConfig, dict(state["model_config"]), "model_config").validate()
+        cfg: ModelConfig = model_config_from_dict(dict(state["model_config"]))
         model = GPT(cfg)
         model.load_state_dict(state["model"])
     except (ConfigError, RuntimeError) as exc:

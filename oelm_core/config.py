@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import types
 import typing
@@ -25,6 +26,8 @@ import torch
 import yaml
 
 from oelm_core.files import write_text_atomic
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -73,9 +76,6 @@ class ModelConfig:
     poet_neumann_terms: int = 5
     poet_merge_every: int = 0    # merge R, P into W0 and reset them to I every N steps (0: never)
 
-    # --- execution --------------------------------------------------------------------------
-    loss_impl: str = "chunked"   # "chunked": fused linear + cross-entropy in slices; "full": logits
-    loss_chunk_tokens: int = 8192  # tokens per slice of the chunked loss (memory vs. launches)
 
     @property
     def d_head(self) -> int:
@@ -102,7 +102,7 @@ class ModelConfig:
         from oelm_core.orthogonal import QK_INITS  # the constructions live with their checks
 
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "block_size",
-                     "vocab_pad_multiple", "synth_rank", "loss_chunk_tokens"):
+                     "vocab_pad_multiple", "synth_rank"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_head:
@@ -143,8 +143,6 @@ class ModelConfig:
             if self.attention != "dot" or self.frozen_layers():
                 raise ConfigError("POET (model.poet_block_size > 0) learns Q/K through R and P: it needs "
                                   "model.attention: dot and model.freeze_qk: none")
-        if self.loss_impl not in ("chunked", "full"):
-            raise ConfigError(f"model.loss_impl must be 'chunked' or 'full', got {self.loss_impl!r}")
         return self
 
 
@@ -307,6 +305,15 @@ class TrainConfig:
     # world sizes, no peer access, CPU). "ddp": always DDP. "peer": the copies or an error.
     # Measured on NVLink only: where peer access goes over PCIe, time both before choosing.
     grad_exchange: str = "auto"
+    # --- fast paths (oelm_core/fast): each applied to the plain model or step where it runs,
+    # tested against the reference path, its gain on the card in benchmarks/README.md; turn
+    # one off to time it or to debug the reference.
+    # The output layer and the cross-entropy in slices of loss_chunk_tokens tokens, never holding
+    # every logit (one slice: 8,192 x 50,304 floats instead of the batch's); Triton kernels on CUDA.
+    fused_loss: bool = True
+    loss_chunk_tokens: int = 8192
+    fused_logits: bool = True    # Hopper, bf16: the logits GEMM computes the loss's exp() itself
+    cublaslt: bool = True        # CUDA: the body's GEMMs through cuBLASLt, GELU in fc's epilogue
     progress: bool = True        # tqdm bar on rank 0
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
     # follows `steps`, so a later --resume continues the same curve (time-boxed jobs, tests).
@@ -316,7 +323,7 @@ class TrainConfig:
         """Raise ConfigError for values the loop cannot use (types are checked on loading);
         ``n_layer``: the model's depth, which bounds the unfreeze schedule's layer indices."""
         for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "ckpt_every",
-                     "keep_last", "log_every"):
+                     "keep_last", "log_every", "loss_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "stop_after", "early_stop_patience", "grad_clip", "weight_decay", "min_lr"):
@@ -461,6 +468,11 @@ def _build(cls: type, values: dict, where: str):
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(values) - set(known))
+    moved = [k for k in unknown if cls is ModelConfig and k in MOVED_MODEL_KEYS]
+    if moved:
+        raise ConfigError(f"{where}.{moved[0]} is no longer a model setting: the model computes the plain "
+                          f"loss, and the fused loss is a fast path switched by train.fused_loss and "
+                          f"train.loss_chunk_tokens (from Python: oelm_core.fast.loss.install(model, chunk))")
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
                           f"valid keys in {where}: {', '.join(sorted(known))}")
@@ -482,9 +494,40 @@ def _build(cls: type, values: dict, where: str):
     return cls(**kwargs)
 
 
+# Model keys that became train keys (execution switches, not the model's shape): old parameter
+# files and the run configs inside old checkpoints still load. old key -> (new key, new value).
+MOVED_MODEL_KEYS = {
+    "loss_impl": ("fused_loss", lambda impl: impl != "full"),
+    "loss_chunk_tokens": ("loss_chunk_tokens", lambda n: n),
+}
+
+
+def upgrade_model_keys(values: dict) -> dict:
+    """A copy of a parameter mapping with MOVED_MODEL_KEYS moved from ``model`` to ``train``;
+    for ``model_config`` mappings (a checkpoint's), see ``model_config_from_dict``."""
+    model = values.get("model")
+    if not isinstance(model, dict) or not set(model) & set(MOVED_MODEL_KEYS):
+        return values
+    values = {**values, "model": dict(model), "train": dict(values.get("train") or {})}
+    for old, (new, convert) in MOVED_MODEL_KEYS.items():
+        if old in values["model"]:
+            value = values["model"].pop(old)
+            values["train"].setdefault(new, convert(value) if isinstance(value, (str, int)) else value)
+            log.info("model.%s is now train.%s (an execution switch, not the model's shape); "
+                     "read as train.%s: %r", old, new, new, values["train"][new])
+    return values
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    """A checked ModelConfig from a full mapping (a checkpoint's ``model_config``), ignoring the
+    keys that moved to TrainConfig."""
+    values = {k: v for k, v in values.items() if k not in MOVED_MODEL_KEYS}
+    return _build(ModelConfig, values, "model_config").validate()
+
+
 def run_config_from_dict(values: dict) -> RunConfig:
     """A RunConfig from a nested mapping (a parsed YAML file), with every key checked."""
-    return _build(RunConfig, values or {}, "params").validate()
+    return _build(RunConfig, upgrade_model_keys(values or {}), "params").validate()
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -512,7 +555,8 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "compile_tuning", "cuda_graph",
-              "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum"},
+              "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
+              "loss_chunk_tokens", "fused_logits", "cublaslt"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
 
