@@ -8,7 +8,7 @@ here, tested here and reusable by the app. One module per concept:
     accounts     02: parameter counts, FLOPs and memory per variant, gradient flow, shape explorer
     runs         a run folder read back (Run, load_runs) and its figures
     groups       the study's groups, the seeds of one setup, what differs in the variant alone
-    stats        mean and spread, Welch's test, Cohen's d
+    stats        mean and spread, Welch's test, intervals of a gap, Cohen's d and Hedges' g
     tables       the results table and the tests between groups
     hypotheses   H1-H4 judged from the runs
     curves       training and validation curves
@@ -37,7 +37,8 @@ from oelm_core.analysis.markdown import markdown_table
 from oelm_core.analysis.report import samples_markdown, write_results
 from oelm_core.analysis.runs import WHICH, Run, check_which, find_run_dirs, load_run, load_runs
 from oelm_core.analysis.samples import SAMPLE_TOP_K, checkpoint_note, load_models, sample_generations
-from oelm_core.analysis.stats import mean_std, significance
+from oelm_core.analysis.stats import (bootstrap_interval, cohen_d, hedges_g, mean_std, significance,
+                                      welch_interval)
 from oelm_core.analysis.tables import RESULT_COLUMNS, results_table, significance_tests
 from oelm_core.analysis.theory import (JL_MIN_POINTS, JL_MIN_SAMPLES, construction_table, isometry_table,
                                        jl_checks, jl_curve, jl_dimensions, jl_figure, logit_stats_table)
@@ -63,7 +64,7 @@ __all__ = [
     "BASELINE", "GROUP_LABELS", "Group", "assumed_settings", "evaluated_seeds", "group_runs", "seed_groups",
     "settings_apart", "variant_alone",
     # stats, tables, hypotheses, report
-    "mean_std", "significance",
+    "bootstrap_interval", "cohen_d", "hedges_g", "mean_std", "significance", "welch_interval",
     "RESULT_COLUMNS", "results_table", "significance_tests",
     "hypotheses", "hypotheses_judgeable", "hypotheses_markdown",
     "samples_markdown", "write_results",
