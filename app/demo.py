@@ -29,9 +29,8 @@ import gradio as gr
 import torch
 
 from oelm_core import VARIANTS, count_parameters
-from oelm_core.analysis import GROUP_LABELS, SAMPLE_TOP_K, attention_maps, summarise_attention
-from oelm_core.attention_plots import (compare_figure, heatmap_figure, summary_figure, token_label,
-                                       uniform_reference)
+from oelm_core.analysis import GROUP_LABELS, SAMPLE_TOP_K, attention_maps, summarise_attention, uniform_reference
+from oelm_core.analysis.heatmaps import compare_figure, heatmap_figure, summary_figure, token_label
 from oelm_core.checkpoint import CheckpointError, load_model
 from oelm_core.config import ConfigError, ModelConfig, check_device, variant_overrides, variants
 from oelm_core.data import perplexity

@@ -1,4 +1,6 @@
-"""oelm_core.analysis on hand-made run folders and known numbers."""
+"""oelm_core.analysis on hand-made run folders and known numbers: reading runs, groups of seeds,
+the results table, the hypotheses, results.md and the curves. The theory, accounts, statistics
+and attention modules have their own test_analysis_*.py files."""
 
 import json
 import math
@@ -6,12 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from oelm_core import analysis as A
 from oelm_core import build_model, config, count_parameters
-from oelm_core.config import ConfigError, model_config
+from oelm_core.analysis import groups as groups_module
+from oelm_core.config import ConfigError
 
 MEDIUM = {"gpt_base": (44_896_768, 0), "oelm_nofreeze": (44_896_768, 0), "oelm_freeze": (41_751_040, 3_145_728)}
 
@@ -63,7 +65,7 @@ def verdicts(hyps):
     return {h["id"]: h["holds"] for h in hyps}
 
 
-# --- reading runs -------------------------------------------------------------------------------
+# --- reading runs -----------------------------------------------------------------------------
 
 def test_load_run_reads_summary_metrics_and_config(tmp_path):
     run = A.load_run(make_run(tmp_path, "oelm_freeze", 12.0, seed=7))
@@ -124,6 +126,21 @@ def test_values_fall_back_to_metrics_without_summary(tmp_path):
     assert run.value("tokens_per_s") == pytest.approx(500)
 
 
+def test_best_without_summary_is_the_lowest_evaluation(tmp_path):
+    run_ = A.load_run(make_run(tmp_path, "gpt_base", 10.0, best=9.0, summary=False))
+    assert run_.value("best_val_ppl") == pytest.approx(9.0) and run_.value("final_val_ppl") == pytest.approx(10.0)
+
+
+def test_tokens_per_s_without_a_summary_is_the_median_of_the_windows(tmp_path):
+    """summary.json holds the median over the log windows; a run without one gave a trimmed mean."""
+    run_dir = make_run(tmp_path, "gpt_base", 10.0, summary=False)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r, rate in zip(rows, [100.0, 1000.0, 1100.0, 5000.0]):
+        r["tokens_per_s"] = rate
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert A.load_run(run_dir).value("tokens_per_s") == 1050.0
+
+
 def test_load_runs_finds_run_folders_below_a_study(tmp_path):
     study_runs(tmp_path / "study" / "runs")
     runs = A.load_runs(tmp_path / "study")
@@ -135,138 +152,33 @@ def test_load_runs_finds_run_folders_below_a_study(tmp_path):
         A.load_run(tmp_path / "missing")
 
 
-# --- table and hypotheses -----------------------------------------------------------------------
-
-def test_results_table_gaps_and_per_parameter(tmp_path):
-    table = A.results_table(study_runs(tmp_path))
-    rows = {r["variant"]: r for r in table["rows"]}
-    assert [r["variant"] for r in table["rows"]] == ["gpt_base", "oelm_nofreeze", "oelm_freeze"]
-    assert rows["gpt_base"]["ppl_gap_pct"] == pytest.approx(0.0)
-    assert rows["oelm_freeze"]["ppl_gap_pct"] == pytest.approx(5.0)
-    assert rows["oelm_freeze"]["loss_gap_pct"] == pytest.approx(100 * (math.log(10.5) / math.log(10) - 1))
-    assert rows["oelm_freeze"]["ppl_per_m_trainable"] == pytest.approx(10.5 / 41.75104)
-    assert rows["oelm_freeze"]["trainable_params"] == 41_751_040
-    assert "| OELM-Freeze |" in table["markdown"] and "41,751,040" in table["markdown"]
+def test_a_broken_config_yaml_names_the_file(tmp_path):
+    run_dir = make_run(tmp_path, "gpt_base", 10.0)
+    (run_dir / "config.yaml").write_text("train: {seed: 1\n")
+    with pytest.raises(ConfigError, match=r"config.yaml is not valid YAML"):
+        A.load_run(run_dir)
 
 
-def test_results_table_headers_name_the_baseline(tmp_path):
-    """The gap columns said "vs GPT-Base" whatever ``baseline`` the gaps were taken to."""
-    runs = study_runs(tmp_path)
-    default = A.results_table(runs)["markdown"].splitlines()[0]
-    assert "| Loss gap vs GPT-Base (%) | PPL gap vs GPT-Base (%) |" in default
-    table = A.results_table(runs, baseline="oelm_nofreeze")
-    header = table["markdown"].splitlines()[0]
-    assert "| Loss gap vs OELM-NoFreeze (%) | PPL gap vs OELM-NoFreeze (%) |" in header
-    assert "GPT-Base" not in header
-    rows = {r["variant"]: r for r in table["rows"]}
-    assert rows["oelm_nofreeze"]["ppl_gap_pct"] == pytest.approx(0.0)
-    assert rows["oelm_freeze"]["ppl_gap_pct"] == pytest.approx(100 * (10.5 / 10.2 - 1))
-    with pytest.raises(ConfigError, match=r"baseline='gpt-base' is not a variant; pass one of gpt_base, "):
-        A.results_table(runs, baseline="gpt-base")
+def test_missing_preset_and_variant_and_the_explorer_follow_runconfig(tmp_path, monkeypatch):
+    """A run folder without variant or preset, and the shape explorer, take RunConfig's defaults,
+    not copies of them."""
+    from oelm_core.config import RunConfig
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "train_loss": 3.0}) + "\n")
+    monkeypatch.setattr(RunConfig, "preset", "smoke")
+    monkeypatch.setattr(RunConfig, "variant", "oelm_freeze")
+    run = A.load_run(d)
+    assert (run.variant, run.preset) == ("oelm_freeze", "smoke")
+    rows = A.shape_account()
+    assert [r["total"] for r in rows] == [count_parameters(build_model("smoke", v))["total"]
+                                          for v in A.GROUP_LABELS]
 
 
-def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
-    hyps = A.hypotheses(study_runs(tmp_path / "a"))
-    assert [h["id"] for h in hyps] == ["H1", "H2", "H3", "H4"]
-    assert set(hyps[0]) >= {"id", "claim", "value", "threshold", "holds", "evidence"}
-    # H1: 7.0% is not ~15%
-    assert hyps[0]["value"] == pytest.approx(3_145_728 / 44_896_768) and hyps[0]["holds"] is False
-    assert "7.0%" in hyps[0]["evidence"]
-    assert verdicts(hyps) == {"H1": False, "H2": True, "H3": True, "H4": True}
-    # Freeze 8% worse than NoFreeze, 12% worse than Base, 10% slower: H2, H3, H4 flip
-    bad = A.hypotheses(study_runs(tmp_path / "b", base=10.0, nofreeze=10.37, freeze=11.2,
-                                  tok=(1000, 1000, 900)))
-    assert verdicts(bad) == {"H1": False, "H2": False, "H3": False, "H4": False}
-    assert bad[1]["value"] == pytest.approx(11.2 / 10.37 - 1)
-    # H1 holds with a claim that matches the data
-    assert A.hypotheses(study_runs(tmp_path / "c"), h1_claim=0.07)[0]["holds"] is True
-
-
-def test_hypotheses_judgeable_only_for_the_three_groups_trained_alike(tmp_path):
-    """The 04 notebook requires a verdict on every hypothesis exactly when this holds."""
-    runs = study_runs(tmp_path / "all")
-    assert A.hypotheses_judgeable(runs) and all(h["holds"] is not None for h in A.hypotheses(runs))
-    make_run(tmp_path / "two", "gpt_base", 10.0)
-    make_run(tmp_path / "two", "oelm_freeze", 10.5)
-    assert not A.hypotheses_judgeable(A.load_runs(tmp_path / "two"))
-    for v, ppl in (("gpt_base", 10.0), ("oelm_nofreeze", 10.2)):
-        make_run(tmp_path / "lr", v, ppl)
-    make_run(tmp_path / "lr", "oelm_freeze", 10.5, train={"lr": 2e-3})   # another learning rate
-    runs = A.load_runs(tmp_path / "lr")
-    assert not A.hypotheses_judgeable(runs)
-    assert all(h["holds"] is None for h in A.hypotheses(runs))
-
-
-def test_checkpoint_note_and_samples_section_of_results_md(tmp_path):
-    assert A.checkpoint_note("final").endswith("The table reads the final evaluation, which may be a later step.")
-    assert A.checkpoint_note("best").endswith("The table reads the best evaluation.")
-    with pytest.raises(ConfigError, match="which='last' names no validation figures"):
-        A.checkpoint_note("last")
-    assert A.samples_markdown([], "final") == ""
-    samples = [{"model": "GPT-Base", "prompt": "Once", "text": " upon a time"}]
-    section = A.samples_markdown(samples, "best")
-    assert section == ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
-                       "validation loss (its first seed that has one). The table reads the best evaluation.\n\n"
-                       "| model | prompt | text |\n|---|---|---|\n| GPT-Base | Once |  upon a time |")
-    A.write_results(study_runs(tmp_path), tmp_path / "out", "best", extra_markdown=section)
-    assert (tmp_path / "out" / "results.md").read_text().endswith("\n" + section + "\n")
-
-
-def test_which_other_than_final_or_best_is_refused(tmp_path):
-    """which='bestt' read no figures: an empty table and unjudged hypotheses, which only a later
-    assertion in the analysis notebook caught."""
-    runs = study_runs(tmp_path)
-    for call in (A.results_table, A.hypotheses, lambda r, w: A.write_results(r, tmp_path / "out", w)):
-        with pytest.raises(ConfigError, match=r"which='bestt' names no validation figures; pass one of 'final', 'best'"):
-            call(runs, "bestt")
-    assert not (tmp_path / "out").exists()
-    assert A.results_table(runs, "best")["rows"][2]["val_ppl"] == pytest.approx(10.5)
-
-
-def test_best_and_final_figures_are_told_apart(tmp_path):
-    """Every run's validation loss turned up after its best evaluation: the table, hypotheses and
-    tests of which='best' read the best figures, those of 'final' the last evaluation's (a
-    version reading the final figures for both passed every other test)."""
-    figures = {"gpt_base": [(10.0, 9.0), (10.4, 9.2)], "oelm_nofreeze": [(10.2, 9.1), (10.6, 9.3)],
-               "oelm_freeze": [(11.6, 9.5), (11.8, 9.7)]}   # per seed: (final PPL, best PPL)
-    for variant, seeds in figures.items():
-        for seed, (final, best) in enumerate(seeds):
-            make_run(tmp_path / "runs", variant, final, seed=seed, best=best)
-    runs = A.load_runs(tmp_path / "runs")
-    for which, i in (("final", 0), ("best", 1)):
-        ppl = {v: [f[i] for f in seeds] for v, seeds in figures.items()}
-        mean = {v: sum(p) / 2 for v, p in ppl.items()}
-        rows = {r["variant"]: r for r in A.results_table(runs, which)["rows"]}
-        for v in figures:
-            assert rows[v]["val_ppl"] == pytest.approx(mean[v]), (which, v)
-            assert rows[v]["val_loss"] == pytest.approx(sum(map(math.log, ppl[v])) / 2), (which, v)
-            assert rows[v]["val_bpb"] == pytest.approx(sum(map(math.log, ppl[v])) / 6), (which, v)
-        hyps = {h["id"]: h for h in A.hypotheses(runs, which)}
-        assert hyps["H4"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["gpt_base"] - 1)
-        assert hyps["H2"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["oelm_nofreeze"] - 1)
-        sig = A.significance_tests(runs, f"{which}_val_ppl")
-        assert [(t["a"], t["mean_a"], t["mean_b"]) for t in sig][0] == (
-            "OELM-Freeze", pytest.approx(mean["oelm_freeze"]), pytest.approx(mean["gpt_base"]))
-        written = A.write_results(runs, tmp_path / which, which)
-        assert written["table"][0]["val_ppl"] == pytest.approx(mean["gpt_base"])
-        assert written["significance"][0]["metric"] == f"{which}_val_ppl"
-        assert written["significance"][0]["mean_a"] == pytest.approx(mean["oelm_freeze"])
-        assert verdicts(written["hypotheses"]) == verdicts(hyps.values())
-    # +14.7% and +12.5% at the last evaluation, +5.5% and +4.3% at the best: the verdicts differ
-    assert verdicts(A.hypotheses(runs, "final")) == {"H1": False, "H2": False, "H3": True, "H4": False}
-    assert verdicts(A.hypotheses(runs, "best")) == {"H1": False, "H2": True, "H3": True, "H4": True}
-
-
-def test_hypotheses_without_the_runs_they_need_are_not_judged(tmp_path):
-    make_run(tmp_path, "gpt_base", 10.0)
-    hyps = A.hypotheses(A.load_runs(tmp_path))
-    assert all(h["holds"] is None and "not judged" in h["evidence"] for h in hyps)
-
-
-# --- groups of seeds ------------------------------------------------------------------------------
+# --- groups of seeds --------------------------------------------------------------------------
 
 SMOKE = Path(__file__).resolve().parents[1] / "parameters" / "smoke"
-
 
 def study_folders(tmp_path, runs: list, ppl: dict, seeds=(42,)) -> list[Path]:
     """The run folders a study of ``runs`` (study.runs entries) leaves, with the config.yaml
@@ -391,9 +303,9 @@ def test_the_variant_alone_is_what_the_hypotheses_compare(tmp_path):
 @pytest.fixture
 def cold_variant_models():
     """variant_alone's cache of the variants' models, empty before the test and after it."""
-    A._variant_model.cache_clear()
+    groups_module._variant_model.cache_clear()
     yield
-    A._variant_model.cache_clear()
+    groups_module._variant_model.cache_clear()
 
 
 def settings_group(variant: str, preset: str = "mini", model: dict | None = None, train: dict | None = None):
@@ -411,8 +323,8 @@ def test_variant_alone_builds_each_variants_model_once(monkeypatch, cold_variant
     another preset does not. The cache starts cold, so that a second run of this test in one
     session still counts the builds."""
     built = []
-    real = A.model_config
-    monkeypatch.setattr(A, "model_config", lambda preset, variant: built.append((preset, variant))
+    real = groups_module.model_config
+    monkeypatch.setattr(groups_module, "model_config", lambda preset, variant: built.append((preset, variant))
                         or real(preset, variant))
     group = settings_group
     groups = {"base": group("gpt_base"), "nofreeze": group("oelm_nofreeze"), "freeze": group("oelm_freeze"),
@@ -451,40 +363,6 @@ def test_groups_whose_run_names_coincide_are_told_apart_by_their_settings(tmp_pa
     assert labels == ["OELM-Freeze (train.lr=0.001)", "OELM-Freeze (train.lr=0.01)"]
 
 
-# --- significance ---------------------------------------------------------------------------------
-
-def test_welch_matches_scipy_and_cohens_d_known_values():
-    from scipy import stats
-
-    a, b = [10.1, 10.4, 9.9, 10.3], [10.9, 11.2, 10.6]
-    res = A.significance(a, b)
-    ref = stats.ttest_ind(a, b, equal_var=False)
-    assert res["t"] == pytest.approx(ref.statistic) and res["p"] == pytest.approx(ref.pvalue)
-    # Cohen's d with the pooled sd, by hand
-    assert A.significance([1, 2, 3], [4, 5, 6])["cohen_d"] == pytest.approx(-3.0)
-    assert A.significance([2, 4], [1, 3])["cohen_d"] == pytest.approx(1 / math.sqrt(2))
-    one = A.significance([1.0], [2.0, 3.0])
-    assert one["t"] is None and one["p"] is None and one["cohen_d"] is None
-
-
-def test_seed_groups_give_mean_std_and_tests(tmp_path):
-    for seed, (pb, pf) in enumerate([(10.0, 10.6), (10.2, 10.8), (9.8, 10.7)]):
-        make_run(tmp_path, "gpt_base", pb, seed=seed)
-        make_run(tmp_path, "oelm_freeze", pf, seed=seed)
-    runs = A.load_runs(tmp_path)
-    rows = {r["variant"]: r for r in A.results_table(runs)["rows"]}
-    assert rows["gpt_base"]["seeds"] == 3
-    assert rows["gpt_base"]["val_ppl"] == pytest.approx(10.0)
-    assert rows["gpt_base"]["val_ppl_std"] == pytest.approx(0.2)
-    sig = A.significance_tests(runs)
-    assert len(sig) == 1 and sig[0]["a"] == "OELM-Freeze" and sig[0]["p"] < 0.05
-    out = A.write_results(runs, tmp_path / "out")
-    data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert data["significance"][0]["n_a"] == 3 and len(data["hypotheses"]) == 4
-    md = (tmp_path / "out" / "results.md").read_text()
-    assert "Welch" in md and "H4" in md and out["table"]
-
-
 def test_seeds_without_config_yaml_are_one_group_of_unknown_seeds(tmp_path):
     """Folders with summary.json only: the seed is unknown, not two runs of the default seed."""
     for seed, ppl in ((1, 20.0), (2, 21.0)):
@@ -493,21 +371,6 @@ def test_seeds_without_config_yaml_are_one_group_of_unknown_seeds(tmp_path):
     (group,) = A.group_runs(runs)
     assert group.seeds == [None, None] and len(group.runs) == 2
     assert [line.get_label() for line in A.plot_curves(runs).axes[0].lines] == ["GPT-Base", "GPT-Base"]
-
-
-def test_the_results_table_names_the_runs_whose_settings_it_assumed(tmp_path, recwarn):
-    """A run that lost its config.yaml joins the seeds of its variant's default settings; one
-    trained otherwise (lr=1e-2, PPL 31) moved the default seeds' mean from 10.1 to 17.07, and
-    nothing said that a run's settings had been assumed."""
-    for seed, ppl in ((1, 10.0), (2, 10.2)):
-        make_run(tmp_path, "gpt_base", ppl, seed=seed)
-    lost = make_run(tmp_path, "gpt_base", 31.0, seed=3, train={"lr": 1e-2})
-    (lost / "config.yaml").unlink()
-    (row,) = A.results_table(A.load_runs(tmp_path))["rows"]
-    assert (row["seeds"], row["val_ppl"]) == (3, pytest.approx(51.2 / 3))
-    (warning,) = [str(w.message) for w in recwarn.list if "config.yaml" in str(w.message)]
-    assert warning.startswith(f"GPT-Base: {lost} without config.yaml, averaged as seeds of its variant's "
-                              f"default settings")
 
 
 def test_a_run_of_unknown_seed_is_a_seed_of_the_setup_it_trained(tmp_path):
@@ -535,244 +398,67 @@ def test_the_global_batch_is_grad_accum_times_the_processes(tmp_path):
     assert sorted(sorted(r.path.name for r in g.runs) for g in groups) == [["half_s3"], ["one_gpu_s2", "two_gpus_s1"]]
 
 
-def test_curves_name_groups_of_one_variant_apart(tmp_path):
-    make_run(tmp_path, "gpt_base", 20.0)
-    make_run(tmp_path, "oelm_freeze", 30.0, name="freeze_lr_low", train={"lr": 5e-4})
-    make_run(tmp_path, "oelm_freeze", 21.0, name="freeze_lr_high", train={"lr": 5e-3})
-    for ax in A.plot_curves(A.load_runs(tmp_path)).axes:
-        assert [line.get_label() for line in ax.lines] == [
-            "GPT-Base (seed 42)", "OELM-Freeze (freeze_lr_high) (seed 42)", "OELM-Freeze (freeze_lr_low) (seed 42)"]
-        assert len({line.get_color() for line in ax.lines}) == 3
+# --- results table and tests between groups ---------------------------------------------------
+
+def test_results_table_gaps_and_per_parameter(tmp_path):
+    table = A.results_table(study_runs(tmp_path))
+    rows = {r["variant"]: r for r in table["rows"]}
+    assert [r["variant"] for r in table["rows"]] == ["gpt_base", "oelm_nofreeze", "oelm_freeze"]
+    assert rows["gpt_base"]["ppl_gap_pct"] == pytest.approx(0.0)
+    assert rows["oelm_freeze"]["ppl_gap_pct"] == pytest.approx(5.0)
+    assert rows["oelm_freeze"]["loss_gap_pct"] == pytest.approx(100 * (math.log(10.5) / math.log(10) - 1))
+    assert rows["oelm_freeze"]["ppl_per_m_trainable"] == pytest.approx(10.5 / 41.75104)
+    assert rows["oelm_freeze"]["trainable_params"] == 41_751_040
+    assert "| OELM-Freeze |" in table["markdown"] and "41,751,040" in table["markdown"]
 
 
-def test_plot_curves_saves_and_closes(tmp_path):
-    import matplotlib.pyplot as plt
-
-    runs = study_runs(tmp_path / "runs")
-    before = len(plt.get_fignums())
-    A.plot_curves(runs, tmp_path / "fig" / "curves.png")
-    assert (tmp_path / "fig" / "curves.png").stat().st_size > 1000
-    assert len(plt.get_fignums()) == before
-
-
-# --- theory and model accounts ------------------------------------------------------------------
-
-def test_theory_tables_separate_orthogonal_from_gaussian():
-    iso = {r["method"]: r for r in A.isometry_table(64, 32)}
-    assert iso["qr"]["isometry_error"] < 1e-10 and iso["cayley"]["condition_number"] == pytest.approx(1)
-    assert iso["gaussian"]["orthogonality_error"] > 0.5
-    jl = A.jl_curve(64, 16, ks=(4, 32), trials=2)
-    assert {r["method"] for r in jl} == {"qr", "gaussian"} and len(jl) == 4
-    logits = {r["init"]: r for r in A.logit_stats_table(64, 4, 16)}
-    assert logits["normal"]["logit_std"] < 0.2 < logits["qr"]["logit_std"]
+def test_results_table_headers_name_the_baseline(tmp_path):
+    """The gap columns said "vs GPT-Base" whatever ``baseline`` the gaps were taken to."""
+    runs = study_runs(tmp_path)
+    default = A.results_table(runs)["markdown"].splitlines()[0]
+    assert "| Loss gap vs GPT-Base (%) | PPL gap vs GPT-Base (%) |" in default
+    table = A.results_table(runs, baseline="oelm_nofreeze")
+    header = table["markdown"].splitlines()[0]
+    assert "| Loss gap vs OELM-NoFreeze (%) | PPL gap vs OELM-NoFreeze (%) |" in header
+    assert "GPT-Base" not in header
+    rows = {r["variant"]: r for r in table["rows"]}
+    assert rows["oelm_nofreeze"]["ppl_gap_pct"] == pytest.approx(0.0)
+    assert rows["oelm_freeze"]["ppl_gap_pct"] == pytest.approx(100 * (10.5 / 10.2 - 1))
+    with pytest.raises(ConfigError, match=r"baseline='gpt-base' is not a variant; pass one of gpt_base, "):
+        A.results_table(runs, baseline="gpt-base")
 
 
-def test_jl_curve_picks_its_target_dimensions():
-    """The 01 notebook chose k itself; jl_curve takes the powers of two from 8 below d/2, then d/2."""
-    assert A.jl_dimensions(512) == [8, 16, 32, 64, 128, 256]
-    assert A.jl_dimensions(100) == [8, 16, 32, 50]
-    assert A.jl_dimensions(32) == [8, 16] and A.jl_dimensions(63) == [8, 16, 31]
-    assert sorted({r["k"] for r in A.jl_curve(64, 16, trials=1)}) == [8, 16, 32]
-    with pytest.raises(ValueError, match=r"d=16 leaves fewer than two target dimensions .*pass d >= 32"):
-        A.jl_curve(16, 8, trials=1)
+def test_seed_groups_give_mean_std_and_tests(tmp_path):
+    for seed, (pb, pf) in enumerate([(10.0, 10.6), (10.2, 10.8), (9.8, 10.7)]):
+        make_run(tmp_path, "gpt_base", pb, seed=seed)
+        make_run(tmp_path, "oelm_freeze", pf, seed=seed)
+    runs = A.load_runs(tmp_path)
+    rows = {r["variant"]: r for r in A.results_table(runs)["rows"]}
+    assert rows["gpt_base"]["seeds"] == 3
+    assert rows["gpt_base"]["val_ppl"] == pytest.approx(10.0)
+    assert rows["gpt_base"]["val_ppl_std"] == pytest.approx(0.2)
+    sig = A.significance_tests(runs)
+    assert len(sig) == 1 and sig[0]["a"] == "OELM-Freeze" and sig[0]["p"] < 0.05
+    out = A.write_results(runs, tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["significance"][0]["n_a"] == 3 and len(data["hypotheses"]) == 4
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "Welch" in md and "H4" in md and out["table"]
 
 
-def test_the_jl_checks_are_judged_only_where_their_sizes_can_order_the_means():
-    """01 asserted qr < gaussian at the last k for any sizes: at d 64, 16 points and one trial
-    the Gaussian projection came out ahead for 2 of 10 seeds and the notebook failed."""
-    for seed in range(10):
-        small = A.jl_checks(A.jl_curve(64, 16, trials=1, seed=seed), 16, 1)
-        assert small["holds"] is None and small["k"] == 32
-        assert small["why"].startswith("not judged: 16 points x 1 trial(s) are too few to order these means "
-                                       "(it takes jl_points >= 32 and jl_points x jl_trials >= 64); at k = 32")
-        judged = A.jl_checks(A.jl_curve(63, 32, trials=2, seed=seed), 32, 2)
-        assert judged["holds"] is True and judged["k"] == 31 and judged["qr"] < 0.95 * judged["gaussian"]
-        assert judged["why"].endswith("every check holds")
-    assert A.jl_checks(A.jl_curve(64, 48, trials=1), 48, 1)["holds"] is None   # 48 point-projections
-    # what does not hold is named
-    rows = [{"method": m, "k": k, "mean": mean, "max": 1.0} for m, k, mean in
-            (("qr", 8, 0.3), ("qr", 32, 0.12), ("gaussian", 8, 0.1), ("gaussian", 32, 0.1))]
-    verdict = A.jl_checks(rows, 64, 3)
-    assert verdict["holds"] is False and verdict["failed"] == ["gaussian distortion lower at k = 32 than at k = 8",
-                                                              "qr distortion lower than gaussian at k = 32"]
-    assert verdict["why"] == ("at k = 32, orthonormal rows distort distances by 0.1200 on average, Gaussian ones by "
-                              "0.1000; does NOT hold: gaussian distortion lower at k = 32 than at k = 8; qr "
-                              "distortion lower than gaussian at k = 32")
-
-
-def test_normal_init_is_rescaled_by_the_std_it_was_drawn_with(monkeypatch):
-    """isometry_table divided the normal init by a copy of GPT-2's 0.02: another std in
-    orthogonal.GPT2_STD would have been judged by its scale, not its shape."""
-    from oelm_core import orthogonal
-
-    before = {r["method"]: r for r in A.isometry_table(64, 32)}["normal"]
-    monkeypatch.setattr(orthogonal, "GPT2_STD", 0.05)
-    after = {r["method"]: r for r in A.isometry_table(64, 32)}["normal"]
-    assert after["isometry_error"] == pytest.approx(before["isometry_error"], rel=1e-9)
-    assert after["condition_number"] == pytest.approx(before["condition_number"], rel=1e-9)
-
-
-def test_missing_preset_and_variant_and_the_explorer_follow_runconfig(tmp_path, monkeypatch):
-    """A run folder without variant or preset, and the shape explorer, take RunConfig's defaults,
-    not copies of them."""
-    from oelm_core.config import RunConfig
-
-    d = tmp_path / "run"
-    d.mkdir()
-    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "train_loss": 3.0}) + "\n")
-    monkeypatch.setattr(RunConfig, "preset", "smoke")
-    monkeypatch.setattr(RunConfig, "variant", "oelm_freeze")
-    run = A.load_run(d)
-    assert (run.variant, run.preset) == ("oelm_freeze", "smoke")
-    rows = A.shape_account()
-    assert [r["total"] for r in rows] == [count_parameters(build_model("smoke", v))["total"]
-                                          for v in A.GROUP_LABELS]
-
-
-def test_samples_use_the_default_temperature_and_the_shared_top_k():
-    """The analysis sampled with top_k=40, the app with 50: the same models, other texts."""
-    import inspect
-
-    from oelm_core.generate import SamplingConfig
-
-    params = inspect.signature(A.sample_generations).parameters
-    assert params["temperature"].default == SamplingConfig.temperature
-    assert params["top_k"].default == A.SAMPLE_TOP_K == 50
-
-
-def test_parameter_table_medium512_exact():
-    rows = {r["variant"]: r for r in A.parameter_table("medium512", A.GROUP_LABELS)}
-    for v, (trainable, frozen) in MEDIUM.items():
-        assert (rows[v]["trainable"], rows[v]["frozen"]) == (trainable, frozen)
-    assert rows["oelm_freeze"]["trainable_reduction"] == pytest.approx(0.0700, abs=5e-4)
-
-
-def test_parameter_and_flops_tables_take_list_overrides():
-    """freeze_qk=[0] (a list of layers) is a valid override, but was unhashable for the cache."""
-    rows = A.parameter_table("tiny", ["gpt_base", "oelm_freeze"], freeze_qk=[0])
-    d = model_config("tiny").d_model
-    assert [r["frozen"] for r in rows] == [2 * d * d, 2 * d * d]   # one layer's Q/K, whatever the variant
-    flops = A.flops_table("tiny", ["oelm_freeze"], freeze_qk=[0])
-    assert flops[0]["frozen_saving_flops"] > 0 and flops[0]["state_saving_mb"] > 0
-    assert A.parameter_table("tiny", ["oelm_freeze"])[0]["frozen"] == 2 * 2 * d * d  # both layers
-
-
-def test_the_parameter_table_follows_a_variant_registered_again(monkeypatch):
-    """The models the tables count were cached by preset, variant and call overrides alone: a
-    variant registered again kept the counts of its first registration."""
-    monkeypatch.setattr(config, "_VARIANT_SPECS", dict(config._VARIANT_SPECS))  # undone after the test
-    d = model_config("tiny").d_model
-    config.register_variant("late", "Late: Q/K frozen in every layer", qk_init="qr", freeze_qk="all")
-    assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * 2 * d * d   # both layers' Q/K
-    config.register_variant("late", "Late: Q/K frozen in the first layer", qk_init="qr", freeze_qk=[0])
-    assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * d * d
-
-
-@pytest.mark.parametrize("overrides", [{}, {"bias": False, "attn_bias": True, "tie_embeddings": False}])
-@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
-def test_analytic_parameters_equal_count_parameters(variant, overrides):
-    cfg = model_config("tiny", variant, **overrides)
-    counted = count_parameters(build_model(cfg))
-    assert A.analytic_parameters(cfg) == {k: counted[k] for k in ("trainable", "frozen", "total")}
-    rows = A.shape_account()  # Medium-512
-    assert [r["total"] for r in rows] == [44_896_768] * 3
-    assert rows[2]["trainable"] == 41_751_040 and rows[2]["trainable_reduction_pct"] == pytest.approx(7.0, abs=0.01)
-
-
-@pytest.mark.parametrize("variant, message", [
-    ("oelm_poet", r"POET \(poet_block_size=32\) learns Q/K through R and P"),
-    ("synth_random", "attention 'synth_random' has no Q/K"),
-])
-def test_analytic_parameters_refuse_what_they_do_not_count(variant, message):
-    """POET trains R, P and freezes W0; the Synthesizer has logit tables instead of Q/K: the
-    plain-Q/K formula gave wrong counts for both, without a word."""
-    cfg = model_config("tiny", variant)
-    with pytest.raises(ValueError, match=message + r".*count_parameters\(build_model\(cfg\)\)"):
-        A.analytic_parameters(cfg)
-
-
-def test_gradient_flow_check_frozen_qk_get_no_gradient():
-    flow = A.gradient_flow_check("tiny", "oelm_freeze")
-    assert len(flow["frozen_qk"]) == 2 and flow["frozen_without_grad"] and flow["qk_unchanged_by_step"]
-    assert flow["trainable_with_grad"] and flow["trainable_qk_in_frozen_layers"] == []
-    assert A.gradient_flow_check("tiny", "gpt_base")["frozen_qk"] == []
-
-
-def test_gradient_flow_check_catches_trainable_qk_in_a_frozen_layer(monkeypatch):
-    """A model whose layer-1 Q/K the config freezes but which trains them anyway must fail the
-    check (the old checks looked only at the buffers, so they held by construction)."""
-    import oelm_core
-
-    def broken(*args, **kwargs):
-        model = build_model(*args, **kwargs)
-        model.unfreeze_qk([1])
-        return model
-
-    monkeypatch.setattr(oelm_core, "build_model", broken)
-    flow = A.gradient_flow_check("tiny", "oelm_freeze")
-    assert not flow["frozen_without_grad"] and not flow["qk_unchanged_by_step"]
-    assert flow["frozen_qk"] == ["blocks.0.attn.qk.weight"]
-    assert flow["trainable_qk_in_frozen_layers"] == ["blocks.1.attn.qk.weight"]
-    assert flow["trainable_with_grad"]  # the trainable copy does get its gradient
-
-
-def test_attention_summary_rows_are_within_bounds():
-    model = build_model("tiny", "oelm_freeze").eval()
-    ids = list(range(10))
-    rows = A.attention_summary(model, ids)
-    assert len(rows) == model.cfg.n_layer * model.cfg.n_head
-    for r in rows:
-        assert 0 <= r["entropy"] <= math.log(10) + 1e-6 and 0 <= r["mean_distance"] <= 9
-
-
-def test_attention_maps_refuse_empty_and_over_long_input():
-    """An empty text was a torch indexing error; one longer than the context was silently cut
-    to its first block_size tokens. max_tokens is the explicit cut, to the first tokens."""
-    model = build_model("tiny", "oelm_freeze").eval()  # context of 32 tokens
-    with pytest.raises(ValueError, match="no tokens to compute attention over: the text is empty"):
-        A.attention_maps(model, "")
-    with pytest.raises(ValueError, match=r"max_tokens=0 keeps no tokens; pass max_tokens >= 1"):
-        A.attention_summary(model, [1, 2], max_tokens=0)
-    long = list(range(40))
-    with pytest.raises(ValueError, match=r"40 tokens exceed the model's context of 32; pass max_tokens=32"):
-        A.attention_summary(model, long)
-    ids, maps = A.attention_maps(model, long, max_tokens=32)
-    assert ids == long[:32] and maps[0].shape == (2, 32, 32)
-    with pytest.raises(ValueError, match="40 tokens exceed the model's context of 32"):
-        A.attention_maps(model, long, max_tokens=100)
-
-
-class UniformAttention(torch.nn.Module):
-    """Stands in for a GPT whose every head attends uniformly to the past."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.cfg = type("Cfg", (), {"block_size": 16})()
-
-    def forward_with_attention(self, idx):
-        t = idx.shape[1]
-        att = torch.tril(torch.ones(t, t)) / torch.arange(1, t + 1)[:, None]
-        return None, [att.expand(1, 2, t, t)]
-
-
-def test_attention_summary_known_values():
-    t = 4
-    rows = A.attention_summary(UniformAttention(), list(range(t)))
-    assert len(rows) == 2
-    # query i spreads over i+1 keys: entropy log(i+1), mean distance i/2
-    assert rows[0]["entropy"] == pytest.approx(sum(math.log(i) for i in range(1, t + 1)) / t)
-    assert rows[1]["mean_distance"] == pytest.approx(sum(i / 2 for i in range(t)) / t)
-
-
-def test_attention_figure_and_samples_with_gpt2_vocab(tmp_path):
-    models = {"GPT-Base": build_model("smoke", "gpt_base").eval(),
-              "OELM-Freeze": build_model("smoke", "oelm_freeze").eval()}
-    fig = A.attention_figure(models, "Once upon a time there was a cat.", 1, 3, 12, tmp_path / "att.png")
-    assert len(fig.axes) == 2 and (tmp_path / "att.png").is_file()
-    samples = A.sample_generations(models, "Once upon a time", max_new_tokens=5, seed=1)
-    assert [s["model"] for s in samples] == ["GPT-Base", "OELM-Freeze"]
-    assert samples == A.sample_generations(models, "Once upon a time", max_new_tokens=5, seed=1)
+def test_the_results_table_names_the_runs_whose_settings_it_assumed(tmp_path, recwarn):
+    """A run that lost its config.yaml joins the seeds of its variant's default settings; one
+    trained otherwise (lr=1e-2, PPL 31) moved the default seeds' mean from 10.1 to 17.07, and
+    nothing said that a run's settings had been assumed."""
+    for seed, ppl in ((1, 10.0), (2, 10.2)):
+        make_run(tmp_path, "gpt_base", ppl, seed=seed)
+    lost = make_run(tmp_path, "gpt_base", 31.0, seed=3, train={"lr": 1e-2})
+    (lost / "config.yaml").unlink()
+    (row,) = A.results_table(A.load_runs(tmp_path))["rows"]
+    assert (row["seeds"], row["val_ppl"]) == (3, pytest.approx(51.2 / 3))
+    (warning,) = [str(w.message) for w in recwarn.list if "config.yaml" in str(w.message)]
+    assert warning.startswith(f"GPT-Base: {lost} without config.yaml, averaged as seeds of its variant's "
+                              f"default settings")
 
 
 def test_a_run_without_an_evaluation_is_left_out_of_the_figures_and_named(tmp_path):
@@ -799,27 +485,117 @@ def test_a_run_without_an_evaluation_is_left_out_of_the_figures_and_named(tmp_pa
     assert test["t"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_which_other_than_final_or_best_is_refused(tmp_path):
+    """which='bestt' read no figures: an empty table and unjudged hypotheses, which only a later
+    assertion in the analysis notebook caught."""
+    runs = study_runs(tmp_path)
+    for call in (A.results_table, A.hypotheses, lambda r, w: A.write_results(r, tmp_path / "out", w)):
+        with pytest.raises(ConfigError, match=r"which='bestt' names no validation figures; pass one of 'final', 'best'"):
+            call(runs, "bestt")
+    assert not (tmp_path / "out").exists()
+    assert A.results_table(runs, "best")["rows"][2]["val_ppl"] == pytest.approx(10.5)
+
+
+def test_best_and_final_figures_are_told_apart(tmp_path):
+    """Every run's validation loss turned up after its best evaluation: the table, hypotheses and
+    tests of which='best' read the best figures, those of 'final' the last evaluation's (a
+    version reading the final figures for both passed every other test)."""
+    figures = {"gpt_base": [(10.0, 9.0), (10.4, 9.2)], "oelm_nofreeze": [(10.2, 9.1), (10.6, 9.3)],
+               "oelm_freeze": [(11.6, 9.5), (11.8, 9.7)]}   # per seed: (final PPL, best PPL)
+    for variant, seeds in figures.items():
+        for seed, (final, best) in enumerate(seeds):
+            make_run(tmp_path / "runs", variant, final, seed=seed, best=best)
+    runs = A.load_runs(tmp_path / "runs")
+    for which, i in (("final", 0), ("best", 1)):
+        ppl = {v: [f[i] for f in seeds] for v, seeds in figures.items()}
+        mean = {v: sum(p) / 2 for v, p in ppl.items()}
+        rows = {r["variant"]: r for r in A.results_table(runs, which)["rows"]}
+        for v in figures:
+            assert rows[v]["val_ppl"] == pytest.approx(mean[v]), (which, v)
+            assert rows[v]["val_loss"] == pytest.approx(sum(map(math.log, ppl[v])) / 2), (which, v)
+            assert rows[v]["val_bpb"] == pytest.approx(sum(map(math.log, ppl[v])) / 6), (which, v)
+        hyps = {h["id"]: h for h in A.hypotheses(runs, which)}
+        assert hyps["H4"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["gpt_base"] - 1)
+        assert hyps["H2"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["oelm_nofreeze"] - 1)
+        sig = A.significance_tests(runs, f"{which}_val_ppl")
+        assert [(t["a"], t["mean_a"], t["mean_b"]) for t in sig][0] == (
+            "OELM-Freeze", pytest.approx(mean["oelm_freeze"]), pytest.approx(mean["gpt_base"]))
+        written = A.write_results(runs, tmp_path / which, which)
+        assert written["table"][0]["val_ppl"] == pytest.approx(mean["gpt_base"])
+        assert written["significance"][0]["metric"] == f"{which}_val_ppl"
+        assert written["significance"][0]["mean_a"] == pytest.approx(mean["oelm_freeze"])
+        assert verdicts(written["hypotheses"]) == verdicts(hyps.values())
+    # +14.7% and +12.5% at the last evaluation, +5.5% and +4.3% at the best: the verdicts differ
+    assert verdicts(A.hypotheses(runs, "final")) == {"H1": False, "H2": False, "H3": True, "H4": False}
+    assert verdicts(A.hypotheses(runs, "best")) == {"H1": False, "H2": True, "H3": True, "H4": True}
+
+
+# --- hypotheses -------------------------------------------------------------------------------
+
+def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
+    hyps = A.hypotheses(study_runs(tmp_path / "a"))
+    assert [h["id"] for h in hyps] == ["H1", "H2", "H3", "H4"]
+    assert set(hyps[0]) >= {"id", "claim", "value", "threshold", "holds", "evidence"}
+    # H1: 7.0% is not ~15%
+    assert hyps[0]["value"] == pytest.approx(3_145_728 / 44_896_768) and hyps[0]["holds"] is False
+    assert "7.0%" in hyps[0]["evidence"]
+    assert verdicts(hyps) == {"H1": False, "H2": True, "H3": True, "H4": True}
+    # Freeze 8% worse than NoFreeze, 12% worse than Base, 10% slower: H2, H3, H4 flip
+    bad = A.hypotheses(study_runs(tmp_path / "b", base=10.0, nofreeze=10.37, freeze=11.2,
+                                  tok=(1000, 1000, 900)))
+    assert verdicts(bad) == {"H1": False, "H2": False, "H3": False, "H4": False}
+    assert bad[1]["value"] == pytest.approx(11.2 / 10.37 - 1)
+    # H1 holds with a claim that matches the data
+    assert A.hypotheses(study_runs(tmp_path / "c"), h1_claim=0.07)[0]["holds"] is True
+
+
+def test_hypotheses_judgeable_only_for_the_three_groups_trained_alike(tmp_path):
+    """The 04 notebook requires a verdict on every hypothesis exactly when this holds."""
+    runs = study_runs(tmp_path / "all")
+    assert A.hypotheses_judgeable(runs) and all(h["holds"] is not None for h in A.hypotheses(runs))
+    make_run(tmp_path / "two", "gpt_base", 10.0)
+    make_run(tmp_path / "two", "oelm_freeze", 10.5)
+    assert not A.hypotheses_judgeable(A.load_runs(tmp_path / "two"))
+    for v, ppl in (("gpt_base", 10.0), ("oelm_nofreeze", 10.2)):
+        make_run(tmp_path / "lr", v, ppl)
+    make_run(tmp_path / "lr", "oelm_freeze", 10.5, train={"lr": 2e-3})   # another learning rate
+    runs = A.load_runs(tmp_path / "lr")
+    assert not A.hypotheses_judgeable(runs)
+    assert all(h["holds"] is None for h in A.hypotheses(runs))
+
+
+def test_hypotheses_without_the_runs_they_need_are_not_judged(tmp_path):
+    make_run(tmp_path, "gpt_base", 10.0)
+    hyps = A.hypotheses(A.load_runs(tmp_path))
+    assert all(h["holds"] is None and "not judged" in h["evidence"] for h in hyps)
+
+
+def test_h3_uses_its_threshold(tmp_path):
+    assert verdicts(A.hypotheses(study_runs(tmp_path / "a", tok=(1000, 1000, 990))))["H3"] is True
+    assert verdicts(A.hypotheses(study_runs(tmp_path / "b", tok=(1000, 1000, 990)), h3_min_ratio=0.995))["H3"] is False
+
+
+# --- results.md and its markdown tables -------------------------------------------------------
+
+def test_checkpoint_note_and_samples_section_of_results_md(tmp_path):
+    assert A.checkpoint_note("final").endswith("The table reads the final evaluation, which may be a later step.")
+    assert A.checkpoint_note("best").endswith("The table reads the best evaluation.")
+    with pytest.raises(ConfigError, match="which='last' names no validation figures"):
+        A.checkpoint_note("last")
+    assert A.samples_markdown([], "final") == ""
+    samples = [{"model": "GPT-Base", "prompt": "Once", "text": " upon a time"}]
+    section = A.samples_markdown(samples, "best")
+    assert section == ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
+                       "validation loss (its first seed that has one). The table reads the best evaluation.\n\n"
+                       "| model | prompt | text |\n|---|---|---|\n| GPT-Base | Once |  upon a time |")
+    A.write_results(study_runs(tmp_path), tmp_path / "out", "best", extra_markdown=section)
+    assert (tmp_path / "out" / "results.md").read_text().endswith("\n" + section + "\n")
+
+
 def test_large_figures_are_written_in_full():
     """4 significant digits wrote 45,678.9 tokens/s as 4.568e+04."""
     row = A.markdown_table([{"tok_s": 45678.9, "x": 99999.7, "ppl": 19.4812}]).splitlines()[-1]
     assert row == "| 45,679 | 100,000 | 19.48 |"
-
-
-def test_tokens_per_s_without_a_summary_is_the_median_of_the_windows(tmp_path):
-    """summary.json holds the median over the log windows; a run without one gave a trimmed mean."""
-    run_dir = make_run(tmp_path, "gpt_base", 10.0, summary=False)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    for r, rate in zip(rows, [100.0, 1000.0, 1100.0, 5000.0]):
-        r["tokens_per_s"] = rate
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert A.load_run(run_dir).value("tokens_per_s") == 1050.0
-
-
-def test_a_broken_config_yaml_names_the_file(tmp_path):
-    run_dir = make_run(tmp_path, "gpt_base", 10.0)
-    (run_dir / "config.yaml").write_text("train: {seed: 1\n")
-    with pytest.raises(ConfigError, match=r"config.yaml is not valid YAML"):
-        A.load_run(run_dir)
 
 
 def test_a_cells_line_breaks_and_bars_stay_inside_its_row():
@@ -845,16 +621,23 @@ def test_committed_results_tables_have_one_line_per_row(path):
                 assert row.replace(r"\|", "").count(" | ") + 1 == cells, f"{path}: {row[:80]}"
 
 
-def test_welch_degrees_of_freedom():
-    res = A.significance([10.1, 10.4, 9.9, 10.3], [10.9, 11.2, 10.6])
-    assert res["df"] == pytest.approx(3.574584357380371)
+# --- curves -----------------------------------------------------------------------------------
+
+def test_curves_name_groups_of_one_variant_apart(tmp_path):
+    make_run(tmp_path, "gpt_base", 20.0)
+    make_run(tmp_path, "oelm_freeze", 30.0, name="freeze_lr_low", train={"lr": 5e-4})
+    make_run(tmp_path, "oelm_freeze", 21.0, name="freeze_lr_high", train={"lr": 5e-3})
+    for ax in A.plot_curves(A.load_runs(tmp_path)).axes:
+        assert [line.get_label() for line in ax.lines] == [
+            "GPT-Base (seed 42)", "OELM-Freeze (freeze_lr_high) (seed 42)", "OELM-Freeze (freeze_lr_low) (seed 42)"]
+        assert len({line.get_color() for line in ax.lines}) == 3
 
 
-def test_h3_uses_its_threshold(tmp_path):
-    assert verdicts(A.hypotheses(study_runs(tmp_path / "a", tok=(1000, 1000, 990))))["H3"] is True
-    assert verdicts(A.hypotheses(study_runs(tmp_path / "b", tok=(1000, 1000, 990)), h3_min_ratio=0.995))["H3"] is False
+def test_plot_curves_saves_and_closes(tmp_path):
+    import matplotlib.pyplot as plt
 
-
-def test_best_without_summary_is_the_lowest_evaluation(tmp_path):
-    run_ = A.load_run(make_run(tmp_path, "gpt_base", 10.0, best=9.0, summary=False))
-    assert run_.value("best_val_ppl") == pytest.approx(9.0) and run_.value("final_val_ppl") == pytest.approx(10.0)
+    runs = study_runs(tmp_path / "runs")
+    before = len(plt.get_fignums())
+    A.plot_curves(runs, tmp_path / "fig" / "curves.png")
+    assert (tmp_path / "fig" / "curves.png").stat().st_size > 1000
+    assert len(plt.get_fignums()) == before

@@ -145,7 +145,7 @@ def test_the_pages_sampling_defaults_draw_the_analysis_samples(served):
 def test_attention_endpoint_returns_t_by_t_maps(served):
     """Over the prompt's ids and the ids the model sampled (kept in the session), not the text
     encoded again."""
-    from oelm_core.attention_plots import token_label
+    from oelm_core.analysis.heatmaps import token_label
     from oelm_core.generate import SamplingConfig, stream_tokens
 
     demo, client = served
@@ -228,7 +228,7 @@ def test_one_attention_request_reads_each_models_attention_once(served, monkeypa
 
 
 def test_attention_over_a_text_longer_than_the_context_maps_its_last_tokens(served):
-    from oelm_core.attention_plots import token_label
+    from oelm_core.analysis.heatmaps import token_label
 
     h = served[0].oelm
     long = " and the cat ran" * 30

@@ -1,10 +1,11 @@
-"""Attention figures of the demo: a heatmap with token labels, several models side by side on one
-colour scale, and the per-head summary plot (the maps and per-head numbers come from
-``oelm_core.analysis``). They take plain arrays.
+"""The app's attention figures: a heatmap with token labels, several models side by side on one
+colour scale, and the per-head summary plot. They take plain arrays: the maps and per-head numbers
+come from ``oelm_core.analysis.attention``.
 
 Figures are ``matplotlib.figure.Figure`` objects built without pyplot: they never enter pyplot's
 global figure list, so nothing accumulates between requests even when a request fails halfway.
-(gr.Plot also calls ``plt.close`` on every figure it renders.)
+(gr.Plot also calls ``plt.close`` on every figure it renders.) This module imports matplotlib
+when it is imported, which is why the package's ``__init__`` does not import it.
 """
 
 from __future__ import annotations
@@ -13,20 +14,11 @@ import math
 from typing import Sequence
 
 import numpy as np
-import torch
 from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 
 CMAP = "viridis"
 MODEL_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
-
-
-def uniform_reference(t: int) -> dict[str, float]:
-    """Entropy (nats) and mean distance (tokens) of uniform causal attention over ``t`` tokens,
-    averaged over query positions like ``oelm_core.analysis.attention_summary``: query i sees
-    i + 1 keys, so its entropy is log(i + 1) and its mean distance i / 2."""
-    pos = torch.arange(max(t, 1), dtype=torch.float64)
-    return {"entropy": float(torch.log(pos + 1).mean()), "distance": float((pos / 2).mean())}
 
 
 def token_label(text: str, width: int = 10) -> str:
