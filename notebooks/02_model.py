@@ -1,7 +1,9 @@
 # %% [markdown]
 # # 02 · The models: groups, variants, parameters and FLOPs
 #
-# The study compares three groups — **GPT-Base** (standard Q/K), **OELM-NoFreeze** (orthogonal Q/K, trained) and **OELM-Freeze** (orthogonal Q/K, frozen) — plus the ablation variants registered in `oelm_core.VARIANTS`.
+# The study compares three groups — **GPT-Base** (standard Q/K), **OELM-NoFreeze** (orthogonal
+# Q/K, trained) and **OELM-Freeze** (orthogonal Q/K, frozen) — plus the ablation variants
+# registered in `oelm_core.VARIANTS`.
 
 # %% tags=["parameters"]
 preset = "medium512"       # the shape whose parameters are tabulated
@@ -9,22 +11,22 @@ grad_check_preset = "tiny"  # the small model of the gradient-flow check
 all_variants = True         # tabulate the ablation variants too
 
 # %%
+# Paths in the parameters (parameter files, out_dir, the data cache) are taken from the repository
+# root, as on the command line: a kernel that JupyterLab starts in notebooks/ moves there.
 import os
 import sys
 from pathlib import Path
-# JupyterLab starts the kernel in notebooks/, papermill and the study where they are told (--cwd).
-# Relative paths (parameter files, their out_dir and data cache) mean the repository root, as on
-# the command line: started in notebooks/, the kernel moves there, or a run would land in
-# notebooks/runs. oelm_core is imported from that root without pip install -e.
+
 if Path.cwd().name == "notebooks" and (Path.cwd().parent / "oelm_core").is_dir():
     os.chdir(Path.cwd().parent)
 if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
-    sys.path.insert(0, str(Path.cwd()))
+    sys.path.insert(0, str(Path.cwd()))  # this checkout's oelm_core, installed or not
 from IPython.display import Markdown, display
 # %matplotlib inline
-from oelm_core.study import check_notebook_parameters
-check_notebook_parameters("02_model", {"preset": preset, "grad_check_preset": grad_check_preset,
-    "all_variants": all_variants})
+
+from oelm_core.experiment import check_notebook_parameters
+check_notebook_parameters("02_model", {
+    "preset": preset, "grad_check_preset": grad_check_preset, "all_variants": all_variants})
 import oelm_core
 from oelm_core import analysis as A
 
@@ -37,7 +39,9 @@ display(Markdown(A.markdown_table([{'variant': k, 'description': v} for k, v in 
 # %% [markdown]
 # ## Exact parameter counts
 #
-# Frozen Q/K are buffers, not parameters: 2 · n_layer · d_model² weights. At medium512 that is 3,145,728 of 44,896,768, i.e. **7.0%** of the trainable parameters — not the ~15% the original report claimed (the 25.7M-parameter embedding dominates).
+# Frozen Q/K are buffers, not parameters: 2 · n_layer · d_model² weights. At medium512 that is
+# 3,145,728 of 44,896,768, i.e. **7.0%** of the trainable parameters — not the ~15% the original
+# report claimed (the 25.7M-parameter embedding dominates).
 
 # %%
 names = list(oelm_core.VARIANTS) if all_variants else list(A.GROUP_LABELS)
@@ -54,7 +58,8 @@ assert P['oelm_freeze']['total'] == P['gpt_base']['total']
 # %% [markdown]
 # ## What freezing saves: FLOPs per token and optimizer memory
 #
-# A frozen weight still costs its forward and input-gradient matmuls; only the weight gradient (one third of its FLOPs) and its AdamW state disappear.
+# A frozen weight still costs its forward and input-gradient matmuls; only the weight gradient
+# (one third of its FLOPs) and its AdamW state disappear.
 
 # %%
 flops = A.flops_table(preset, names)
@@ -67,7 +72,8 @@ assert F['oelm_freeze']['state_saving_mb'] > 0
 # %% [markdown]
 # ## Gradient flow
 #
-# One forward/backward and optimizer step on a small OELM-Freeze model: the frozen Q/K receive no gradient and do not change; every trainable parameter gets one.
+# One forward/backward and optimizer step on a small OELM-Freeze model: the frozen Q/K receive no
+# gradient and do not change; every trainable parameter gets one.
 
 # %%
 flow = A.gradient_flow_check(grad_check_preset, 'oelm_freeze')
@@ -80,7 +86,8 @@ assert flow['trainable_with_grad'], flow['params_without_grad']
 # %% [markdown]
 # ## Explorer
 #
-# Move the sliders to change the shape; the counts and FLOPs per token follow (in a live Jupyter session; headless runs show the first table).
+# Move the sliders to change the shape; the counts and FLOPs per token follow (in a live Jupyter
+# session; headless runs show the first table). Below it, the same table at GPT-2 small's shape.
 
 # %%
 display(A.shape_explorer())
