@@ -597,6 +597,22 @@ def _parameters(path: Path) -> dict:
     return {k: v for k, v in read_yaml(path).items() if k not in SECTIONS}
 
 
+@dataclass
+class _Axes:
+    """What a plan trains: every (seed, point, run, variant), with the --set strings every run gets
+    before its own (``first``: the smoke settings, the section's overrides) and after (``last``:
+    the caller's)."""
+
+    runs: list[dict]              # [{params, name, overrides}]
+    listed_runs: bool             # the section lists runs (else: the plan file's own parameters)
+    variants: list[dict]          # [{name, variant, set}]
+    key: str | None
+    points: list[dict]            # [{value, set}]
+    seeds: list[int | None]       # [None]: each file's own train.seed
+    first: list[str]
+    last: list[str]
+
+
 def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[str] = (), *,
               smoke: bool = False, only: Sequence[str] | None = None,
               overrides: list[str] | dict | None = None, variants: Sequence[str] | None = None,
@@ -618,45 +634,64 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
         raise ConfigError(f"plan file {path} not found; pass a study (parameters/study_*.yaml), a sweep "
                           f"(parameters/sweeps/*.yaml) or parameters/ablations.yaml")
     section_sets = [s for s in sets if s.split("=", 1)[0].strip().split(".")[0] in SECTIONS]
-    run_sets = [s for s in sets if s not in section_sets] + _set_strings(overrides or [], "overrides", path)
     section, spec, base = _read_plan(path, section_sets)
-    if variants is not None:
-        spec["variants"] = list(variants)
-    if seeds is not None:
-        spec["seeds"] = list(seeds)
-    if runner is not None:
-        spec["runner"] = runner
+    spec.update({k: list(v) for k, v in (("variants", variants), ("seeds", seeds)) if v is not None})
+    spec.update({"runner": runner} if runner is not None else {})
+    plan = _plan_settings(section, spec, path)
+    axes = _axes(section, spec, path, smoke, only)
+    axes.last = [s for s in sets if s not in section_sets] + _set_strings(overrides or [], "overrides", path)
+    folder = f"{plan.name}_smoke" if smoke else plan.name
+    plan.out = Path(out) if out is not None else Path(out_root) / folder if out_root is not None else (
+        Path("runs") / "sweeps" / folder if section == "sweep" else Path("runs") / folder)
+    plan.key, plan.points, plan.seeds = axes.key, axes.points, axes.seeds
+    plan.variants, plan.smoke = [e["name"] for e in axes.variants], smoke
+    plan.runs = _plan_runs(plan, base, axes)
+    needs_runs = [n for n in ("03_training", "04_analysis") if n in plan.notebooks]
+    if needs_runs and not plan.runs:
+        raise ConfigError(f"{path} lists no runs under {section}.runs for {' and '.join(needs_runs)}; "
+                          f"add parameter files there or leave those notebooks out of {section}.notebooks")
+    return plan
+
+
+def _plan_settings(section: str, spec: dict, path: Path) -> Plan:
+    """A Plan of the section's settings (name, notebooks and their parameters, runner, GPUs per
+    run, checkpoints kept), its runs still to come."""
     defaults = DEFAULTS[section]
     for key in ("name", "description"):
         if not isinstance(spec.get(key, ""), str):
             raise ConfigError(f"{path}: {section}.{key} must be a string, got {spec[key]!r}")
-    name = spec.get("name") or (path.stem.replace("study_", "") if section == "study" else path.stem)
-    notebooks = _check_notebooks(spec.get("notebooks", defaults["notebooks"]), f"{section}.notebooks", path,
-                                 defaults["notebooks"])
     gpus_per_run = spec.get("gpus_per_run", 0)
     if not isinstance(gpus_per_run, int) or isinstance(gpus_per_run, bool) or gpus_per_run < 0:
         raise ConfigError(f"{path}: {section}.gpus_per_run must be a whole number of GPUs per run "
                           f"(0 for CPU), got {gpus_per_run!r}")
-    run_with = spec.get("runner", defaults["runner"])
-    if run_with not in RUNNERS:
-        raise ConfigError(f"{path}: {section}.runner must be one of {', '.join(RUNNERS)}; got {run_with!r}")
-    if run_with == "inprocess" and gpus_per_run > 1:
+    runner = spec.get("runner", defaults["runner"])
+    if runner not in RUNNERS:
+        raise ConfigError(f"{path}: {section}.runner must be one of {', '.join(RUNNERS)}; got {runner!r}")
+    if runner == "inprocess" and gpus_per_run > 1:
         raise ConfigError(f"{path}: runner inprocess trains in this process, on one device at most; for "
                           f"{section}.gpus_per_run={gpus_per_run} use the runner subprocess or notebook")
     keep = spec.get("keep_checkpoints", True)
     if not isinstance(keep, bool):
         raise ConfigError(f"{path}: {section}.keep_checkpoints must be true or false, got {keep!r}")
-    parameters = _check_parameters(spec.get("parameters", {}), section, path, gpus_per_run)
+    return Plan(name=spec.get("name") or (path.stem.removeprefix("study_") if section == "study" else path.stem),
+                kind=section, path=path.resolve(), out=Path(), runs=[],
+                notebooks=_check_notebooks(spec.get("notebooks", defaults["notebooks"]), f"{section}.notebooks",
+                                           path, defaults["notebooks"]),
+                parameters=_check_parameters(spec.get("parameters", {}), section, path, gpus_per_run),
+                runner=runner, gpus_per_run=gpus_per_run, keep_checkpoints=keep,
+                description=spec.get("description", ""))
 
+
+def _axes(section: str, spec: dict, path: Path, smoke: bool, only: Sequence[str] | None) -> _Axes:
+    """The section's axes, checked: runs, variants, the sweep axis (--smoke's points), seeds."""
+    defaults = DEFAULTS[section]
+    seeds = spec.get("seeds", defaults.get("seeds", [None]))
+    if section == "study" and isinstance(seeds, int) and not isinstance(seeds, bool):
+        seeds = [seeds]   # the study's shorthand: seeds: 7
     if "seeds" in spec:
-        seeds_given = spec["seeds"]
-        if section == "study" and isinstance(seeds_given, int) and not isinstance(seeds_given, bool):
-            seeds_given = [seeds_given]   # the study's shorthand: seeds: 7
-        plan_seeds: list[int | None] = _check_seeds(seeds_given, f"{section}.seeds", path, defaults.get("seeds"))
-    else:
-        plan_seeds = list(defaults.get("seeds", [None]))
-    variant_entries = (_check_variants(spec.get("variants", defaults.get("variants")), f"{section}.variants", path)
-                       if "variants" in spec or "variants" in defaults else [])
+        _check_seeds(seeds, f"{section}.seeds", path, defaults.get("seeds"))
+    variants = (_check_variants(spec.get("variants", defaults.get("variants")), f"{section}.variants", path)
+                if "variants" in spec or "variants" in defaults else [])
     key = spec.get("key")
     if ("key" in spec) != ("points" in spec) or (section == "sweep" and key is None):
         raise ConfigError(f"{path}: a sweep axis needs both {section}.key (the swept value's name) and "
@@ -673,84 +708,67 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
         if not smoke_spec and not points:
             raise ConfigError(f"{path} has no {section}.smoke section (points, set) for --smoke")
         points = smoke_spec.get("points") or points[:2]
-
     if "runs" in spec:
-        run_entries = _check_runs(spec["runs"], f"{section}.runs", path)
-    elif section == "study":
-        run_entries = []
-    else:
-        run_entries = [{"params": path, "name": None, "overrides": []}]
+        runs = _check_runs(spec["runs"], f"{section}.runs", path)
+    else:   # a study names its parameter files; any other plan may train its own parameters
+        runs = [] if section == "study" else [{"params": path, "name": None, "overrides": []}]
     if only:
-        pool = variant_entries if variant_entries else run_entries
+        pool = variants or runs
         have = [e["name"] or "" for e in pool]
         unknown = sorted(set(only) - set(have))
         if unknown:
             raise ConfigError(f"--only names {unknown}, which {path} does not plan; its "
-                              f"{'variants' if variant_entries else 'runs'} are {have}")
+                              f"{'variants' if variants else 'runs'} are {have}")
         pool[:] = [e for e in pool if e["name"] in only]
-
-    if out is None:
-        folder = f"{name}_smoke" if smoke else name
-        out = Path(out_root) / folder if out_root is not None else (
-            Path("runs") / "sweeps" / folder if section == "sweep" else Path("runs") / folder)
-    common = (([f"{k}={_yaml_value(v)}" for k, v in smoke_set.items()] if smoke else [])
-              + _set_strings(spec.get("overrides", []), f"{section}.overrides", path))
-    runs = _plan_runs(section, path, Path(out), base, run_entries, "runs" in spec, variant_entries, key, points,
-                      plan_seeds, common, run_sets, name, smoke)
-    needs_runs = [n for n in ("03_training", "04_analysis") if n in notebooks]
-    if needs_runs and not runs:
-        raise ConfigError(f"{path} lists no runs under {section}.runs for {' and '.join(needs_runs)}; "
-                          f"add parameter files there or leave those notebooks out of {section}.notebooks")
-    return Plan(name=name, kind=section, path=path.resolve(), out=Path(out), runs=runs, notebooks=notebooks,
-                parameters=parameters, runner=run_with, gpus_per_run=gpus_per_run, keep_checkpoints=keep,
-                description=spec.get("description", ""), key=key, points=points,
-                variants=[e["name"] for e in variant_entries], seeds=plan_seeds, smoke=smoke)
+    first = ([f"{k}={_yaml_value(v)}" for k, v in smoke_set.items()] if smoke else []) \
+        + _set_strings(spec.get("overrides", []), f"{section}.overrides", path)
+    return _Axes(runs, "runs" in spec, variants, key, points, list(seeds), first, [])
 
 
 def _fmt_value(v: Any) -> str:
     return str(v).replace("/", "_").replace(" ", "")
 
 
-def _plan_runs(section: str, path: Path, out: Path, base: dict, run_entries: list[dict], listed_runs: bool,
-               variant_entries: list[dict], key: str | None, points: list[dict], seeds: list[int | None],
-               common: list[str], run_sets: list[str], plan_name: str, smoke: bool) -> list[PlannedRun]:
-    """Every (seed, point, run, variant) as a PlannedRun, its parameters loaded and checked."""
+def _plan_runs(plan: Plan, base: dict, axes: _Axes) -> list[PlannedRun]:
+    """Every (seed, point, run, variant) as a PlannedRun, seed outermost, its parameters loaded and
+    checked. Its --set strings, in order: the plan's (axes.first), the run entry's, the point's,
+    the variant's, the caller's (axes.last), then the variant, seed and name the plan gives it."""
     runs: list[PlannedRun] = []
-    for seed in seeds:
-        for point in points or [None]:
-            for entry in run_entries:
-                values = base if entry["params"] == path else _parameters(entry["params"])
-                for variant in variant_entries or [None]:
-                    sets = list(common) + entry["overrides"]
+    for seed in axes.seeds:
+        for point in axes.points or [None]:
+            for entry in axes.runs:
+                own = Path(entry["params"]).resolve() == plan.path
+                values = base if own else _parameters(entry["params"])
+                for variant in axes.variants or [None]:
+                    sets = axes.first + entry["overrides"]
                     sets += [f"{k}={_yaml_value(v)}" for k, v in (point or {}).get("set", {}).items()]
                     sets += [f"{k}={_yaml_value(v)}" for k, v in (variant or {}).get("set", {}).items()]
-                    sets += run_sets + ([f"variant={variant['variant']}"] if variant else [])
+                    sets += axes.last + ([f"variant={variant['variant']}"] if variant else [])
                     sets += [f"train.seed={seed}"] if seed is not None else []
                     cfg = run_config_from_dict(apply_overrides(values, sets))
                     run_name = entry["name"] or cfg.name
-                    if section == "study":
-                        name = f"{run_name}_s{cfg.train.seed}" if seeds != [None] else run_name
-                        run_dir = out / "runs" / name
+                    if plan.kind == "study":
+                        name = f"{run_name}_s{cfg.train.seed}" if axes.seeds != [None] else run_name
+                        run_dir = plan.out / "runs" / name
                     else:
-                        parts = ([f"{key}={_fmt_value(point['value'])}"] if point else []) \
-                            + ([run_name] if listed_runs else []) \
+                        parts = ([f"{axes.key}={_fmt_value(point['value'])}"] if point else []) \
+                            + ([run_name] if axes.listed_runs else []) \
                             + ([variant["name"]] if variant else []) \
                             + ([f"seed{cfg.train.seed}"] if seed is not None else [])
                         name = "/".join(parts or [run_name])
-                        run_dir = out / name
+                        run_dir = plan.out / name
                     # the name quoted: as YAML, a bare `off` or `2024` would be a bool or an int
                     sets += ([f"train.seed={cfg.train.seed}"] if seed is None else []) \
                         + [f"name={json.dumps(name, ensure_ascii=False)}"]
-                    config = apply_overrides(values, sets)
-                    config["out_dir"] = str(run_dir)
-                    info = {"sweep": plan_name, "key": key, "value": point["value"] if point else None,
+                    config = {**apply_overrides(values, sets), "out_dir": str(run_dir)}
+                    info = {"sweep": plan.name, "key": axes.key, "value": point["value"] if point else None,
                             "variant": cfg.variant, "seed": cfg.train.seed,
-                            "label": variant["name"] if variant else run_name, "smoke": smoke}
+                            "label": variant["name"] if variant else run_name, "smoke": plan.smoke}
                     runs.append(PlannedRun(name, Path(entry["params"]).resolve(), cfg.train.seed, cfg.variant,
                                            cfg.preset, run_dir, sets, config, info))
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
-        raise ConfigError(f"two runs of {path} share a name ({names}); give each run entry a 'name'")
+        raise ConfigError(f"two runs of {plan.path} share a name ({names}); give each run entry a 'name'")
     return runs
 
 

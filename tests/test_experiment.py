@@ -796,3 +796,69 @@ def test_yaml_errors_in_sweep_files_and_sets_name_the_file_or_the_set(tmp_path, 
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(run.run_dir))} holds a run whose config.yaml cannot "
                                           rf"be read \({re.escape(str(run.run_dir / 'config.yaml'))} is not valid"):
         run_sweep(_sweep_file(tmp_path), tmp_path / "out")
+
+
+def test_an_experiment_plan_crosses_every_axis_seed_first(tmp_path):
+    """runs x variants x a sweep axis x seeds, seed outermost; a folder part per axis; the
+    settings in their order: the plan's, the run's, the point's, the variant's, the caller's."""
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({"experiment": {
+        "name": "grid", "runs": [str(REPO / "parameters" / "smoke" / "gpt_base.yaml"),
+                                 {"params": str(REPO / "parameters" / "smoke" / "oelm_freeze.yaml"), "name": "lr",
+                                  "overrides": ["train.lr=0.0005", "train.steps=7"]}],
+        "variants": ["gpt_base", {"name": "late", "variant": "oelm_freeze",
+                                  "set": {"train.unfreeze_schedule": {4: "all"}, "train.steps": 9}}],
+        "key": "n_layer", "points": [{"value": 1, "set": {"model.n_layer": 1, "train.steps": 5}},
+                                     {"value": 2, "set": {"model.n_layer": 2}}],
+        "seeds": [3, 4], "overrides": ["train.steps=3", "train.batch_size=2"]}}))
+    plan = load_plan(plan_file, tmp_path / "out", ["train.batch_size=4"])
+    assert (plan.kind, plan.runner, plan.notebooks, plan.records) == ("experiment", "notebook", ["03_training"], True)
+    assert len(plan.runs) == 2 * 2 * 2 * 2 and [r.seed for r in plan.runs] == [3] * 8 + [4] * 8
+    assert [r.name for r in plan.runs[:4]] == ["n_layer=1/gpt_base/gpt_base/seed3", "n_layer=1/gpt_base/late/seed3",
+                                               "n_layer=1/lr/gpt_base/seed3", "n_layer=1/lr/late/seed3"]
+    assert plan.runs[-1].run_dir == tmp_path / "out" / "n_layer=2" / "lr" / "late" / "seed4"
+    by_name = {(r.name, r.seed): run_config_from_dict(r.config) for r in plan.runs}
+    first = by_name[("n_layer=1/gpt_base/gpt_base/seed3", 3)]
+    assert (first.model_config().n_layer, first.train.steps, first.train.batch_size, first.variant) == (1, 5, 4, "gpt_base")
+    late = by_name[("n_layer=2/lr/late/seed4", 4)]
+    assert (late.model_config().n_layer, late.train.steps, late.train.lr, late.variant, late.train.seed) == (
+        2, 9, 0.0005, "oelm_freeze", 4)
+    assert late.train.unfreeze_schedule == {4: "all"} and late.out_dir == str(plan.runs[-1].run_dir)
+    assert plan.runs[-1].info == {"sweep": "grid", "key": "n_layer", "value": 2, "variant": "oelm_freeze", "seed": 4,
+                                  "label": "late", "smoke": False}
+
+
+@pytest.mark.parametrize("value", ["off", "2024", "a #b", "x: y", "", None, True, 3, 0.5, [1, "2"], {400: "all"}])
+def test_set_strings_carry_values_as_written(value):
+    """A value of a plan's {dotted key: value} reaches the run as itself: YAML would read a bare
+    off as false, 2024 as a number and cut "a #b" at the comment."""
+    from oelm_core.config import apply_overrides
+
+    assert apply_overrides({}, [f"k={E._yaml_value(value)}"]) == {"k": value}
+
+
+def test_the_experiment_cli_hands_its_options_to_the_plan(monkeypatch, tmp_path):
+    plans = []
+    monkeypatch.setattr(E, "run_plan", lambda plan, **kw: plans.append((plan, kw)))
+    assert E.main([str(REPO / "parameters" / "ablations.yaml"), "--out", str(tmp_path), "--only", "oelm_poet",
+                   "gpt_base", "--set", "experiment.seeds=[5]", "train.steps=4", "--runner", "subprocess",
+                   "--keep-checkpoints", "--budget-s", "60"]) == 0
+    ((plan, kw),) = plans
+    assert [r.name for r in plan.runs] == ["gpt_base/seed5", "oelm_poet/seed5"] and kw == {"budget_s": 60.0}
+    assert (plan.runner, plan.keep_checkpoints, plan.out) == ("subprocess", True, tmp_path)
+    assert all(run_config_from_dict(r.config).train.steps == 4 for r in plan.runs)
+
+
+def test_a_notebooks_parameters_are_checked_before_a_kernel_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"^notebook 01_theory: parameter d must be a whole number"):
+        execute_notebook("01_theory", tmp_path / "01.ipynb", {"d": "abc"})
+    assert not (tmp_path / "01.ipynb").exists()
+
+
+def test_notebook_output_reaches_the_log_as_whole_prefixed_lines():
+    lines = []
+    sink = E._Lines("  [run] ", lines.append)
+    for chunk in ("step 1: loss 3", ".2\nstep 2", ": loss 3.1\n\n", "10%\r50%\r100%\n", "last"):
+        sink.write(chunk)
+    sink.close()
+    assert lines == ["  [run] step 1: loss 3.2", "  [run] step 2: loss 3.1", "  [run] 100%", "  [run] last"]
