@@ -22,16 +22,18 @@ A plan file is a training parameter file (the base of its runs) plus one plan se
       gpus_per_run: 0                      # 0: CPU; g: g GPUs (torchrun) per run, side by side
       keep_checkpoints: true               # false: a finished run keeps best.pt, not its ckpt/
 
-Every key is optional but one of runs, variants or points. The plan trains every (seed, point,
-run, variant), seed outermost, so that a plan cut short has one seed of each. The older sections
-load into the same plan with their own keys and defaults: ``study:`` (parameters/study_*.yaml:
-runs, seeds, overrides, gpus_per_run, notebooks, parameters; notebooks 01-04 by default, trainings
-through notebook 03) and ``sweep:`` (parameters/sweeps/*.yaml: key, points, variants, seeds,
-smoke; the three groups and seed 0 by default, trainings in this process).
+Every key is optional (without runs, variants or points the plan trains its file's own parameters
+once). The plan trains every (seed, point, run, variant), seed outermost, so that a plan cut short
+has one seed of each. The older sections load into the same plan with their own keys and
+defaults: ``study:`` (parameters/study_*.yaml: runs, seeds, overrides, gpus_per_run, notebooks,
+parameters; notebooks 01-04 by default, trainings through notebook 03) and ``sweep:``
+(parameters/sweeps/*.yaml: key, points, variants, seeds, smoke; the three groups and seed 0 by
+default, trainings in this process).
 
 Run folders: a study's ``OUT/runs/<run>_s<seed>`` (``OUT/runs/<run>`` without seeds), beside its
-notebooks, figures and results.md; any other plan's ``OUT/[<key>=<value>/][<run>/][<variant>/][seed<S>]``,
-a part for each axis the plan has (the ablations: ``runs/ablations/progressive/seed0``). Each holds
+notebooks, figures and results.md; any other plan's
+``OUT/[<key>=<value>/][<run>/][<variant>/][seed<S>]``, a part for each axis the plan has (the
+ablations: ``runs/ablations/progressive/seed0``). Each holds
 the trainer's files, ``params.yaml`` (exactly what it trained) and ``sweep_point.json`` (its place
 in the plan). A run whose summary.json says it ended is skipped, one cut short resumes from its
 newest checkpoint, and a folder trained with other settings is refused before anything runs.
