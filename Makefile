@@ -1,7 +1,7 @@
 # OELM Lab. On a fresh machine, two commands:
 #   make study   # the main job: the smoke study (notebooks, three trainings, analysis) -> runs/smoke
 #   make test    # the test suite, exactly what CI runs (.ci/run)
-# Each creates .venv and installs what it needs. Other targets: make demo, make bench.
+# Each creates .venv and installs what it needs. Other targets: make lab, make demo, make bench.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -23,7 +23,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tokenizer/tiktoken_cache
 endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study test demo bench browser clean
+.PHONY: study test lab demo bench browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ browser:
 
 test: $(VENV)/.installed browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# JupyterLab at the repository root, on the project's kernel (python3, installed above); jupytext
+# saves each notebook with its .py (notebooks/jupytext.toml). LAB_ARGS, e.g. --no-browser --port 8888
+LAB_ARGS ?=
+lab: $(VENV)/.installed
+	$(BIN)/python -m jupyterlab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m app

@@ -1,377 +1,67 @@
-"""Sweeps (A3-A6: heads, head dimension, context, layers) and the ablations of parameters/ablations/.
+"""Sweeps (A3-A6) and the ablations: their CLI, and the tables and figures read back from their runs.
 
-A sweep file (``parameters/sweeps/*.yaml``) is a training parameter file plus a ``sweep`` section:
+A sweep file (``parameters/sweeps/*.yaml``: a ``sweep:`` section with key, points, variants,
+seeds and smoke) and the ablations (``parameters/ablations.yaml``: one ``experiment:`` section
+listing the variants) are plans of oelm_core.experiment, which trains them:
 
-    sweep:
-      name: a6_layers
-      key: n_layer                     # the x axis
-      variants: [gpt_base, oelm_nofreeze, oelm_freeze]
-      seeds: [0]
-      points:                          # value on the x axis -> dotted overrides of the run
-        - {value: 2, set: {model.n_layer: 2}}
-      smoke:                           # optional: points and overrides of a quick CPU run
-        points: [...]
-        set: {train.steps: 8, ...}
-
-``seeds`` is a list of integers and ``variants`` a list of names from ``oelm_core.VARIANTS``,
-even for one: ``seeds: [0]``, ``variants: [gpt_base]``.
-
-Each (point, variant, seed) becomes one run folder ``out_root/<name>/<key>=<value>/<variant>/seed<S>``
-(smoke runs: ``out_root/<name>_smoke/...``) holding the trainer's files plus ``params.yaml``
-(exactly what was trained) and ``sweep_point.json`` (which point it is). Runs whose
-``summary.json`` says they ended ("completed" or "stopped_early") are skipped and a run cut short
-resumes from its newest checkpoint, so an interrupted sweep continues where it stopped. A folder
-whose ``config.yaml`` was trained with other settings is refused (ConfigError), never skipped.
-
-Ablations: every ``parameters/ablations/*.yaml`` x seeds, into ``out_root/<file stem>/seed<S>``;
-``ablation_table`` / ``ablation_figure`` read them back (through ``oelm_core.analysis``).
-
-CLI:
     python -m oelm_core.sweep run parameters/sweeps/a6_layers.yaml --out runs/sweeps [--smoke]
     python -m oelm_core.sweep ablations --out runs/ablations [--seeds 0 1] [--only oelm_poet]
     python -m oelm_core.sweep table runs/ablations [--figure F.png] [--markdown T.md]
     python -m oelm_core.sweep table runs/sweeps --sweep [--name a6_layers] [--smoke | --full] [--figure F.png]
+
+``run`` trains a sweep into OUT/<sweep>/<key>=<value>/<variant>/seed<S> (--smoke: OUT/<sweep>_smoke/...),
+then tabulates and plots it; ``ablations`` trains every ablation x seed into OUT/<name>/seed<S>
+(``--params-dir DIR``: one run per DIR/*.yaml instead, the older layout of the ablations), then
+writes the table (ablations.md, .json, .png). Each run folder holds the trainer's files,
+``params.yaml`` and ``sweep_point.json`` (which point, variant and seed it is); runs that ended
+are skipped and runs cut short resume. ``ablation_table`` / ``sweep_results`` and their figures
+read run folders back, the committed results/ablations (older runs without sweep_point.json)
+included.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import yaml
 
 from oelm_core.analysis import (BASELINE, GROUP_LABELS, assumed_settings, evaluated_seeds, seed_groups,
                                 settings_apart)
-from oelm_core.config import (ConfigError, apply_overrides, read_yaml, run_config_from_dict, trained_settings,
-                              variants as known_variants)
+from oelm_core.config import ConfigError
+from oelm_core.experiment import REPO, RUNNERS, Plan, load_plan, run_trainings
 from oelm_core.files import write_text_atomic
 
-REPO = Path(__file__).resolve().parents[1]
-RUNNERS = ("inprocess", "subprocess", "notebook")
+ABLATIONS = REPO / "parameters" / "ablations.yaml"
 
 
-# --------------------------------------------------------------------------------------------
-# Sweep files
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Sweep:
-    name: str
-    key: str
-    variants: list[str]
-    seeds: list[int]
-    points: list[dict]               # [{"value": v, "set": {dotted key: value}}]
-    base: dict                       # the training parameter file without the sweep section
-    smoke: dict = field(default_factory=dict)
-
-
-@dataclass
-class RunSpec:
-    """One run of a sweep or of the ablations: its parameters and where it goes."""
-
-    out_dir: Path
-    params: dict
-    info: dict                       # sweep, key, value, variant, seed, label
-
-
-SWEEP_KEYS = {"name", "key", "variants", "seeds", "points", "smoke"}
-SMOKE_KEYS = {"points", "set"}
-POINT_KEYS = {"value", "set"}
-
-
-def _check_keys(values: dict, valid: set[str], where: str, path: Path) -> None:
-    unknown = sorted(map(str, set(values) - valid))
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; valid keys "
-                          f"of {where}: {', '.join(sorted(valid))}")
-
-
-def _check_points(points: Any, where: str, path: Path) -> None:
-    if not isinstance(points, list) or not points or not all(isinstance(p, dict) and "value" in p
-                                                             for p in points):
-        raise ConfigError(f"{path}: {where} must be a list of {{value: v, set: {{key: value}}}}")
-    for i, point in enumerate(points):
-        _check_keys(point, POINT_KEYS, f"{where}[{i}]", path)
-        if not isinstance(point.get("set") or {}, dict):
-            raise ConfigError(f"{path}: {where}[{i}].set must map dotted keys to values, e.g. "
-                              f"{{model.n_layer: 2}}; got {point['set']!r}")
-
-
-def _check_seeds(seeds: Any, path: Path) -> None:
-    if not (isinstance(seeds, list) and seeds
-            and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
-        raise ConfigError(f"{path}: sweep.seeds must be a list of integers, e.g. [0] or [0, 1]; got {seeds!r}")
-
-
-def _check_variants(names: Any, path: Path) -> None:
-    known = sorted(known_variants())
-    if not (isinstance(names, list) and names and all(isinstance(v, str) for v in names)):
-        raise ConfigError(f"{path}: sweep.variants must be a list of variant names, e.g. [gpt_base] or "
-                          f"[gpt_base, oelm_freeze]; got {names!r}")
-    unknown = [v for v in names if v not in known]
-    if unknown:
-        raise ConfigError(f"{path}: sweep.variants has unknown variant(s) {unknown}; choose from {known}")
-
-
-def load_sweep(path: str | Path) -> Sweep:
-    """Read and check a sweep file (every point of every variant is validated up front)."""
-    path = Path(path)
-    if not path.is_file() and (REPO / path).is_file():  # a path from the root, called elsewhere
-        path = REPO / path
-    if not path.is_file():
-        raise ConfigError(f"sweep file {path} not found; see parameters/sweeps/ for examples")
-    values = read_yaml(path)
-    spec = values.pop("sweep", None)
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path} has no `sweep:` section; it needs name, key, variants, seeds, points")
-    _check_keys(spec, SWEEP_KEYS, "sweep", path)
-    missing = [k for k in ("key", "points") if k not in spec]
-    if missing:
-        raise ConfigError(f"{path}: sweep section lacks {missing}")
-    points = spec["points"]
-    _check_points(points, "sweep.points", path)
-    smoke = spec.get("smoke") or {}
-    if not isinstance(smoke, dict):
-        raise ConfigError(f"{path}: sweep.smoke must be a mapping with points and set, got {smoke!r}")
-    _check_keys(smoke, SMOKE_KEYS, "sweep.smoke", path)
-    if smoke.get("points"):
-        _check_points(smoke["points"], "sweep.smoke.points", path)
-    if not isinstance(smoke.get("set") or {}, dict):
-        raise ConfigError(f"{path}: sweep.smoke.set must map dotted keys to values, e.g. "
-                          f"{{train.steps: 8}}; got {smoke['set']!r}")
-    variants = spec.get("variants", list(GROUP_LABELS))
-    _check_variants(variants, path)
-    seeds = spec.get("seeds", [0])
-    _check_seeds(seeds, path)
-    sweep = Sweep(name=str(spec.get("name", path.stem)), key=str(spec["key"]), variants=list(variants),
-                  seeds=list(seeds), points=list(points), base=values, smoke=dict(smoke))
-    for smoke in (False, True):
-        if smoke and not sweep.smoke:
-            continue
-        for run in sweep_runs(sweep, "/tmp/_sweep_check", smoke=smoke):
-            run_config_from_dict(run.params)
-    return sweep
-
-
-def _fmt_value(v: Any) -> str:
-    return str(v).replace("/", "_").replace(" ", "")
-
-
-def sweep_dir(sweep: Sweep, out_root: str | Path, smoke: bool = False) -> Path:
+def sweep_dir(name: str, out_root: str | Path, smoke: bool = False) -> Path:
     """The folder of a sweep's run folders; smoke runs get their own, so that a full sweep into
     the same out_root never finds (and skips) a smoke run where its own point belongs."""
-    return Path(out_root) / (f"{sweep.name}_smoke" if smoke else sweep.name)
+    return Path(out_root) / (f"{name}_smoke" if smoke else name)
 
 
-def sweep_runs(sweep: Sweep, out_root: str | Path, *, smoke: bool = False,
-               variants: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
-               overrides: list[str] | dict | None = None) -> list[RunSpec]:
-    """Every (point, variant, seed) of ``sweep`` as a RunSpec (points outermost). ``overrides``:
-    applied to every run, as --set strings (train.steps=50) or {dotted key: value}."""
-    smoke_spec = sweep.smoke if smoke else {}
-    points = smoke_spec.get("points") or sweep.points
-    if smoke and not sweep.smoke:
-        points = sweep.points[:2]
-    base = apply_overrides(sweep.base, smoke_spec.get("set"))
-    root = sweep_dir(sweep, out_root, smoke)
-    runs = []
-    for point in points:
-        for variant in variants or sweep.variants:
-            for seed in seeds if seeds is not None else sweep.seeds:
-                out = root / f"{sweep.key}={_fmt_value(point['value'])}" / variant / f"seed{seed}"
-                params = apply_overrides(apply_overrides(base, point.get("set")), overrides)
-                params.update(variant=variant, name=f"{root.name}/{sweep.key}={point['value']}/{variant}",
-                              out_dir=str(out))
-                params.setdefault("train", {})["seed"] = int(seed)
-                info = {"sweep": sweep.name, "key": sweep.key, "value": point["value"], "variant": variant,
-                        "seed": int(seed), "label": variant, "smoke": smoke}
-                runs.append(RunSpec(out, params, info))
-    return runs
-
-
-# --------------------------------------------------------------------------------------------
-# Running
-# --------------------------------------------------------------------------------------------
-
-# The trainer's statuses of a run that has ended: nothing is left to train.
-FINISHED = ("completed", "stopped_early")
-
-
-def _status(out_dir: Path) -> Optional[str]:
-    """The status in out_dir/summary.json (None: no readable summary)."""
-    try:
-        return json.loads((out_dir / "summary.json").read_text()).get("status")
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _check_run_folder(run: RunSpec) -> None:
-    """Raise ConfigError when run.out_dir already holds a run trained with other settings: skipping
-    or resuming it would report that run as the planned one. Settings the trainer resumes
-    across (config.EXECUTION_KEYS) may differ: the folder still holds the planned run."""
-    saved_file = run.out_dir / "config.yaml"   # the trainer's own record of what it trained
-    if not saved_file.is_file():
-        return
-    fix = f"train into another folder (--out / out_root), or delete {run.out_dir} to train it again"
-    try:
-        saved = trained_settings(read_yaml(saved_file))
-    except ConfigError as exc:
-        raise ConfigError(f"{run.out_dir} holds a run whose config.yaml cannot be read ({exc}); {fix}") from None
-    planned = trained_settings(run.params)
-    changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in planned.items() if saved.get(k) != v]
-    if changed:
-        raise ConfigError(f"{run.out_dir} holds a run trained with other settings than planned "
-                          f"({'; '.join(changed)}); {fix}")
-
-
-def _notebook_path() -> Path:
-    return REPO / "notebooks" / "03_training.ipynb"
-
-
-def run_one(run: RunSpec, runner: str = "inprocess", skip_done: bool = True, log=print) -> dict:
-    """Train one RunSpec; returns {"status", "wall_s", "out_dir", **info} (never raises for a
-    run that fails: the error is recorded, the sweep goes on)."""
-    if runner not in RUNNERS:
-        raise ConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
-    _check_run_folder(run)
-    out = run.out_dir
-    if skip_done and _status(out) in FINISHED:
-        log(f"  skip (finished): {out}")
-        return {**run.info, "status": "skipped", "wall_s": 0.0, "out_dir": str(out)}
-    out.mkdir(parents=True, exist_ok=True)
-    params_file = out / "params.yaml"
-    write_text_atomic(params_file, yaml.safe_dump(run.params, sort_keys=False))
-    write_text_atomic(out / "sweep_point.json", json.dumps(run.info, indent=2) + "\n")
-    t0 = time.perf_counter()
-    status, error = "completed", None
-    try:
-        if runner == "inprocess":
-            from oelm_core.train import train  # imported late: the CLI `table` needs no torch start
-
-            # resume: a run cut short (killed, paused) continues from its newest checkpoint
-            summary = train(run_config_from_dict(run.params), resume=True)
-            status = summary.get("status", status)
-        elif runner == "subprocess":
-            with open(out / "train.log", "a") as logf:
-                rc = subprocess.call([sys.executable, "-m", "oelm_core.train", "--params", str(params_file),
-                                      "--resume"], stdout=logf, stderr=subprocess.STDOUT, cwd=os.getcwd())
-            if rc != 0:
-                status, error = "failed", f"exit code {rc}; see {out / 'train.log'}"
-            else:
-                status = _status(out) or status
-        else:  # notebook: papermill runs notebooks/03_training.ipynb with the parameter file
-            import papermill as pm
-
-            nb = _notebook_path()
-            if not nb.is_file():
-                raise ConfigError(f"{nb} does not exist; use runner 'subprocess' or 'inprocess'")
-            import torch
-
-            # the first GPU this process sees (the notebook maps the index to the machine's number)
-            gpu = "0" if torch.cuda.is_available() else ""
-            pm.execute_notebook(str(nb), str(out / "03_training.ipynb"),
-                                parameters={"params": str(params_file.resolve()), "run_dir": str(out.resolve()),
-                                            "overrides": [], "nproc": 1, "resume": True,
-                                            "cuda_visible_devices": gpu},
-                                cwd=str(REPO), progress_bar=False)
-            status = _status(out)
-            if status is None:
-                status, error = "failed", f"no summary.json; see {out / '03_training.ipynb'}"
-    except Exception as exc:  # one failed point must not lose the rest of the sweep
-        status, error = "failed", f"{type(exc).__name__}: {exc}"
-    wall = time.perf_counter() - t0
-    row = {**run.info, "status": status, "wall_s": wall, "out_dir": str(out)}
-    if error:
-        row["error"] = error
-        log(f"  FAILED {out}: {error}")
-    else:
-        log(f"  done in {wall:.1f}s: {out}")
-    return row
-
-
-def run_sweep(sweep: str | Path | Sweep, out_root: str | Path = "runs/sweeps", *, smoke: bool = False,
-              runner: str = "inprocess", variants: Sequence[str] | None = None,
-              seeds: Sequence[int] | None = None, overrides: list[str] | dict | None = None,
-              skip_done: bool = True, log=print) -> list[dict]:
-    """Train every point of a sweep; returns one status row per run (see ``sweep_results``)."""
-    if not isinstance(sweep, Sweep):
-        sweep = load_sweep(sweep)
-    runs = sweep_runs(sweep, out_root, smoke=smoke, variants=variants, seeds=seeds, overrides=overrides)
-    for r in runs:   # fail before the first run, not at the last
-        run_config_from_dict(r.params)
-        _check_run_folder(r)
-    rows = []
-    for i, run in enumerate(runs):
-        log(f"[{i + 1}/{len(runs)}] {sweep.key}={run.info['value']} {run.info['variant']} seed {run.info['seed']}")
-        rows.append(run_one(run, runner, skip_done, log))
-    return rows
-
-
-def ablation_runs(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "runs/ablations",
-                  seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
-                  overrides: list[str] | dict | None = None) -> list[RunSpec]:
-    """Every ablation file x seed, seed-major (all files at seed 0 first)."""
+def ablation_plan(plan_file: str | Path = ABLATIONS, out: str | Path = "runs/ablations",
+                  seeds: Sequence[int] | None = None, only: Sequence[str] | None = None,
+                  overrides: list[str] | dict | None = None, params_dir: str | Path | None = None) -> Plan:
+    """The ablations as a plan: every variant of ``plan_file`` x seed (its own seeds, 0 and 1, by
+    default), into OUT/<name>/seed<S>. ``params_dir``: one run per DIR/*.yaml instead (named by
+    the file), the layout of the ablations before parameters/ablations.yaml."""
+    if params_dir is None:
+        return load_plan(plan_file, out, seeds=seeds, only=only, overrides=overrides)
     files = sorted(Path(params_dir).glob("*.yaml"))
-    if only:
-        unknown = set(only) - {f.stem for f in files}
-        if unknown:
-            raise ConfigError(f"no ablation file for {sorted(unknown)} in {params_dir}; "
-                              f"have {[f.stem for f in files]}")
-        files = [f for f in files if f.stem in only]
     if not files:
         raise ConfigError(f"no *.yaml ablation files in {params_dir}")
-    runs = []
-    for seed in seeds:
-        for f in files:
-            params = apply_overrides(read_yaml(f), overrides)
-            out = Path(out_root) / f.stem / f"seed{seed}"
-            params.update(name=f.stem, out_dir=str(out))
-            params.setdefault("train", {})["seed"] = int(seed)
-            info = {"sweep": "ablations", "key": "ablation", "value": f.stem,
-                    "variant": run_config_from_dict(params).variant, "seed": int(seed), "label": f.stem}
-            runs.append(RunSpec(out, params, info))
-    return runs
-
-
-def run_ablations(params_dir: str | Path = "parameters/ablations", out_root: str | Path = "runs/ablations",
-                  seeds: Sequence[int] = (0, 1), only: Sequence[str] | None = None,
-                  overrides: list[str] | dict | None = None, runner: str = "inprocess", skip_done: bool = True,
-                  budget_s: float = 0.0, prune_checkpoints: bool = True, log=print) -> list[dict]:
-    """Train every ablation x seed (seed-major, so a cut-short session still has one seed of each).
-
-    ``budget_s`` > 0: start no new run once that many seconds have passed (the rest are listed as
-    "not started"; re-running continues with them). ``prune_checkpoints``: delete each finished
-    run's rolling ``ckpt/`` folder (its ``best.pt`` stays for analysis).
-    """
-    import shutil
-
-    runs = ablation_runs(params_dir, out_root, seeds, only, overrides)
-    for r in runs:   # fail before the first run, not at the last
-        _check_run_folder(r)
-    rows, t0 = [], time.perf_counter()
-    for i, run in enumerate(runs):
-        elapsed = time.perf_counter() - t0
-        if budget_s and elapsed > budget_s:
-            log(f"time budget of {budget_s:.0f}s used: {len(runs) - i} run(s) not started "
-                f"(run the same command again to continue)")
-            rows += [{**r.info, "status": "not started", "wall_s": 0.0, "out_dir": str(r.out_dir)} for r in runs[i:]]
-            break
-        log(f"[{i + 1}/{len(runs)}, {elapsed:.0f}s] {run.info['label']} seed {run.info['seed']}")
-        row = run_one(run, runner, skip_done, log)
-        if prune_checkpoints and row["status"] in FINISHED:
-            shutil.rmtree(run.out_dir / "ckpt", ignore_errors=True)
-        rows.append(row)
-    log(f"ablations: {sum(r['status'] in FINISHED + ('skipped',) for r in rows)}/{len(runs)} runs done "
-        f"in {time.perf_counter() - t0:.0f}s")
-    return rows
+    plan_file = Path(out) / "ablations_plan.yaml"   # the folder as a plan: what was trained, beside it
+    plan_file.parent.mkdir(parents=True, exist_ok=True)
+    spec = {"name": "ablations", "runs": [{"params": str(f.resolve()), "name": f.stem} for f in files],
+            "seeds": list(seeds if seeds is not None else (0, 1)), "runner": "inprocess", "keep_checkpoints": False}
+    write_text_atomic(plan_file, yaml.safe_dump({"experiment": spec}, sort_keys=False))
+    return load_plan(plan_file, out, only=only, overrides=overrides)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,6 +115,12 @@ def _row(run, spectrum: bool = True) -> dict:
         "spectrum_err": _poet_spectrum_error(run) if spectrum else None,
         "path": str(run.path),
     }
+
+
+def _swept(point: dict) -> bool:
+    """Whether a run's sweep_point.json (or row) places it on a sweep axis: an ablation's names
+    none (the older ones name the axis "ablation", their label as its value)."""
+    return point.get("key") not in (None, "ablation")
 
 
 def run_rows(root: str | Path, spectrum: bool = True) -> list[dict]:
@@ -482,7 +178,7 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
     from oelm_core.analysis import markdown_table, mean_std
 
     loaded = _load(root)
-    sweeps = sorted({str(r.point["sweep"]) for r in loaded if r.point.get("sweep") not in (None, "ablations")})
+    sweeps = sorted({str(r.point.get("sweep")) for r in loaded if _swept(r.point)})
     if sweeps:
         raise ConfigError(f"{root} holds runs of the sweep(s) {', '.join(sweeps)}: tabulate a sweep with "
                           f"--sweep (python -m oelm_core.sweep table {root} --sweep --name NAME), or point "
@@ -552,7 +248,7 @@ def sweep_results(root: str | Path, sweep_name: Optional[str] = None, smoke: Opt
     """
     from oelm_core.analysis import markdown_table, mean_std
 
-    runs = [r for r in run_rows(root, spectrum=False) if r["key"] and r["sweep"] != "ablations"
+    runs = [r for r in run_rows(root, spectrum=False) if _swept(r)
             and (sweep_name is None or r["sweep"] == sweep_name)]
     names = sorted({str(r["sweep"]) for r in runs})
     if sweep_name is None and len(names) > 1:
@@ -632,20 +328,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="seeds to train (default: the sweep file's sweep.seeds)")
     r.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override a parameter of every run, e.g. --set train.steps=200 train.lr=1e-3")
-    a = sub.add_parser("ablations", help="train every parameters/ablations file x seeds, then tabulate")
-    a.add_argument("--params-dir", default="parameters/ablations",
-                   help="folder of the ablations' parameter files, one run per *.yaml and seed "
-                        "(default: parameters/ablations)")
+    a = sub.add_parser("ablations", help="train every ablation x seed, then tabulate")
+    a.add_argument("--plan", default=str(ABLATIONS.relative_to(REPO)),
+                   help="the ablations' plan file (default: parameters/ablations.yaml)")
+    a.add_argument("--params-dir", help="a folder of parameter files instead, one run per *.yaml and seed")
     a.add_argument("--out", default="runs/ablations",
-                   help="folder of the run folders, OUT/<file stem>/seed<S>, and of the table "
+                   help="folder of the run folders, OUT/<name>/seed<S>, and of the table "
                         "(ablations.md, .json, .png) (default: runs/ablations)")
-    a.add_argument("--seeds", nargs="+", type=int, default=[0, 1], metavar="SEED",
-                   help="seeds to train each ablation with (default: 0 1)")
-    a.add_argument("--only", nargs="+", help="file stems to run (default: all)")
+    a.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="seeds (default: the plan's, 0 1)")
+    a.add_argument("--only", nargs="+", help="ablations to run, by name (default: all)")
     a.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override a parameter of every run, e.g. --set train.steps=200 train.lr=1e-3")
-    a.add_argument("--runner", choices=RUNNERS, default="inprocess",
-                   help="as for run: inprocess, subprocess or notebook (default: inprocess)")
+    a.add_argument("--runner", choices=RUNNERS, help="as for run (default: the plan's, inprocess)")
     a.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds (0: none)")
     a.add_argument("--keep-checkpoints", action="store_true", help="keep each run's ckpt/ folder")
     t = sub.add_parser("table", help="tabulate (and plot) the ablation or sweep runs under a folder")
@@ -664,18 +358,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
-            sweep = load_sweep(args.sweep_file)
-            rows = run_sweep(sweep, args.out, smoke=args.smoke, runner=args.runner, variants=args.variants,
-                             seeds=args.seeds, overrides=args.set)
-            res = sweep_results(args.out, sweep.name, smoke=args.smoke)
+            plan = load_plan(args.sweep_file, out_root=args.out, smoke=args.smoke, runner=args.runner,
+                             variants=args.variants, seeds=args.seeds, overrides=args.set)
+            rows = run_trainings(plan, log=print)
+            res = sweep_results(args.out, plan.name, smoke=args.smoke)
             print(res["markdown"])
-            sweep_figure(res, sweep_dir(sweep, args.out, args.smoke) / "sweep.png")
+            sweep_figure(res, plan.out / "sweep.png")
             return 1 if any(r["status"] == "failed" for r in rows) else 0
         if args.cmd == "ablations":
-            rows = run_ablations(args.params_dir, args.out, args.seeds, args.only, args.set,
-                                 args.runner, budget_s=args.budget_s, prune_checkpoints=not args.keep_checkpoints)
-            table = ablation_table(args.out)
-            _write_table(table, args.out, None, None)
+            plan = ablation_plan(args.plan, args.out, args.seeds, args.only, args.set, args.params_dir)
+            plan.runner = args.runner or plan.runner
+            plan.keep_checkpoints = plan.keep_checkpoints or args.keep_checkpoints
+            rows = run_trainings(plan, budget_s=args.budget_s, log=print)
+            _write_table(ablation_table(args.out), args.out, None, None)
             return 1 if any(r["status"] == "failed" for r in rows) else 0
         if args.sweep:
             res = sweep_results(args.root, args.name, smoke=args.smoke)

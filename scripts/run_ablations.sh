@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every issue-7 ablation (parameters/ablations/*.yaml: 15 files) x 2 seeds, sequentially on one GPU,
+# Every issue-7 ablation (the 15 variants of parameters/ablations.yaml) x 2 seeds, sequentially on one GPU,
 # then the table (variant, seed, final val loss/ppl, trainable/frozen params) and a figure.
 #
 #   [OELM_DATA=/path/to/tinystories] scripts/run_ablations.sh [RESULTS_DIR] [--set key=value ...]

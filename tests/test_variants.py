@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from oelm_core import VARIANTS, ConfigError, build_model, count_parameters, model_config
-from oelm_core.config import load_run_config
+from oelm_core.config import run_config_from_dict
+from oelm_core.experiment import load_plan
 from oelm_core.model import QKProjection
 from oelm_core.orthogonal import attention_logit_stats
 from oelm_core.poet import POETProjection
@@ -304,27 +304,27 @@ def test_poet_and_synth_module_types():
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameter files of the ablations
+# The ablations' plan, parameters/ablations.yaml: one run per variant entry (seed 0)
 # ---------------------------------------------------------------------------------------------
 
-ABLATIONS = sorted((REPO / "parameters" / "ablations").glob("*.yaml"))
+ABLATIONS = {run.info["label"]: run for run in load_plan(REPO / "parameters" / "ablations.yaml").runs
+             if run.seed == 0}
 
 
-def test_there_is_an_ablation_file_per_variant():
-    names = {p.stem for p in ABLATIONS}
-    assert set(ALL_VARIANTS) <= names and "progressive" in names
+def test_there_is_an_ablation_per_variant():
+    assert set(ALL_VARIANTS) <= set(ABLATIONS) and "progressive" in ABLATIONS
 
 
-@pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: p.stem)
-def test_ablation_files_load(path):
-    cfg = load_run_config(path)
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_ablations_load(name):
+    cfg = run_config_from_dict(ABLATIONS[name].config)
     assert cfg.model_config().n_layer >= 2
-    if path.stem in VARIANTS:
-        assert cfg.variant == path.stem
+    if name in VARIANTS:
+        assert cfg.variant == name
 
 
 def test_progressive_schedule_unfreezes_frozen_layers():
-    cfg = load_run_config(REPO / "parameters" / "ablations" / "progressive.yaml")
+    cfg = run_config_from_dict(ABLATIONS["progressive"].config)
     mcfg = cfg.model_config()
     schedule = cfg.train.unfreeze_schedule
     assert schedule and all(int(step) < cfg.train.steps for step in schedule)
@@ -332,5 +332,4 @@ def test_progressive_schedule_unfreezes_frozen_layers():
     for layers in schedule.values():
         unfrozen |= set(range(mcfg.n_layer)) if layers == "all" else set(layers)
     assert unfrozen == set(mcfg.frozen_layers())
-    raw = yaml.safe_load((REPO / "parameters" / "ablations" / "progressive.yaml").read_text())
-    assert raw["variant"] == "oelm_freeze"
+    assert cfg.variant == "oelm_freeze"

@@ -1,0 +1,122 @@
+# %% [markdown]
+# # 04 · Analysis: results, hypotheses, attention
+#
+# Loads any number of run folders (several seeds per group give means, standard deviations and
+# Welch t-tests; a group is the runs of one variant trained with the same settings apart from the
+# seed), draws the curves, builds the results table in the original study's form, judges
+# hypotheses H1–H4 from the data, compares attention maps and samples, and writes `results.md` /
+# `results.json` to `out_dir`.
+
+# %% tags=["parameters"]
+run_dirs = []                  # run folders, or folders that hold them (a study folder)
+out_dir = "runs/notebooks/analysis"   # a relative path is taken from the repository root
+fig_dir = None                 # None: <out_dir>/figures
+which = "final"                # 'final' or 'best' validation figures
+attention_text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
+layer = 0
+head = 0
+max_tokens = 24
+sample_prompt = "Once upon a time"
+max_new_tokens = 40
+
+# %%
+# Paths in the parameters (parameter files, out_dir, the data cache) are taken from the repository
+# root, as on the command line: a kernel that JupyterLab starts in notebooks/ moves there.
+import os
+import sys
+from pathlib import Path
+
+if Path.cwd().name == "notebooks" and (Path.cwd().parent / "oelm_core").is_dir():
+    os.chdir(Path.cwd().parent)
+if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
+    sys.path.insert(0, str(Path.cwd()))  # this checkout's oelm_core, installed or not
+from IPython.display import Markdown, display
+# %matplotlib inline
+
+from oelm_core.experiment import check_notebook_parameters
+check_notebook_parameters("04_analysis", {
+    "run_dirs": run_dirs, "out_dir": out_dir, "fig_dir": fig_dir, "which": which, "attention_text": attention_text,
+    "layer": layer, "head": head, "max_tokens": max_tokens, "sample_prompt": sample_prompt,
+    "max_new_tokens": max_new_tokens})
+from oelm_core import analysis as A
+
+out_dir = A.REPO / out_dir  # an absolute path stays as it is
+fig_dir = A.REPO / fig_dir if fig_dir else out_dir / 'figures'
+runs = A.load_runs(run_dirs)
+display(Markdown(A.markdown_table([{'run': r.name, 'variant': r.variant, 'preset': r.preset, 'seed': r.seed,
+                                    'steps': r.value('steps'), 'folder': str(r.path)} for r in runs])))
+
+# %% [markdown]
+# ## Training and validation curves
+
+# %%
+display(A.plot_curves(runs, fig_dir / 'curves.png'))
+
+# %% [markdown]
+# ## Results table
+#
+# Gaps are relative to GPT-Base of the same preset (positive: worse); where the preset has several
+# GPT-Base groups, to the one trained with the row's settings apart from the variant. A variant's
+# runs trained with other settings (per-run overrides, an unfreeze schedule) are rows of their
+# own, named after their runs.
+
+# %%
+table = A.results_table(runs, which)
+display(Markdown(table['markdown']))
+
+# %% [markdown]
+# ## Hypotheses
+#
+# * **H1** freezing cuts trainable parameters by ~15% (the original report's claim; the exact
+#   figure at medium512 is 7.0%)
+# * **H2** OELM-Freeze perplexity within 5% of OELM-NoFreeze
+# * **H3** OELM-Freeze trains at least as fast as GPT-Base
+# * **H4** OELM-Freeze perplexity within 10% of GPT-Base
+#
+# Each compares two groups trained with the same settings apart from the variant; where the runs
+# hold no such pair, or several, the hypothesis is not judged and its evidence says why.
+
+# %%
+hyps = A.hypotheses(runs, which)
+display(Markdown(A.hypotheses_markdown(hyps)))
+assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H4']
+if A.hypotheses_judgeable(runs):
+    assert all(h['holds'] is not None for h in hyps), hyps
+
+# %% [markdown]
+# ## Significance across seeds
+#
+# Welch's t-test and Cohen's d of the validation perplexity, where each group has at least two
+# seeds.
+
+# %%
+sig = A.significance_tests(runs, f'{which}_val_ppl')
+columns = ['a', 'b', 'preset', 'n_a', 'n_b', 'mean_a', 'mean_b', 't', 'p', 'cohen_d']
+display(Markdown(A.markdown_table(sig, columns) if sig else '(no groups to compare)'))
+
+# %% [markdown]
+# ## Attention maps on the same story
+
+# %%
+models = A.load_models(runs)
+display(Markdown(A.checkpoint_note(which)))
+if models:
+    display(A.attention_figure(models, attention_text, layer, head, max_tokens, fig_dir / 'attention.png'))
+    summary = {label: A.attention_summary(m, attention_text, max_tokens) for label, m in models.items()}
+    display(Markdown(A.markdown_table([{'model': label, **row} for label, rows in summary.items()
+                                       for row in rows])))
+
+# %% [markdown]
+# ## Samples
+
+# %%
+samples = A.sample_generations(models, sample_prompt, max_new_tokens)
+display(Markdown(A.markdown_table(samples) if samples else '(no checkpoints)'))
+
+# %% [markdown]
+# ## Written results
+
+# %%
+result = A.write_results(runs, out_dir, which, extra_markdown=A.samples_markdown(samples, which))
+assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()
+print((out_dir / 'results.md').read_text())

@@ -1,0 +1,864 @@
+"""oelm_core.experiment: plans (studies, sweeps, the ablations), the runner, the launcher, the
+papermill call and the notebook-parameter check. The smoke study end to end (slow); the rest fast,
+or on tiny models in a few seconds.
+
+The end-to-end study runs once per test session (``smoke_study``): the smoke study file on a tiny
+story corpus, 24 steps per run, through ``python -m oelm_core.study``. tests/test_notebooks.py
+checks the notebooks it executed; tests/test_sweep.py the tables read back from run folders.
+"""
+
+import copy
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+import oelm_core.experiment as E
+from conftest import REPO, run_smoke_study
+from conftest import SMOKE_STEPS as STEPS
+from conftest import SMOKE_STUDY as STUDY_FILE
+from oelm_core import VARIANTS
+from oelm_core.config import ConfigError, load_run_config, run_config_from_dict, save_run_config
+from oelm_core.experiment import (ExperimentError, check_notebook_parameters, execute_notebook, failed_cell,
+                                  load_plan, notebook_defaults, run_trainings, train_command)
+from oelm_core.sweep import ablation_plan, run_rows, sweep_results
+from oelm_core.sweep import main as sweep_main
+
+load_study = load_plan
+SWEEPS = sorted((REPO / "parameters" / "sweeps").glob("*.yaml"))
+
+# --- end to end -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smoke_study_writes_study_json_and_runs(smoke_study):
+    out, proc = smoke_study
+    study = json.loads((out / "study.json").read_text())
+    assert study["name"] == "smoke" and study["status"] == "completed" and study["created"]
+    assert [n["name"] for n in study["notebooks"]] == ["01_theory", "02_model", "03_training", "04_analysis"]
+    assert all((out / n["output"]).is_file() for n in study["notebooks"] if n["name"] != "03_training")
+    assert [r["variant"] for r in study["runs"]] == ["gpt_base", "oelm_nofreeze", "oelm_freeze"]
+    for r in study["runs"]:
+        run_dir = out / r["run_dir"]
+        assert not Path(r["run_dir"]).is_absolute() and r["seed"] == 42 and r["preset"] == "smoke"
+        assert (run_dir / "best.pt").is_file() and (run_dir / "03_training.ipynb").is_file()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["steps"] == STEPS and summary["variant"] == r["variant"]
+        assert (run_dir / "loss_curve.png").is_file()
+    # progress and streamed training logs reached the study's output
+    assert "[study] step 1/4: 01_theory" in proc.stdout
+    assert "[oelm_freeze_s42] step 24: train loss" in proc.stdout
+
+
+@pytest.mark.slow
+def test_smoke_study_results_judge_h1_to_h4(smoke_study):
+    out, _ = smoke_study
+    md = (out / "results.md").read_text()
+    assert "OELM-Freeze" in md and "GPT-Base" in md and "Bits/byte" in md
+    results = json.loads((out / "results.json").read_text())
+    hyps = {h["id"]: h for h in results["hypotheses"]}
+    assert sorted(hyps) == ["H1", "H2", "H3", "H4"]
+    assert all(h["holds"] in (True, False) for h in hyps.values())
+    assert hyps["H1"]["holds"] is False  # 16,384 of 3.3M trainable: nowhere near 15%
+    assert len(results["table"]) == 3
+    # which: final, but the samples are best.pt's: results.md says so
+    assert ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
+            "validation loss (its first seed that has one). The table reads the final evaluation, which may "
+            "be a later step.") in md
+    for fig in ("jl_distortion.png", "curves.png", "attention.png"):
+        assert (out / "figures" / fig).is_file(), fig
+
+
+@pytest.mark.slow
+def test_a_study_run_again_leaves_its_finished_trainings_alone(smoke_study, tmp_path):
+    out, _ = smoke_study
+    again = tmp_path / "study"
+    shutil.copytree(out, again)  # a copy: the other tests read the first run's files
+    files = {p: p.stat().st_mtime_ns for p in again.rglob("*") if p.suffix == ".pt" or p.name == "summary.json"}
+    assert len([p for p in files if p.name == "summary.json"]) == 3
+    proc = run_smoke_study(out.parent, again, "study.notebooks=[03_training]")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "already ended (completed at step 24)" in proc.stdout + proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in files} == files  # no step trained, nothing rewritten
+
+
+# --- plumbing (fast) -----------------------------------------------------------------------------
+
+def test_load_study_plans_runs_seeds_and_overrides(tmp_path):
+    """Seed-major, as every plan: each run at the first seed before any at the second."""
+    study = load_study(STUDY_FILE, tmp_path / "s", ["train.steps=7", "study.seeds=[1,2]"])
+    assert [r.name for r in study.runs] == ["gpt_base_s1", "oelm_nofreeze_s1", "oelm_freeze_s1",
+                                            "gpt_base_s2", "oelm_nofreeze_s2", "oelm_freeze_s2"]
+    assert all("train.steps=7" in r.overrides for r in study.runs)
+    assert study.runs[3].run_dir == tmp_path / "s" / "runs" / "gpt_base_s2"
+    assert [(r.variant, r.seed) for r in study.runs[3:]] == [("gpt_base", 2), ("oelm_nofreeze", 2),
+                                                             ("oelm_freeze", 2)]
+    for run in study.runs:   # what each run trains (its params.yaml): the file, the sets, its folder
+        trained = load_run_config(run.params, run.overrides + [f"out_dir={run.run_dir}"])
+        assert run_config_from_dict(run.config) == trained and trained.name == run.name
+    assert study.notebooks == ["01_theory", "02_model", "03_training", "04_analysis"]
+    medium = load_study(REPO / "parameters" / "study_medium512.yaml")
+    assert medium.gpus_per_run == 2 and {r.preset for r in medium.runs} == {"medium512"}
+
+
+def test_load_study_errors_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_study(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_study(STUDY_FILE, sets=["study.colour=red"])
+    with pytest.raises(ConfigError, match="train.stepz"):
+        load_study(STUDY_FILE, sets=["train.stepz=3"])
+    with pytest.raises(ConfigError, match="study.notebooks"):
+        load_study(STUDY_FILE, sets=["study.notebooks=[05_extra]"])
+    # values the trainer cannot use fail when the study is read, before any notebook runs
+    with pytest.raises(ConfigError, match="train.dtype must be one of"):
+        load_study(STUDY_FILE, sets=["train.dtype=fp64"])
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["study.parameters.05_extra.d=3"], r"study.parameters names the notebook '05_extra'; choose from"),
+    (["study.parameters.01_theory.dd=3"],
+     r"study.parameters.01_theory.dd is not a parameter of 01_theory.ipynb; its parameters are d, n_head"),
+    (["study.parameters.04_analysis.fig_dir=3"],
+     r"04_analysis.fig_dir must be None or a string \(the notebook's default is None\); got 3"),
+    (["study.parameters.03_training.params=x.yaml"], r"03_training.params is set by the study.*study.runs"),
+    # with GPUs per run, the study gives each run its processes and GPUs: the smoke file's nproc
+    # and cuda_visible_devices would be overwritten without a word
+    (["study.gpus_per_run=1"], r"study.parameters.03_training.nproc is set by the study itself where "
+                               r"study.gpus_per_run > 0 \(each run gets study.gpus_per_run processes, one "
+                               r"per GPU\); leave it out of study.parameters.03_training"),
+    (["study.gpus_per_run=2", "study.parameters.03_training={cuda_visible_devices: '2,3'}"],
+     r"03_training.cuda_visible_devices is set by the study itself where study.gpus_per_run > 0 \(each run "
+     r"gets study.gpus_per_run GPUs of its own, of those in the study's CUDA_VISIBLE_DEVICES\)"),
+    (["study.gpus_per_run=two"], r"study.gpus_per_run must be a whole number of GPUs.*'two'"),
+    (["study.overrides=train.steps=3"], r"study.overrides must be a list of key=value strings"),
+    (["study.runs=[{name: a}]"], r"study.runs\[0\] needs a parameter file"),
+    (["study.runs=[{params: smoke/gpt_base.yaml, overide: [train.steps=3]}]"],
+     r"unknown key\(s\) study.runs\[0\].overide; valid keys of study.runs\[0\]: name, overrides, params"),
+    # notebook parameters of the wrong type or value: they used to pass, train every run, and
+    # fail in the notebook (04_analysis.which) or name no parameter at all (01_theory.d)
+    (["study.parameters.04_analysis.which=bestt"],
+     r"study.parameters.04_analysis.which must be one of final, best; got 'bestt'"),
+    (["study.parameters.01_theory.d=abc"],
+     r"study.parameters.01_theory.d must be a whole number \(int\) \(the notebook's default is 512\); got 'abc'"),
+    (["study.parameters.01_theory.d=2.5"], r"01_theory.d must be a whole number \(int\).*got 2.5"),
+    (["study.parameters.04_analysis.max_new_tokens=true"], r"04_analysis.max_new_tokens must be a whole number"),
+    (["study.parameters.04_analysis.max_new_tokens=null"], r"04_analysis.max_new_tokens must be a whole number.*got None"),
+    (["study.parameters.02_model.all_variants=1"],
+     r"02_model.all_variants must be true or false \(the notebook's default is True\); got 1"),
+    (["study.parameters.02_model.preset=[medium512]"], r"02_model.preset must be a string.*got \['medium512'\]"),
+    # the study's own keys of the wrong type: an empty notebook list used to run all four
+    (["study.notebooks=[]"], r"study.notebooks must be a non-empty list of notebooks to run.*got \[\]"),
+    (["study.notebooks=03_training"], r"study.notebooks must be a non-empty list.*got '03_training'"),
+    (["study.notebooks=[03_training, 03_training]"], r"study.notebooks lists a notebook twice"),
+    (["study.runs=smoke/gpt_base.yaml"], r"study.runs must be a list of parameter files.*got 'smoke/gpt_base.yaml'"),
+    (["study.runs=[]", "study.notebooks=[04_analysis]"], r"lists no runs under study.runs for 04_analysis"),
+    (["study.runs=[{params: 3}]"], r"study.runs\[0\] needs a parameter file"),
+    (["study.runs=[{params: smoke/gpt_base.yaml, name: [a]}]"], r"study.runs\[0\].name must be a string"),
+    (["study.seeds=[]"], r"study.seeds must be a non-empty list of whole numbers.*each parameter file's "
+                         r"train.seed\); got \[\]"),
+    (["study.seeds=[1, x]"], r"study.seeds must be a non-empty list of whole numbers.*got \[1, 'x'\]"),
+    (["study.parameters=[]"], r"study.parameters must map notebook names to parameters.*got \[\]"),
+    (["study.name=[a]"], r"study.name must be a string, got \['a'\]"),
+    (["sweep.seeds=[1]"], r"--set 'sweep.seeds=\[1\]': this file's plan section is `study:`; write study.seeds=\[1\]"),
+])
+def test_load_study_rejects_wrong_keys_and_values(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_study(STUDY_FILE, sets=sets)
+
+
+def test_load_study_takes_notebook_parameters_of_the_defaults_types(monkeypatch):
+    study = load_study(STUDY_FILE, sets=["study.parameters.04_analysis.which=best",
+                                         "study.parameters.04_analysis.fig_dir=/tmp/figs",
+                                         "study.parameters.01_theory.d=128", "study.seeds=7",
+                                         "study.notebooks=[01_theory, 04_analysis]"])
+    assert study.parameters["04_analysis"] == {"which": "best", "max_new_tokens": 30, "fig_dir": "/tmp/figs"}
+    assert study.parameters["01_theory"]["d"] == 128
+    assert study.notebooks == ["01_theory", "04_analysis"] and {r.seed for r in study.runs} == {7}
+    # a float parameter takes a whole number too, not a string
+    defaults = E.notebook_defaults
+    monkeypatch.setattr(E, "notebook_defaults", lambda nb: {**defaults(nb), "scale": 0.5})
+    assert load_study(STUDY_FILE, sets=["study.parameters.01_theory.scale=2"]).parameters["01_theory"]["scale"] == 2
+    with pytest.raises(ConfigError, match=r"01_theory.scale must be a number \(float\)"):
+        load_study(STUDY_FILE, sets=["study.parameters.01_theory.scale=big"])
+
+
+@pytest.mark.parametrize("per_run, expected", [(1, {"0", "1"}), (2, {"0,1"})])
+def test_trainings_run_side_by_side_on_the_gpus_this_process_sees(monkeypatch, tmp_path, per_run, expected):
+    """Slots are GPU indices as the study numbers them; launch_training maps them for the child."""
+    monkeypatch.setattr(E, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(E, "_prepare_data", lambda plan, log: None)
+    given = []
+    monkeypatch.setattr(E, "execute_notebook", lambda name, out, params, prefix="", cwd=None, echo=None:
+                        given.append((params["nproc"], params["cuda_visible_devices"])))
+    study = load_study(STUDY_FILE, tmp_path, [f"study.gpus_per_run={per_run}", "study.parameters.03_training={}"])
+    rows = run_trainings(study, log=lambda line: None)
+    assert len(given) == 3 and all(nproc == per_run for nproc, _ in given)
+    assert {devices for _, devices in given} == expected  # 3 runs on 2 slots of 1 GPU use both
+    # nothing trained here: no summary.json, each run named as failed
+    assert [r["status"] for r in rows] == ["failed"] * 3 and all("no summary.json" in r["error"] for r in rows)
+
+
+def test_the_inprocess_runner_trains_on_one_device_at_most():
+    with pytest.raises(ConfigError, match=r"runner inprocess trains in this process, on one device at most; "
+                                          r"for study.gpus_per_run=2 use the runner subprocess or notebook"):
+        load_plan(STUDY_FILE, sets=["study.gpus_per_run=2"], runner="inprocess")
+
+
+def fake_popen(monkeypatch) -> list:
+    """subprocess.Popen records (command, keywords) and starts nothing; the list it fills."""
+    import subprocess
+
+    class Done:
+        stdout = iter(())
+
+        def wait(self):
+            return 0
+
+    launched = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: launched.append((cmd, kw)) or Done())
+    return launched
+
+
+@pytest.mark.parametrize("visible, gpus, child", [("2,3", "0", "2"), ("2,3", "1", "3"), ("5,7", "0,1", "5,7"),
+                                                  ("2,3", "", ""), (None, "1", "1"), (None, "", ""),
+                                                  ("GPU-aa, GPU-bb", "1", "GPU-bb")])
+def test_a_training_gets_the_gpu_of_this_process_it_was_given(monkeypatch, visible, gpus, child):
+    """A job confined to GPUs 2,3 (CUDA_VISIBLE_DEVICES=2,3) trained on GPUs 0 and 1: a child's
+    CUDA_VISIBLE_DEVICES names the machine's devices, not this process's view of them."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+    launched = fake_popen(monkeypatch)
+    E.launch_training("parameters/smoke/gpt_base.yaml", cuda_visible_devices=gpus, echo=lambda line: None)
+    assert launched[0][1]["env"]["CUDA_VISIBLE_DEVICES"] == child
+
+
+@pytest.mark.parametrize("visible, gpus, message", [
+    ("2,3", "2", r"names GPU 2, but this process sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=2,3\)"),
+    ("", "0", r"names GPU 0, but this process sees 0 GPU\(s\)"),
+    ("2,3", "GPU-aa", r"give GPU indices such as \"0\" or \"0,1\"")])
+def test_a_gpu_this_process_does_not_see_is_refused(monkeypatch, visible, gpus, message):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(ConfigError, match=message):
+        E.launch_training("parameters/smoke/gpt_base.yaml", cuda_visible_devices=gpus, echo=lambda line: None)
+
+
+def test_paths_and_names_reach_the_trainer_as_written(monkeypatch, tmp_path):
+    """--set values are YAML: a study folder with " #" in its path was cut at the comment, and a
+    run named off or 2024 became a bool or an int that the trainer refused."""
+    study = load_study(STUDY_FILE, tmp_path / "study #2 😀", [
+        "study.seeds=null", "study.runs=[{params: smoke/gpt_base.yaml, name: 'off'}, "
+                            "{params: smoke/oelm_freeze.yaml, name: '2024'}]"])
+    assert [r.name for r in study.runs] == ["off", "2024"]
+    for run in study.runs:
+        assert load_run_config(run.params, run.overrides).name == run.name
+        assert run_config_from_dict(run.config).name == run.name
+        # params.yaml, what the runner launches, keeps them strings too
+        assert run_config_from_dict(yaml.safe_load(yaml.safe_dump(run.config))).name == run.name
+
+    launched = fake_popen(monkeypatch)
+    run = study.runs[0]
+    out = E.launch_training(run.params, run.overrides, run_dir=run.run_dir, echo=lambda line: None)
+    assert out == run.run_dir.resolve() and " #2 😀" in str(out)
+    sets = [launched[0][0][k + 1] for k, arg in enumerate(launched[0][0]) if arg == "--set"]
+    assert load_run_config(run.params, sets).out_dir == str(out)   # what the trainer will read
+
+
+def test_every_set_flag_reaches_the_study(monkeypatch, tmp_path):
+    """Like train's --set: several values after one flag, and the flag given again."""
+    import oelm_core.study as S
+
+    studies = []
+    monkeypatch.setattr(E, "run_plan", lambda plan, **kw: studies.append(plan))
+    assert S.main([str(STUDY_FILE), "--out", str(tmp_path / "s"), "--set", "train.steps=7", "study.seeds=[1,2]",
+                   "--set", "study.notebooks=[03_training]"]) == 0
+    (study,) = studies
+    assert study.notebooks == ["03_training"] and {r.seed for r in study.runs} == {1, 2}
+    assert all("train.steps=7" in r.overrides for r in study.runs)
+
+
+@pytest.mark.parametrize("failure,code,message", [
+    (None, 2, "[study] FAILED: plan file {tmp}/nope.yaml not found"),
+    (ExperimentError("notebook 04_analysis failed in code cell 3"), 1, "[study] FAILED: notebook 04_analysis failed"),
+    (RuntimeError("training of p.yaml exited with status 2"), 1, "[study] FAILED: training of p.yaml exited"),
+    (ConfigError("data folder /x does not exist"), 2, "[study] FAILED: data folder /x does not exist"),
+])
+def test_study_exit_codes_are_those_of_train(monkeypatch, tmp_path, capsys, failure, code, message):
+    """2: unusable input (as train and sweep say it), 1: a notebook or training failed; a study
+    file not found used to exit 1."""
+    import oelm_core.study as S
+
+    def run_plan(plan, **kw):
+        raise failure
+
+    monkeypatch.setattr(E, "run_plan", run_plan)
+    study = tmp_path / "nope.yaml" if failure is None else STUDY_FILE
+    assert S.main([str(study), "--out", str(tmp_path / "s")]) == code
+    assert capsys.readouterr().err.startswith(message.format(tmp=tmp_path))
+
+
+def test_a_study_file_with_bad_yaml_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "study_bad.yaml"
+    bad.write_text("study:\n  runs: [smoke/gpt_base.yaml\n  seeds: [1]\n")
+    with pytest.raises(ConfigError) as err:
+        load_study(bad)
+    assert str(err.value).startswith(f"{bad} is not valid YAML: expected ',' or ']', but got ':' at line 3")
+    bad.write_text("- study\n")
+    with pytest.raises(ConfigError, match="must hold a YAML mapping at the top level"):
+        load_study(bad)
+    with pytest.raises(ConfigError, match=r"^--set 'study.seeds=\[1': the value is not valid YAML"):
+        load_study(STUDY_FILE, sets=["study.seeds=[1"])
+
+
+def test_study_notebook_parameters_are_those_of_the_notebooks():
+    assert list(notebook_defaults("03_training")) == ["params", "overrides", "nproc", "cuda_visible_devices",
+                                                      "run_dir", "resume", "progress_bar"]
+    study = load_study(STUDY_FILE, sets=["study.parameters.03_training.progress_bar=true"])
+    assert study.parameters["03_training"]["progress_bar"] is True
+
+
+def test_parameter_files_load():
+    """Every shipped parameter file and plan (study, sweep, the ablations) loads, and none
+    hard-codes a local data folder: online the stories come from the hub, offline from OELM_DATA."""
+    from oelm_core.data import HUB_NAME
+
+    files = sorted((REPO / "parameters").rglob("*.yaml"))
+    assert {p.parent.name for p in files} == {"smoke", "medium512", "shapes", "sweeps", "parameters"}
+    plans = [p for p in files if p.parent.name == "sweeps" or p.name == "ablations.yaml" or p.stem.startswith("study_")]
+    assert len(plans) == 4 + 1 + 4
+    for path in files:
+        if path in plans:
+            cfgs = [run_config_from_dict(r.config) for smoke in (False, True) if path.parent.name == "sweeps" or not smoke
+                    for r in load_plan(path, smoke=smoke).runs]
+        else:
+            cfgs = [load_run_config(path)]
+        assert cfgs and all(cfg.data.source == HUB_NAME for cfg in cfgs), path
+    cfgs = {v: load_run_config(REPO / "parameters" / "medium512" / f"{v}.yaml")
+            for v in ("gpt_base", "oelm_nofreeze", "oelm_freeze")}
+    for v, cfg in cfgs.items():
+        t = cfg.train
+        assert (cfg.variant, cfg.preset, t.steps, t.batch_size, t.lr, t.min_lr, t.warmup_steps) == \
+            (v, "medium512", 100_000, 8, 3e-4, 3e-5, 2000, )
+        assert (t.weight_decay, t.grad_clip, t.eval_every, t.ckpt_every) == (0.1, 1.0, 1000, 5000)
+
+
+def test_train_command_single_and_torchrun():
+    assert train_command("p.yaml", ["train.steps=3"])[1:] == ["-m", "oelm_core.train", "--params", "p.yaml",
+                                                              "--set", "train.steps=3"]
+    cmd = train_command("p.yaml", nproc=2)
+    assert "torch.distributed.run" in cmd and "--nproc_per_node=2" in cmd and "oelm_core.train" in cmd
+
+
+@pytest.mark.slow
+def test_failed_notebook_names_the_cell(tmp_path, monkeypatch):
+    # OELM_DATA (the Makefile exports it) overrides data.source: the run would find stories and
+    # fail somewhere else, for another reason
+    monkeypatch.delenv("OELM_DATA", raising=False)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "preset": "tiny", "variant": "gpt_base",
+                                   "data": {"source": str(tmp_path / "no_such_folder"),
+                                            "out_dir": str(tmp_path / "data")}}))
+    out = tmp_path / "03.ipynb"
+    with pytest.raises(ExperimentError) as err:
+        execute_notebook("03_training", out, {"params": str(bad), "run_dir": str(tmp_path / "run")}, cwd=REPO)
+    msg = str(err.value)
+    assert "notebook 03_training failed in code cell" in msg and "launch_training" in msg
+    assert "RuntimeError" in msg and str(out) in msg
+    assert f"data folder {tmp_path / 'no_such_folder'} does not exist" in msg
+    assert failed_cell(out).startswith("code cell")
+
+
+@pytest.mark.parametrize("progress, expected", [(None, True), (False, False), (True, True)])
+def test_launch_training_sets_the_progress_bar_only_when_asked(monkeypatch, progress, expected):
+    """Notebook 03 turns the bar off (it streams badly there); None keeps the parameter file's."""
+    launched = fake_popen(monkeypatch)
+    E.launch_training("parameters/smoke/gpt_base.yaml", progress=progress, echo=lambda line: None)
+    sets = [launched[0][0][k + 1] for k, arg in enumerate(launched[0][0]) if arg == "--set"]
+    assert load_run_config("parameters/smoke/gpt_base.yaml", sets).train.progress is expected
+
+
+# --- notebook parameters given to papermill directly ----------------------------------------------
+
+@pytest.mark.parametrize("name,values,message", [
+    # papermill -p passes text: a list became its characters, a count a string deep in a call
+    ("03_training", {"overrides": "train.steps=20"},
+     r"^notebook 03_training: parameter overrides must be a list \(the notebook's default is \[\]\); got "
+     r"'train.steps=20'; give a list or mapping to papermill as YAML with -y, e.g. -y 'overrides: \[...\]'$"),
+    ("03_training", {"nproc": "two"}, r"^notebook 03_training: parameter nproc must be a whole number \(int\) "
+                                      r"\(the notebook's default is 1\); got 'two'$"),
+    ("03_training", {"run_dir": 3}, r"parameter run_dir must be None or a string \(the notebook's default is None\)"),
+    ("01_theory", {"d": "abc"}, r"^notebook 01_theory: parameter d must be a whole number \(int\).*got 'abc'$"),
+    ("05_sweep", {"overrides": "train.steps=20"},
+     r"parameter overrides must be a mapping \(the notebook's default is \{\}\); got 'train.steps=20'; give a "
+     r"list or mapping to papermill as YAML with -y, e.g. -y 'overrides: \{...\}'"),
+    ("05_sweep", {"smoke": "no"}, r"parameter smoke must be true or false \(the notebook's default is True\); got 'no'"),
+    ("05_sweep", {"seeds": 3}, r"parameter seeds must be None or a list \(the notebook's default is None\); got 3"),
+    ("05_sweep", {"runner": "in-process"},
+     r"parameter runner must be one of inprocess, subprocess, notebook; got 'in-process'"),
+    ("04_analysis", {"which": "last"}, r"parameter which must be one of final, best; got 'last'"),
+    # values of the right type that leave 01's checks nothing to measure, or to chance
+    ("01_theory", {"d": 16}, r"^notebook 01_theory: parameter d must be at least 32 \(the JL curve needs the target "
+                             r"dimensions 8 and d/2 >= 16\); got 16$"),
+    ("01_theory", {"n_tokens": 2}, r"parameter n_tokens must be at least 8 .*; got 2$"),
+    ("01_theory", {"jl_points": 2}, r"parameter jl_points must be at least 3 .*; got 2$"),
+    ("01_theory", {"d": 64, "n_head": 3}, r"parameter n_head must divide d \(d = 64 is split into n_head equal "
+                                          r"parts\); got n_head = 3$"),
+    ("01_theory", {"n_head": 5}, r"n_head must divide d \(d = 512 .*got n_head = 5$"),
+    ("02_model", {"presets": "tiny"}, r"parameter presets is not a parameter of 02_model.ipynb; its parameters are "
+                                      r"preset, grad_check_preset, all_variants"),
+])
+def test_notebook_parameters_of_the_wrong_type_are_named(name, values, message):
+    with pytest.raises(ConfigError, match=message):
+        check_notebook_parameters(name, values)
+
+
+@pytest.mark.parametrize("name", ["01_theory", "02_model", "03_training", "04_analysis", "05_sweep"])
+def test_a_notebooks_defaults_and_values_of_their_types_pass(name):
+    check_notebook_parameters(name, notebook_defaults(name))
+    given = {"03_training": {"run_dir": "/tmp/run", "overrides": ["train.steps=20"], "nproc": 2},
+             "04_analysis": {"fig_dir": "figs", "which": "best"},
+             "05_sweep": {"seeds": [0, 1], "variants": ["gpt_base"], "runner": "notebook", "figure_path": "f.png"},
+             "01_theory": {"d": 64}, "02_model": {"all_variants": False}}[name]
+    check_notebook_parameters(name, given)
+
+
+# --- a study run again in part ---------------------------------------------------------------------
+
+def test_a_partial_rerun_keeps_the_record_of_the_notebooks_run_before(monkeypatch, tmp_path, capsys):
+    """--set 'study.notebooks=[03_training]' rewrote study.json with that notebook alone, and its
+    last line named results.md, the earlier call's, as if it had written it."""
+    clock = iter(f"2026-01-0{day}T00:00:00+00:00" for day in range(1, 10))
+    monkeypatch.setattr(E, "_now", lambda: next(clock))
+    monkeypatch.setattr(E, "run_trainings", lambda plan, **kw: [])
+
+    written = {}
+
+    def execute(name, out_path, parameters, prefix="", cwd=None, echo=None):
+        written[name] = out_path
+        if name == "04_analysis":
+            (Path(parameters["out_dir"]) / "results.md").write_text("# Results\n")
+
+    monkeypatch.setattr(E, "execute_notebook", execute)
+    out = tmp_path / "study"
+    E.run_plan(load_study(STUDY_FILE, out))
+    assert capsys.readouterr().out.endswith(f"[study] done: {out}/study.json, {out}/results.md\n")
+    first = json.loads((out / "study.json").read_text())["notebooks"]
+    assert [(n["name"], n["executed"]) for n in first] == [
+        ("01_theory", "2026-01-02T00:00:00+00:00"), ("02_model", "2026-01-03T00:00:00+00:00"),
+        ("03_training", "2026-01-04T00:00:00+00:00"), ("04_analysis", "2026-01-05T00:00:00+00:00")]
+    assert all(out / n["output"] == written[n["name"]] for n in first if n["name"] != "03_training")
+
+    data = E.run_plan(load_study(STUDY_FILE, out, ["study.notebooks=[03_training]"]))
+    assert capsys.readouterr().out.endswith(f"[study] done: {out}/study.json\n")
+    assert data == json.loads((out / "study.json").read_text())
+    assert data["status"] == "completed" and data["created"] == "2026-01-06T00:00:00+00:00"
+    assert [(n["name"], n["executed"]) for n in data["notebooks"]] == [
+        ("01_theory", "2026-01-02T00:00:00+00:00"), ("02_model", "2026-01-03T00:00:00+00:00"),
+        ("03_training", "2026-01-07T00:00:00+00:00"), ("04_analysis", "2026-01-05T00:00:00+00:00")]
+
+
+def test_an_older_study_json_lists_the_notebooks_it_completed_by_name(tmp_path):
+    study = load_study(STUDY_FILE, tmp_path)
+    (tmp_path / "study.json").write_text(json.dumps({"name": "smoke", "created": "2025-12-01T00:00:00+00:00",
+                                                     "status": "completed", "notebooks": ["03_training", "04_analysis"]}))
+    assert E._earlier_notebooks(study) == {n: {"name": n, "executed": "2025-12-01T00:00:00+00:00"}
+                                           for n in ("03_training", "04_analysis")}
+    (tmp_path / "study.json").write_text(json.dumps({"name": "other", "status": "completed",
+                                                     "notebooks": ["03_training"]}))
+    assert E._earlier_notebooks(study) == {}   # another study's folder: nothing of this one ran there
+
+
+def test_the_smoke_parameter_files_train_outside_the_smoke_studys_folder():
+    """`python -m oelm_core.train --params parameters/smoke/oelm_freeze.yaml` trained into
+    runs/smoke/oelm_freeze, where an analysis of the smoke study folder took it for a study run."""
+    study = load_study(STUDY_FILE)
+    assert study.out == Path("runs/smoke")
+    for path in sorted((REPO / "parameters" / "smoke").glob("*.yaml")):
+        out = Path(load_run_config(path).out_dir)
+        assert out == Path("runs/train") / f"smoke_{path.stem}", path
+        assert study.out not in out.parents
+
+
+# --- sweeps and the ablations as plans ------------------------------------------------------------
+
+def run_sweep(path, out_root, *, smoke=False, overrides=None, runner=None, log=lambda *_: None) -> list[dict]:
+    """Every run of a sweep file into out_root/<sweep>[_smoke]: the runner's rows."""
+    return run_trainings(load_plan(path, out_root=out_root, smoke=smoke, overrides=overrides, runner=runner), log=log)
+
+
+def test_the_four_sweeps_exist():
+    assert {p.stem for p in SWEEPS} == {"a3_heads", "a4_head_dim", "a5_context", "a6_layers"}
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.stem)
+def test_sweep_files_plan_valid_runs(path, tmp_path):
+    sweep = load_plan(path, out_root=tmp_path)  # validates every run
+    assert (sweep.kind, sweep.runner, sweep.variants) == ("sweep", "inprocess", ["gpt_base", "oelm_nofreeze",
+                                                                                 "oelm_freeze"])
+    runs = sweep.runs
+    assert len(runs) == len(sweep.points) * 3 * len(sweep.seeds)
+    assert len({r.run_dir for r in runs}) == len(runs)
+    key = {"a3_heads": "n_head", "a4_head_dim": "d_head", "a5_context": "block_size", "a6_layers": "n_layer"}[path.stem]
+    for r in runs:
+        cfg = run_config_from_dict(r.config).model_config()
+        assert getattr(cfg, key) == r.info["value"]
+        assert cfg.qk_init == ("normal" if r.info["variant"] == "gpt_base" else "qr")
+        assert r.run_dir == tmp_path / path.stem / f"{key}={r.info['value']}" / r.info["variant"] / "seed0"
+    smoke = load_plan(path, out_root=tmp_path, smoke=True).runs
+    assert len(smoke) == 6 and all(run_config_from_dict(r.config).train.steps <= 10 for r in smoke)
+    assert all(r.run_dir.parts[-4] == f"{path.stem}_smoke" and r.info["smoke"] for r in smoke)
+    if path.stem == "a5_context":  # tokens per step constant along the context sweep
+        assert len({r.config["train"]["batch_size"] * r.info["value"] for r in runs}) == 1
+
+
+def _sweep_file(tmp_path: Path, **sweep) -> Path:
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}], **sweep},
+            "preset": "smoke", "out_dir": "x"}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize("sweep,message", [
+    ({"variant": ["oelm_freeze"]}, r"unknown key\(s\) sweep.variant; valid keys of sweep: key, name, points"),
+    ({"points": [{"value": 1, "set": {"model.n_layer": 1}}, {"value": 2, "sett": {"model.n_layer": 2}}]},
+     r"unknown key\(s\) sweep.points\[1\].sett; valid keys of sweep.points\[1\]: set, value"),
+    ({"points": [{"value": 2, "set": "model.n_layer=2"}]}, r"sweep.points\[0\].set must map dotted keys"),
+    ({"smoke": {"sets": {"train.steps": 2}}}, r"unknown key\(s\) sweep.smoke.sets; valid keys of sweep.smoke: points, set"),
+    ({"smoke": {"points": [{"value": 1, "st": {}}]}}, r"unknown key\(s\) sweep.smoke.points\[0\].st"),
+    # values the trainer cannot use fail when the file is read, before the first run
+    ({"points": [{"value": 1, "set": {"train.dtype": "fp64"}}]}, r"train.dtype must be one of"),
+])
+def test_load_sweep_rejects_wrong_keys_and_values(tmp_path, sweep, message):
+    with pytest.raises(ConfigError, match=message):
+        load_plan(_sweep_file(tmp_path, **sweep))
+
+
+@pytest.mark.parametrize("sweep,message", [
+    ({"seeds": 0}, r"sweep.seeds must be a non-empty list of whole numbers, e.g. \[0\] or \[0, 1\] \(leave the key "
+                   r"out for \[0\]\); got 0"),
+    ({"seeds": ["a"]}, r"sweep.seeds must be a non-empty list of whole numbers.*got \['a'\]"),
+    ({"seeds": [True]}, r"sweep.seeds must be a non-empty list of whole numbers"),
+    ({"seeds": []}, r"sweep.seeds must be a non-empty list of whole numbers"),
+    ({"variants": "gpt_base"}, r"sweep.variants must be a list of variant names, e.g. \[gpt_base\].*got 'gpt_base'"),
+    ({"variants": ["gpt_base", "oelm_frezee"]}, r"sweep.variants has unknown variant\(s\) \['oelm_frezee'\]; choose from"),
+])
+def test_load_sweep_requires_lists_of_seeds_and_variants(tmp_path, sweep, message):
+    path = _sweep_file(tmp_path, **sweep)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_plan(path)
+    assert str(path) in str(err.value)
+
+
+def test_load_sweep_from_the_notebooks_folder(monkeypatch):
+    """05_sweep's default sweep_file is relative to the repository root; a caller elsewhere (a
+    kernel in notebooks/ before its setup cell) finds it too."""
+    monkeypatch.chdir(REPO / "notebooks")
+    assert load_plan("parameters/sweeps/a6_layers.yaml").name == "a6_layers"
+
+
+def test_ablation_plan_is_seed_major_and_complete(tmp_path):
+    plan = ablation_plan(out=tmp_path)
+    runs = plan.runs
+    stems = [r.info["label"] for r in runs]
+    assert len(runs) == 30 and stems[:15] == stems[15:] and [r.info["seed"] for r in runs[:15]] == [0] * 15
+    assert {r.info["variant"] for r in runs} == set(VARIANTS)
+    assert (plan.runner, plan.keep_checkpoints, plan.records) == ("inprocess", False, False)
+    for r in runs:
+        cfg = run_config_from_dict(r.config)
+        assert cfg.preset == "mini" and cfg.train.batch_size == 32 and not cfg.train.compile
+        assert Path(cfg.out_dir) == r.run_dir == tmp_path / r.info["label"] / f"seed{r.info['seed']}"
+        schedule = {"progressive": {400: "all"}, "progressive_layerwise": {200: [3], 400: [2], 600: [0, 1]}}
+        assert cfg.train.unfreeze_schedule == schedule.get(r.info["label"], {}), r.name
+    assert [r.name for r in ablation_plan(out=tmp_path, seeds=[3], only=["oelm_poet", "progressive"]).runs] == [
+        "progressive/seed3", "oelm_poet/seed3"]
+    with pytest.raises(ConfigError, match=r"--only names \['nope'\], which .*ablations.yaml does not plan; its "
+                                          r"variants are \['gpt_base', 'oelm_nofreeze'"):
+        ablation_plan(out=tmp_path, only=["nope"])
+    with pytest.raises(ConfigError, match="train.dtype must be one of"):
+        ablation_plan(out=tmp_path, overrides={"train.dtype": "fp64"})
+
+
+def test_the_ablation_plan_plans_the_committed_ablation_runs():
+    """parameters/ablations.yaml replaced 15 files that differed in their variant (and unfreeze
+    schedule): each of its runs is the one results/ablations holds (the settings it trained,
+    its folder), so a plan into that folder recognises them, and the table reads them."""
+    from oelm_core.config import read_yaml, trained_settings
+    from oelm_core.sweep import ablation_table
+
+    committed = REPO / "results" / "ablations"
+    plan = ablation_plan(out=committed)
+    assert sorted(r.run_dir for r in plan.runs) == sorted(p.parent for p in committed.glob("*/seed*/config.yaml"))
+    for run in plan.runs:
+        E.check_run_folder(run)
+        assert trained_settings(read_yaml(run.run_dir / "config.yaml")) == trained_settings(run.config)
+    rows = {r["label"]: r for r in ablation_table(committed, spectrum=False)["rows"]}
+    assert list(rows) == [v["name"] if isinstance(v, dict) else v for v in
+                          read_yaml(REPO / "parameters" / "ablations.yaml")["experiment"]["variants"]]
+    assert all(r["seeds"] == 2 for r in rows.values()) and rows["gpt_base"]["loss_gap_pct"] == 0
+
+
+def _tiny_sweep(tmp_path: Path, story_folder: Path, **sweep) -> Path:
+    """A sweep file of one 1-layer point, 3 steps on CPU, with a smoke section of 2 steps."""
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}],
+                      "smoke": {"set": {"train.steps": 2, "train.eval_every": 2, "train.ckpt_every": 2}}, **sweep},
+            "name": "t", "out_dir": "x", "preset": "smoke", "model": {"block_size": 16},
+            "data": {"source": str(story_folder), "out_dir": str(tmp_path / "data")},
+            "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "eval_every": 3, "eval_batches": 1,
+                      "ckpt_every": 3, "log_every": 1, "progress": False, "device": "cpu"}}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_full_sweep_after_the_smoke_sweep_trains_its_own_runs(tmp_path, story_folder, monkeypatch, capsys):
+    """The smoke sweep into the same out_root must neither stand in for the full runs nor show
+    up in the full sweep's table."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    path, out = _tiny_sweep(tmp_path, story_folder), tmp_path / "runs"
+    smoke = run_sweep(path, out, smoke=True)
+    full = run_sweep(path, out)
+    assert [r["status"] for r in smoke] == [r["status"] for r in full] == ["completed"], (smoke, full)
+    assert Path(smoke[0]["out_dir"]) == out / "t_smoke" / "n_layer=1" / "gpt_base" / "seed0"
+    assert Path(full[0]["out_dir"]) == out / "t" / "n_layer=1" / "gpt_base" / "seed0"
+    assert json.loads((Path(full[0]["out_dir"]) / "summary.json").read_text())["steps"] == 3
+    assert json.loads((Path(smoke[0]["out_dir"]) / "summary.json").read_text())["steps"] == 2
+    res = sweep_results(out, "t", smoke=False)
+    assert [(r["smoke"], r["steps"]) for r in res["runs"]] == [(False, 3)]
+    # The CLI's table after a full sweep shows the full run alone (the smoke one lost 2 steps in).
+    capsys.readouterr()
+    assert sweep_main(["run", str(path), "--out", str(out)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| t |")]
+    assert len(rows) == 1 and (out / "t" / "sweep.png").is_file()
+
+
+def test_a_run_folder_trained_with_other_settings_is_refused(tmp_path, story_folder):
+    """A folder already holding a finished run of other settings must not be skipped as if it
+    were the planned run; settings that only say where the run executes may differ."""
+    path = _tiny_sweep(tmp_path, story_folder)
+    (run,) = load_plan(path, out_root=tmp_path / "runs").runs
+    run.run_dir.mkdir(parents=True)
+    trained = copy.deepcopy(run.config)
+    trained["train"].update(steps=2, device="cuda", stop_after=1)
+    save_run_config(run_config_from_dict(trained), run.run_dir / "config.yaml")
+    (run.run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 2}))
+    with pytest.raises(ConfigError) as err:
+        run_sweep(path, tmp_path / "runs")
+    message = str(err.value)
+    assert message.startswith(f"{run.run_dir} holds a run trained with other settings than planned "
+                              f"(train.steps: 2 -> 3); train into another folder")
+    assert f"delete {run.run_dir}" in message
+    assert not (run.run_dir / "params.yaml").exists()   # the folder is left as it was
+    # The same run, asked for with its own steps, is the finished run: skipped.
+    again = run_sweep(path, tmp_path / "runs", overrides={"train.steps": 2})
+    assert [r["status"] for r in again] == ["skipped"]
+
+
+def test_ablations_default_to_the_ignored_runs_folder():
+    """results/ablations holds the committed results; a default run there would skip them all
+    and rewrite their table."""
+    assert ablation_plan(only=["gpt_base"], seeds=(0,)).runs[0].run_dir == Path("runs/ablations/gpt_base/seed0")
+    assert load_plan(REPO / "parameters" / "ablations.yaml").out == Path("runs/ablations")
+
+
+def test_an_ablation_set_cut_by_its_budget_goes_on_where_it_stopped(tmp_path, story_folder, monkeypatch):
+    """The first call's time budget runs out after one run; the second call skips that finished
+    run, trains the one not started, and each finished run keeps best.pt but not its ckpt/.
+    The ablations as a folder of parameter files, the layout before parameters/ablations.yaml."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    params_dir = tmp_path / "ablations"
+    params_dir.mkdir()
+    for variant in ("gpt_base", "oelm_freeze"):
+        (params_dir / f"{variant}.yaml").write_text(yaml.safe_dump({
+            "preset": "smoke", "variant": variant, "model": {"n_layer": 1, "block_size": 16},
+            "data": {"out_dir": str(tmp_path / "data")},
+            "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "eval_every": 3, "eval_batches": 1,
+                      "ckpt_every": 3, "log_every": 1, "progress": False, "device": "cpu"}}))
+    out = tmp_path / "runs"
+    quiet = {"log": lambda *_: None}
+    first = run_trainings(ablation_plan(out=out, seeds=(0,), params_dir=params_dir), budget_s=1e-3, **quiet)
+    assert [(r["label"], r["status"]) for r in first] == [("gpt_base", "completed"), ("oelm_freeze", "not started")]
+    again = run_trainings(ablation_plan(out=out, seeds=(0,), params_dir=params_dir), **quiet)
+    assert [(r["label"], r["status"]) for r in again] == [("gpt_base", "skipped"), ("oelm_freeze", "completed")]
+    for label in ("gpt_base", "oelm_freeze"):
+        run_dir = out / label / "seed0"
+        assert (run_dir / "best.pt").is_file() and not (run_dir / "ckpt").exists()
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_a_tiny_sweep_really_trains(tmp_path, story_folder, monkeypatch):
+    """One point, two variants, a few steps of a tiny model: in-process training end to end."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base", "oelm_poet"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}]},
+            "name": "t", "out_dir": "x", "preset": "smoke", "model": {"block_size": 16},
+            "data": {"source": str(story_folder), "out_dir": str(tmp_path / "data")},
+            "train": {"steps": 3, "batch_size": 2, "warmup_steps": 1, "eval_every": 3, "eval_batches": 1,
+                      "ckpt_every": 3, "log_every": 1, "progress": False, "device": "cpu"}}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    status = run_sweep(tmp_path / "t.yaml", tmp_path / "runs")
+    assert [r["status"] for r in status] == ["completed", "completed"], status
+    res = sweep_results(tmp_path / "runs", "t")
+    assert len(res["rows"]) == 2 and all(r["val_loss"] and r["val_loss"] > 0 for r in res["rows"])
+    # A second call skips the completed runs.
+    again = run_sweep(tmp_path / "t.yaml", tmp_path / "runs")
+    assert [r["status"] for r in again] == ["skipped", "skipped"]
+    # The POET run's best checkpoint still has an orthogonal spectrum.
+    poet = [r for r in run_rows(tmp_path / "runs") if r["variant"] == "oelm_poet"]
+    assert poet and poet[0]["spectrum_err"] is not None and poet[0]["spectrum_err"] < 1e-4
+
+
+@pytest.mark.parametrize("runner", ["inprocess", pytest.param("subprocess", marks=pytest.mark.slow),
+                                    pytest.param("notebook", marks=pytest.mark.slow)])
+def test_an_interrupted_sweep_resumes_and_finished_runs_are_skipped(tmp_path, story_folder, monkeypatch,
+                                                                    runner):
+    """A run cut short (here: paused by stop_after, leaving a checkpoint as a killed run does)
+    continues from its checkpoint on the next call; an early-stopped run counts as done."""
+    monkeypatch.setenv("OELM_DATA", str(story_folder))
+    spec = {"sweep": {"name": "t", "key": "n_layer", "variants": ["gpt_base"], "seeds": [0],
+                      "points": [{"value": 1, "set": {"model.n_layer": 1}}]},
+            "name": "t", "out_dir": "x", "preset": "smoke", "model": {"block_size": 16},
+            "data": {"out_dir": str(tmp_path / "data")},
+            "train": {"steps": 4, "batch_size": 2, "warmup_steps": 1, "eval_every": 2, "eval_batches": 1,
+                      "ckpt_every": 2, "log_every": 1, "progress": False, "device": "cpu"}}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    quiet = {"runner": runner}
+    first = run_sweep(tmp_path / "t.yaml", tmp_path / "runs", overrides={"train.stop_after": 2}, **quiet)
+    out = Path(first[0]["out_dir"])
+    assert first[0]["status"] == "paused" and (out / "ckpt" / "step_0000002.pt").is_file(), first
+    again = run_sweep(tmp_path / "t.yaml", tmp_path / "runs", **quiet)
+    assert again[0]["status"] == "completed", again
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 4  # one curve, continued
+    (out / "summary.json").write_text(json.dumps({**summary, "status": "stopped_early"}))
+    assert [r["status"] for r in run_sweep(tmp_path / "t.yaml", tmp_path / "runs", **quiet)] == ["skipped"]
+
+
+def _planned_params(monkeypatch) -> list[dict]:
+    """The parameters of every run the sweep CLI starts; nothing trains."""
+    import oelm_core.sweep as S
+
+    planned = []
+
+    def run_trainings(plan, **kw):
+        planned.extend(run.config for run in plan.runs)
+        return [{**run.info, "status": "completed", "wall_s": 0.0, "out_dir": str(run.run_dir)} for run in plan.runs]
+
+    monkeypatch.setattr(S, "run_trainings", run_trainings)
+    return planned
+
+
+@pytest.mark.parametrize("command", ["run", "ablations"])
+def test_every_set_flag_reaches_the_runs(tmp_path, monkeypatch, capsys, command):
+    """--set given twice kept only the second, silently; train's CLI takes both (and several
+    values after one --set)."""
+    planned = _planned_params(monkeypatch)
+    head = ([command, str(_sweep_file(tmp_path))] if command == "run" else
+            [command, "--only", "gpt_base", "--seeds", "0"])
+    sets = ["--set", "train.steps=5", "train.warmup_steps=1", "--set", "train.lr=0.01"]
+    assert sweep_main(head + ["--out", str(tmp_path / "out")] + sets) == 0
+    assert [{k: p["train"].get(k) for k in ("steps", "warmup_steps", "lr")} for p in planned] == \
+        [{"steps": 5, "warmup_steps": 1, "lr": 0.01}]
+
+
+def test_yaml_errors_in_sweep_files_and_sets_name_the_file_or_the_set(tmp_path, monkeypatch, capsys):
+    """PyYAML's traceback named neither the file nor the --set."""
+    _planned_params(monkeypatch)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sweep:\n  name: t\n  variants: [gpt_base\n  key: n_layer\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))} is not valid YAML: expected ',' or ']', but "
+                                          rf"got ':' at line 4"):
+        load_plan(bad)
+    assert sweep_main(["run", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad} is not valid YAML")
+    assert sweep_main(["run", str(_sweep_file(tmp_path)), "--out", str(tmp_path / "out"), "--set", "train.lr=[1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --set 'train.lr=[1': the value is not valid YAML "
+                                              "(expected ',' or ']'")
+    ablations = tmp_path / "ablations"
+    ablations.mkdir()
+    (ablations / "a.yaml").write_text("variant: gpt_base\nmodel: {n_layer: 2\n")
+    assert sweep_main(["ablations", "--params-dir", str(ablations), "--out", str(tmp_path / "abl")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {ablations / 'a.yaml'} is not valid YAML")
+    # a run folder whose config.yaml is broken is refused, naming it
+    (run,) = load_plan(_sweep_file(tmp_path), out_root=tmp_path / "out").runs
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.yaml").write_text("train: {steps: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(run.run_dir))} holds a run whose config.yaml cannot "
+                                          rf"be read \({re.escape(str(run.run_dir / 'config.yaml'))} is not valid"):
+        run_sweep(_sweep_file(tmp_path), tmp_path / "out")
+
+
+def test_an_experiment_plan_crosses_every_axis_seed_first(tmp_path):
+    """runs x variants x a sweep axis x seeds, seed outermost; a folder part per axis; the
+    settings in their order: the plan's, the run's, the point's, the variant's, the caller's."""
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump({"experiment": {
+        "name": "grid", "runs": [str(REPO / "parameters" / "smoke" / "gpt_base.yaml"),
+                                 {"params": str(REPO / "parameters" / "smoke" / "oelm_freeze.yaml"), "name": "lr",
+                                  "overrides": ["train.lr=0.0005", "train.steps=7"]}],
+        "variants": ["gpt_base", {"name": "late", "variant": "oelm_freeze",
+                                  "set": {"train.unfreeze_schedule": {4: "all"}, "train.steps": 9}}],
+        "key": "n_layer", "points": [{"value": 1, "set": {"model.n_layer": 1, "train.steps": 5}},
+                                     {"value": 2, "set": {"model.n_layer": 2}}],
+        "seeds": [3, 4], "overrides": ["train.steps=3", "train.batch_size=2"]}}))
+    plan = load_plan(plan_file, tmp_path / "out", ["train.batch_size=4"])
+    assert (plan.kind, plan.runner, plan.notebooks, plan.records) == ("experiment", "notebook", ["03_training"], True)
+    assert len(plan.runs) == 2 * 2 * 2 * 2 and [r.seed for r in plan.runs] == [3] * 8 + [4] * 8
+    assert [r.name for r in plan.runs[:4]] == ["n_layer=1/gpt_base/gpt_base/seed3", "n_layer=1/gpt_base/late/seed3",
+                                               "n_layer=1/lr/gpt_base/seed3", "n_layer=1/lr/late/seed3"]
+    assert plan.runs[-1].run_dir == tmp_path / "out" / "n_layer=2" / "lr" / "late" / "seed4"
+    by_name = {(r.name, r.seed): run_config_from_dict(r.config) for r in plan.runs}
+    first = by_name[("n_layer=1/gpt_base/gpt_base/seed3", 3)]
+    assert (first.model_config().n_layer, first.train.steps, first.train.batch_size, first.variant) == (1, 5, 4, "gpt_base")
+    late = by_name[("n_layer=2/lr/late/seed4", 4)]
+    assert (late.model_config().n_layer, late.train.steps, late.train.lr, late.variant, late.train.seed) == (
+        2, 9, 0.0005, "oelm_freeze", 4)
+    assert late.train.unfreeze_schedule == {4: "all"} and late.out_dir == str(plan.runs[-1].run_dir)
+    assert plan.runs[-1].info == {"sweep": "grid", "key": "n_layer", "value": 2, "variant": "oelm_freeze", "seed": 4,
+                                  "label": "late", "smoke": False}
+
+
+@pytest.mark.parametrize("value", ["off", "2024", "a #b", "x: y", "", None, True, 3, 0.5, [1, "2"], {400: "all"}])
+def test_set_strings_carry_values_as_written(value):
+    """A value of a plan's {dotted key: value} reaches the run as itself: YAML would read a bare
+    off as false, 2024 as a number and cut "a #b" at the comment."""
+    from oelm_core.config import apply_overrides
+
+    assert apply_overrides({}, [f"k={E._yaml_value(value)}"]) == {"k": value}
+
+
+def test_the_experiment_cli_hands_its_options_to_the_plan(monkeypatch, tmp_path):
+    plans = []
+    monkeypatch.setattr(E, "run_plan", lambda plan, **kw: plans.append((plan, kw)))
+    assert E.main([str(REPO / "parameters" / "ablations.yaml"), "--out", str(tmp_path), "--only", "oelm_poet",
+                   "gpt_base", "--set", "experiment.seeds=[5]", "train.steps=4", "--runner", "subprocess",
+                   "--keep-checkpoints", "--budget-s", "60"]) == 0
+    ((plan, kw),) = plans
+    assert [r.name for r in plan.runs] == ["gpt_base/seed5", "oelm_poet/seed5"] and kw == {"budget_s": 60.0}
+    assert (plan.runner, plan.keep_checkpoints, plan.out) == ("subprocess", True, tmp_path)
+    assert all(run_config_from_dict(r.config).train.steps == 4 for r in plan.runs)
+
+
+def test_a_notebooks_parameters_are_checked_before_a_kernel_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"^notebook 01_theory: parameter d must be a whole number"):
+        execute_notebook("01_theory", tmp_path / "01.ipynb", {"d": "abc"})
+    assert not (tmp_path / "01.ipynb").exists()
+
+
+def test_notebook_output_reaches_the_log_as_whole_prefixed_lines():
+    lines = []
+    sink = E._Lines("  [run] ", lines.append)
+    for chunk in ("step 1: loss 3", ".2\nstep 2", ": loss 3.1\n\n", "10%\r50%\r100%\n", "last"):
+        sink.write(chunk)
+    sink.close()
+    assert lines == ["  [run] step 1: loss 3.2", "  [run] step 2: loss 3.1", "  [run] 100%", "  [run] last"]
