@@ -690,11 +690,12 @@ class Trainer:
 
         block, batch, accum = self.model_cfg.block_size, self.tc.batch_size, self.tc.grad_accum
         data = Path(cfg.data.out_dir)
+        vocab = self.meta["vocab_size"]
         self.samplers = [TokenSampler(data / "train.bin", block, batch, self.tc.seed,
-                                      rank=d.rank * accum + m, world_size=d.world_size * accum)
+                                      rank=d.rank * accum + m, world_size=d.world_size * accum, vocab_size=vocab)
                          for m in range(accum)]
         self.val = [(x.to(self.device), y.to(self.device))
-                    for x, y in eval_batches(data / "val.bin", block, batch, self.tc.eval_batches)]
+                    for x, y in eval_batches(data / "val.bin", block, batch, self.tc.eval_batches, vocab_size=vocab)]
         self.tokens_per_step = batch * block * accum * d.world_size
         self.peak = peak_flops(self.device)
         self.flops_per_token = flops_per_token(self.model_cfg)["total"]

@@ -1273,3 +1273,22 @@ def test_one_process_may_not_change_the_global_batch_on_resume(tmp_path, folded,
 def test_tokens_seen_count_every_micro_batch(tmp_path, folded):
     summary = run(params(tmp_path, folded, steps=2, ckpt_every=2, eval_every=2, grad_accum=2))
     assert summary["global_batch_tokens"] == 2 * 4 * 32 and summary["tokens_seen"] == 2 * 2 * 4 * 32
+
+
+def test_token_ids_damaged_in_place_are_refused_before_the_first_step(tmp_path, folded, capsys):
+    """Ids past the vocabulary, the file's size unchanged: once a bare IndexError from the model
+    at the first step; now one line naming the file, the id and the rebuild."""
+    values = params(tmp_path, folded)
+    run(values)  # prepares and trains: the files are good
+    train_bin = tmp_path / "data" / "train.bin"
+    tokens = np.fromfile(train_bin, dtype=np.uint16)
+    tokens[123] = FOLDED_VOCAB + 44  # a GPT-2 id, but past this data's 256-token vocabulary
+    tokens.tofile(train_bin)
+    values["out_dir"] = str(tmp_path / "second")
+    assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {train_bin} holds 1 token id(s) past the 256-token vocabulary it was "
+                          f"prepared with (ids 0..255), the largest 300, the first at position 123: the file was "
+                          f"damaged or written by something else; rebuild with `python -m oelm_core.data")
+    assert f"--out-dir {tmp_path / 'data'} --force`" in err and err.count("\n") == 1
+
