@@ -1168,6 +1168,17 @@ class Trainer:
         return summary
 
 
+def warn_about_schedule(tc: TrainConfig) -> None:
+    """Log a warning where the warm-up outlasts the run: the learning rate never reaches
+    ``train.lr``. Not refused: a short try of a long run's parameter file (``--set
+    train.steps=20`` on a 2,000-step warm-up) is a fair thing to do."""
+    if tc.warmup_steps > tc.steps:
+        log.warning("train.warmup_steps=%d is longer than the run (train.steps=%d): the learning rate rises "
+                    "to %.3g at the last step and never reaches train.lr=%g, nor decays to train.min_lr; set "
+                    "train.warmup_steps below train.steps (e.g. %d, a tenth of it) to train at train.lr",
+                    tc.warmup_steps, tc.steps, lr_at(tc.steps - 1, tc), tc.lr, max(1, tc.steps // 10))
+
+
 def train(cfg: RunConfig, resume: bool = False) -> dict:
     """Train ``cfg`` (under torchrun: this rank's share) and return the summary dict.
 
@@ -1180,6 +1191,8 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     check_folders(cfg)
     d = setup_distributed(cfg.train)
     try:
+        if d.is_main:
+            warn_about_schedule(cfg.train)
         with hold_run_folder(Path(cfg.out_dir), d):
             if d.device.type == "cpu":
                 keep_large_blocks_in_heap()

@@ -1292,3 +1292,22 @@ def test_token_ids_damaged_in_place_are_refused_before_the_first_step(tmp_path, 
                           f"damaged or written by something else; rebuild with `python -m oelm_core.data")
     assert f"--out-dir {tmp_path / 'data'} --force`" in err and err.count("\n") == 1
 
+def test_a_warmup_longer_than_the_run_is_named_with_what_it_does(tmp_path, folded, caplog):
+    """train.steps=10 with train.warmup_steps=50 ran without a word, its learning rate never
+    reaching train.lr. Warned, not refused: a short try of a long run's parameter file
+    (--set train.steps=20 on a 2000-step warm-up) is a fair thing to do."""
+    values = params(tmp_path, folded, steps=10, warmup_steps=50, stop_after=2)
+    with caplog.at_level("INFO", logger="oelm_core.train"):
+        run(values)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["train.warmup_steps=50 is longer than the run (train.steps=10): the learning rate "
+                      "rises to 0.0006 at the last step and never reaches train.lr=0.003, nor decays to "
+                      "train.min_lr; set train.warmup_steps below train.steps (e.g. 1, a tenth of it) to train "
+                      "at train.lr"], warned
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([0.003 / 50, 0.003 * 2 / 50])
+    caplog.clear()
+    with caplog.at_level("INFO", logger="oelm_core.train"):
+        run(params(tmp_path, folded, out="other", steps=10, warmup_steps=10, stop_after=1))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
