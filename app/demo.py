@@ -14,6 +14,10 @@ on the GPU when there is one). The page then offers
 A checkpoint that is missing, unreadable or of another group (its Q/K initialisation, freezing,
 attention or POET setting is not the group's), or a --device this machine lacks, does not stop
 the server: the page shows what went wrong and how to fix it instead of the model panels.
+
+Every value the page or the API sends reaches the handlers as it was sent (the events skip
+Gradio's preprocessing, whose range checks answered first and named no setting): the handlers
+check each one and name the setting, the value and the range.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from oelm_core.generate import SamplingConfig, detokenize, stream_tokens
 
 GROUPS = tuple(GROUP_LABELS)
 
-# Input ranges: the sliders' bounds, checked again in the handlers (the API can send anything).
+# Input ranges: the sliders' bounds, checked by the handlers (the API can send anything, and the
+# events skip the components' own checks, which name no setting).
 LIMITS = {
     "max_new_tokens": (1, 512),
     "temperature": (0.0, 2.0),
@@ -260,17 +265,21 @@ def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root:
 # --------------------------------------------------------------------------------------------
 
 def _number(name: str, value, integer: bool = False) -> float:
+    """``value`` (as sent: any JSON value) as the number setting ``name`` takes, or gr.Error
+    naming the setting, the value and LIMITS' range."""
     lo, hi = LIMITS[name]
     if value is None or (isinstance(value, str) and not value.strip()):
         raise refuse(f"{name} is empty: enter a number between {lo} and {hi}")
     try:
+        if isinstance(value, bool):  # float(True) is 1.0: a JSON true is no number
+            raise TypeError
         x = float(value)
     except (TypeError, ValueError):
         raise refuse(f"{name} must be a number between {lo} and {hi}, got {value!r}") from None
     if not math.isfinite(x) or not lo <= x <= hi:
         raise refuse(f"{name} must be between {lo} and {hi}, got {value}")
     if integer and x != int(x):
-        raise refuse(f"{name} must be a whole number, got {value}")
+        raise refuse(f"{name} must be a whole number between {lo} and {hi}, got {value}")
     return int(x) if integer else x
 
 
@@ -295,7 +304,9 @@ class Demo:
 
     # ---- prompt -------------------------------------------------------------------------
     def check_prompt(self, prompt) -> list[int]:
-        if prompt is None or not str(prompt).strip():
+        if prompt is not None and not isinstance(prompt, str):
+            raise refuse(f"prompt must be text, got {type(prompt).__name__} {prompt!r}")
+        if prompt is None or not prompt.strip():
             raise refuse("The prompt is empty: type the beginning of a story, e.g. "
                            f"\u201c{DEFAULT_PROMPT}\u201d")
         if len(prompt) > MAX_PROMPT_CHARS:
@@ -364,9 +375,12 @@ class Demo:
         if head in (None, "", MEAN_HEAD):
             return None
         try:
+            if isinstance(head, bool) or (isinstance(head, float) and not head.is_integer()):
+                raise TypeError
             h = int(head)
         except (TypeError, ValueError):
-            raise refuse(f"head must be '{MEAN_HEAD}' or a head number, got {head!r}") from None
+            raise refuse(f"head must be '{MEAN_HEAD}' or a head number 0..{model.cfg.n_head - 1}, "
+                         f"got {head!r}") from None
         if not 0 <= h < model.cfg.n_head:
             raise refuse(f"{model.label} has heads 0..{model.cfg.n_head - 1}; head {h} does not exist")
         return h
@@ -382,10 +396,12 @@ class Demo:
         index = self.lab.models.index(chosen)
         continuation = continuations[index] if index < len(continuations) else ""
         try:
+            if isinstance(layer, bool):
+                raise TypeError
             layer_f = float(layer)
         except (TypeError, ValueError):
-            raise refuse(f"layer must be a number, got {layer!r}") from None
-        if layer_f != int(layer_f) or not 0 <= layer_f < chosen.cfg.n_layer:
+            raise refuse(f"layer must be a layer number 0..{chosen.cfg.n_layer - 1}, got {layer!r}") from None
+        if not (math.isfinite(layer_f) and layer_f == int(layer_f) and 0 <= layer_f < chosen.cfg.n_layer):
             raise refuse(f"{chosen.label} has layers 0..{chosen.cfg.n_layer - 1}; layer {layer} does not exist")
         layer_i = int(layer_f)
         head_i = self._head_index(head, chosen)
@@ -562,12 +578,16 @@ def build_demo(lab: Lab) -> gr.Blocks:
         gen_inputs = [prompt, max_new, temperature, top_k, top_p, seed]
         attn_inputs = [prompt, model_dd, layer, head, generated, *outputs]
         attn_outputs = [heat, compare, summary, table, details]
-        gen = go.click(handlers.generate, gen_inputs, [*outputs, generated], api_name="generate")
-        gen.success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
-        submitted = prompt.submit(handlers.generate, gen_inputs, [*outputs, generated], api_name=False)
-        submitted.success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
+        # preprocess=False: the values reach the handlers as sent, and their checks, which name the
+        # setting and its range, answer instead of the components' ("Value 0 is less than minimum
+        # value 1.", or "Could not preprocess input component at index 1" for a wrong type).
+        raw = dict(preprocess=False)
+        gen = go.click(handlers.generate, gen_inputs, [*outputs, generated], api_name="generate", **raw)
+        gen.success(handlers.attention, attn_inputs, attn_outputs, api_name=False, **raw)
+        submitted = prompt.submit(handlers.generate, gen_inputs, [*outputs, generated], api_name=False, **raw)
+        submitted.success(handlers.attention, attn_inputs, attn_outputs, api_name=False, **raw)
         stop.click(None, None, None, cancels=[gen, submitted])
-        show.click(handlers.attention, attn_inputs, attn_outputs, api_name="attention")
+        show.click(handlers.attention, attn_inputs, attn_outputs, api_name="attention", **raw)
     return demo
 
 
