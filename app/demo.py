@@ -12,8 +12,9 @@ on the GPU when there is one). The page then offers
   (attention entropy, mean attention distance) to compare frozen with trainable Q/K.
 
 A checkpoint that is missing, unreadable or of another group (its Q/K initialisation, freezing,
-attention or POET setting is not the group's), or a --device this machine lacks, does not stop
-the server: the page shows what went wrong and how to fix it instead of the model panels.
+attention or POET setting is not the group's) does not stop the server: that model's column
+says what went wrong and how to fix it, and the models that loaded are served. Where none
+loaded, or --device names a device this machine lacks, the page says why instead of the panels.
 
 Every value the page or the API sends reaches the handlers as it was sent (the events skip
 Gradio's preprocessing, whose range checks answered first and named no setting): the handlers
@@ -145,16 +146,26 @@ class LoadedModel:
 
 @dataclass
 class Lab:
-    """What the page shows: the loaded models, or the errors that kept them from loading."""
+    """What the page shows: the loaded models, and the errors that kept others from loading
+    (``errors``, each naming its group; ``failed``: group -> its error alone)."""
 
     models: list[LoadedModel] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     device: str = "cpu"
     source: str = ""
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
+        """Every checkpoint loaded."""
         return bool(self.models) and not self.errors
+
+    def columns(self) -> list[tuple[str, LoadedModel | None, str | None]]:
+        """(group, its model or None, why it did not load or None) for every group asked for, in
+        the study's order: one column of the page each."""
+        loaded = {m.group: m for m in self.models}
+        groups = sorted({*loaded, *self.failed}, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS))
+        return [(g, loaded.get(g), self.failed.get(g)) for g in groups]
 
     def by_group(self, group: str) -> LoadedModel:
         for m in self.models:
@@ -223,21 +234,25 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> 
         lab = Lab(device=pick_device(device), source=source)
     except SetupError as exc:
         return Lab(errors=[str(exc)], device=device, source=source)
+    def fail(group: str, message: str) -> None:
+        lab.failed[group] = message
+        lab.errors.append(f"{group_label(group)} ({group}): {message}")
+
     for group in sorted(paths, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS)):
         path = Path(paths[group])
         try:
             model, state = load_model(path, lab.device)
         except CheckpointError as exc:
-            lab.errors.append(f"{group_label(group)} ({group}): {exc}")
+            fail(group, str(exc))
             continue
         except Exception as exc:  # a checkpoint of another shape or config version
-            lab.errors.append(f"{group_label(group)} ({group}): checkpoint {path} could not be turned into "
-                              f"a model ({type(exc).__name__}: {str(exc)[:300]}); it may come from an "
-                              f"incompatible version of oelm_core: train it again or pass another file")
+            fail(group, f"checkpoint {path} could not be turned into a model ({type(exc).__name__}: "
+                        f"{str(exc)[:300]}); it may come from an incompatible version of oelm_core: train it "
+                        f"again or pass another file")
             continue
         mismatch = group_mismatch(group, model.cfg)
         if mismatch:
-            lab.errors.append(f"{group_label(group)} ({group}): checkpoint {path} {mismatch}")
+            fail(group, f"checkpoint {path} {mismatch}")
             continue
         lab.models.append(LoadedModel(group, group_label(group), path, model, state, count_parameters(model)))
     if not paths:
@@ -299,7 +314,7 @@ class Demo:
         from oelm_core.data import get_tokenizer
 
         self.lab = lab
-        self.enc = get_tokenizer() if lab.ok else None
+        self.enc = get_tokenizer() if lab.models else None
         self.context = min((m.cfg.block_size for m in lab.models), default=0)
 
     # ---- prompt -------------------------------------------------------------------------
@@ -491,6 +506,14 @@ def model_card(m: LoadedModel, device: str) -> str:
             f"<small>checkpoint `{m.path}` on {device}</small>\n")
 
 
+def failed_card(group: str, error: str) -> str:
+    """The column of a model whose checkpoint did not load: what went wrong and how to fix it."""
+    return (f"### {group_label(group)}\n`{group}` \u2014 **not loaded**\n\n{error}\n\n"
+            f"**How to fix it:** start the demo again with a working checkpoint for {group}: "
+            f"`python -m app --ckpt {group}=PATH`, with `--ckpt GROUP=PATH` for each of the others. "
+            f"The other models work meanwhile.\n")
+
+
 def error_page(lab: Lab) -> str:
     items = "\n".join(f"- {e}" for e in lab.errors)
     return ("## The models could not be loaded\n\n"
@@ -502,7 +525,7 @@ def error_page(lab: Lab) -> str:
 
 
 CSS = """
-#load-error { border: 2px solid #d62728; border-radius: 8px; padding: 12px 20px; }
+#load-error, .model-error { border: 2px solid #d62728; border-radius: 8px; padding: 12px 20px; }
 .model-card table { font-size: 0.9em; width: 100%; }
 .model-card td:first-child { white-space: nowrap; font-weight: 600; }
 .model-card thead { display: none; }
@@ -511,12 +534,13 @@ CSS = """
 
 
 def build_demo(lab: Lab) -> gr.Blocks:
-    """The page for ``lab``: the model panels, or the error page when loading failed."""
+    """The page for ``lab``: a column per model, where a checkpoint that did not load says why;
+    the error page where none loaded."""
     with gr.Blocks(title="OELM Lab", analytics_enabled=False) as demo:
         gr.Markdown("# OELM Lab: orthogonal, frozen attention Q/K side by side\n"
                     "GPT-Base trains standard Q/K; OELM-NoFreeze starts Q/K as random orthogonal "
                     "matrices and trains them; OELM-Freeze keeps them fixed.")
-        if not lab.ok:
+        if not lab.models:
             gr.Markdown(error_page(lab), elem_id="load-error")
             return demo
 
@@ -525,9 +549,13 @@ def build_demo(lab: Lab) -> gr.Blocks:
         gr.Markdown(f"Checkpoints from {lab.source or 'the command line'}, on **{lab.device}**; "
                     f"context {handlers.context} tokens.", elem_id="source")
         with gr.Row(equal_height=True):
-            for m in lab.models:
+            for group, m, error in lab.columns():
                 with gr.Column():
-                    gr.Markdown(model_card(m, lab.device), elem_id=f"card-{m.group}", elem_classes="model-card")
+                    if m is None:
+                        gr.Markdown(failed_card(group, error), elem_id=f"card-{group}",
+                                    elem_classes=["model-card", "model-error"])
+                    else:
+                        gr.Markdown(model_card(m, lab.device), elem_id=f"card-{m.group}", elem_classes="model-card")
 
         gr.Markdown("## Generate")
         prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=3, elem_id="prompt",
@@ -545,9 +573,15 @@ def build_demo(lab: Lab) -> gr.Blocks:
         with gr.Row():
             go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
             stop = gr.Button("Stop", elem_id="stop-btn")
+        outputs = []
         with gr.Row(equal_height=True):
-            outputs = [gr.Textbox(label=m.label, lines=8, max_lines=20, interactive=False,
-                                  elem_id=f"out-{m.group}") for m in lab.models]
+            for group, m, _ in lab.columns():
+                if m is None:
+                    gr.Markdown(f"*{group_label(group)} did not load: its card above says why.*",
+                                elem_id=f"out-{group}-missing")
+                else:
+                    outputs.append(gr.Textbox(label=m.label, lines=8, max_lines=20, interactive=False,
+                                              elem_id=f"out-{m.group}"))
 
         gr.Markdown("## Attention\nOver the prompt and the chosen model's generated text "
                     "(the last tokens that fit the context). Rows are queries, columns the tokens "
