@@ -32,20 +32,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Serve the demo; returns the exit code: 2 where the page cannot be built (e.g. offline
     without the GPT-2 tokenizer files), said in one line rather than a traceback. Checkpoints that
-    do not load, or a --device this machine lacks, still serve a page that says what went wrong."""
+    do not load, or a --device this machine lacks, still serve a page that says what went wrong
+    (in the column of each model that did not load, beside those that did)."""
     args = parse_args(argv)
     from app.demo import SetupError, build_demo, lab_from_args, launch
     from oelm_core.config import ConfigError
 
     try:
         lab = lab_from_args(args.ckpt, args.study, args.runs_root, args.device)
-        if lab.errors:
-            print("oelm app: the models could not be loaded; the page shows why:", file=sys.stderr)
-            for e in lab.errors:
-                print(f"  - {e}", file=sys.stderr)
-        else:
+        if lab.models:
             names = ", ".join(f"{m.group} <- {m.path}" for m in lab.models)
             print(f"oelm app: loaded {names} on {lab.device}", file=sys.stderr)
+        if lab.errors:
+            print(f"oelm app: {'these' if lab.models else 'the models'} could not be loaded; the page shows "
+                  f"why{' in their columns' if lab.models else ''}:", file=sys.stderr)
+            for e in lab.errors:
+                print(f"  - {e}", file=sys.stderr)
         demo = build_demo(lab)
     except (ConfigError, SetupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,8 +12,13 @@ on the GPU when there is one). The page then offers
   (attention entropy, mean attention distance) to compare frozen with trainable Q/K.
 
 A checkpoint that is missing, unreadable or of another group (its Q/K initialisation, freezing,
-attention or POET setting is not the group's), or a --device this machine lacks, does not stop
-the server: the page shows what went wrong and how to fix it instead of the model panels.
+attention or POET setting is not the group's) does not stop the server: that model's column
+says what went wrong and how to fix it, and the models that loaded are served. Where none
+loaded, or --device names a device this machine lacks, the page says why instead of the panels.
+
+Every value the page or the API sends reaches the handlers as it was sent (the events skip
+Gradio's preprocessing, whose range checks answered first and named no setting): the handlers
+check each one and name the setting, the value and the range.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from oelm_core.generate import SamplingConfig, detokenize, stream_tokens
 
 GROUPS = tuple(GROUP_LABELS)
 
-# Input ranges: the sliders' bounds, checked again in the handlers (the API can send anything).
+# Input ranges: the sliders' bounds, checked by the handlers (the API can send anything, and the
+# events skip the components' own checks, which name no setting).
 LIMITS = {
     "max_new_tokens": (1, 512),
     "temperature": (0.0, 2.0),
@@ -139,16 +145,26 @@ class LoadedModel:
 
 @dataclass
 class Lab:
-    """What the page shows: the loaded models, or the errors that kept them from loading."""
+    """What the page shows: the loaded models, and the errors that kept others from loading
+    (``errors``, each naming its group; ``failed``: group -> its error alone)."""
 
     models: list[LoadedModel] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     device: str = "cpu"
     source: str = ""
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
+        """Every checkpoint loaded."""
         return bool(self.models) and not self.errors
+
+    def columns(self) -> list[tuple[str, LoadedModel | None, str | None]]:
+        """(group, its model or None, why it did not load or None) for every group asked for, in
+        the study's order: one column of the page each."""
+        loaded = {m.group: m for m in self.models}
+        groups = sorted({*loaded, *self.failed}, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS))
+        return [(g, loaded.get(g), self.failed.get(g)) for g in groups]
 
     def by_group(self, group: str) -> LoadedModel:
         for m in self.models:
@@ -217,21 +233,25 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> 
         lab = Lab(device=pick_device(device), source=source)
     except SetupError as exc:
         return Lab(errors=[str(exc)], device=device, source=source)
+    def fail(group: str, message: str) -> None:
+        lab.failed[group] = message
+        lab.errors.append(f"{group_label(group)} ({group}): {message}")
+
     for group in sorted(paths, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS)):
         path = Path(paths[group])
         try:
             model, state = load_model(path, lab.device)
         except CheckpointError as exc:
-            lab.errors.append(f"{group_label(group)} ({group}): {exc}")
+            fail(group, str(exc))
             continue
         except Exception as exc:  # a checkpoint of another shape or config version
-            lab.errors.append(f"{group_label(group)} ({group}): checkpoint {path} could not be turned into "
-                              f"a model ({type(exc).__name__}: {str(exc)[:300]}); it may come from an "
-                              f"incompatible version of oelm_core: train it again or pass another file")
+            fail(group, f"checkpoint {path} could not be turned into a model ({type(exc).__name__}: "
+                        f"{str(exc)[:300]}); it may come from an incompatible version of oelm_core: train it "
+                        f"again or pass another file")
             continue
         mismatch = group_mismatch(group, model.cfg)
         if mismatch:
-            lab.errors.append(f"{group_label(group)} ({group}): checkpoint {path} {mismatch}")
+            fail(group, f"checkpoint {path} {mismatch}")
             continue
         lab.models.append(LoadedModel(group, group_label(group), path, model, state, count_parameters(model)))
     if not paths:
@@ -259,17 +279,21 @@ def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root:
 # --------------------------------------------------------------------------------------------
 
 def _number(name: str, value, integer: bool = False) -> float:
+    """``value`` (as sent: any JSON value) as the number setting ``name`` takes, or gr.Error
+    naming the setting, the value and LIMITS' range."""
     lo, hi = LIMITS[name]
     if value is None or (isinstance(value, str) and not value.strip()):
         raise refuse(f"{name} is empty: enter a number between {lo} and {hi}")
     try:
+        if isinstance(value, bool):  # float(True) is 1.0: a JSON true is no number
+            raise TypeError
         x = float(value)
     except (TypeError, ValueError):
         raise refuse(f"{name} must be a number between {lo} and {hi}, got {value!r}") from None
     if not math.isfinite(x) or not lo <= x <= hi:
         raise refuse(f"{name} must be between {lo} and {hi}, got {value}")
     if integer and x != int(x):
-        raise refuse(f"{name} must be a whole number, got {value}")
+        raise refuse(f"{name} must be a whole number between {lo} and {hi}, got {value}")
     return int(x) if integer else x
 
 
@@ -289,12 +313,14 @@ class Demo:
         from oelm_core.data import get_tokenizer
 
         self.lab = lab
-        self.enc = get_tokenizer() if lab.ok else None
+        self.enc = get_tokenizer() if lab.models else None
         self.context = min((m.cfg.block_size for m in lab.models), default=0)
 
     # ---- prompt -------------------------------------------------------------------------
     def check_prompt(self, prompt) -> list[int]:
-        if prompt is None or not str(prompt).strip():
+        if prompt is not None and not isinstance(prompt, str):
+            raise refuse(f"prompt must be text, got {type(prompt).__name__} {prompt!r}")
+        if prompt is None or not prompt.strip():
             raise refuse("The prompt is empty: type the beginning of a story, e.g. "
                            f"\u201c{DEFAULT_PROMPT}\u201d")
         if len(prompt) > MAX_PROMPT_CHARS:
@@ -363,9 +389,12 @@ class Demo:
         if head in (None, "", MEAN_HEAD):
             return None
         try:
+            if isinstance(head, bool) or (isinstance(head, float) and not head.is_integer()):
+                raise TypeError
             h = int(head)
         except (TypeError, ValueError):
-            raise refuse(f"head must be '{MEAN_HEAD}' or a head number, got {head!r}") from None
+            raise refuse(f"head must be '{MEAN_HEAD}' or a head number 0..{model.cfg.n_head - 1}, "
+                         f"got {head!r}") from None
         if not 0 <= h < model.cfg.n_head:
             raise refuse(f"{model.label} has heads 0..{model.cfg.n_head - 1}; head {h} does not exist")
         return h
@@ -381,10 +410,12 @@ class Demo:
         index = self.lab.models.index(chosen)
         continuation = continuations[index] if index < len(continuations) else ""
         try:
+            if isinstance(layer, bool):
+                raise TypeError
             layer_f = float(layer)
         except (TypeError, ValueError):
-            raise refuse(f"layer must be a number, got {layer!r}") from None
-        if layer_f != int(layer_f) or not 0 <= layer_f < chosen.cfg.n_layer:
+            raise refuse(f"layer must be a layer number 0..{chosen.cfg.n_layer - 1}, got {layer!r}") from None
+        if not (math.isfinite(layer_f) and layer_f == int(layer_f) and 0 <= layer_f < chosen.cfg.n_layer):
             raise refuse(f"{chosen.label} has layers 0..{chosen.cfg.n_layer - 1}; layer {layer} does not exist")
         layer_i = int(layer_f)
         head_i = self._head_index(head, chosen)
@@ -474,6 +505,14 @@ def model_card(m: LoadedModel, device: str) -> str:
             f"<small>checkpoint `{m.path}` on {device}</small>\n")
 
 
+def failed_card(group: str, error: str) -> str:
+    """The column of a model whose checkpoint did not load: what went wrong and how to fix it."""
+    return (f"### {group_label(group)}\n`{group}` \u2014 **not loaded**\n\n{error}\n\n"
+            f"**How to fix it:** start the demo again with a working checkpoint for {group}: "
+            f"`python -m app --ckpt {group}=PATH`, with `--ckpt GROUP=PATH` for each of the others. "
+            f"The other models work meanwhile.\n")
+
+
 def error_page(lab: Lab) -> str:
     items = "\n".join(f"- {e}" for e in lab.errors)
     return ("## The models could not be loaded\n\n"
@@ -485,7 +524,7 @@ def error_page(lab: Lab) -> str:
 
 
 CSS = """
-#load-error { border: 2px solid #d62728; border-radius: 8px; padding: 12px 20px; }
+#load-error, .model-error { border: 2px solid #d62728; border-radius: 8px; padding: 12px 20px; }
 .model-card table { font-size: 0.9em; width: 100%; }
 .model-card td:first-child { white-space: nowrap; font-weight: 600; }
 .model-card thead { display: none; }
@@ -494,12 +533,13 @@ CSS = """
 
 
 def build_demo(lab: Lab) -> gr.Blocks:
-    """The page for ``lab``: the model panels, or the error page when loading failed."""
+    """The page for ``lab``: a column per model, where a checkpoint that did not load says why;
+    the error page where none loaded."""
     with gr.Blocks(title="OELM Lab", analytics_enabled=False) as demo:
         gr.Markdown("# OELM Lab: orthogonal, frozen attention Q/K side by side\n"
                     "GPT-Base trains standard Q/K; OELM-NoFreeze starts Q/K as random orthogonal "
                     "matrices and trains them; OELM-Freeze keeps them fixed.")
-        if not lab.ok:
+        if not lab.models:
             gr.Markdown(error_page(lab), elem_id="load-error")
             return demo
 
@@ -508,9 +548,13 @@ def build_demo(lab: Lab) -> gr.Blocks:
         gr.Markdown(f"Checkpoints from {lab.source or 'the command line'}, on **{lab.device}**; "
                     f"context {handlers.context} tokens.", elem_id="source")
         with gr.Row(equal_height=True):
-            for m in lab.models:
+            for group, m, error in lab.columns():
                 with gr.Column():
-                    gr.Markdown(model_card(m, lab.device), elem_id=f"card-{m.group}", elem_classes="model-card")
+                    if m is None:
+                        gr.Markdown(failed_card(group, error), elem_id=f"card-{group}",
+                                    elem_classes=["model-card", "model-error"])
+                    else:
+                        gr.Markdown(model_card(m, lab.device), elem_id=f"card-{m.group}", elem_classes="model-card")
 
         gr.Markdown("## Generate")
         prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=3, elem_id="prompt",
@@ -528,9 +572,15 @@ def build_demo(lab: Lab) -> gr.Blocks:
         with gr.Row():
             go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
             stop = gr.Button("Stop", elem_id="stop-btn")
+        outputs = []
         with gr.Row(equal_height=True):
-            outputs = [gr.Textbox(label=m.label, lines=8, max_lines=20, interactive=False,
-                                  elem_id=f"out-{m.group}") for m in lab.models]
+            for group, m, _ in lab.columns():
+                if m is None:
+                    gr.Markdown(f"*{group_label(group)} did not load: its card above says why.*",
+                                elem_id=f"out-{group}-missing")
+                else:
+                    outputs.append(gr.Textbox(label=m.label, lines=8, max_lines=20, interactive=False,
+                                              elem_id=f"out-{m.group}"))
 
         gr.Markdown("## Attention\nOver the prompt and the chosen model's generated text "
                     "(the last tokens that fit the context). Rows are queries, columns the tokens "
@@ -561,12 +611,16 @@ def build_demo(lab: Lab) -> gr.Blocks:
         gen_inputs = [prompt, max_new, temperature, top_k, top_p, seed]
         attn_inputs = [prompt, model_dd, layer, head, generated, *outputs]
         attn_outputs = [heat, compare, summary, table, details]
-        gen = go.click(handlers.generate, gen_inputs, [*outputs, generated], api_name="generate")
-        gen.success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
-        submitted = prompt.submit(handlers.generate, gen_inputs, [*outputs, generated], api_name=False)
-        submitted.success(handlers.attention, attn_inputs, attn_outputs, api_name=False)
+        # preprocess=False: the values reach the handlers as sent, and their checks, which name the
+        # setting and its range, answer instead of the components' ("Value 0 is less than minimum
+        # value 1.", or "Could not preprocess input component at index 1" for a wrong type).
+        raw = dict(preprocess=False)
+        gen = go.click(handlers.generate, gen_inputs, [*outputs, generated], api_name="generate", **raw)
+        gen.success(handlers.attention, attn_inputs, attn_outputs, api_name=False, **raw)
+        submitted = prompt.submit(handlers.generate, gen_inputs, [*outputs, generated], api_name=False, **raw)
+        submitted.success(handlers.attention, attn_inputs, attn_outputs, api_name=False, **raw)
         stop.click(None, None, None, cancels=[gen, submitted])
-        show.click(handlers.attention, attn_inputs, attn_outputs, api_name="attention")
+        show.click(handlers.attention, attn_inputs, attn_outputs, api_name="attention", **raw)
     return demo
 
 

@@ -16,6 +16,7 @@ unpickles arbitrary objects:
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                               f"(python -m oelm_core.train --params ...) or pass an existing .pt file")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        refused = _refused_object(exc)
+        if refused is None:
+            raise CheckpointError(f"checkpoint {path} could not be read ({_what_failed(exc)}); the file is "
+                                  f"truncated or not an OELM checkpoint: use another checkpoint of the run folder "
+                                  f"(best.pt or an earlier step) or train again") from exc
+        name, why = refused
+        raise CheckpointError(
+            f"checkpoint {path} holds code, not only weights: it names the Python object `{name}`, which "
+            f"unpickling would import and call ({why}); weights-only loading refused it, so nothing in the "
+            f"file ran. OELM checkpoints hold tensors, numbers, strings, lists and dicts only: do not load "
+            f"this one with weights_only=False unless you trust where it came from; use a checkpoint of a "
+            f"run folder (best.pt or ckpt/step_*.pt) or train again") from exc
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(
             f"checkpoint {path} could not be read ({_what_failed(exc)}); the file is "
@@ -69,6 +83,22 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                               f"oelm_core reads format {FORMAT_VERSION}: load it with the oelm_core "
                               f"version that wrote it")
     return state
+
+
+def _refused_object(exc: pickle.UnpicklingError) -> tuple[str, str] | None:
+    """(the dotted name, why it was refused) of the object torch's weights-only unpickler refused
+    to import, read from its message; None where the message names none (a damaged pickle).
+    torch words it "Trying to load unsupported GLOBAL posix.system whose module posix is
+    blocked." for its blocked modules (os, sys and their like), "Unsupported global: GLOBAL
+    x.Y was not an allowed global by default." for any other object."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    found = re.search(r"GLOBAL (\S+?)\.? (whose module (\S+) is blocked|was not an allowed global)", text)
+    if found is None:
+        return None
+    if found.group(3):
+        return found.group(1), (f"its module {found.group(3)} is one weights-only loading always blocks: it "
+                                f"reaches the interpreter and the operating system, to run programs and touch files")
+    return found.group(1), "weights-only loading allows no such object"
 
 
 def _what_failed(exc: Exception) -> str:

@@ -669,16 +669,42 @@ def read_yaml(path: str | Path) -> dict:
     return values
 
 
+EXAMPLE_PARAMETER_FILE = "parameters/smoke/oelm_freeze.yaml"
+
+
+def _check_parameter_file(path: Path, values: dict) -> None:
+    """ConfigError where ``values`` (a parameter file with its overrides applied) do not say which
+    model they train: without ``preset`` or ``variant`` an empty file trained the Medium-512
+    GPT-Base defaults. A study's or a sweep's file is named as one, with the command that runs it."""
+    for section, runner in (("study", "oelm_core.study"), ("sweep", "oelm_core.sweep")):
+        if section in values:
+            raise ConfigError(f"{path} is a {section} file (it has a `{section}:` section): run it with "
+                              f"python -m {runner} {path}; a training reads a parameter file of one run, "
+                              f"e.g. {EXAMPLE_PARAMETER_FILE}")
+    model = values.get("model") if isinstance(values.get("model"), dict) else {}
+    # Written inside model:, they get RunConfig.model_config's message, which says where they go.
+    missing = [key for key in ("preset", "variant") if values.get(key) is None and key not in model]
+    if missing:
+        raise ConfigError(f"{path} does not say which model to train: it has no "
+                          f"{' or '.join(f'`{key}:`' for key in missing)}; a parameter file holds at least "
+                          f"`preset:` and `variant:` (top-level keys, or --set preset=... variant=...) with "
+                          f"optional model, data and train sections (see {EXAMPLE_PARAMETER_FILE}). "
+                          f"presets: {', '.join(PRESETS)}; variants: {', '.join(variants())}")
+
+
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML parameter file (or none: all defaults), apply overrides, check it all."""
+    """Read a YAML parameter file, apply overrides, check it all. A file must give ``preset`` and
+    ``variant`` (itself or through ``overrides``); without a file (None) every value not
+    overridden is RunConfig's default."""
     values: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"parameter file {path} not found; pass an existing YAML file "
                               f"(see parameters/ for examples)")
-        values = read_yaml(path)
-        values.pop("study", None)  # a study's own section is read by oelm_core.study
+        values = apply_overrides(read_yaml(path), overrides or [])
+        _check_parameter_file(path, values)
+        return run_config_from_dict(values)
     return run_config_from_dict(apply_overrides(values, overrides or []))
 
 

@@ -557,7 +557,12 @@ def load_meta(out_dir: str | Path) -> dict:
 # Batches
 # --------------------------------------------------------------------------------------------
 
-def _open_tokens(bin_path: str | Path, block_size: int) -> np.memmap:
+def _open_tokens(bin_path: str | Path, block_size: int, vocab_size: int = VOCAB_SIZE) -> np.memmap:
+    """The token file as a uint16 memmap, after checking that it holds whole tokens, at least one
+    window of block_size + 1 of them, and no id past ``vocab_size`` (the tokenizer's: a file
+    damaged in place keeps its size, and its ids reached torch.embedding as a bare IndexError).
+    The largest id is one pass over the map, cheap next to a training step (benchmarks/RESULTS.md,
+    the measurement log)."""
     path = Path(bin_path)
     if not path.is_file():
         raise ConfigError(f"token file {path} not found; {_prepare_hint(path.parent)}")
@@ -570,6 +575,13 @@ def _open_tokens(bin_path: str | Path, block_size: int) -> np.memmap:
         raise ConfigError(f"{path} holds {len(data)} tokens, fewer than block_size + 1 = "
                           f"{block_size + 1}; use a smaller model.block_size or prepare more "
                           f"stories (raise data.max_train_stories / data.max_val_stories)")
+    largest = int(data.max())
+    if largest >= vocab_size:
+        past = data >= vocab_size
+        raise ConfigError(f"{path} holds {int(past.sum())} token id(s) past the {vocab_size}-token vocabulary it "
+                          f"was prepared with (ids 0..{vocab_size - 1}), the largest {largest}, the first at "
+                          f"position {int(past.argmax())}: the file was damaged or written by something else; "
+                          f"{_rebuild_hint(path.parent)}")
     return data
 
 
@@ -584,15 +596,17 @@ class TokenSampler:
 
     Batch i on rank r draws its window starts from np.random.default_rng([seed, r, i]): ranks see
     different windows, and the whole state is the batch count, so resuming is exact and O(1).
+    ``vocab_size``: the vocabulary the file was prepared with (meta.json's); an id past it is a
+    ConfigError on opening.
     """
 
     def __init__(self, bin_path: str | Path, block_size: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, vocab_size: int = VOCAB_SIZE):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
         if block_size <= 0 or batch_size <= 0:
             raise ConfigError(f"block_size and batch_size must be positive, got {block_size}, {batch_size}")
-        self.data = _open_tokens(bin_path, block_size)
+        self.data = _open_tokens(bin_path, block_size, vocab_size)
         self.block_size, self.batch_size = block_size, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.batches_drawn = 0
@@ -624,14 +638,15 @@ class TokenSampler:
 
 
 def eval_batches(bin_path: str | Path, block_size: int, batch_size: int, n_batches: int,
-                 seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 seed: int = 1234, vocab_size: int = VOCAB_SIZE) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation batches on every call: (x, y) int64 CPU tensors (<= batch_size, block_size).
 
     Windows are non-overlapping slots of block_size + 1 tokens; a fixed-seed draw picks
     batch_size * n_batches of them spread over the whole file, so val losses compare across steps
     and runs. A file with fewer slots gives all of them (the last batch may then be smaller).
+    ``vocab_size`` as TokenSampler's.
     """
-    data = _open_tokens(bin_path, block_size)
+    data = _open_tokens(bin_path, block_size, vocab_size)
     slots = (len(data) - 1) // block_size  # window k covers tokens [k*T, k*T + T] (T+1 tokens)
     want = batch_size * n_batches
     if slots >= want:

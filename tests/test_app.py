@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -263,18 +264,28 @@ def test_attention_maps_the_sampled_ids_where_encoding_the_text_again_merges_oth
 # ---- input checks ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
-    (dict(prompt="   "), "prompt is empty"),
+    (dict(prompt="   "), "The prompt is empty"),
     (dict(prompt="dog " * 80), "shorten it to fewer than 64 tokens"),
-    (dict(temperature=5.0), "maximum value"),
-    (dict(top_p=0.0), "minimum value"),
-    (dict(max_new=0), "minimum value"),
-    (dict(seed=-1), "minimum value"),
+    (dict(prompt=123), "prompt must be text, got int 123"),
+    (dict(temperature=5.0), "temperature must be between 0.0 and 2.0, got 5.0"),
+    (dict(top_p=0.0), "top_p must be between 0.01 and 1.0, got 0.0"),
+    (dict(max_new=0), "max_new_tokens must be between 1 and 512, got 0"),
+    (dict(seed=-1), "seed must be between 0 and 2147483647, got -1"),
+    (dict(top_k=2.5), "top_k must be a whole number between 0 and 1000, got 2.5"),
+    (dict(max_new="abc"), "max_new_tokens must be a number between 1 and 512, got 'abc'"),
+    (dict(top_k=[3]), "top_k must be a number between 0 and 1000, got [3]"),
+    (dict(seed=True), "seed must be a number between 0 and 2147483647, got True"),
+    (dict(temperature=None), "temperature is empty: enter a number between 0.0 and 2.0"),
 ])
 def test_bad_generation_inputs_get_clear_messages(served, args, message):
+    """Through the API every value reaches the app's own checks, whose message names the setting,
+    the value and its range: Gradio's slider check answered first ("Value 0 is less than minimum
+    value 1."), and a value of the wrong type got "Could not preprocess input component at index 1"."""
     _, client = served
     with pytest.raises(Exception) as err:
         generate(client, **args)
     assert message in str(err.value)
+    assert "minimum value" not in str(err.value) and "preprocess" not in str(err.value)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -293,18 +304,23 @@ def test_handler_names_the_bad_value(served, args, message):
         next(demo.oelm.generate(*values.values()))
 
 
-@pytest.mark.parametrize("layer, head, message, api_message", [
-    (2, "mean", "layers 0..1", "maximum value 1"),
-    (0, "4", "heads 0..3", "not in the list of choices"),
-    (0, "x", "head must be", "not in the list of choices"),
+@pytest.mark.parametrize("model, layer, head, message", [
+    ("gpt_base", 2, "mean", "GPT-Base has layers 0..1; layer 2 does not exist"),
+    ("gpt_base", -1, "mean", "GPT-Base has layers 0..1; layer -1 does not exist"),
+    ("gpt_base", "x", "mean", "layer must be a layer number 0..1, got 'x'"),
+    ("gpt_base", 0, "4", "GPT-Base has heads 0..3; head 4 does not exist"),
+    ("gpt_base", 0, "x", "head must be 'mean' or a head number 0..3, got 'x'"),
+    ("gpt2", 0, "mean", "unknown model 'gpt2'; choose one of gpt_base, oelm_nofreeze, oelm_freeze"),
 ])
-def test_bad_attention_inputs(served, layer, head, message, api_message):
-    """The handler names the range; through the API the slider's and dropdown's own checks answer."""
+def test_bad_attention_inputs(served, model, layer, head, message):
+    """The handler names the setting, the value and the range, called directly and through the
+    API (where the slider's and the dropdowns' own checks answered first, naming neither)."""
     demo, client = served
-    with pytest.raises(gr.Error, match=message):
-        demo.oelm.attention(PROMPT, "gpt_base", layer, head, None, "", "", "")
-    with pytest.raises(Exception, match=api_message):
-        client.predict(PROMPT, "gpt_base", layer, head, "", "", "", api_name="/attention")
+    with pytest.raises(gr.Error, match=re.escape(message)):
+        demo.oelm.attention(PROMPT, model, layer, head, None, "", "", "")
+    with pytest.raises(Exception) as err:
+        client.predict(PROMPT, model, layer, head, "", "", "", api_name="/attention")
+    assert message in str(err.value) and "list of choices" not in str(err.value)
 
 
 def test_stop_cancels_generation_from_the_button_and_from_enter(served):
@@ -502,22 +518,75 @@ def _get(url: str, timeout: float = 5.0) -> str:
         return r.read().decode()
 
 
-def test_error_page_replaces_the_panels(tmp_path, checkpoints):
+def test_error_page_replaces_the_panels_where_no_model_loads(tmp_path, checkpoints):
     from app.demo import build_demo, load_lab
 
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(checkpoints["oelm_freeze"].read_bytes()[:3000])
-    lab = load_lab({"gpt_base": tmp_path / "missing.pt", "oelm_freeze": truncated,
-                    "oelm_nofreeze": checkpoints["oelm_nofreeze"]}, "cpu")
-    assert not lab.ok and len(lab.errors) == 2
+    lab = load_lab({"gpt_base": tmp_path / "missing.pt", "oelm_freeze": truncated}, "cpu")
+    assert not lab.ok and lab.models == [] and len(lab.errors) == 2
     config = json.dumps(build_demo(lab).get_config_file())
     assert "The models could not be loaded" in config and "missing.pt not found" in config
     assert "truncated.pt could not be read" in config and "generate-btn" not in config
 
 
+def checkpoint_of_another_shape(folder: Path, variant: str) -> Path:
+    """A checkpoint whose weights (d_model 32) do not fit the model it describes (smoke: 64)."""
+    narrow = build_model("smoke", variant, d_model=32, seed=5)
+    return save_checkpoint({"model": narrow.state_dict(), "step": 1,
+                            "model_config": dataclasses.asdict(model_config("smoke", variant))},
+                           folder / f"{variant}_narrow.pt")
+
+
+def component(config: dict, elem_id: str) -> dict:
+    return next(c["props"] for c in config["components"] if c.get("props", {}).get("elem_id") == elem_id)
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("missing", "missing.pt not found; train a run first"),
+    ("another shape", "oelm_nofreeze_narrow.pt holds no model this oelm_core can rebuild (Error(s) in loading "
+                      "state_dict for GPT"),
+])
+def test_one_bad_checkpoint_leaves_the_other_models_usable(tmp_path, checkpoints, fault, reason):
+    """One of three checkpoints missing or of another shape replaced the whole page by the error
+    page, and the two that loaded could not be used. Now that model's column says what went
+    wrong and how to fix it, and the others generate and map attention through the API."""
+    from app.demo import load_lab
+    from oelm_core.generate import SamplingConfig, generate as core_generate
+
+    bad = tmp_path / "missing.pt" if fault == "missing" else checkpoint_of_another_shape(tmp_path, "oelm_nofreeze")
+    lab = load_lab({**checkpoints, "oelm_nofreeze": bad}, "cpu", "test checkpoints")
+    assert [m.group for m in lab.models] == ["gpt_base", "oelm_freeze"] and list(lab.failed) == ["oelm_nofreeze"]
+    assert not lab.ok and reason in lab.failed["oelm_nofreeze"]
+    demo, url = start_app(lab)
+    try:
+        client = gradio_client.Client(url, verbose=False)
+        texts = generate(client, max_new=8, seed=3)
+        cfg = SamplingConfig(max_new_tokens=8, temperature=0.9, top_k=50, top_p=0.95, seed=3)
+        assert list(texts) == [core_generate(m.model, PROMPT, cfg) for m in lab.models]
+        *_, table, details = client.predict(PROMPT, "oelm_freeze", 1, "0", *texts, api_name="/attention")
+        rows = table["data"] if isinstance(table, dict) else table
+        assert details["model"] == "oelm_freeze" and len(rows) == 2 * 2 * 4  # two models' heads
+        with pytest.raises(Exception, match="unknown model 'oelm_nofreeze'; choose one of gpt_base, oelm_freeze"):
+            client.predict(PROMPT, "oelm_nofreeze", 0, "0", *texts, api_name="/attention")
+
+        config = demo.get_config_file()
+        assert "load-error" not in {c.get("props", {}).get("elem_id") for c in config["components"]}
+        card = component(config, "card-oelm_nofreeze")["value"]
+        assert card.startswith("### OELM-NoFreeze\n`oelm_nofreeze` \u2014 **not loaded**") and reason in card
+        assert ("**How to fix it:** start the demo again with a working checkpoint for oelm_nofreeze: "
+                "`python -m app --ckpt oelm_nofreeze=PATH`, with `--ckpt GROUP=PATH` for each of the others. "
+                "The other models work meanwhile.") in card
+        assert "did not load" in component(config, "out-oelm_nofreeze-missing")["value"]
+        assert [component(config, f"card-{g}")["value"].startswith("### ") for g in GROUPS] == [True] * 3
+    finally:
+        demo.close()
+
+
 @pytest.mark.slow
 def test_missing_or_unreadable_checkpoint_shows_error_page(tmp_path, checkpoints):
-    """`python -m app` with a missing and a truncated checkpoint still starts; the page says why."""
+    """`python -m app` with a missing and a truncated checkpoint still starts; the page says why,
+    in those models' columns, and serves the one that loaded."""
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(checkpoints["oelm_nofreeze"].read_bytes()[:5000])
     port = free_port()
@@ -537,10 +606,10 @@ def test_missing_or_unreadable_checkpoint_shows_error_page(tmp_path, checkpoints
             except OSError:
                 time.sleep(0.5)
         assert config is not None, f"the app did not start: {proc.stdout.read() if proc.poll() is not None else ''}"
-        assert "The models could not be loaded" in config
+        assert "The models could not be loaded" not in config  # the model that loaded is served
         assert "missing.pt not found" in config
         assert "truncated.pt could not be read" in config
-        assert "generate-btn" not in config  # no model panels
+        assert "generate-btn" in config and "card-oelm_freeze" in config
         assert '"title": "OELM Lab"' in config or '"title":"OELM Lab"' in config
         assert _get(f"http://127.0.0.1:{port}/").lower().startswith("<!doctype html")
     finally:

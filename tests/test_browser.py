@@ -99,3 +99,34 @@ def test_error_page_in_browser(tmp_path, browser):
         _save_screenshot(page, tmp_path, "oelm_app_error.png")
     finally:
         demo.close()
+
+
+def test_one_bad_checkpoint_in_browser(tmp_path, browser):
+    """A missing checkpoint: its column says so, with the fix; the other two models generate."""
+    from app.demo import load_lab
+
+    paths = make_checkpoints(tmp_path)
+    paths["gpt_base"] = tmp_path / "missing.pt"
+    demo, url = start_app(load_lab(paths, "cpu", "browser test checkpoints"))
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+        page.wait_for_selector("#generate-btn", timeout=60_000)
+        assert page.locator("#load-error").count() == 0
+        card = page.inner_text("#card-gpt_base")
+        assert "not loaded" in card and "missing.pt not found" in card and "--ckpt gpt_base=PATH" in card
+        assert "OELM-Freeze" in page.inner_text("#card-oelm_freeze")
+        page.click("#generate-btn")
+        outputs = [page.locator(f"#out-{g} textarea") for g in GROUPS[1:]]
+        deadline = time.time() + 90
+        texts = ["", ""]
+        while time.time() < deadline:
+            texts = [o.input_value() for o in outputs]
+            if all(t.strip() for t in texts) and page.locator("#attn-plot img").count():
+                break
+            page.wait_for_timeout(250)
+        assert all(t.strip() for t in texts), f"empty outputs: {texts}"
+        assert page.locator("#out-gpt_base textarea").count() == 0
+        _save_screenshot(page, tmp_path, "oelm_app_one_missing.png")
+    finally:
+        demo.close()

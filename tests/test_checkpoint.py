@@ -2,6 +2,7 @@
 and files of another format or shape are refused with an error that says what to do."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -55,14 +56,48 @@ class NotAllowed:
 
 
 def test_a_checkpoint_holding_arbitrary_objects_is_refused(tmp_path):
-    """torch's message runs on for lines of advice; the error keeps the sentence that names the
-    refused object, whole (it once kept torch's first 200 characters, cut mid-sentence)."""
+    """torch's message runs on for lines of advice; the error names the refused object."""
     path = tmp_path / "pickled.pt"
     torch.save({"format_version": 1, **state_of(build_model("tiny", seed=1)), "extra": NotAllowed()}, path)
-    with pytest.raises(CheckpointError, match=r"could not be read \(UnpicklingError: Unsupported global: "
-                                              r"GLOBAL \S*NotAllowed was not an allowed global by default\.\); "
-                                              r"the file is truncated or not an OELM checkpoint"):
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {path} holds code, not only weights: it names the "
+                                              r"Python object `\S*NotAllowed`, which unpickling would import and "
+                                              r"call \(weights-only loading allows no such object\)"):
         load_checkpoint(path)
+
+
+class RunsAShellCommand:
+    """What a malicious checkpoint holds: unpickling it calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"echo pwned > {self.marker}",)
+
+
+def test_a_malicious_checkpoint_names_the_blocked_call_and_runs_nothing(tmp_path):
+    """torch 2.13 refuses it; the message read only "Weights only load failed ... truncated or
+    not an OELM checkpoint", never saying what was blocked or that the file holds code."""
+    import pickle
+
+    marker = tmp_path / "pwned.txt"
+    path = tmp_path / "evil.pt"
+    torch.save({"format_version": 1, **state_of(build_model("tiny", seed=1)), "x": RunsAShellCommand(marker)}, path)
+    blocked = f"{os.system.__module__}.system"  # posix.system (nt.system on Windows)
+    with pytest.raises(CheckpointError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (
+        f"checkpoint {path} holds code, not only weights: it names the Python object `{blocked}`, which "
+        f"unpickling would import and call (its module {os.system.__module__} is one weights-only loading "
+        f"always blocks: it reaches the interpreter and the operating system, to run programs and touch "
+        f"files); weights-only loading refused it, so nothing in the file "
+        f"ran. OELM checkpoints hold tensors, numbers, strings, lists and dicts only: do not load this one with "
+        f"weights_only=False unless you trust where it came from; use a checkpoint of a run folder (best.pt "
+        f"or ckpt/step_*.pt) or train again")
+    assert isinstance(exc.value.__cause__, pickle.UnpicklingError)
+    assert not marker.exists()  # nothing ran
+    with pytest.raises(CheckpointError, match=rf"names the Python object `{blocked}`"):
+        load_model(path)
 
 
 def test_a_truncated_checkpoint_names_torchs_first_sentence_whole(tmp_path):

@@ -18,7 +18,7 @@ def test_defaults_are_the_original_study():
 
 def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "p.yaml"
-    path.write_text("name: x\nvariant: oelm_freeze\nmodel:\n  n_layer: 2\ntrain:\n  steps: 10\n")
+    path.write_text("name: x\npreset: medium512\nvariant: oelm_freeze\nmodel:\n  n_layer: 2\ntrain:\n  steps: 10\n")
     cfg = load_run_config(path, ["train.lr=0.001", "model.freeze_qk=[0]", "data.source=/tmp/d"])
     assert cfg.train.steps == 10 and cfg.train.lr == 1e-3 and cfg.data.source == "/tmp/d"
     m = cfg.model_config()
@@ -88,7 +88,7 @@ def test_unusable_values_fail_at_load_time(key, value, message):
 def test_a_section_with_every_key_commented_out_is_empty(tmp_path):
     """YAML reads such a section as null: it is an empty section, which --set can fill."""
     path = tmp_path / "p.yaml"
-    path.write_text("name: x\ntrain:\n  # steps: 10\nmodel:\n")
+    path.write_text("name: x\npreset: medium512\nvariant: gpt_base\ntrain:\n  # steps: 10\nmodel:\n")
     assert load_run_config(path).train == TrainConfig()
     cfg = load_run_config(path, ["train.steps=5", "model.n_layer=2"])
     assert cfg.train.steps == 5 and cfg.model_config().n_layer == 2
@@ -230,3 +230,45 @@ def test_more_unusable_values(key, value, message):
     section, name = key.split(".")
     with pytest.raises(ConfigError, match=message):
         run_config_from_dict({section: {name: value}})
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "name: x\ntrain:\n  steps: 10\n",
+                                  "preset: smoke\n", "variant: oelm_freeze\nmodel:\n  n_layer: 2\n"])
+def test_a_parameter_file_without_preset_or_variant_is_refused(tmp_path, text):
+    """An empty file silently trained the Medium-512 defaults (a 539 MB checkpoint on a CPU): a
+    parameter file must say which model it trains. Built from defaults or a mapping (studies,
+    sweeps, notebooks, tests), a RunConfig still needs neither."""
+    from oelm_core.config import PRESETS, variants
+    from oelm_core.train import main
+
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_run_config(path)
+    message = str(exc.value)
+    given = [k for k in ("preset", "variant") if f"{k}:" in text]
+    missing = [k for k in ("preset", "variant") if k not in given]
+    assert message.startswith(f"{path} does not say which model to train: it has no "
+                              f"{' or '.join(f'`{k}:`' for k in missing)}; ")
+    assert "a parameter file holds at least `preset:` and `variant:`" in message
+    assert f"presets: {', '.join(PRESETS)}" in message and f"variants: {', '.join(variants())}" in message
+    assert "see parameters/smoke/oelm_freeze.yaml" in message and "\n" not in message
+    assert main(["--params", str(path)]) == 2
+    # Given with --set they count: the file and its overrides are what trains.
+    cfg = load_run_config(path, ["preset=smoke", "variant=gpt_base"])
+    assert (cfg.preset, cfg.variant) == ("smoke", "gpt_base")
+    assert load_run_config(None).preset == "medium512" and run_config_from_dict({}).variant == "gpt_base"
+
+
+def test_a_study_or_sweep_file_passed_as_a_parameter_file_names_its_runner(tmp_path):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    with pytest.raises(ConfigError, match=r"study_smoke\.yaml is a study file \(it has a `study:` section\): "
+                                          r"run it with python -m oelm_core\.study "):
+        load_run_config(repo / "parameters" / "study_smoke.yaml")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("sweep:\n  variants: [gpt_base]\n")
+    with pytest.raises(ConfigError, match=r"s\.yaml is a sweep file \(it has a `sweep:` section\): run it "
+                                          r"with python -m oelm_core\.sweep "):
+        load_run_config(sweep)

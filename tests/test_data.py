@@ -701,3 +701,26 @@ def test_moving_a_story_boundary_is_new_content(tmp_path):
     enc = data.get_tokenizer()
     expected = enc.encode_ordinary("abc") + [data.EOT] + enc.encode_ordinary("d") + [data.EOT]
     assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist() == expected
+
+
+def test_a_token_file_with_ids_past_the_vocabulary_is_refused_on_opening(tmp_path):
+    """A file damaged in place keeps its size: the size check passed it, and its ids reached
+    torch.embedding as a bare IndexError deep in the model."""
+    path = tmp_path / "train.bin"
+    tokens = np.arange(1000, dtype=np.uint16)
+    tokens[700] = 65535
+    tokens.tofile(path)
+    message = (r"train\.bin holds 1 token id\(s\) past the 50257-token vocabulary it was prepared with "
+               r"\(ids 0\.\.50256\), the largest 65535, the first at position 700: the file was damaged or "
+               r"written by something else; rebuild with `python -m oelm_core\.data .* --force`")
+    with pytest.raises(ConfigError, match=message):
+        data.TokenSampler(path, block_size=16, batch_size=2, seed=0)
+    with pytest.raises(ConfigError, match=message):
+        data.eval_batches(path, block_size=16, batch_size=2, n_batches=1)
+    # The vocabulary is the one the file was prepared with, not always GPT-2's.
+    with pytest.raises(ConfigError, match=r"holds 488 token id\(s\) past the 512-token vocabulary .*, the "
+                                          r"largest 65535, the first at position 512: the file was damaged"):
+        data.TokenSampler(path, block_size=16, batch_size=2, seed=0, vocab_size=512)
+    tokens[700] = 50256  # GPT-2's end-of-text, the largest id there is
+    tokens.tofile(path)
+    assert data.TokenSampler(path, block_size=16, batch_size=2, seed=0).data.max() == 50256

@@ -1273,3 +1273,101 @@ def test_one_process_may_not_change_the_global_batch_on_resume(tmp_path, folded,
 def test_tokens_seen_count_every_micro_batch(tmp_path, folded):
     summary = run(params(tmp_path, folded, steps=2, ckpt_every=2, eval_every=2, grad_accum=2))
     assert summary["global_batch_tokens"] == 2 * 4 * 32 and summary["tokens_seen"] == 2 * 2 * 4 * 32
+
+
+def test_token_ids_damaged_in_place_are_refused_before_the_first_step(tmp_path, folded, capsys):
+    """Ids past the vocabulary, the file's size unchanged: once a bare IndexError from the model
+    at the first step; now one line naming the file, the id and the rebuild."""
+    values = params(tmp_path, folded)
+    run(values)  # prepares and trains: the files are good
+    train_bin = tmp_path / "data" / "train.bin"
+    tokens = np.fromfile(train_bin, dtype=np.uint16)
+    tokens[123] = FOLDED_VOCAB + 44  # a GPT-2 id, but past this data's 256-token vocabulary
+    tokens.tofile(train_bin)
+    values["out_dir"] = str(tmp_path / "second")
+    assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {train_bin} holds 1 token id(s) past the 256-token vocabulary it was "
+                          f"prepared with (ids 0..255), the largest 300, the first at position 123: the file was "
+                          f"damaged or written by something else; rebuild with `python -m oelm_core.data")
+    assert f"--out-dir {tmp_path / 'data'} --force`" in err and err.count("\n") == 1
+
+
+def test_a_warmup_longer_than_the_run_is_named_with_what_it_does(tmp_path, folded, caplog):
+    """train.steps=10 with train.warmup_steps=50 ran without a word, its learning rate never
+    reaching train.lr. Warned, not refused: a short try of a long run's parameter file
+    (--set train.steps=20 on a 2000-step warm-up) is a fair thing to do."""
+    values = params(tmp_path, folded, steps=10, warmup_steps=50, stop_after=2)
+    with caplog.at_level("INFO", logger="oelm_core.train"):
+        run(values)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["train.warmup_steps=50 is longer than the run (train.steps=10): the learning rate "
+                      "rises to 0.0006 at the last step and never reaches train.lr=0.003, nor decays to "
+                      "train.min_lr; set train.warmup_steps below train.steps (e.g. 1, a tenth of it) to train "
+                      "at train.lr"], warned
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([0.003 / 50, 0.003 * 2 / 50])
+    caplog.clear()
+    with caplog.at_level("INFO", logger="oelm_core.train"):
+        run(params(tmp_path, folded, out="other", steps=10, warmup_steps=10, stop_after=1))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_context_far_beyond_the_preset_is_costed_and_refused_before_anything_runs(tmp_path, story_folder,
+                                                                                     monkeypatch, capsys, caplog):
+    """model.block_size=100000 on the smoke preset sat at step 0 for minutes using gigabytes. The
+    step's memory (accounting.step_memory) is said before starting, and a step that cannot fit
+    the machine is refused, before the data is prepared."""
+    import oelm_core.train as T
+    from oelm_core.accounting import flops_per_token, step_memory
+    from oelm_core.config import model_config
+
+    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, batch_size=16)
+    values["model"] = {"block_size": 100_000}
+    cfg = model_config("smoke", "gpt_base", block_size=100_000)
+    need = step_memory(cfg, 16)
+    assert 15 * 2**30 < need["total"] < 30 * 2**30  # 1.6M tokens a micro-step
+    tflop = flops_per_token(cfg)["total"] * 16 * 100_000 / 1e12
+    assert tflop > 100  # hours on a CPU
+    path = write_params(tmp_path / "p.yaml", values)
+    monkeypatch.setattr(T, "device_memory", lambda device: (8 * 2**30, "the RAM available on this machine"))
+    assert main(["--params", str(path)]) == 2
+    err = capsys.readouterr().err
+    cost = (f"one training step of this run needs about {need['total'] / 2**30:.1f} GiB (weights, gradients "
+            f"and AdamW state {need['state'] / 2**20:.1f} MiB, activations of 16 x 100000 tokens "
+            f"{need['activations'] / 2**30:.1f} GiB) and {tflop:.1f} TFLOP a step")
+    assert err == (f"error: {cost}, more than the RAM available on this machine (8.0 GiB): lower "
+                   f"model.block_size (100000; the smoke preset's is 64) or train.batch_size (16; "
+                   f"train.grad_accum keeps the tokens a step with less memory)\n"), err
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+    # Close to what there is: a warning that names both, and the run goes on.
+    monkeypatch.setattr(T, "device_memory", lambda device: (int(need["total"] * 1.1), "the RAM of a test"))
+    monkeypatch.setattr(T, "Trainer", lambda *a: pytest.fail("stop here: the warning came before"))
+    with caplog.at_level("INFO", logger="oelm_core.train"), pytest.raises(pytest.fail.Exception):
+        run(values)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"{cost}: 91% of the RAM of a test ({need['total'] * 1.1 / 2**30:.1f} GiB); it may run "
+                      f"out of memory: lower model.block_size or train.batch_size (train.grad_accum keeps the "
+                      f"tokens a step with less memory)"]
+
+    # The machine's own figure: a step no machine has the memory for.
+    monkeypatch.undo()
+    values["model"] = {"block_size": 10_000_000}
+    with pytest.raises(ConfigError, match=r"^one training step of this run needs about \d+\.\d TiB .*, more than "
+                                          r"the RAM available on this machine \(\d+\.\d GiB\): lower model\.block_size"):
+        run(values)
+
+
+def test_every_run_logs_what_its_step_costs(tmp_path, folded, caplog):
+    from oelm_core.accounting import step_memory
+    from oelm_core.config import model_config
+
+    with caplog.at_level("INFO", logger="oelm_core.train"):
+        run(params(tmp_path, folded, steps=1, ckpt_every=1, eval_every=1))
+    need = step_memory(model_config("smoke", "oelm_freeze", block_size=32, vocab_size=FOLDED_VOCAB), 4)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("one training step"))
+    assert line.startswith(f"one training step of this run needs about {need['total'] / 2**20:.1f} MiB "
+                           f"(weights, gradients and AdamW state {need['state'] / 2**20:.1f} MiB, activations "
+                           f"of 4 x 32 tokens {need['activations'] / 2**20:.1f} MiB) and "), line
+    assert " MFLOP a step; the RAM available on this machine: " in line and line.endswith(" GiB"), line
