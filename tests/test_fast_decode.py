@@ -142,6 +142,9 @@ def test_sample_on_the_cpu_is_the_torch_draw():
             assert torch.equal(decode.sample(logits, cfg, seed_t, step_t), expect)
             assert torch.equal(sample(logits, cfg, seed_t, step_t), expect)
     if os.environ.get("TRITON_INTERPRET") != "1":
+        from oelm_core.fast import sample_kernels
+
+        assert not sample_kernels.supports(logits, 5, 1.0)
         decoder = GraphDecoder(build_model("tiny", "gpt_base").eval())
         assert decoder.sampler(SamplingConfig(temperature=1.0, top_k=5)) == "torch"
         assert decoder.sampler(SamplingConfig(temperature=0.0)) == "argmax"

@@ -186,15 +186,16 @@ def test_noise_is_a_pure_function_of_seed_step_and_token_bit_for_bit():
     assert abs(noise.mean().item() - 0.5772) < 0.01 and abs(noise.var().item() - math.pi**2 / 6) < 0.03
 
 
-def test_generation_stops_at_end_of_text():
+@pytest.mark.parametrize("path", list(PATHS))
+def test_generation_stops_at_end_of_text(path):
     model = build_model("smoke", "gpt_base").eval()
     with torch.no_grad():  # make <|endoftext|> the most likely token everywhere
         model.ln_f.weight.zero_()
         model.ln_f.bias.copy_(model.wte.weight[EOT] * 100)
-    out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0)))
+    out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0, **PATHS[path])))
     assert out == []
     out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0, stop_at_eot=False,
-                                                             max_new_tokens=3)))
+                                                             max_new_tokens=3, **PATHS[path])))
     assert out == [EOT] * 3
 
 
