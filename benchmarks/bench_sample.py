@@ -1,11 +1,12 @@
-"""One sampled token: the torch draw (generate.sample_from_noise + gumbel_noise) against the two
-Triton kernels of oelm_core.sample_kernels, on one row of 50,257 logits.
+"""One sampled token: the reference's torch draw (generate.sample_from_noise + gumbel_noise)
+against the two Triton kernels of oelm_core.fast.sample_kernels, on one row of 50,257 logits.
 
     PYTHONPATH=. python benchmarks/bench_sample.py --json sample.json
 
 For each sampling setting both draws are captured, 16 in a row, in a CUDA graph (as the decoder
 runs them) and timed per draw; each figure is the median of --reps replays after warm-up. Every
 setting also checks that the two draw the same tokens over 256 (seed, step) pairs. CUDA only.
+What the kernels save of a whole generation: bench_generate.py (its -sample_kernels rows).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
-from oelm_core import sample_kernels  # noqa: E402
 from oelm_core.config import ModelConfig  # noqa: E402
-from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor  # noqa: E402
+from oelm_core.fast import sample_kernels  # noqa: E402
+from oelm_core.fast.decode import sample  # noqa: E402
+from oelm_core.generate import SamplingConfig, gumbel_noise, sample_from_noise, seed_tensor  # noqa: E402
 
 VOCAB, DRAWS = ModelConfig.vocab_size, 16
 SETTINGS = [(0.8, 0, 1.0), (0.8, 50, 1.0), (0.8, 50, 0.9), (1.0, 1000, 1.0)]  # temperature, top-k, top-p

@@ -14,7 +14,6 @@ import time
 import torch
 
 from oelm_core.config import TrainConfig
-from oelm_core.train import configure_optimizer
 
 
 def card_name(device=None) -> str:
@@ -67,6 +66,8 @@ class PlainStep:
         self.model, self.fwd, self.tc, self.graph = model, fwd, tc, graph
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = torch.device(device)
+        from oelm_core.train import configure_optimizer  # here: the generation benchmarks need no trainer
+
         self.opt = configure_optimizer(model, tc, self.device)
         if graph:  # as the trainer's step turns it capturable before its capture
             for group in self.opt.param_groups:

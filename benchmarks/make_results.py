@@ -55,24 +55,21 @@ def breakdown_table(d):
 
 
 def gen_table(d):
+    """bench_generate.py's rows: per preset and sampling setting, every path, with what the fast
+    decoder saves of each one's generation time."""
     rows = d["results"]
-    t = rows[0].get("temperature", 0.0)
-    sampling = "greedy" if not t else f"temperature {t}, top-k {rows[0].get('top_k', 0)}"
-    sampler = rows[0].get("sampler", "argmax" if not t else "torch")
-    sampling += ", sampler: " + ("Triton kernels in CUDA graphs, argmax otherwise" if not t and sampler == "triton"
-                                 else sampler)
     out = [f"Device: **{d['meta']['card']}** ({d['meta']['device']}), {d['meta']['date']}, commit "
-           f"`{d['meta']['commit']}`, {rows[0].get('dtype', 'float32')}, {sampling}", "",
-           "| preset | decoding | new tokens | time to first token (ms) | ms/token | tokens/s | tokens/s, cached / uncached |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+           f"`{d['meta']['commit']}`, {rows[0].get('dtype', 'float32')}", "",
+           "| preset | sampling | path | decoder | step | sampler | new tokens | time to first token (ms) "
+           "| ms/token | tokens/s | fast decoder saves |",
+           "|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        base = next(q for q in rows if q["preset"] == r["preset"] and not q["cache"])
-        how = "uncached" if not r["cache"] else f"cached, {r.get('decoder', r.get('mode'))}"
-        if r["cache"] and r.get("kernels") == "triton":
-            how += " (fused Triton step)"
-        out.append(f"| {r['preset']} | {how} | {r['new_tokens']} | {r['ttft_ms']:.1f} | "
-                   f"{r['decode_ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | "
-                   f"{r['tokens_per_s'] / base['tokens_per_s']:.1f}x |")
+        fast = next((q for q in rows if q["preset"] == r["preset"] and q["sampling"] == r["sampling"]
+                     and q["path"] == "fast"), None)
+        saves = "" if fast is None or r is fast else f"{1 - r['tokens_per_s'] / fast['tokens_per_s']:.1%}"
+        out.append(f"| {r['preset']} | {r['sampling']} | {r['path']} | {r['decoder']} | {r['step']} | "
+                   f"{r['sampler']} | {r['new_tokens']} | {r['ttft_ms']:.1f} | {r['decode_ms_per_token']:.3f} | "
+                   f"{r['tokens_per_s']:,.0f} | {saves} |")
     return "\n".join(out)
 
 
@@ -120,7 +117,7 @@ if __name__ == "__main__":
         if load(out / name):
             print(train_table(load(out / name)), "\n")
             print(breakdown_table(load(out / name)), "\n")
-    for name in ("generate.json", "generate_topk.json", "generate_t08.json", "generate_cpu.json"):
+    for name in ("generate.json", "generate_cpu.json"):
         if load(out / name):
             print(gen_table(load(out / name)), "\n")
     if load(out / "sample.json"):

@@ -27,14 +27,9 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
       | grep -v '^{' | tee -a "$OUT/train.log"
 fi
 if [ "${SKIP_GEN:-0}" != 1 ]; then
-  python3 benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256 --modes graph eager \
-      --json "$OUT/generate.json" 2>&1 | grep -v '^{' | tee "$OUT/generate.log"
-  # Sampling instead of greedy (temperature 0.8, with and without top-k 50): the sampler's cost on
-  # top; and the sampler alone, torch ops against oelm_core.sample_kernels.
-  python3 benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256 --temperature 0.8 --top-k 50 \
-      --json "$OUT/generate_topk.json" 2>&1 | grep -v '^{' | tee -a "$OUT/generate.log"
-  python3 benchmarks/bench_generate.py --presets smoke medium512 --new-tokens 256 --temperature 0.8 \
-      --json "$OUT/generate_t08.json" 2>&1 | grep -v '^{' | tee -a "$OUT/generate.log"
+  # smoke and medium512, greedy and temperature 0.8 top-k 50: the reference loop, the fast decoder,
+  # and the fast decoder with each part off; then the sampler alone, torch ops against its kernels.
+  python3 benchmarks/bench_generate.py --json "$OUT/generate.json" 2>&1 | grep -v '^{' | tee "$OUT/generate.log"
   python3 benchmarks/bench_sample.py --json "$OUT/sample.json" 2>&1 | grep -v '^{' | tee -a "$OUT/generate.log"
 fi
 if [ "${DDP:-0}" = 1 ]; then

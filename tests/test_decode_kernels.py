@@ -1,4 +1,5 @@
-"""The fused Triton decode step (oelm_core.decode_kernels) equals ``GPT.decode_step``.
+"""The fused Triton decode step (oelm_core.fast.decode_kernels) equals the PyTorch one
+(``oelm_core.fast.decode.decode_step``), and the decoder uses it.
 
 On a GPU the checks run in this process. Without one, but with Triton installed, they run in a
 subprocess under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before the
@@ -16,7 +17,8 @@ pytest.importorskip("triton")
 
 from conftest import run_in_triton_interpreter  # noqa: E402
 from oelm_core import build_model  # noqa: E402
-from oelm_core.decode_kernels import DecodeScratch, decode_step, supports  # noqa: E402
+from oelm_core.fast.decode import decode_step as torch_step  # noqa: E402
+from oelm_core.fast.decode_kernels import DecodeScratch, decode_step, supports  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -60,7 +62,7 @@ def check_equal_to_reference(name: str, device: str) -> None:
 
     def step(t: int) -> None:
         pos = torch.tensor([t], device=device)
-        expect = model.decode_step(idx[:, t:t + 1], pos, ref_cache)
+        expect = torch_step(model, idx[:, t:t + 1], pos, ref_cache)
         got = decode_step(model, idx[:, t:t + 1], pos, cache, scratch)
         assert got.shape == (1, model.cfg.vocab_size) and got.dtype == torch.float32
         assert (got - expect).abs().max().item() < 1e-4, (name, t)
@@ -80,7 +82,7 @@ def check_equal_to_reference(name: str, device: str) -> None:
         # A new scratch per call, and a one-token prompt at position 0 (no cached keys at all).
         zero = torch.tensor([0], device=device)
         got = decode_step(model, idx[:, :1], zero, cache)
-        assert (got - model.decode_step(idx[:, :1], zero, ref_cache)).abs().max().item() < 1e-4
+        assert (got - torch_step(model, idx[:, :1], zero, ref_cache)).abs().max().item() < 1e-4
 
 
 def check_supports(device: str) -> None:
@@ -93,12 +95,14 @@ def check_supports(device: str) -> None:
 
 
 def check_decoder(device: str) -> None:
-    """generate.GraphDecoder picks the fused step, gives the uncached path's tokens with it, and
-    falls back to PyTorch, with a warning and the same tokens, when the fused step is wrong."""
+    """fast.decode.GraphDecoder picks the fused step, gives the uncached path's tokens with it,
+    and falls back to PyTorch, with a warning and the same tokens, when the fused step is wrong
+    or switched off."""
     import warnings
 
-    from oelm_core import decode_kernels
-    from oelm_core.generate import SamplingConfig, acquire_decoder, release_decoder, stream_tokens
+    from oelm_core.fast import decode, decode_kernels
+    from oelm_core.fast.decode import acquire_decoder, release_decoder
+    from oelm_core.generate import SamplingConfig, stream_tokens
 
     model = _model("oelm_freeze", device)
     kw = dict(max_new_tokens=40, temperature=0.9, top_k=40, seed=5, stop_at_eot=False)
@@ -110,6 +114,10 @@ def check_decoder(device: str) -> None:
         assert list(stream_tokens(model, [3, 4, 5], SamplingConfig(**kw))) == plain
         assert acquire_decoder(model) is decoder and decoder.kernels == "triton"
         release_decoder(decoder)
+        off = list(decode.stream_tokens(model, [3, 4, 5], SamplingConfig(**kw), decode_kernels=False))
+        decoder = acquire_decoder(model, decode_kernels=False)
+        release_decoder(decoder)
+        assert off == plain and decoder.kernels == "torch"
 
         model = _model("gpt_base", device)
         plain = list(stream_tokens(model, [3, 4, 5], SamplingConfig(**kw, use_cache=False)))
@@ -136,7 +144,7 @@ def _run(check: str, *args: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_decode_step_equals_gpt_decode_step(name):
+def test_fused_decode_step_equals_the_torch_step(name):
     _run("check_equal_to_reference", name)
 
 
@@ -148,6 +156,7 @@ def test_the_decoder_uses_the_fused_step_and_falls_back_when_it_is_wrong():
     _run("check_decoder")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_fused_decode_step_replays_in_a_cuda_graph():
     model = _model("gpt_base", "cuda")
@@ -171,7 +180,7 @@ def test_fused_decode_step_replays_in_a_cuda_graph():
             token.copy_(idx[:, t:t + 1])
             pos.fill_(t)
             graph.replay()
-            expect = model.decode_step(idx[:, t:t + 1], torch.tensor([t], device="cuda"), ref_cache)
+            expect = torch_step(model, idx[:, t:t + 1], torch.tensor([t], device="cuda"), ref_cache)
             assert (logits - expect).abs().max().item() < 1e-4, t
 
 

@@ -1,8 +1,12 @@
-"""Sampling: the KV cache changes speed, not results; seeds, filters, limits and streaming."""
+"""The reference generation (oelm_core.generate): the KV cache changes speed, not results;
+seeds, filters, limits and streaming. The fast decoder against it: tests/test_fast_decode.py."""
 
 import itertools
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,15 @@ from oelm_core import build_model
 from oelm_core.data import get_tokenizer
 from oelm_core.generate import (EOT, SamplingConfig, _uniform, detokenize, generate, gumbel_noise, sample,
                                 sample_from_noise, seed_tensor, stream, stream_tokens)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small CPU tensors: one thread (conftest), or a busy machine's oversubscription slows them down.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# The three ways stream_tokens decodes: the fast decoder (the default), the reference KV-cached
+# loop, the uncached reference.
+PATHS = {"fast": dict(use_cache=True), "cached": dict(use_cache=True, fast=False), "uncached": dict(use_cache=False)}
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +43,28 @@ def test_cached_logits_equal_uncached(variant):
     assert (cached - full).abs().max().item() < 1e-5
 
 
-def test_greedy_generation_is_the_same_with_and_without_cache_past_the_context(smoke_model):
-    # 100 new tokens with a 64-token context: the window slides, and both paths must agree.
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=50, top_p=0.9, seed=5)])
+def test_generation_is_the_same_with_and_without_cache_past_the_context(smoke_model, sampling):
+    # 100 new tokens with a 64-token context: the window slides, and every path must agree.
     prompt = list(range(1000, 1010))
-    kw = dict(max_new_tokens=100, temperature=0.0, stop_at_eot=False)
-    cached = list(stream_tokens(smoke_model, prompt, SamplingConfig(**kw, use_cache=True)))
-    plain = list(stream_tokens(smoke_model, prompt, SamplingConfig(**kw, use_cache=False)))
-    assert len(cached) == 100 and cached == plain
+    kw = dict(max_new_tokens=100, stop_at_eot=False, **sampling)
+    tokens = {name: list(stream_tokens(smoke_model, prompt, SamplingConfig(**kw, **path)))
+              for name, path in PATHS.items()}
+    assert len(tokens["uncached"]) == 100 and tokens["fast"] == tokens["cached"] == tokens["uncached"]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_full_window_restarts_from_its_most_recent_half(path):
+    """tiny: a context of 32. After a one-token prompt, step 31 sees all 32 tokens; step 32
+    would see 33, so it sees the last 16 (ids[17:33]) and the window grows from there until
+    step 49, which again sees the last 16 (ids[34:50])."""
+    model = build_model("tiny", "gpt_base", seed=8).eval()
+    cfg = SamplingConfig(max_new_tokens=60, temperature=0.0, stop_at_eot=False, **PATHS[path])
+    ids = [5] + list(stream_tokens(model, [5], cfg))
+    with torch.no_grad():
+        for step, window in [(31, slice(0, 32)), (32, slice(17, 33)), (48, slice(17, 49)), (49, slice(34, 50))]:
+            expect = model(torch.tensor([ids[window]]))[0, -1].argmax().item()
+            assert ids[1 + step] == expect, (step, window)
 
 
 def test_seed_makes_sampling_reproducible(smoke_model):
@@ -119,14 +147,11 @@ def test_gumbel_max_sampling_draws_from_the_softmax():
     assert ((counts / n - p).abs() < 4 * (p * (1 - p) / n).sqrt()).all()
 
 
-def test_sample_on_the_cpu_is_the_torch_draw():
-    """Without CUDA (and outside Triton's interpreter) sample() is sample_from_noise with the
-    step's noise; GPUs draw the same tokens through oelm_core.sample_kernels (its tests)."""
-    from oelm_core import sample_kernels
+def test_sample_is_the_draw_with_the_steps_noise():
+    """sample() is sample_from_noise with the noise of its step (the fast decoder's draw on the
+    CPU too, and the Triton sampler's on GPUs: tests/test_fast_decode.py, test_sample_kernels.py)."""
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
     cfg = SamplingConfig(temperature=1.0, top_k=5)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        assert not sample_kernels.supports(logits, 5, 1.0)
     for step in range(5):
         seed_t, step_t = seed_tensor(9, "cpu"), torch.tensor([step])
         expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 10)[0])
@@ -161,15 +186,16 @@ def test_noise_is_a_pure_function_of_seed_step_and_token_bit_for_bit():
     assert abs(noise.mean().item() - 0.5772) < 0.01 and abs(noise.var().item() - math.pi**2 / 6) < 0.03
 
 
-def test_generation_stops_at_end_of_text():
+@pytest.mark.parametrize("path", list(PATHS))
+def test_generation_stops_at_end_of_text(path):
     model = build_model("smoke", "gpt_base").eval()
     with torch.no_grad():  # make <|endoftext|> the most likely token everywhere
         model.ln_f.weight.zero_()
         model.ln_f.bias.copy_(model.wte.weight[EOT] * 100)
-    out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0)))
+    out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0, **PATHS[path])))
     assert out == []
     out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0, stop_at_eot=False,
-                                                             max_new_tokens=3)))
+                                                             max_new_tokens=3, **PATHS[path])))
     assert out == [EOT] * 3
 
 
@@ -198,10 +224,11 @@ def test_limits_give_clear_errors(smoke_model):
     ("seed", 1.5, "a whole number"),
     ("stop_at_eot", 1, "True or False"),
     ("use_cache", "no", "True or False"),
+    ("fast", 0, "True or False"),
 ])
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_sampling_settings_of_the_wrong_type_are_refused_by_name(smoke_model, name, value, kind, use_cache):
-    cfg = SamplingConfig(temperature=1.0, seed=1, stop_at_eot=False, use_cache=use_cache)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_sampling_settings_of_the_wrong_type_are_refused_by_name(smoke_model, name, value, kind, path):
+    cfg = SamplingConfig(temperature=1.0, seed=1, stop_at_eot=False, **PATHS[path])
     setattr(cfg, name, value)
     with pytest.raises(TypeError, match=f"^{name} must be {kind}"):
         list(itertools.islice(stream_tokens(smoke_model, [1, 2], cfg), 50))
@@ -214,10 +241,10 @@ def test_numpy_integers_are_whole_numbers(smoke_model):
     assert len(list(stream_tokens(smoke_model, [1, 2], cfg))) == 7
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_prompt_ids_outside_the_vocabulary_are_refused(smoke_model, use_cache):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_prompt_ids_outside_the_vocabulary_are_refused(smoke_model, path):
     tiny = build_model("tiny", "gpt_base").eval()  # 128 ids
-    cfg = SamplingConfig(max_new_tokens=3, temperature=0.0, stop_at_eot=False, use_cache=use_cache)
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.0, stop_at_eot=False, **PATHS[path])
     for ids in ([5, 500], [-1]):
         with pytest.raises(ValueError, match=r"outside this model's vocabulary of 128 ids \(0\.\.127\).*"
                                              r"encode it with the tokenizer the model was trained with"):
@@ -241,9 +268,9 @@ def test_tiny_temperatures_draw_the_most_likely_token(temperature):
     assert cfg.greedy and not SamplingConfig(temperature=1e-6).greedy
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
-def test_unseeded_generation_leaves_the_global_generator_alone(smoke_model, use_cache):
-    cfg = SamplingConfig(max_new_tokens=20, temperature=1.0, stop_at_eot=False, use_cache=use_cache)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_unseeded_generation_leaves_the_global_generator_alone(smoke_model, path):
+    cfg = SamplingConfig(max_new_tokens=20, temperature=1.0, stop_at_eot=False, **PATHS[path])
     torch.manual_seed(123)
     expect = torch.rand(4)
     torch.manual_seed(123)
@@ -252,128 +279,35 @@ def test_unseeded_generation_leaves_the_global_generator_alone(smoke_model, use_
     assert list(stream_tokens(smoke_model, [1, 2], cfg)) != first  # still a fresh seed per call
 
 
-# --------------------------------------------------------------------------------------------
-# The fixed-shape one-token decode step (captured in a CUDA graph on GPUs; eager here)
-# --------------------------------------------------------------------------------------------
-
-from oelm_core.generate import GraphDecoder, acquire_decoder, release_decoder  # noqa: E402
-
-DECODE_VARIANTS = ["gpt_base", "oelm_freeze", "synth_random", "synth_factorized", "oelm_poet"]
-
-
-def _decode_model(variant):
-    model = build_model("tiny", variant, seed=3).eval()
-    if variant == "oelm_poet":  # R, P away from the identity, as after training
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "skew_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
-@pytest.mark.parametrize("fixed_shape", [True, False])
-@pytest.mark.parametrize("variant", DECODE_VARIANTS)
-def test_decode_step_equals_the_full_forward_at_every_step(variant, fixed_shape):
-    """Both ways of attending (the whole cache under a mask, as CUDA graphs need, or the keys
-    up to pos only) give the full forward's logits."""
-    model = _decode_model(variant)
-    block = model.cfg.block_size
-    idx = torch.randint(0, 128, (1, block), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(idx)[0]
-        cache = model.new_cache()
-        for layer in range(model.cfg.n_layer):  # stale, finite junk past the prefix: masked out
-            cache.k[layer].normal_(0, 50)
-            cache.v[layer].normal_(0, 50)
-        prefix = model(idx[:, :5], cache=cache)[0]
-        assert (prefix - full[:5]).abs().max().item() < 1e-5
-        for t in range(5, block):  # up to the last position of the context
-            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache, fixed_shape)
-            assert logits.shape == (1, model.cfg.vocab_size)
-            assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
-        # From an empty cache too (a one-token prompt starts at position 0).
-        cache = model.new_cache()
-        for t in range(block):
-            logits = model.decode_step(idx[:, t:t + 1], torch.tensor([t]), cache, fixed_shape)
-            assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
-
-
-@pytest.mark.parametrize("variant", DECODE_VARIANTS)
-def test_decoder_greedy_tokens_equal_uncached_past_the_context(variant):
-    model = _decode_model(variant)
-    kw = dict(max_new_tokens=3 * model.cfg.block_size, temperature=0.0, stop_at_eot=False)
-    for prompt in ([5], list(range(7, 20))):
-        cached = list(stream_tokens(model, prompt, SamplingConfig(**kw, use_cache=True)))
-        plain = list(stream_tokens(model, prompt, SamplingConfig(**kw, use_cache=False)))
-        assert cached == plain and len(cached) == kw["max_new_tokens"]
-
-
-def test_decoder_is_reused_across_calls_and_replaced_when_the_weights_move():
-    model = build_model("tiny", "oelm_freeze", seed=4).eval()
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_model_in_training_mode_generates_through_the_reference(path):
+    """Dropout on: the fast decoder (eval mode only) hands over to the reference loop, which
+    applies it (no dropout, the same tokens as in eval mode; with it, other ones)."""
+    model = build_model("tiny", "gpt_base", seed=9, dropout=0.0).train()
     kw = dict(max_new_tokens=40, temperature=0.0, stop_at_eot=False)
-    a = acquire_decoder(model)
-    release_decoder(a)
-    first = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw)))
-    b = acquire_decoder(model)
-    release_decoder(b)
-    assert a is b and a.mode == "eager"  # CPU: the same fixed-shape step, not captured
-    assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == first
-    model.unfreeze_qk()  # new weight tensors: the old decoder must not be used
-    c = acquire_decoder(model)
-    release_decoder(c)
-    assert c is not a
-    plain = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw, use_cache=False)))
-    assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == plain == first
+    expect = list(stream_tokens(build_model("tiny", "gpt_base", seed=9).eval(), [3], SamplingConfig(**kw)))
+    assert list(stream_tokens(model, [3], SamplingConfig(**kw, **PATHS[path]))) == expect
+    model = build_model("tiny", "gpt_base", seed=9, dropout=0.5).train()
+    assert list(stream_tokens(model, [3], SamplingConfig(**kw, **PATHS[path]))) != expect
 
 
-def test_interleaved_streams_of_one_model_do_not_share_a_cache():
-    model = build_model("tiny", "gpt_base", seed=5).eval()
-    kw = dict(max_new_tokens=50, temperature=0.0, stop_at_eot=False)
-    expect = [list(stream_tokens(model, p, SamplingConfig(**kw, use_cache=False))) for p in ([1, 2], [9])]
-    s1, s2 = (stream_tokens(model, p, SamplingConfig(**kw)) for p in ([1, 2], [9]))
-    got = [[], []]
-    for t1, t2 in zip(s1, s2):
-        got[0].append(t1)
-        got[1].append(t2)
-    assert got == expect
-
-
-def test_seeded_sampling_through_the_decoder_matches_the_plain_paths():
-    model = build_model("tiny", "oelm_freeze", seed=6).eval()
-    kw = dict(temperature=1.0, top_k=20, top_p=0.9, seed=11, stop_at_eot=False)
-    # Within the context (2 + 29 < 32 tokens) the uncached path sees the same tokens.
-    cached = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=29)))
-    plain = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=29, use_cache=False)))
-    assert cached == plain
-    # Past it too (the window keeps its most recent half on every path), and the same as the
-    # plain cached path (model(x, cache=cache) per token).
-    cached = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=100)))
-    plain = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=100, use_cache=False)))
-    assert cached == plain
-    decoder = acquire_decoder(model)
-    release_decoder(decoder)
-    decoder.mode = "legacy"
-    legacy = list(stream_tokens(model, [3, 4], SamplingConfig(**kw, max_new_tokens=100)))
-    assert acquire_decoder(model) is decoder and cached == legacy
-    release_decoder(decoder)
-
-
-def test_decoder_falls_back_when_the_fixed_shape_step_or_the_capture_fails(monkeypatch):
-    model = build_model("tiny", "gpt_base", seed=7).eval()
-    kw = dict(max_new_tokens=70, temperature=0.0, stop_at_eot=False)
-    plain = list(stream_tokens(model, [1], SamplingConfig(**kw, use_cache=False)))
-    # A failed capture (here: no CUDA at all) leaves the eager fixed-shape step.
-    decoder = GraphDecoder(model)
-    greedy = SamplingConfig(temperature=0.0)
-    decoder.prefill(model, [1], 0, greedy)
-    with pytest.warns(UserWarning, match="capture"):
-        decoder._capture(model, 4, greedy)
-    assert decoder.mode == "eager" and not decoder.graphs
-    assert decoder.out[:4].tolist() == plain[1:5]  # the eager fallback ran this call's steps
-    # A device where even the eager step fails: the plain cached path, same tokens.
-    monkeypatch.setattr(type(model), "decode_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
-    fresh = build_model("tiny", "gpt_base", seed=7).eval()
-    with pytest.warns(UserWarning, match="plain cached path"):
-        cached = list(stream_tokens(fresh, [1], SamplingConfig(**kw)))
-    assert cached == plain
+def test_the_reference_imports_no_fast_path():
+    """Generation without SamplingConfig.fast imports nothing of oelm_core.fast (no Triton, no
+    optimizer-step hook); with it, on the CPU, the fast decoder but still no Triton."""
+    code = (
+        "import sys, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from oelm_core import build_model\n"
+        "from oelm_core.generate import SamplingConfig, stream_tokens\n"
+        "m = build_model('tiny', 'gpt_base').eval()\n"
+        "cfg = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_at_eot=False, fast=False)\n"
+        "list(stream_tokens(m, [1], cfg)); list(stream_tokens(m, [1], SamplingConfig(use_cache=False)))\n"
+        "assert not [n for n in sys.modules if n.startswith('oelm_core.fast.') or n == 'triton'], sys.modules\n"
+        "cfg.fast = True\n"
+        "list(stream_tokens(m, [1], cfg))\n"
+        "assert 'oelm_core.fast.decode' in sys.modules and 'oelm_core.fast.cpu_decode' in sys.modules\n"
+        "assert 'triton' not in sys.modules and 'oelm_core.fast.decode_kernels' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

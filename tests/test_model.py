@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from oelm_core import ConfigError, build_model, count_parameters, flops_per_token, memory_account, model_config
-from oelm_core.generate import SamplingConfig, stream_tokens
 from oelm_core.orthogonal import orthogonality_error
 
 MEDIUM_TOTAL = 44_896_768
@@ -120,104 +119,6 @@ def test_build_model_leaves_the_defaults_to_the_config(monkeypatch):
     assert (model.cfg.n_layer, model.cfg.vocab_size, model.cfg.frozen_layers()) == (2, 128, [0, 1])
     assert build_model("smoke").cfg.frozen_layers() == [0, 1]
     assert build_model(variant="gpt_base", n_layer=1).cfg == model_config("tiny", "gpt_base", n_layer=1)
-
-
-@pytest.mark.parametrize("tie", [True, False])
-def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
-    """A decoding step's logits come from a transposed copy of the output weight: equal to the
-    plain product, and remade when the weight changes in place (as an optimiser step does)."""
-    torch.manual_seed(0)
-    model = build_model("tiny", "gpt_base", tie_embeddings=tie).eval()
-    h = torch.randn(1, 1, model.cfg.d_model)
-    vocab, weight = model.cfg.vocab_size, model.output_weight
-    with torch.no_grad():
-        plain = torch.nn.functional.linear(h, weight)[..., :vocab]
-        assert torch.allclose(model.logits(h), plain, atol=1e-6)
-        copy = model._output_t._value
-        assert copy.is_contiguous() and copy.shape == (model.cfg.d_model, model.cfg.padded_vocab_size)
-        weight.mul_(-2.0)
-        assert torch.allclose(model.logits(h), -2.0 * plain, atol=1e-5)
-        assert model._output_t._value is not copy
-        h3 = torch.randn(2, 3, model.cfg.d_model)  # many rows: the plain product, no copy involved
-        assert torch.allclose(model.logits(h3), torch.nn.functional.linear(h3, weight)[..., :vocab])
-    grad_h = h.clone().requires_grad_()
-    model.logits(grad_h).sum().backward()  # with gradients: the plain product, differentiable
-    assert weight.grad is not None and grad_h.grad.shape == h.shape
-
-
-@pytest.mark.parametrize("variant,bias", [("gpt_base", True), ("oelm_freeze", False)])
-def test_one_row_layer_products_on_the_cpu_equal_the_plain_ones(variant, bias):
-    """q, k, v and the MLP's hidden layer of one row on the CPU come from transposed copies of
-    the weights (q/k/v concatenated): the same numbers as the per-weight products, also after
-    the weights change in place, with and without biases."""
-    torch.manual_seed(0)
-    block = build_model("tiny", variant, bias=bias, attn_bias=bias).eval().blocks[0]
-    attn, mlp = block.attn, block.mlp
-    x = torch.randn(1, 1, attn.cfg.d_model)
-    d = attn.cfg.d_model
-
-    def plain():
-        q, k = torch.nn.functional.linear(x, attn.qk.weight).split(d, dim=-1)
-        return q, k, attn.v(x), torch.nn.functional.gelu(mlp.fc(x), approximate="tanh")
-
-    with torch.no_grad():
-        for step in range(2):
-            got = (*attn._qkv(x), mlp.hidden(x))
-            for a, b in zip(got, plain()):
-                assert a.shape == b.shape and (a - b).abs().max().item() < 1e-6
-            assert attn._qkv_t._value.shape == (d, 3 * d) and mlp._fc_t._value.shape == (d, attn.cfg.d_ff)
-            for w in (attn.qk.weight, attn.v.weight, mlp.fc.weight):
-                w.mul_(-1.5)  # an in-place change, as an optimiser step makes: the copies follow
-    with torch.enable_grad():  # with gradients: the plain products, no copy
-        assert (mlp.hidden(x) - plain()[3]).abs().max().item() == 0.0
-
-
-def test_one_row_products_follow_a_fused_optimizer_step():
-    """The trainer's fused AdamW writes the weights without bumping their version counters: the
-    transposed copies must follow it anyway, so cached decoding after training in the same
-    process uses the trained weights (it used the old ones, and drew other tokens)."""
-    torch.manual_seed(0)
-    model = build_model("tiny", "gpt_base", seed=1).eval()
-    h = torch.randn(1, 1, model.cfg.d_model)
-    vocab, weight = model.cfg.vocab_size, model.output_weight
-    kw = dict(max_new_tokens=20, temperature=0.0, stop_at_eot=False)
-    before = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw)))  # makes every copy
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
-    x = torch.randint(0, 128, (2, 16))
-    model.train()
-    model(x, x.roll(-1, 1)).backward()
-    opt.step()  # torch 2.13: weight._version unchanged
-    model.eval()
-    with torch.no_grad():
-        plain = torch.nn.functional.linear(h, weight)[..., :vocab]
-        assert (model.logits(h) - plain).abs().max().item() < 1e-5
-    cached = list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw)))
-    assert cached == list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw, use_cache=False)))
-    assert cached != before  # lr 0.5: the step did change what the model says
-    # A write through .data is seen by neither key: drop_transposed_copies() makes them follow.
-    with torch.no_grad():
-        weight.data.mul_(-2.0)
-        model.drop_transposed_copies()
-        assert (model.logits(h) + 2.0 * plain).abs().max().item() < 1e-5
-
-
-def test_models_made_under_inference_mode_decode_on_the_cpu():
-    """Weights made under torch.inference_mode have no version counter (reading it raised
-    "Inference tensors do not track version counter" at the first one-token step), and inside
-    that mode load_state_dict writes them in place: decoding must follow such a write too."""
-    kw = dict(max_new_tokens=40, temperature=0.0, stop_at_eot=False)
-    expect = {s: list(stream_tokens(build_model("tiny", "gpt_base", seed=s).eval(), [1, 2, 3],
-                                    SamplingConfig(**kw))) for s in (3, 4)}
-    assert expect[3] != expect[4]
-    with torch.inference_mode():
-        model = build_model("tiny", "gpt_base", seed=3).eval()
-        assert model.wte.weight.is_inference()
-        assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == expect[3]
-    # The decoder kept from that call is reused outside inference mode.
-    assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == expect[3]
-    with torch.inference_mode():
-        model.load_state_dict(build_model("tiny", "gpt_base", seed=4).state_dict())
-        assert list(stream_tokens(model, [1, 2, 3], SamplingConfig(**kw))) == expect[4]
 
 
 def test_over_long_input_errors_say_what_helps():

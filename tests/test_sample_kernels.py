@@ -1,4 +1,5 @@
-"""The Triton sampler (oelm_core.sample_kernels) draws the tokens of ``generate.sample_from_noise``.
+"""The Triton sampler (oelm_core.fast.sample_kernels) draws the tokens of ``generate.sample_from_noise``,
+and the fast decoder's ``sample`` picks it where it applies.
 
 On a GPU the checks run in this process; without one, with Triton installed, under Triton's CPU
 interpreter in a subprocess (as tests/test_decode_kernels.py); without Triton (CI) the file is
@@ -14,8 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 from conftest import run_in_triton_interpreter  # noqa: E402
-from oelm_core import sample_kernels  # noqa: E402
-from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor  # noqa: E402
+from oelm_core.fast import sample_kernels  # noqa: E402
+from oelm_core.fast.decode import sample  # noqa: E402
+from oelm_core.generate import SamplingConfig, gumbel_noise, sample_from_noise, seed_tensor  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -83,6 +85,12 @@ def check_supports(device: str) -> None:
     assert sample_kernels.supports(row, 0, 1.0) and sample_kernels.supports(row, 1024, 0.5)
     assert not sample_kernels.supports(row, 0, 0.9)        # top-p alone sorts the whole vocabulary
     assert not sample_kernels.supports(row, 1025, 1.0)
+    # Where they do not apply, the decoder's sample() is the torch draw.
+    logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(2)).to(device)
+    seed_t, step_t = seed_tensor(5, device), torch.tensor([6], device=device)
+    for cfg in (SamplingConfig(temperature=1.0, top_p=0.9), SamplingConfig(temperature=1.0, top_k=1025)):
+        expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 5000)[0])
+        assert torch.equal(sample(logits, cfg, seed_t, step_t), expect)
 
 
 def _run(check: str) -> None:

@@ -1,12 +1,11 @@
 """The one-token KV-cached decode step as a handful of fused Triton kernels.
 
 Why: decoding one token of one sequence is bound by the number of kernels, not by memory
-bandwidth. ``GPT.decode_step`` launches ~115 small kernels per token (cuBLAS GEMVs, layer
-norms, the softmax, index_copy, cat, ...): 395 us of GPU time per token at the ``medium512``
-preset (6 layers, d_model 512, 8 heads, d_ff 2048, vocab 50,257, float32) on an H200
-(benchmarks/RESULTS.md), where the weights it reads (~180 MB, most of it the output layer) take
-~40 us at full bandwidth. Here each layer is five launches and the whole step 5 * n_layer + 2
-(32 at medium512):
+bandwidth. ``oelm_core.fast.decode.decode_step`` launches ~115 small kernels per token (cuBLAS
+GEMVs, layer norms, the softmax, index_copy, cat, ...) at the ``medium512`` preset (6 layers,
+d_model 512, 8 heads, d_ff 2048, vocab 50,257), several times what streaming the ~180 MB of
+weights it reads takes. Here each layer is five launches and the whole step 5 * n_layer + 2 (32
+at medium512):
 
     embedding      x = wte[idx] + wpe[pos]                                    _embed_kernel
     per layer      qkv = [W_qk; W_v] LN_1(x) + [0; b_v]                        _gemv_kernel
@@ -18,17 +17,17 @@ preset (6 layers, d_model 512, 8 heads, d_ff 2048, vocab 50,257, float32) on an 
     output layer   logits = W_out[:vocab] LN_f(x)                               _gemv_kernel
 
 Every shape is fixed and the token id and position are read only inside the kernels (no host
-synchronisation, no allocation once a ``DecodeScratch`` exists), so ``oelm_core.generate`` can
-capture steps in a CUDA graph. On Hopper GPUs the kernels are launched with programmatic
-dependent launch: each starts, and fetches its weights, while the previous one finishes.
-Measured on an H200 (CUDA-graph replay, medium512, float32; benchmarks/RESULTS.md): 111-115 us
-per token against 395 us for ``GPT.decode_step``.
+synchronisation, no allocation once a ``DecodeScratch`` exists), so ``fast.decode.GraphDecoder``
+can capture steps in a CUDA graph. On Hopper GPUs the kernels are launched with programmatic
+dependent launch: each starts, and fetches its weights, while the previous one finishes. The
+measured gain (``bench_generate.py``, the decoder with ``decode_kernels=False``) is in
+benchmarks/README.md.
 
 Supported (``supports``): dot attention through a plain ``QKProjection`` in every layer
 (standard, orthogonal and frozen Q/K; not the Synthesizer or POET), eval mode, float32 or
 bfloat16 weights and cache, d_model and d_ff up to 8,192, batch 1, on CUDA (or on the CPU
-under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests). ``GPT.decode_step`` is the
-reference: the same contract and, in float32, the same numbers (tests/test_decode_kernels.py).
+under Triton's interpreter, ``TRITON_INTERPRET=1``, for tests). ``fast.decode.decode_step`` is
+the reference: the same contract and, in float32, the same numbers (tests/test_decode_kernels.py).
 The residual stream and every intermediate stay in float32 here, so a bfloat16 model comes out
 slightly more accurate than the reference, which rounds each of them to bfloat16.
 """
@@ -140,7 +139,7 @@ if triton is not None:
         stride_t and 1. The block holding ``pos`` stores the new k, v there and takes them from
         registers: keys t < pos come from the cache, so nothing stored here is loaded back.
         One program per key block instead of a loop over them: one memory round trip per step
-        instead of one per block (a loop over 512 keys in 8 programs took ~47 us on an H200).
+        instead of one per block (a loop over the keys in fewer programs was several times slower).
         """
         if PDL:  # nothing to load ahead, but an early launch still hides the launch latency
             gdc_wait()
@@ -197,8 +196,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # thread at 8 warps), so at most 8,192 columns. BLOCK_N is the largest power of two that still
 # gives _MIN_PROGRAMS programs (about one per SM of an H100/H200, 132, so every SM streams
 # weights), within the tile, and at least _MIN_BLOCK_N rows (narrow layers are launch-bound
-# anyway). 8 warps rather than 4: 146 vs 164 us per float32 token (without PDL; more loads in
-# flight per SM).
+# anyway). 8 warps rather than 4: more loads in flight per SM, a faster step.
 _TILE = 8192
 _MIN_PROGRAMS = 128
 _MIN_BLOCK_N = 4
@@ -206,7 +204,7 @@ _GEMV_WARPS = 8
 # Attention: (BLOCK_T, d_head) keys and as many values per program, 32 KB each (at d_head 64:
 # 128 float32 or 256 bfloat16 keys, 4 or 2 key blocks x 8 heads at medium512). Fewer, larger
 # blocks leave the projection less to combine; much larger ones load too much per program.
-# Per float32 token at position 511: 64 keys 119 us, 128 keys 115 us, 256 keys 136 us.
+# Of 64, 128 and 256 float32 keys a program, 128 gave the fastest step at position 511.
 _ATTN_TILE_BYTES = 32768
 _ATTN_WARPS = 4
 
@@ -297,7 +295,8 @@ def _gemv(s: DecodeScratch, out: torch.Tensor, x: torch.Tensor, weight: torch.Te
 
 def decode_step(model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache,
                 scratch: Optional[DecodeScratch] = None) -> torch.Tensor:
-    """``GPT.decode_step(idx, pos, cache)`` for one sequence, in 5 * n_layer + 2 kernels.
+    """``fast.decode.decode_step(model, idx, pos, cache)`` for one sequence, in 5 * n_layer + 2
+    kernels.
 
     idx: (1, 1) int64 token id; pos: (1,) int64 position (< block_size), both on the model's
     device and read only on the device; cache: the model's ``KVCache`` for batch 1, positions

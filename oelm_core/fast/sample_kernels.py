@@ -1,8 +1,8 @@
 """Drawing the next token on the GPU in two small Triton kernels (temperature, top-k, top-p).
 
-Why: ``generate.sample`` written with torch ops is ~10 launches per token (the noise hash, the
-scaling, a top-k over the whole vocabulary, masking, the argmax): ~0.1 ms per token on an H200,
-more than the whole fused decode step of the smoke model. The draw is the same here:
+Why: ``oelm_core.generate.sample`` written with torch ops is ~10 launches per token (the noise
+hash, the scaling, a top-k over the whole vocabulary, masking, the argmax), more GPU time than
+the whole fused decode step of the smoke model. The draw is the same here:
 
     _scores_kernel   (column chunks, batch) programs: x = logits * (1 / T) and x + g, g the Gumbel
                      noise of ``generate.gumbel_noise`` from the same integer hash of (seed,
@@ -17,7 +17,8 @@ float's bits (32 rounds, each one masked sum over a block held on chip).
 Seed and step are read on the device and nothing is allocated by the host between the kernels,
 so the draw can be captured in a CUDA graph. Supported (``supports``): temperature > 0 with no
 cut, or a top-k cut of at most ``MAX_TOP_K`` (with or without top-p); a top-p cut alone would
-bisect over the whole vocabulary and stays with torch. Against ``generate.sample``: the same noise
+bisect over the whole vocabulary and stays with torch. ``oelm_core.fast.decode.sample`` picks
+these kernels where they apply. Against ``generate.sample``: the same noise
 bits (float32 arithmetic without fused multiply-adds, libdevice's log) and so the same token,
 ties included (every x equal to the k-th largest, or to the top-p cut, is kept; equal scores
 go to the lowest id),
@@ -264,9 +265,9 @@ def sample(logits: torch.Tensor, inv_t: float, top_k: int, top_p: float, seed: O
     over = torch.empty((batch, n_chunks), dtype=torch.int32, device=device)
     out = torch.empty(batch, dtype=torch.int64, device=device)
     # No fused multiply-add: x + g is rounded after x, as torch computes it. Warps: each of the
-    # 32 bisection rounds is one block-wide sum. On an H200, top-k 50 (2,048 columns a chunk,
-    # 1,600 candidates): 11.2 / 9.8 us (scores / pick) with 4 warps, 10.5 / 10.2 with 8, twice
-    # that with 2; top-k 1,000 (8,192 columns, 7,168 candidates): 25.6 / 22.2 us with 8, 4 twice.
+    # 32 bisection rounds is one block-wide sum; timed on an H200, 4 warps were as fast as 8 for
+    # top-k 50 (2,048 columns a chunk, 1,600 candidates) and 2 twice as slow, while top-k 1,000
+    # (8,192 columns, 7,168 candidates) took twice as long with 4 as with 8.
     noise = seed is not None
     warps = 8 if cx.size(1) > 2048 else 4
     _scores_kernel[(n_chunks, batch)](rows, rows.stride(0), seed if noise else out, step if noise else out,
