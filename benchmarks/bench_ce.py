@@ -1,4 +1,4 @@
-"""The loss's fused cross-entropy kernel (oelm_core.model._ce_rows_kernel) on one slice of logits.
+"""The fused loss's cross-entropy kernel (oelm_core.fast.ce_kernels._ce_rows_kernel) on one slice of logits.
 
     PYTHONPATH=. python benchmarks/bench_ce.py --rows 8192 --configs 2048x4 8192x32 --json ce.json
 
@@ -7,9 +7,10 @@ the memory roofline on that slice (a copy: one read, one write; a float32 sum: o
 with WRITE_GRAD for each BLOCKxnum_warps config, at GB/s counting its two passes over the slice
 (one read, one write), each run on a fresh copy of the logits (the kernel works in place, and what
 it leaves is no longer logits) and checked against float32 torch; and the output layer's
-weight-gradient accumulation for the slice, bf16 matmul + float add vs oelm_core.model._addmm_fp32_
-vs cuBLASLt's float32 sum (what the model runs); and the slice's whole forward, cuBLASLt's GEMM +
-the kernel against the fused logits GEMM (oelm_core/logits_gemm.py), from x and w.
+weight-gradient accumulation for the slice, bf16 matmul + float add vs ce_kernels._addmm_fp32_
+vs cuBLASLt's float32 sum (what the loss runs with train.cublaslt); and the slice's whole forward,
+cuBLASLt's GEMM + the kernel against the fused logits GEMM (oelm_core.fast.logits_gemm; switch
+train.fused_logits), from x and w.
 Each figure is the median of --reps CUDA-event timings after 3 warm-up runs. CUDA and Triton only.
 """
 
@@ -27,9 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import at_least, card_name, commit, median, now, time_blocks  # noqa: E402
 
-from oelm_core import cublaslt, logits_gemm  # noqa: E402
-from oelm_core import model as oelm_model  # noqa: E402
-from oelm_core.config import ModelConfig  # noqa: E402
+from oelm_core.config import ModelConfig, TrainConfig  # noqa: E402
 
 # The default model's output layer (medium512: 50,257 tokens padded to 50,304 rows of 512).
 _DEFAULT = ModelConfig()
@@ -47,9 +46,10 @@ def make_slice(rows: int, device):
 
 def run_kernel(logits, targets, inv_n, loss, scale, x, x_scaled, block: int, warps: int):
     """The kernel on one slice; x (rows, d_model) is the output layer's input it scales into x_scaled."""
-    oelm_model._ce_rows_kernel[(logits.size(0),)](logits, logits.stride(0), targets, loss, scale, inv_n,
+    from oelm_core.fast import ce_kernels
+    ce_kernels._ce_rows_kernel[(logits.size(0),)](logits, logits.stride(0), targets, loss, scale, inv_n,
                                                   x, x_scaled, D_MODEL, VOCAB, PADDED, WRITE_GRAD=True,
-                                                  BLOCK=block, BLOCK_D=oelm_model.triton.next_power_of_2(D_MODEL),
+                                                  BLOCK=block, BLOCK_D=ce_kernels.triton.next_power_of_2(D_MODEL),
                                                   num_warps=warps)
 
 
@@ -98,21 +98,23 @@ def config(spec: str) -> tuple[int, int]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=_DEFAULT.loss_chunk_tokens,
-                    help="tokens in the slice (default: model.loss_chunk_tokens, the loss's slice)")
+    ap.add_argument("--rows", type=int, default=TrainConfig.loss_chunk_tokens,
+                    help="tokens in the slice (default: train.loss_chunk_tokens, the loss's slice)")
     ap.add_argument("--configs", nargs="+", default=["2048x4", "8192x32", "1024x2", "4096x4", "2048x8"],
-                    help="BLOCKxnum_warps; 2048x4 is what _ce_forward_cuda uses, 8192x32 the previous setting")
+                    help="BLOCKxnum_warps; 2048x4 is what ce_kernels.forward uses, 8192x32 the previous setting")
     ap.add_argument("--reps", type=at_least(1), default=20, help="timed runs per figure (the median is reported)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_ce: no CUDA device; the kernel it times runs on CUDA only. Nothing to do.")
         return
-    if oelm_model.triton is None:
-        print("bench_ce: Triton is not installed, so oelm_core has no fused cross-entropy kernel. Nothing to do.")
+    try:
+        from oelm_core.fast import ce_kernels, cublaslt
+    except ImportError:
+        print("bench_ce: Triton is not installed, so the fused loss has no cross-entropy kernel. Nothing to do.")
         return
     meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
-            "triton": oelm_model.triton.__version__, "command": " ".join(sys.argv), "rows": args.rows}
+            "triton": ce_kernels.triton.__version__, "command": " ".join(sys.argv), "rows": args.rows}
     print(json.dumps(meta), flush=True)
 
     logits, targets, inv_n = make_slice(args.rows, "cuda")
@@ -139,15 +141,15 @@ def main():
     x = torch.randn(args.rows, D_MODEL, device="cuda", dtype=torch.bfloat16)
     acc = torch.zeros(PADDED, D_MODEL, device="cuda")
     plain_ms = time_ms(lambda: acc.add_((logits.T @ x).float()), args.reps)
-    fused_ms = time_ms(lambda: oelm_model._addmm_fp32_(acc, logits.T, x), args.reps)
+    fused_ms = time_ms(lambda: ce_kernels._addmm_fp32_(acc, logits.T, x), args.reps)
     acc.zero_()
-    oelm_model._addmm_fp32_(acc, logits.T, x)
+    ce_kernels._addmm_fp32_(acc, logits.T, x)
     exact = logits.T.float() @ x.float()
     dw = {"bf16_mm_float_add_ms": plain_ms, "addmm_fp32_ms": fused_ms,
           "addmm_fp32_rel_err": float((acc - exact).norm() / exact.norm()),
           # False: this torch lacks the mixed-dtype addmm and _addmm_fp32_ fell back to (a).
-          "mixed_dtype_addmm": oelm_model._HAS_ADDMM_OUT_DTYPE}
-    if cublaslt.available(logits.device, logits.dtype):  # what the model runs (oelm_core/cublaslt.py)
+          "mixed_dtype_addmm": ce_kernels._HAS_ADDMM_OUT_DTYPE}
+    if cublaslt.available(logits.device, logits.dtype):  # what the loss runs with train.cublaslt
         lt_ms = time_ms(lambda: cublaslt.matmul_into(acc, logits, x, trans_a=True, accumulate=True), args.reps)
         cublaslt.matmul_into(acc, logits, x, trans_a=True)
         dw |= {"cublaslt_ms": lt_ms, "cublaslt_rel_err": float((acc - exact).norm() / exact.norm())}
@@ -163,7 +165,8 @@ def main():
 def forward_paths(rows: int, reps: int) -> dict:
     """The slice's forward as the training step runs it, from x (rows, d) and w (padded, d) to E, the
     loss and the row scales: cuBLASLt's GEMM + ``_ce_rows_kernel`` against the fused logits GEMM
-    (``oelm_core/logits_gemm.py``), with the GEMM alone for scale, and the two paths' agreement."""
+    (``oelm_core.fast.logits_gemm``), with the GEMM alone for scale, and the two paths' agreement."""
+    from oelm_core.fast import cublaslt, logits_gemm
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(rows, D_MODEL, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(PADDED, D_MODEL, device="cuda", generator=g) * 0.1).to(torch.bfloat16)

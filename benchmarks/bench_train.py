@@ -1,31 +1,50 @@
-"""Training throughput of the three groups against the plain reference, side by side on one card.
+"""The trainer's step, with each training fast path on and off, and the nanoGPT reference, on one card.
 
-    PYTHONPATH=. python benchmarks/bench_train.py --batch 8 64 --groups reference gpt_base oelm_nofreeze oelm_freeze
+    PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --compile 0 1 \\
+        --groups reference gpt_base oelm_freeze --off fused_loss fused_logits cublaslt cuda_graph
+    # cuBLASLt against torch.compile's own autotuning of the GEMMs:
+    PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --groups gpt_base:compile=1 \\
+        gpt_base:compile=max-autotune-no-cudagraphs,cublaslt=0 \\
+        gpt_base:compile=1,cuda_graph=0 gpt_base:compile=max-autotune,cublaslt=0,cuda_graph=0
 
-A group may carry options after a colon: ``gpt_base:loss=full,step=graph,compile=max-autotune``
-(loss: chunked|full; step: trainer = oelm_core.train's step, graph = common.PlainStep (forward,
-backward, clip_grad_norm_, the trainer's AdamW) captured whole in one CUDA graph, plain = PlainStep
-uncaptured; compile: a torch.compile mode or "none", for the graph/plain steps; cuda_graph: 0/1
-sets TrainConfig.cuda_graph for the trainer's step - the reference defaults to 0, as the issue
-defines it: compiled, no CUDA graph; pad: 0/1, the reference's vocabulary padded to 50,304 as
-nanoGPT does, default 1; chunk: tokens per loss slice; gemm: cublaslt|torch, the model's
-training GEMMs through oelm_core/cublaslt.py (the default where it runs) or torch's own ops;
-tuning: 0/1 sets TrainConfig.compile_tuning for the trainer's step (the default step), default 1
-as the trainer's, and 0 for the reference, compiled as the issue defines it, plainly;
-fused_logits: 0/1, the loss's logits GEMM with its exp in the epilogue (oelm_core/logits_gemm.py;
-the default where it runs) or cuBLAS's GEMM and the loss kernel).
-The JSON's options.cuda_graph says whether the timed step replayed a CUDA graph (never on CPU,
-nor where the capture failed), options.gemm whether the model's GEMMs went through cuBLASLt,
-options.fused_logits whether the loss's logits came from the fused GEMM.
-Each figure is the median of --blocks blocks of --steps steps after warm-up, timed with CUDA
-events; peak memory is torch.cuda.max_memory_allocated over building, compiling, capturing and
-the timed steps, less what was allocated before the variant began. Prints a table last; --json
-writes all.
+The step is built as the trainer builds it: ``build_model`` -> ``oelm_core.fast.apply(model, tc,
+device)`` -> ``make_step(model, configure_optimizer(model, tc, device), tc, device)`` (forward,
+backward, clip, fused AdamW; bf16 autocast on CUDA, float32 on the CPU), ``tc`` a TrainConfig with
+the variant's switches. ``reference`` is benchmarks/reference.py's nanoGPT-style GPT in that same
+step (no fast path applies to it), compiled plainly and without a CUDA graph unless asked (as the
+issue that asked for it defines it).
+
+A variant is a group (a model variant, or ``reference``) with options after a colon, e.g.
+``gpt_base:cublaslt=0,compile=1``:
+  fused_loss, fused_logits, cublaslt, cuda_graph   0/1: that TrainConfig switch (default: on)
+  compile     0/1: train.compile; or a torch.compile mode (max-autotune-no-cudagraphs, max-autotune,
+              ...): train.compile with inductor set as that mode sets it, for the whole variant.
+              max-autotune is inductor's own GEMM autotuning, the comparison for cublaslt; its
+              CUDA graphs do not mix with the step's own (use cuda_graph=0 with it), the
+              no-cudagraphs mode does
+  tuning      0/1: train.compile_tuning (default: TrainConfig's; 0 for the reference)
+  chunk       train.loss_chunk_tokens
+  pad         0/1, the reference only: its vocabulary padded to 50,304 rows as nanoGPT pads it
+              (default 1)
+``--compile 0 1`` times every variant that sets no compile of its own at each value; ``--off``
+times every group but the reference once more with each named fast path off, one at a time. A
+row's label is the variant as given, with what these add (``gpt_base:compile=1,cublaslt=0``; the
+compile value only where --compile names several).
+
+Each figure is the median of --blocks blocks of --steps steps after warm-up, timed with CUDA events
+(on the CPU with the wall clock); peak memory is torch.cuda.max_memory_allocated over building,
+compiling, capturing and the timed steps, less what was allocated before the variant began. The
+JSON's ``applied`` says which fast paths actually ran (cuBLASLt and the fused logits GEMM only
+where they run; cuda_graph whether the timed step replayed a graph). Prints a table last: "x ref"
+is tokens/s against the reference at the same batch and compile setting, "vs on" the step time
+against the same group with every fast path on (a fast path's gain is its "off" row's excess).
+--json writes everything.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -36,56 +55,129 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import PlainStep, at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
+from common import at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
 from reference import ReferenceGPT, copy_from, reference_grads_as_model  # noqa: E402
 
-from oelm_core import cublaslt, logits_gemm  # noqa: E402
+from oelm_core import build_model, fast  # noqa: E402
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
 from oelm_core.config import TrainConfig, model_config  # noqa: E402
-from oelm_core.model import GPT  # noqa: E402
+from oelm_core.fast.loss import ChunkedOutputLoss  # noqa: E402
+from oelm_core.train import configure_optimizer, make_step  # noqa: E402
+
+FAST_PATHS = ("fused_loss", "fused_logits", "cublaslt", "cuda_graph")
+# A variant's options and, where the set is closed, their values (compile: 0, 1 or a torch.compile mode).
+OPTIONS = {**{path: ("0", "1") for path in FAST_PATHS}, "compile": None, "tuning": ("0", "1"),
+           "chunk": None, "pad": ("0", "1")}
+REFERENCE_OPTIONS = ("compile", "cuda_graph", "tuning", "pad")
 
 
-# A group's options after the colon (the module docstring says what they do) and, where the set
-# is closed, the values each takes; compile takes any mode torch.compile knows, or "none".
-OPTIONS = {"loss": ("chunked", "full"), "step": ("trainer", "graph", "plain"), "compile": None,
-           "cuda_graph": ("0", "1"), "pad": ("0", "1"), "chunk": None, "gemm": ("cublaslt", "torch"),
-           "tuning": ("0", "1"), "fused_logits": ("0", "1")}
-# Options that are environment switches the library reads when a step runs: (variable, its value).
-ENV_OPTIONS = {"gemm": ("OELM_CUBLASLT", lambda val: "0" if val == "torch" else "1"),
-               "fused_logits": ("OELM_FUSED_LOGITS", str)}
+def compile_modes() -> list[str]:
+    return [mode for mode in torch._inductor.list_mode_options() if mode != "default"]
 
 
-def parse_variant(spec: str, args) -> dict:
-    """``group:key=value,...`` -> the variant's settings; ValueError names what is wrong."""
+def check_option(spec: str, group: str, k: str, val: str) -> None:
+    """ValueError, naming ``spec``, unless ``k=val`` is an option ``group`` takes."""
+    if k not in OPTIONS:
+        raise ValueError(f"{spec}: unknown option {k!r}; a variant's options are "
+                         f"{', '.join(OPTIONS)} (e.g. gpt_base:cublaslt=0,compile=1)")
+    if not val:
+        raise ValueError(f"{spec}: {k} needs a value ({k}=...)")
+    if group == "reference" and k not in REFERENCE_OPTIONS:
+        raise ValueError(f"{spec}: the reference takes only {', '.join(REFERENCE_OPTIONS)} (no fast "
+                         f"path applies to it)")
+    if k == "pad" and group != "reference":
+        raise ValueError(f"{spec}: pad is the reference's option")
+    if OPTIONS[k] and val not in OPTIONS[k]:
+        raise ValueError(f"{spec}: {k}={val} is not one of {'|'.join(OPTIONS[k])}")
+    if k == "compile" and val not in ("0", "1", *compile_modes()):
+        raise ValueError(f"{spec}: compile={val} is not 0, 1 or a torch.compile mode "
+                         f"({', '.join(compile_modes())})")
+    if k == "chunk" and not (val.isdigit() and int(val) > 0):
+        raise ValueError(f"{spec}: chunk={val} must be a positive integer (tokens per loss slice)")
+
+
+def parse_variant(spec: str) -> dict:
+    """``group:key=value,...`` -> {"group": ..., option: value}; ValueError names what is wrong."""
     group, _, opts = spec.partition(":")
-    v = {"group": group, "loss": args.loss, "step": args.step, "compile": args.compile_mode}
+    v = {"group": group}
     for item in filter(None, opts.split(",")):
         k, _, val = item.partition("=")
-        if k not in OPTIONS:
-            raise ValueError(f"{spec}: unknown option {k!r}; a group's options are "
-                             f"{', '.join(OPTIONS)} (e.g. gpt_base:loss=full,cuda_graph=0)")
-        if OPTIONS[k] and val not in OPTIONS[k]:
-            raise ValueError(f"{spec}: {k}={val} is not one of {'|'.join(OPTIONS[k])}")
-        if k == "chunk" and not (val.isdigit() and int(val) > 0):
-            raise ValueError(f"{spec}: chunk={val} must be a positive integer (tokens per loss slice)")
-        if not val:
-            raise ValueError(f"{spec}: {k} needs a value ({k}=...)")
-        v[k] = int(val) if val.isdigit() else val
-    v["label"] = spec
+        check_option(spec, group, k, val)
+        v[k] = val
     return v
 
 
-def build(v: dict, preset: str, device):
+def with_options(spec: str, **added: str) -> str:
+    """``spec`` with ``added`` options appended: the label of an expanded variant."""
+    extra = ",".join(f"{k}={val}" for k, val in added.items())
+    if not extra:
+        return spec
+    return f"{spec}{',' if ':' in spec else ':'}{extra}"
+
+
+def expand(specs: list[str], compiles: list[str], off: list[str]) -> list[dict]:
+    """The variants to time, each with its label: each spec at each ``compiles`` value unless it
+    sets compile (the label names the value where there are several), and each non-reference one
+    again with each fast path of ``off`` switched off unless it sets that path."""
+    for c in compiles:
+        check_option("--compile", "", "compile", c)
+    out = []
+    for spec in specs:
+        v = parse_variant(spec)
+        for c in ([v["compile"]] if "compile" in v else compiles):
+            named = {} if "compile" in v or len(compiles) == 1 else {"compile": c}
+            out.append({**v, "compile": c, "label": with_options(spec, **named)})
+            if v["group"] != "reference":
+                out += [{**v, "compile": c, path: "0", "label": with_options(spec, **named, **{path: "0"})}
+                        for path in off if path not in v]
+    return out
+
+
+def train_config(v: dict) -> TrainConfig:
+    """The TrainConfig of variant ``v``: TrainConfig's defaults with the variant's options."""
+    tc = TrainConfig()
+    for path in FAST_PATHS:
+        setattr(tc, path, bool(int(v.get(path, getattr(tc, path)))))
+    tc.compile = v["compile"] != "0"
+    tc.compile_tuning = bool(int(v.get("tuning", 0 if v["group"] == "reference" else tc.compile_tuning)))
+    if v["group"] == "reference":  # compiled plainly, no CUDA graph, unless asked
+        tc.cuda_graph = bool(int(v.get("cuda_graph", 0)))
+    if "chunk" in v:
+        tc.loss_chunk_tokens = int(v["chunk"])
+    return tc
+
+
+def build(v: dict, tc: TrainConfig, preset: str, device):
+    """(model config, model on ``device`` as the trainer builds it)."""
     if v["group"] == "reference":
         cfg = model_config(preset, "gpt_base")
-        model = ReferenceGPT(cfg, pad_vocab=bool(int(v.get("pad", 1))))
-    else:
-        over = {"loss_impl": v["loss"]}
-        if "chunk" in v:
-            over["loss_chunk_tokens"] = int(v["chunk"])
-        cfg = model_config(preset, v["group"], **over)
-        model = GPT(cfg)
-    return cfg, model.to(device)
+        return cfg, ReferenceGPT(cfg, pad_vocab=bool(int(v.get("pad", 1)))).to(device)
+    model = build_model(preset, v["group"]).to(device)
+    return model.cfg, fast.apply(model, tc, device)
+
+
+def applied(v: dict, tc: TrainConfig, model, step, device) -> dict:
+    """Which fast paths ran in the timed steps (not only which were asked for)."""
+    if v["group"] == "reference":
+        return {"fused_loss": False, "fused_logits": False, "cublaslt": False,
+                "cuda_graph": bool(getattr(step, "cuda_graph", False))}
+    fused_loss = isinstance(model.output_loss, ChunkedOutputLoss)
+    lt = fused_logits = False
+    if device.type == "cuda":
+        from oelm_core.fast import cublaslt, logits_gemm
+        lt = tc.cublaslt and cublaslt.available(device, torch.bfloat16)
+        fused_logits = fused_loss and tc.fused_logits and logits_gemm.available(
+            device, torch.bfloat16, model.cfg.d_model, model.cfg.padded_vocab_size)
+    return {"fused_loss": fused_loss, "fused_logits": bool(fused_logits), "cublaslt": bool(lt),
+            "cuda_graph": bool(getattr(step, "cuda_graph", False))}
+
+
+def inductor_mode(v: dict):
+    """A context that sets inductor's options as the variant's torch.compile mode does."""
+    if v["compile"] in ("0", "1"):
+        return contextlib.nullcontext()
+    import torch._inductor.config
+    return torch._inductor.config.patch(torch._inductor.list_mode_options()[v["compile"]])
 
 
 def bench_one(v: dict, batch: int, args, device) -> dict:
@@ -95,16 +187,10 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats()  # peak over build, compile, capture and the timed steps
         base_mem = torch.cuda.memory_allocated()  # held before this variant began: not its own
     graphs_before = dynamo_graphs()
-    cfg, model = build(v, args.preset, device)
-    fwd = model
-    mode = v["compile"]
+    tc = train_config(v)
     t0 = time.perf_counter()
-    if mode != "none":
-        fwd = torch.compile(model, **({} if mode == "default" else {"mode": mode}))
-    tc = TrainConfig(compile=mode != "none")
-    # The reference is timed as the issue defines it (compiled plainly, no CUDA graph) unless asked.
-    tc.compile_tuning = bool(int(v.get("tuning", 0 if v["group"] == "reference" else int(tc.compile_tuning))))
-    tc.cuda_graph = bool(int(v.get("cuda_graph", 0 if v["group"] == "reference" else int(tc.cuda_graph))))
+    cfg, model = build(v, tc, args.preset, device)
+    step = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=False)
     n_batches = 4
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(n_batches)]
@@ -113,63 +199,25 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     if cuda:  # what a loader that never waits hands over: pinned host memory, copied asynchronously
         xs = [x.pin_memory() for x in xs]
         ys = [y.pin_memory() for y in ys]
-    i = [0]
-    if v["step"] == "trainer":
-        # The trainer's own step (oelm_core.train): compile as TrainConfig.compile does, fused AdamW,
-        # clip, bf16 autocast. ``--compile-mode`` other than default does not apply to it.
-        from oelm_core.train import configure_optimizer, make_step
-        step = make_step(model, configure_optimizer(model, tc, device), tc, device)
-        last = [None]
+    i, last = [0], [None]
 
-        def one():
-            k = i[0] % n_batches
-            i[0] += 1
-            x = xs[k].to(device, non_blocking=True)
-            y = ys[k].to(device, non_blocking=True)
-            last[0] = step([(x, y)], tc.lr, i[0])[0]
-        for _ in range(3):
-            one()
-    else:
-        step = PlainStep(model, fwd, tc, (batch, cfg.block_size), device, graph=v["step"] == "graph" and cuda)
-        step.warmup(xs[0], ys[0], n=3)
-        last = [None]
+    def one():
+        k = i[0] % n_batches
+        i[0] += 1
+        x = xs[k].to(device, non_blocking=True)
+        y = ys[k].to(device, non_blocking=True)
+        last[0] = step([(x, y)], tc.lr, i[0])[0]
 
-        def one():
-            k = i[0] % n_batches
-            i[0] += 1
-            last[0] = step(xs[k], ys[k])
+    for _ in range(3):  # compile, and (CUDA graph) warm up and capture
+        one()
     if cuda:
         torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    # Whether the timed step replays a CUDA graph: what was asked for, unless there is no CUDA or
-    # the capture failed (either step then runs eagerly).
-    v["cuda_graph"] = (getattr(step, "cuda_graph", None) if v["step"] == "trainer"
-                       else step.g is not None)
-    # Whether the model's training GEMMs went through cuBLASLt (never the reference's)
-    v["gemm"] = ("cublaslt" if v["group"] != "reference" and cublaslt.available(device, torch.bfloat16)
-                 else "torch")
-    v["fused_logits"] = int(v["group"] != "reference" and v["loss"] == "chunked" and logits_gemm.available(
-        device, torch.bfloat16, cfg.d_model, cfg.padded_vocab_size))
-
-    time_blocks(one, 1, args.warmup, cuda)  # more warm-up
+    time_blocks(one, 1, args.warmup, cuda)
     secs = time_blocks(one, args.blocks, args.steps, cuda)
     loss = float(last[0].detach())
     graphs_after = dynamo_graphs()
-    graphs = graphs_after - graphs_before if graphs_after is not None else None
-    breakdown = None
-    if args.profile and cuda and v["label"] in args.profile:
-        from torch.profiler import ProfilerActivity, profile
-        steps = 3
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                one()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        breakdown = kernel_breakdown(events, steps)
-        table = events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80)
-        name = f"profile_{v['label'].replace(':', '_').replace(',', '_').replace('=', '-')}_b{batch}.txt"
-        with open(os.path.join(args.out_dir, name), "w") as f:
-            f.write(table)
+    breakdown = profile(one, v, batch, args) if args.profile and cuda and v["label"] in args.profile else None
     s = median(secs)
     tokens = batch * cfg.block_size
     fpt = flops_per_token(cfg)["total"]
@@ -179,8 +227,12 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
          "ms_min": 1000 * min(secs), "ms_max": 1000 * max(secs),
          "mfu": (tokens / s * fpt / peak) if peak else None, "flops_per_token": fpt,
          "peak_mem_gb": (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None,
-         "compile_s": compile_s, "loss": loss, "kernel_ms_per_step": breakdown, "dynamo_graphs": graphs, "options": {k: v[k] for k in v if k not in ("label",)}}
-    step = model = fwd = last[0] = None  # the closures hold step and the last loss: drop them first
+         "compile_s": compile_s, "loss": loss, "kernel_ms_per_step": breakdown,
+         "dynamo_graphs": graphs_after - graphs_before if graphs_after is not None else None,
+         "options": {k: v[k] for k in v if k != "label"},
+         "train": {k: getattr(tc, k) for k in (*FAST_PATHS, "compile", "compile_tuning", "loss_chunk_tokens")},
+         "applied": applied(v, tc, model, step, device)}
+    step = model = last[0] = None  # the closure holds the step and the last loss: drop them first
     free_between_runs(cuda)
     return r
 
@@ -192,6 +244,21 @@ def dynamo_graphs():
     except ImportError:
         return None
     return counters["stats"]["unique_graphs"]
+
+
+def profile(one, v: dict, batch: int, args, steps: int = 3) -> dict:
+    """GPU time per step by kernel family over ``steps`` steps; the profiler's table to --out-dir."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            one()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    table = events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80)
+    name = f"profile_{v['label'].replace(':', '_').replace(',', '_').replace('=', '-')}_b{batch}.txt"
+    with open(os.path.join(args.out_dir, name), "w") as f:
+        f.write(table)
+    return kernel_breakdown(events, steps)
 
 
 # Kernel families of a training step, matched on the profiler's kernel names, in this order.
@@ -224,32 +291,34 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-def agreement(preset: str, device, dtype_autocast: bool, batch: int = 4) -> dict:
-    """Loss and gradients of the fast path vs the full-logits path vs the reference (copied weights),
-    on one batch of ``batch`` x block_size tokens (each comparison records both)."""
+def agreement(preset: str, device, batch: int = 4) -> dict:
+    """Loss and gradients of one batch (``batch`` x block_size tokens, copied weights): the model
+    with the fast paths ``fast.apply`` installs by default against the same model without them and
+    against the reference, bf16 autocast on CUDA, float32 on the CPU."""
     out = {}
     torch.manual_seed(0)
+    autocast = device.type == "cuda"
     for variant in ("gpt_base", "oelm_freeze"):
-        fast = GPT(model_config(preset, variant)).to(device)
-        full = GPT(model_config(preset, variant, loss_impl="full")).to(device)
-        full.load_state_dict(fast.state_dict())
-        ref = copy_from(ReferenceGPT(fast.cfg).to(device), fast)
-        t = fast.cfg.block_size
-        x = torch.randint(0, fast.cfg.vocab_size, (batch, t), device=device)
-        y = torch.randint(0, fast.cfg.vocab_size, (batch, t), device=device)
+        fast_model = fast.apply(build_model(preset, variant).to(device), TrainConfig(), device)
+        plain = build_model(preset, variant).to(device)
+        plain.load_state_dict(fast_model.state_dict())
+        ref = copy_from(ReferenceGPT(fast_model.cfg).to(device), fast_model)
+        t = fast_model.cfg.block_size
+        x = torch.randint(0, fast_model.cfg.vocab_size, (batch, t), device=device)
+        y = torch.randint(0, fast_model.cfg.vocab_size, (batch, t), device=device)
         losses, grads = {}, {}
-        for name, m in (("chunked", fast), ("full", full), ("reference", ref)):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype_autocast):
+        for name, m in (("fast", fast_model), ("plain", plain), ("reference", ref)):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = m(x, y)
             loss.backward()
-            losses[name] = float(loss)
-            grads[name] = (reference_grads_as_model(ref, fast) if name == "reference"
+            losses[name] = loss.item()
+            grads[name] = (reference_grads_as_model(ref, fast_model) if name == "reference"
                            else {n: p.grad for n, p in m.named_parameters()})
-        names = [n for n, _ in fast.named_parameters()]
-        for other in ("full", "reference"):
-            out[f"{variant}: chunked vs {other}"] = {
-                "loss_abs_diff": abs(losses["chunked"] - losses[other]),
-                "max_grad_rel_diff": max(rel(grads["chunked"][n], grads[other][n]) for n in names),
+        names = [n for n, _ in fast_model.named_parameters()]
+        for other in ("plain", "reference"):
+            out[f"{variant}: fast vs {other}"] = {
+                "loss_abs_diff": abs(losses["fast"] - losses[other]),
+                "max_grad_rel_diff": max(rel(grads["fast"][n], grads[other][n]) for n in names),
                 "batch": batch, "block_size": t}
     return out
 
@@ -257,17 +326,16 @@ def agreement(preset: str, device, dtype_autocast: bool, batch: int = 4) -> dict
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="medium512")
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64])
-    ap.add_argument("--groups", nargs="+", default=["reference", "gpt_base", "oelm_nofreeze", "oelm_freeze"])
+    ap.add_argument("--batch", type=at_least(1), nargs="+", default=[16, 64])
+    ap.add_argument("--groups", nargs="+", default=["reference", "gpt_base", "oelm_nofreeze", "oelm_freeze"],
+                    help="variants: a group (a model variant or 'reference') with options, e.g. gpt_base:cublaslt=0")
+    ap.add_argument("--compile", nargs="+", default=["0"],
+                    help="train.compile for the variants that set none: 0, 1 or a torch.compile mode (several: each)")
+    ap.add_argument("--off", nargs="*", default=[], choices=FAST_PATHS,
+                    help="also time every group but the reference with each of these fast paths off")
     ap.add_argument("--steps", type=at_least(1), default=10, help="steps per timed block")
     ap.add_argument("--blocks", type=at_least(1), default=7, help="timed blocks (the median is reported)")
     ap.add_argument("--warmup", type=at_least(0), default=10, help="steps after compilation before timing")
-    ap.add_argument("--compile-mode", default="default", help="torch.compile mode, or 'none'")
-    ap.add_argument("--loss", default="chunked", choices=["chunked", "full"])
-    ap.add_argument("--step", default="trainer", choices=["trainer", "graph", "plain"],
-                    help="trainer: oelm_core.train's step; graph: benchmarks/common.py's PlainStep "
-                         "(the trainer's AdamW, but clip_grad_norm_ before it) captured whole in a "
-                         "CUDA graph; plain: PlainStep without the graph")
     ap.add_argument("--check", action="store_true", help="print loss/grad agreement with the reference")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", nargs="*", default=[], help="variant labels to profile (CUDA kernel table)")
@@ -276,42 +344,31 @@ def main():
     ap.add_argument("--cache-out", default=None, help="write torch.compiler cache artifacts here")
     args = ap.parse_args()
     try:  # every variant checked before anything runs
-        variants = [parse_variant(spec, args) for spec in args.groups]
+        variants = expand(args.groups, args.compile, args.off)
     except ValueError as e:
-        ap.error(f"--groups {e}")
+        ap.error(str(e))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     if args.cache_in and os.path.exists(args.cache_in):
         with open(args.cache_in, "rb") as f:
             torch.compiler.load_cache_artifacts(f.read())
-    meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
+    meta = {"card": card_name(device), "date": now(), "commit": commit(), "torch": torch.__version__,
             "command": " ".join(sys.argv), "preset": args.preset}
     print(json.dumps(meta), flush=True)
     results, checks = [], {}
     if args.check:
-        checks["bf16" if device.type == "cuda" else "float32"] = agreement(args.preset, device, device.type == "cuda")
+        checks["bf16" if device.type == "cuda" else "float32"] = agreement(args.preset, device)
         print(json.dumps(checks, indent=1), flush=True)
     for batch in args.batch:
-        for spec, parsed in zip(args.groups, variants):
-            v = dict(parsed)  # bench_one records what applied in it
-            # The library reads these switches when a step is built and compiled (cuBLASLt) or run
-            # (the loss); a variant without the option keeps the caller's setting
-            saved = {var: os.environ.get(var) for var, _ in ENV_OPTIONS.values()}
-            for key, (var, value) in ENV_OPTIONS.items():
-                if key in v:
-                    os.environ[var] = value(v[key])
+        for v in variants:
             try:
-                r = bench_one(v, batch, args, device)
+                with inductor_mode(v):
+                    r = bench_one(dict(v), batch, args, device)
             except Exception as e:  # keep the other figures
                 import traceback
                 traceback.print_exc()
-                r = {"label": spec, "group": v["group"], "batch": batch, "error": repr(e)[:300]}
-            finally:
-                for var, value in saved.items():
-                    os.environ.pop(var, None)
-                    if value is not None:
-                        os.environ[var] = value
+                r = {"label": v["label"], "group": v["group"], "batch": batch, "options": v, "error": repr(e)[:300]}
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.cache_out:
@@ -328,20 +385,34 @@ def main():
     print_table(meta, results)
 
 
+def _setting(r: dict) -> tuple:
+    """What a row's fast paths are compared within: batch, compile and the options that are no fast path."""
+    o = r["options"]
+    return (r["batch"], o["compile"], o.get("tuning"), o.get("chunk"))
+
+
 def print_table(meta, results):
-    ref = {r["batch"]: r["tokens_per_s"] for r in results if r["group"] == "reference" and "error" not in r
-           and r["label"] == "reference"}
-    print(f"\n{meta['card']}  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}")
-    print(f"{'variant':44s} {'batch':>5s} {'tok/s':>10s} {'ms/step':>8s} {'MFU':>6s} {'mem GB':>7s} {'x ref':>6s} {'comp s':>6s}")
+    ok = [r for r in results if "error" not in r]
+    ref = {(r["batch"], r["options"]["compile"]): r["tokens_per_s"] for r in ok
+           if r["group"] == "reference" and set(r["options"]) <= {"group", "compile"}}
+    all_on = {(r["group"], _setting(r)): r["ms_per_step"] for r in ok
+              if r["group"] != "reference" and not any(r["options"].get(p) == "0" for p in FAST_PATHS)}
+    print(f"\n{meta['card']}  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}  preset {meta['preset']}")
+    print(f"{'variant':52s} {'batch':>5s} {'tok/s':>10s} {'ms/step':>8s} {'MFU':>6s} {'mem GB':>7s} "
+          f"{'x ref':>6s} {'vs on':>6s} {'comp s':>6s}")
     for r in results:
         if "error" in r:
-            print(f"{r['label']:44s} {r['batch']:5d}  ERROR {r['error'][:60]}")
+            print(f"{r['label']:52s} {r['batch']:5d}  ERROR {r['error'][:60]}")
             continue
-        mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] else "    -"
+        mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] else "     -"
         mem = f"{r['peak_mem_gb']:7.2f}" if r["peak_mem_gb"] is not None else "      -"
-        x = f"{r['tokens_per_s'] / ref[r['batch']]:6.2f}" if r["batch"] in ref else "     -"
-        print(f"{r['label']:44s} {r['batch']:5d} {r['tokens_per_s']:10.0f} {r['ms_per_step']:8.2f} {mfu} {mem} {x} {r['compile_s']:6.0f}")
-    profiled = [r for r in results if r.get("kernel_ms_per_step")]
+        x = ref.get((r["batch"], r["options"]["compile"]))
+        x = f"{r['tokens_per_s'] / x:6.2f}" if x else "     -"
+        on = all_on.get((r["group"], _setting(r)))
+        on = f"{r['ms_per_step'] / on:6.3f}" if on else "     -"
+        print(f"{r['label']:52s} {r['batch']:5d} {r['tokens_per_s']:10.0f} {r['ms_per_step']:8.2f} {mfu} {mem} "
+              f"{x} {on} {r['compile_s']:6.0f}")
+    profiled = [r for r in ok if r.get("kernel_ms_per_step")]
     if profiled:
         families = list(profiled[0]["kernel_ms_per_step"])
         print("\nGPU time per step by kernel family (ms, from the CUDA profiler):")

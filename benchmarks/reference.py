@@ -4,10 +4,10 @@ One fused QKV nn.Linear, SDPA attention, full logits and F.cross_entropy, GELU(t
 learned positions, tied embeddings. ``pad_vocab=True`` (the default) pads the embedding to
 ``cfg.padded_vocab_size`` as nanoGPT pads to 50,304, which hands the reference one of the levers
 issue 8 lists for the fast path; ``pad_vocab=False`` is the model exactly as the issue lists it
-(50,257 rows, an output row stride that is not 16-byte aligned; under torch.compile it trains as
-fast, benchmarks/RESULTS.md). It computes the same function as ``oelm_core.model.GPT`` (GPT-Base
-and OELM-NoFreeze; frozen Q/K are simply not given to the optimiser), so ``copy_from`` makes the
-two equal and the benchmarks can run them side by side on one card. Not used by the toolkit.
+(50,257 rows, an output row stride that is not 16-byte aligned). It computes the same function as
+``oelm_core.model.GPT`` (GPT-Base and OELM-NoFreeze; frozen Q/K are simply not given to the
+optimiser), so ``copy_from`` makes the two equal (tests/test_model.py checks it) and the benchmarks
+can run them side by side on one card. Not used by the toolkit.
 """
 
 from __future__ import annotations

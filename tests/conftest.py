@@ -16,6 +16,17 @@ _SHARED_TOKENIZER = REPO.parent / "shared" / "data" / "tokenizer" / "tiktoken_ca
 if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_TOKENIZER.is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(_SHARED_TOKENIZER)
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+
+
 def run_in_triton_interpreter(script: Path, *args: str) -> None:
     """``python script args...`` under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set
     before any kernel is defined, hence a subprocess). Skips where the interpreter itself cannot

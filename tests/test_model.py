@@ -1,10 +1,17 @@
-"""The GPT: exact parameter counts, frozen Q/K, the two attention paths, the FLOP account."""
+"""The GPT: exact parameter counts, frozen Q/K, the two attention paths, the KV cache, agreement with
+benchmarks/reference.py's nanoGPT-style model, the FLOP account."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from oelm_core import ConfigError, build_model, count_parameters, flops_per_token, memory_account, model_config
 from oelm_core.orthogonal import orthogonality_error
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from reference import ReferenceGPT, copy_from, reference_grads_as_model  # noqa: E402
 
 MEDIUM_TOTAL = 44_896_768
 QK_FROZEN = 6 * 2 * 512 * 512  # 3,145,728
@@ -136,44 +143,55 @@ def test_over_long_input_errors_say_what_helps():
     assert model(torch.zeros(1, 32, dtype=torch.long), cache=cache).shape == (1, 32, 128)
 
 
-def test_chunked_loss_equals_full_logits_loss():
-    torch.manual_seed(0)
-    chunked = build_model("tiny", "gpt_base", loss_chunk_tokens=7)
-    full = build_model("tiny", "gpt_base", loss_impl="full")
-    idx, tgt = torch.randint(0, 128, (3, 32)), torch.randint(0, 128, (3, 32))
-    tgt[0, :5] = -1  # ignored positions
-    l1, l2 = chunked(idx, tgt), full(idx, tgt)
-    l1.backward(), l2.backward()
-    assert abs(l1.item() - l2.item()) < 1e-5
-    for (name, p1), p2 in zip(chunked.named_parameters(), full.parameters()):
-        assert torch.allclose(p1.grad, p2.grad, atol=1e-6), name
+def _batch(cfg, b=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), generator=g)
+    y[0, :5] = -1  # ignored positions
+    return x, y
 
 
-def test_split_tied_gradient_hands_over_the_output_share():
-    """The hook gets the output layer's share of the tied weight's gradient; wte.grad keeps the
-    embedding's, zero outside the batch's tokens; together exactly the plain gradient."""
-    torch.manual_seed(0)
-    model = build_model("tiny", "gpt_base", loss_chunk_tokens=40)  # 3 x 32 tokens: 3 slices
-    idx, tgt = torch.randint(0, 100, (3, 32)), torch.randint(0, 128, (3, 32))
-    model(idx, tgt).backward()
-    plain = model.wte.weight.grad.clone()
-    model.zero_grad(set_to_none=True)
-    shares = []
-    assert model.split_tied_gradient(shares.append) is model.wte.weight
-    (0.5 * model(idx, tgt)).backward()  # the hook's share is scaled like any gradient
-    (out,), emb = shares, model.wte.weight.grad
-    assert out.dtype == torch.float32 and out.shape == plain.shape
-    assert (out + emb - 0.5 * plain).abs().max().item() < 1e-7
-    unused = torch.ones(emb.size(0), dtype=torch.bool)
-    unused[idx.flatten()] = False
-    assert emb[unused].abs().max().item() == 0.0 and emb[~unused].abs().min().item() > 0
-    assert out[unused].abs().max().item() > 0  # the output layer touches every row
-    model.split_tied_gradient(None)
-    model.zero_grad(set_to_none=True)
-    model(idx, tgt).backward()
-    assert torch.equal(model.wte.weight.grad, plain)
-    for kwargs in ({"tie_embeddings": False}, {"loss_impl": "full"}):  # nothing to split
-        assert build_model("tiny", "gpt_base", **kwargs).split_tied_gradient(shares.append) is None
+def _assert_close(a, b, tol=1e-5):
+    assert float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+
+
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
+@pytest.mark.parametrize("pad_vocab", [True, False])
+def test_the_model_matches_the_nanogpt_reference(variant, pad_vocab):
+    """benchmarks/reference.py's nanoGPT-style GPT with the same weights (one fused QKV linear,
+    frozen Q/K simply not trained): the same loss, gradients and logits, within 1e-5."""
+    model = build_model("tiny", variant, vocab_size=100)
+    ref = copy_from(ReferenceGPT(model.cfg, pad_vocab=pad_vocab), model)
+    assert ref.wte.num_embeddings == (128 if pad_vocab else 100)
+    x, y = _batch(model.cfg, seed=1)
+    loss = model(x, y)
+    loss.backward()
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    ref_grads = reference_grads_as_model(ref, model)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5
+    for name, p in model.named_parameters():  # frozen Q/K have no gradient in the model: nothing to compare
+        _assert_close(p.grad[: ref_grads[name].size(0)], ref_grads[name])
+    with torch.no_grad():
+        _assert_close(model(x), ref(x))
+
+
+# One token at a time after a 4-token prefill (attends without a mask), and chunks of several
+# new tokens after cached ones (each attends to the cache and causally to the others of its
+# chunk: the one case with an explicit mask in the SDPA path).
+@pytest.mark.parametrize("chunks", [[4] + [1] * 8, [4, 5, 3]], ids=["one_token", "chunks"])
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
+def test_cached_decoding_matches_the_full_forward(variant, chunks):
+    model = build_model("tiny", variant).eval()
+    x, _ = _batch(model.cfg, b=2, seed=3)
+    x = x[:, :sum(chunks)]
+    ends = [sum(chunks[:i + 1]) for i in range(len(chunks))]
+    with torch.no_grad():
+        full = model(x)
+        cache = model.new_cache(batch=2)
+        steps = [model(x[:, a:b], cache=cache) for a, b in zip([0] + ends[:-1], ends)]
+    assert cache.length == x.size(1)
+    _assert_close(torch.cat(steps, dim=1), full, tol=1e-4)
 
 
 def test_counts_see_through_the_compile_and_ddp_wrappers(tmp_path):

@@ -1,9 +1,12 @@
 """The fused loss's CUDA kernels (Triton), behind ``oelm_core.fast.loss`` on GPUs.
 
-Per slice of tokens: the logits GEMM over the padded vocabulary (cuBLASLt where
-``oelm_core.fast.cublaslt`` runs, or on Hopper the logits GEMM of ``oelm_core.fast.logits_gemm``
-that writes exp() from its accumulator), one Triton pass that turns the logits into the loss and,
-in place, the unnormalised gradient, then the two gradient GEMMs. Imported only on CUDA.
+Per slice of tokens: the logits GEMM over the padded vocabulary (through cuBLASLt where
+``oelm_core.fast.cublaslt`` runs and is switched on), one Triton pass (``_ce_rows_kernel``) that
+turns the logits into the loss and, in place, the unnormalised gradient, then the two gradient
+GEMMs; on Hopper in bf16, where switched on, the logits GEMM of ``oelm_core.fast.logits_gemm``
+writes exp() from its accumulator instead of the first two. ``forward`` runs a batch of slices,
+``scale_rows`` is the backward's pass. Imported only on CUDA (it imports Triton): timings of
+each piece in benchmarks/README.md (``benchmarks/bench_ce.py``, ``benchmarks/bench_loss.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from oelm_core.fast import cublaslt, logits_gemm
+from oelm_core.fast import cublaslt as lt_gemm
+from oelm_core.fast import logits_gemm
 
 # How far above the offset (the target's logit) a logit may go in the kernel's one pass: E stays
 # below e^30 (1e13) and S below 50,304 e^30 (5e17), far from overflow in the gradient GEMMs'
 # float32 sums, and the row scale above 1/(n 5e17), far from underflow when it scales x in bf16.
 _CE_HEADROOM = tl.constexpr(30.0)
+
 
 @triton.jit
 def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, scale_ptr, inv_n_ptr, x_ptr, xs_ptr,
@@ -31,14 +36,14 @@ def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, scale_ptr, inv_n_
     padded columns (0 past vocab) and E[target] = exp(logit[target] - c) - S, where
     S = sum(exp(logit - c)); then the row's ``scale`` = valid / n_valid / S and the row of
     x (d,) times it into ``xs``. E * scale is the gradient (softmax - one_hot) * valid / n_valid,
-    so the weight gradient is E^T xs and the x gradient (E W) * scale (``_ce_forward_cuda``).
+    so the weight gradient is E^T xs and the x gradient (E W) * scale (``forward``).
     The usual second read of the row, to normalise by a sum known only at its end, is gone.
     The offset c is the target's logit, so S >= 1. A logit more than _CE_HEADROOM above it
     (the row's loss is then above 30 nats: rare) is written as c - logit < 0 instead, and after
     the pass such a row is read and written once more with the offset at its max, whose own
     entry becomes exactly 1. An ignored row's offset is +inf: E = 0, no second pass.
     Every store covers whole blocks: one that skipped the target's column ran 3x slower.
-    Not for float16, whose range E and S would leave (``_LinearCrossEntropy`` keeps it apart)."""
+    Not for float16, whose range E and S would leave (``oelm_core.fast.loss`` keeps it apart)."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     target = tl.load(targets_ptr + row)
@@ -94,6 +99,7 @@ def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, scale_ptr, inv_n_
         lse = m + tl.log(s)
     tl.store(loss_ptr + row, tl.where(valid, lse - t_logit, 0.0))
 
+
 @triton.jit
 def _scale_rows_kernel(src_ptr, out_ptr, row_scale_ptr, factor_ptr, n_cols,
                        ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
@@ -111,9 +117,10 @@ def _scale_rows_kernel(src_ptr, out_ptr, row_scale_ptr, factor_ptr, n_cols,
                  mask=cols < n_cols)
 
 
-
-
-def _scale_rows_triton(src, factor, row_scale, dtype):
+def scale_rows(src: torch.Tensor, factor: torch.Tensor, row_scale: Optional[torch.Tensor],
+               dtype: torch.dtype) -> torch.Tensor:
+    """src (rows, cols) * factor (a one-element tensor) [* row_scale (rows,)], a new tensor of
+    ``dtype``, by ``_scale_rows_kernel``; src is left as it is."""
     src = src.contiguous()
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     _scale_rows_kernel[(src.size(0),)](src, out, src if row_scale is None else row_scale,
@@ -122,12 +129,15 @@ def _scale_rows_triton(src, factor, row_scale, dtype):
     return out
 
 
+# False once torch has refused the mixed-dtype addmm (torch < 2.8): then never asked again.
+_HAS_ADDMM_OUT_DTYPE = True
+
+
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (float32) += a @ b for bf16/fp16 a, b: one GEMM accumulating in place where torch has
-    the mixed-dtype addmm (CUDA, torch >= 2.8), else a low-precision product added in float32.
-    The loss's float32 sum where cuBLASLt does not run (``cublaslt.matmul_into`` does it where it
-    does). On an H200, for the output layer's weight gradient of one 8,192-token slice: 0.572-0.610
-    against 0.718-0.746 ms (benchmarks/RESULTS.md)."""
+    the mixed-dtype addmm (CUDA, torch >= 2.8), else a low-precision product added in float32
+    (slower: one more pass over the product; ``benchmarks/bench_ce.py`` times both). The loss's
+    float32 sum where cuBLASLt does not run (``cublaslt.matmul_into`` does it where it does)."""
     global _HAS_ADDMM_OUT_DTYPE
     if _HAS_ADDMM_OUT_DTYPE:
         try:
@@ -138,33 +148,35 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += (a @ b).float()
 
 
-_HAS_ADDMM_OUT_DTYPE = True
+def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int,
+            dtype: torch.dtype, need_grad: bool, *, fused_logits: bool, cublaslt: bool):
+    """The fused loss's forward on CUDA: x (n, d), w (padded, d), targets (n,) as
+    ``oelm_core.fast.loss.linear_cross_entropy`` takes them, computed in ``dtype`` (bf16, or
+    float32 for tests) in slices of ``chunk`` rows.
 
+    Per slice one matmul over the *padded* vocabulary (aligned for the tensor cores), one Triton
+    pass that turns the logits into the loss and, in place, the unnormalised gradient E (each row
+    read once, written once; see ``_ce_rows_kernel``), then the two gradient matmuls. Compared with
+    full logits + F.cross_entropy under torch.compile this saves three passes over the (tokens x
+    vocab) logits. The kernel's small programs (2,048 columns, 4 warps), many per SM, keep enough
+    loads in flight to run at about the speed of a copy of the slice (``benchmarks/bench_ce.py``).
+    Ignored rows (target -1) cost as much as the others: E is written and scaled by 0.
+    ``fused_logits``: with gradients, bf16, on Hopper (``logits_gemm.available``) the matmul and
+    that pass are one Triton GEMM that writes E from its accumulator. ``cublaslt``: the other
+    matmuls through ``oelm_core.fast.cublaslt`` where it runs, else torch's.
 
-
-def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bool):
-    """The CUDA path: per slice one matmul over the *padded* vocabulary (aligned for the tensor
-    cores), one Triton pass that turns the logits into the loss and, in place, the unnormalised
-    gradient E (each row read once, written once; see ``_ce_rows_kernel``), then the two gradient
-    matmuls. Returns (loss, grad_x, grad_w, row_scale): grad_w = E^T (row_scale * x) is final,
-    grad_x = E W (n, d) is still to be multiplied by row_scale (n,), which the backward does in the
-    pass that applies the incoming gradient; without need_grad all but the loss are None.
-    Compared with full logits + F.cross_entropy under torch.compile this saves three passes over the
-    (tokens x vocab) logits. On an H200, for one 8,192 x 50,304 bf16 slice (benchmarks/bench_ce.py,
-    benchmarks/RESULTS.md), the kernel takes 0.44 ms, a plain copy of the slice (one read, one
-    write) 0.39-0.41 ms, and the earlier kernel, which read each row twice, 0.64 ms; small programs
-    (2,048 columns, 4 warps), many per SM, keep enough loads in flight, where one 32-warp program
-    per SM took 0.70 ms. Ignored rows (target -1) cost as much as the others: E is written and
-    scaled by 0. With gradients, bf16, on Hopper (``logits_gemm.available``), the matmul and that
-    pass are one Triton GEMM that writes E from its accumulator instead (``oelm_core/logits_gemm.py``:
-    0.99 against 1.18 ms a slice, 20.9 against 21.8 ms a step at 64 x 512 on an H200)."""
+    Returns (loss, grad_x, grad_w, row_scale): the mean loss (0-dim float32); grad_w = E^T
+    (row_scale * x) (padded, d) is final, float32 (or ``dtype`` for a single slice); grad_x = E W
+    (n, d) of ``dtype`` is still to be multiplied by row_scale (n,) float32, which the backward
+    does in the pass that applies the incoming gradient. Without need_grad all but the loss are
+    None."""
     n, padded = x.size(0), w.size(0)
     xc, wc = x.to(dtype).contiguous(), w.to(dtype)
     targets = targets.contiguous()
     n_valid = (targets >= 0).sum()
     inv_n = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
     row_loss = torch.empty(n, dtype=torch.float32, device=x.device)
-    lt = cublaslt.available(x.device, dtype)
+    lt = cublaslt and lt_gemm.available(x.device, dtype)
     grad_x = grad_w = row_scale = x_scaled = None
     if need_grad:
         grad_x = torch.empty((n, x.size(1)), dtype=dtype, device=x.device)
@@ -172,7 +184,7 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
         x_scaled = torch.empty_like(xc[:chunk])  # one slice's x times its row scales, reused
         if n > chunk:  # several slices: the weight gradient summed in float32 (cuBLASLt: from the first)
             grad_w = (torch.empty if lt else torch.zeros)(w.shape, dtype=torch.float32, device=x.device)
-    fused = need_grad and logits_gemm.available(x.device, dtype, x.size(1), padded)
+    fused = need_grad and fused_logits and logits_gemm.available(x.device, dtype, x.size(1), padded)
     if fused:
         wc = wc.contiguous()
     for s in range(0, n, chunk):
@@ -181,7 +193,7 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
             logits = logits_gemm.loss_and_grad(xs, wc, targets[s:s + chunk], vocab, inv_n, row_loss[s:s + chunk],
                                                row_scale[s:s + chunk], x_scaled[:xs.size(0)])
         else:
-            logits = cublaslt.gemm(xs, wc, None, False, True) if lt else xs @ wc.T
+            logits = lt_gemm.gemm(xs, wc, None, False, True) if lt else xs @ wc.T
             # Without need_grad, the pointers the kernel does not use are row_loss and xs.
             _ce_rows_kernel[(xs.size(0),)](logits, logits.stride(0), targets[s:s + chunk], row_loss[s:],
                                            row_loss if row_scale is None else row_scale[s:], inv_n,
@@ -190,16 +202,15 @@ def _ce_forward_cuda(x, w, targets, vocab: int, chunk: int, dtype, need_grad: bo
                                            BLOCK_D=triton.next_power_of_2(xs.size(1)), num_warps=4)
         if need_grad:
             if lt:
-                cublaslt.matmul_into(grad_x[s:s + chunk], logits, wc)
+                lt_gemm.matmul_into(grad_x[s:s + chunk], logits, wc)
             else:
                 torch.mm(logits, wc, out=grad_x[s:s + chunk])
             xs = x_scaled[:xs.size(0)]
             if n <= chunk:
-                grad_w = cublaslt.gemm(logits, xs, None, True, False) if lt else logits.T @ xs
+                grad_w = lt_gemm.gemm(logits, xs, None, True, False) if lt else logits.T @ xs
             elif lt:
-                cublaslt.matmul_into(grad_w, logits, xs, trans_a=True, accumulate=s > 0)
+                lt_gemm.matmul_into(grad_w, logits, xs, trans_a=True, accumulate=s > 0)
             else:
                 _addmm_fp32_(grad_w, logits.T, xs)
     loss = row_loss.sum() / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives
     return loss, grad_x, grad_w, row_scale
-

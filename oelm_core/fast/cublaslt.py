@@ -1,18 +1,20 @@
 """The training step's GEMMs through cuBLASLt: each problem's algorithm chosen by timing, and the
 MLP's forward GELU inside its GEMM's epilogue.
 
-Why, measured on an H200 at 64 x 512 tokens (benchmarks/RESULTS.md):
+Why (measured at 64 x 512 tokens; the gains are in benchmarks/README.md):
 - cuBLAS's heuristic takes its first guess. For the MLP's (32,768 x 512) @ (512 x 2,048) product
-  that guess took 105-108 us, where another of its own candidates took 94. ``gemm`` times every
-  candidate once per problem and keeps the fastest, as PyTorch's TunableOp does on ROCm (on CUDA
-  it only chooses between cuBLAS and cuBLASLt's first guesses).
+  another of its own candidates was about 10% faster than that guess on an H200. ``gemm`` times
+  every candidate once per problem and keeps the fastest, as PyTorch's TunableOp does on ROCm (on
+  CUDA it only chooses between cuBLAS and cuBLASLt's first guesses).
 - The MLP's forward GELU is a memory-bound pass per layer (read the pre-activation, write its
   GELU). cuBLASLt computes it in the GEMM's epilogue (GELU_AUX_BIAS), writing the
   pre-activation beside it for the backward pass. Its GELU is the tanh approximation, the model's.
 
 PyTorch ships libcublasLt with every CUDA build but binds only ``addmm``'s epilogues, so this
-module calls the library through ctypes. All of it is optional: ``available(device, dtype)`` is
-False wherever the library, the dtype or an algorithm is missing, and the model runs plain ops.
+module calls the library through ctypes; it loads the library on the first GEMM, and is imported
+only by the fast paths that use it on CUDA (``oelm_core.fast.linear``, ``oelm_core.fast.ce_kernels``).
+All of it is optional: ``available(device, dtype)`` is False wherever the library, the dtype or an
+algorithm is missing, and the callers then run torch's ops. Switch: ``train.cublaslt``.
 
 Row-major tensors are column-major transposes: out = op(a) @ op(b) (row-major) is computed by
 cuBLASLt as out^T = op(b)^T op(a)^T, with b's memory as its first operand and a's as its second.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,8 +41,8 @@ EPILOGUE_BIAS = 4
 EPILOGUE_GELU_AUX = 32 | 128
 EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
 # The backward epilogues are not used: on an H200 cuBLASLt runs DGELU (GELU' times the product)
-# with an older, slower kernel (180 us against 107 for the product and ~125 for a fused GELU'
-# and bias-sum pass at 32,768 x 2,048, 42 against 30 at 4,096), and DGELU_BGRAD took 660-680 us.
+# with an older kernel, slower than the product and a separate GELU' and bias-sum pass together,
+# and DGELU_BGRAD slower still.
 
 # Hopper's recommended cuBLAS workspace, one per stream the GEMMs run on (as torch keeps one per
 # stream for cuBLAS: split-K kernels on two streams must not share one), kept for the process
@@ -49,7 +50,7 @@ EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
 _WORKSPACE_BYTES = 32 * 1024 * 1024
 _CANDIDATES = 8      # the heuristic's best guesses timed per problem
 _TIMED_CALLS = 3     # calls per candidate, after one untimed
-_QUEUE_CYCLES = 20_000_000  # ~10 ms of GPU sleep: covers the host's launches of every candidate
+_QUEUE_CYCLES = 20_000_000  # GPU sleep cycles: longer than the host takes to launch every timed candidate
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_{A,B,C,D}_BYTES
 
 
@@ -212,8 +213,8 @@ class _Lt:
     def _fastest(self, plan: _Plan, stream, *args) -> int:
         """Index of the candidate that ran ``args`` fastest. Each runs once untimed (which loads
         its kernel: lazy loading may synchronise), then all timed launches queue behind one long
-        sleep kernel, so the events time the GPU's work, not this process's ctypes calls (tens of
-        us each, as long as a small GEMM). If the sleep ended before the last launch was queued,
+        sleep kernel, so the events time the GPU's work, not this process's ctypes calls (each as
+        long as a small GEMM). If the sleep ended before the last launch was queued,
         the timing is not trusted and the heuristic's first guess stays."""
         usable = []
         for i, algo in enumerate(plan.candidates):
@@ -363,11 +364,8 @@ def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bo
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """True where these GEMMs can run for ``dtype`` on ``device``: checked once against torch on
-    small problems of each kind. ``OELM_CUBLASLT=0`` turns them off (to compare); a compiled
-    model keeps the answer it was traced with, so set it before the first step (or call
-    ``torch._dynamo.reset()``)."""
-    if (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)
-            or os.environ.get("OELM_CUBLASLT", "1") == "0"):
+    small problems of each kind. (Whether they are used is the callers' switch, ``train.cublaslt``.)"""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     return _probe(device.index if device.index is not None else torch.cuda.current_device(), dtype)
 

@@ -1,12 +1,15 @@
 """The body's GEMMs of a CUDA training step through cuBLASLt (``oelm_core.fast.cublaslt``).
 
-``install(model)`` swaps the attention's Q/K/V and output projections and the MLP for subclasses
-whose forward runs each GEMM (forward, input and weight gradient) with its timed cuBLASLt algorithm,
-and the MLP's GELU in fc's GEMM epilogue. Parameters and state dict are untouched (a class swap).
-Outside a CUDA training step under low-precision autocast (CPU, evaluation, decoding) the
-subclasses compute exactly what the reference modules do.
+``install(model)`` swaps the classes of the attention (``LtAttention``: its Q/K/V product), its
+Q/K projection, V and output projection (``LtQKProjection``, ``LtLinear``) and the MLP (``LtMLP``)
+for subclasses whose forward runs each GEMM (forward, input and weight gradient) with its timed
+cuBLASLt algorithm, and the MLP's GELU in fc's GEMM epilogue. Parameters, buffers and state dict
+are untouched (a class swap). Outside a CUDA training step under low-precision autocast (CPU,
+float32, evaluation, decoding) and where cuBLASLt does not run, the subclasses compute exactly
+what the reference modules do, with the same ops.
 
-Switch: ``train.cublaslt``. Gain: benchmarks/README.md.
+Switch: ``train.cublaslt`` (``oelm_core.fast.apply`` installs it on CUDA). Gain, and the comparison
+with torch.compile's own GEMM autotuning: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ class _LtGeluMLP(torch.autograd.Function):
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj):
         h, pre = cublaslt.gemm_gelu(x, w_fc, b_fc)
         ctx.save_for_backward(x, w_fc, w_proj, h, pre)
-        ctx.biases = (b_fc is not None, b_proj is not None)
         return cublaslt.gemm(h, w_proj, b_proj, False, True)
 
     @staticmethod
@@ -59,8 +61,7 @@ class _LtGeluMLP(torch.autograd.Function):
         need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj = ctx.needs_input_grad
         grad = grad.contiguous()
         # GELU' as torch computes it (compiled, with fc's bias sum): cuBLASLt's DGELU epilogue is
-        # slower here (oelm_core/cublaslt.py), and so was a Triton pass of our own for both
-        # (benchmarks/RESULTS.md).
+        # slower here (``oelm_core.fast.cublaslt``), and so was a Triton pass of our own for both.
         d_pre = torch.ops.aten.gelu_backward(cublaslt.gemm(grad, w_proj, None, False, False), pre,
                                              approximate="tanh")
         return (cublaslt.gemm(d_pre, w_fc, None, False, False) if need_x else None,
@@ -98,18 +99,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return y.view(*x.shape[:-1], -1)
 
 
-
 class LtLinear(nn.Linear):
+    """nn.Linear through ``linear``."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
 class LtQKProjection(QKProjection):
+    """A Q/K projection through ``linear`` (frozen ones: no weight gradient computed)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
 
 
 class LtAttention(CausalSelfAttention):
+    """Attention whose one Q/K/V product (trainable Q/K) goes through ``linear``; the others go
+    through the swapped Q/K and V modules."""
+
     def qkv(self, x: torch.Tensor):
         if isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None:
             d = self.cfg.d_model
@@ -118,6 +125,8 @@ class LtAttention(CausalSelfAttention):
 
 
 class LtMLP(MLP):
+    """The MLP as one ``_LtGeluMLP`` (GELU in fc's epilogue) in a CUDA training step."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _lt_dtype(x)
         if dtype is None:
@@ -132,7 +141,8 @@ _SWAPS = {QKProjection: LtQKProjection, CausalSelfAttention: LtAttention, MLP: L
 
 
 def install(model: nn.Module) -> nn.Module:
-    """Swap the classes of the body's modules for their cuBLASLt versions, in place; returns model."""
+    """Swap the classes of a GPT's attention, Q/K, V, projections and MLPs for their cuBLASLt
+    versions, in place (POET's Q/K keeps its own class); returns the model."""
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
         for module in (attn, attn.qk, mlp):

@@ -1,10 +1,10 @@
 """The output layer's logits GEMM with the cross-entropy's exponentials in its epilogue (Triton, TMA).
 
-The training step's loss (``model._ce_forward_cuda``) needs, per slice of n tokens, the unnormalised
-gradient E = exp(logit - c) over the padded vocabulary, c being each row's offset, and each row's sum
-S of it. Elsewhere cuBLAS writes the (n, V) logits and ``model._ce_rows_kernel`` reads them back to
-write E: one more read and write of a 0.8 GB slice. Here one GEMM writes E from its float32
-accumulator, so the logits never reach memory (and are never rounded to bf16 first):
+The fused loss (``oelm_core.fast.ce_kernels.forward``) needs, per slice of n tokens, the
+unnormalised gradient E = exp(logit - c) over the padded vocabulary, c being each row's offset, and
+each row's sum S of it. Otherwise cuBLAS writes the (n, V) logits and ``ce_kernels._ce_rows_kernel``
+reads them back to write E: one more read and write of a 0.8 GB slice. Here one GEMM writes E from
+its float32 accumulator, so the logits never reach memory (and are never rounded to bf16 first):
 
 1. ``_target_logit_kernel``: c = x . w[target] per row, the target's logit, known before the GEMM
    (+inf for an ignored row: E = 0). So S >= 1, as in ``_ce_rows_kernel``.
@@ -19,15 +19,13 @@ accumulator, so the logits never reach memory (and are never rounded to bf16 fir
    and w (two passes over w, milliseconds a row: only for rows whose loss exceeds ~88 nats).
 
 Hopper and datacenter Blackwell (TMA descriptors, ~210 KB of shared memory a program), bf16,
-Triton >= 3.4 (measured with 3.6): ``available``. One slice of 8,192 x 50,304 x 512 on an H200
-(benchmarks/bench_ce.py, benchmarks/RESULTS.md): the three kernels take 0.99 ms where cuBLAS's GEMM
-and the loss kernel take 1.18; in the training step at 64 x 512, 20.9 against 21.8 ms.
+Triton >= 3.4 (measured with 3.6): ``available``. Switch: ``train.fused_logits`` (with
+``train.fused_loss``). Timings against cuBLAS's GEMM and the loss kernel, alone
+(``benchmarks/bench_ce.py``) and in the training step: benchmarks/README.md.
 """
-
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -35,13 +33,13 @@ try:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # CPU-only installs: the model keeps cuBLAS + _ce_rows_kernel, or plain torch
+except ImportError:  # CPU-only installs: imported by tests, which then skip (available() is False)
     triton = None
 # Host tensor descriptors and flattened persistent loops (tl.range(..., flatten=True)) need 3.4.
 _TRITON_OK = triton is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 4)
 
 # Tiles of the GEMM (rows x columns x depth), its pipeline depth and warps: the fastest of a sweep of
-# 16 on an H200 at 8,192 x 50,304 x 512 (benchmarks/results/1dcef5c/drafts/).
+# 16 on an H200 at 8,192 x 50,304 x 512.
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, WARPS = 128, 256, 64, 3, 8
 # A row whose sum of exp(logit - target's logit) exceeds e^HEADROOM is redone with the offset at its
 # max; from its stored entries while the sum is below RESCALE_MAX (under bf16's largest finite value,
@@ -58,11 +56,10 @@ _SMS: dict = {}
 
 def available(device: torch.device, dtype: torch.dtype, d_model: int, padded_vocab: int) -> bool:
     """Whether the fused GEMM runs here: CUDA with TMA (compute capability 9+) and the shared memory
-    of its tiles, Triton >= 3.4, bf16, rows of 16-byte multiples; ``OELM_FUSED_LOGITS=0`` turns it
-    off (the loss then runs cuBLAS and ``model._ce_rows_kernel``)."""
+    of its tiles, Triton >= 3.4, bf16, rows of 16-byte multiples. Where it does not (or
+    ``train.fused_logits`` is off) the loss runs the logits GEMM and ``ce_kernels._ce_rows_kernel``."""
     if not (_TRITON_OK and device.type == "cuda" and dtype == torch.bfloat16
-            and d_model % 8 == 0 and padded_vocab % 8 == 0
-            and os.environ.get("OELM_FUSED_LOGITS", "1") != "0"):
+            and d_model % 8 == 0 and padded_vocab % 8 == 0):
         return False
     props = torch.cuda.get_device_properties(device)
     return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= _SMEM_NEEDED
@@ -127,7 +124,7 @@ if triton is not None:
                        loss_ptr, scale_ptr, inv_n_ptr, xs_ptr,
                        BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
         """One program per row: S from the parts, the loss, E[target] = exp(-shift) - S (shift: the
-        offset's move, 0 unless redone), the row scale and x times it (what ``model._ce_rows_kernel``
+        offset's move, 0 unless redone), the row scale and x times it (what ``ce_kernels._ce_rows_kernel``
         does at the end of a row); a counted row with S > e^HEADROOM (or a NaN) is first redone with
         the offset at its max. E is (n, padded) contiguous."""
         row = tl.program_id(0).to(tl.int64)
@@ -193,7 +190,7 @@ def loss_and_grad(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab
     Returns E (n, padded) in x's dtype, and fills row_loss (n,) float32 (0 where ignored), row_scale
     (n,) float32 and x_scaled (n, d) = x * row_scale: E * row_scale[:, None] is the gradient of the
     mean loss with respect to the logits, (softmax - one_hot) * valid * inv_n, as with
-    ``model._ce_rows_kernel``."""
+    ``ce_kernels._ce_rows_kernel``."""
     n, d = x.shape
     padded = w.size(0)
     device = x.device

@@ -1,15 +1,15 @@
-"""oelm_core/cublaslt.py: the training step's GEMMs through cuBLASLt against torch's own products,
-and the model's training step with and without them. GPU only, except the fallback check."""
+"""The cuBLASLt fast path (switch train.cublaslt): oelm_core/fast/cublaslt.py's GEMMs against torch's
+own products, and the model with oelm_core/fast/linear.py's module swaps against the reference
+model. On the CPU the swapped model must be the reference, op for op; the GEMMs themselves need a
+GPU (tests marked gpu)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from oelm_core import cublaslt, logits_gemm
-from oelm_core.model import _lt_dtype, build_model
-
-CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="cuBLASLt needs a GPU")
+from oelm_core import build_model, fast
+from oelm_core.config import TrainConfig
+from oelm_core.fast import cublaslt, linear
 
 
 def _rel(a, b):
@@ -20,18 +20,55 @@ def test_off_the_gpu_the_model_keeps_torchs_ops():
     assert not cublaslt.available(torch.device("cpu"), torch.bfloat16)
     x = torch.randn(4, 8, requires_grad=True)
     with torch.autocast("cpu", torch.bfloat16):
-        assert _lt_dtype(x) is None
+        assert linear._lt_dtype(x) is None
 
 
-@gpu
-def test_only_low_precision_and_only_unless_switched_off(monkeypatch):
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16"])
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze", "synth_random"])
+def test_the_swapped_model_is_the_reference_off_the_gpu(variant, autocast):
+    """``linear.install`` swaps classes only (parameters, buffers and state dict untouched); where
+    cuBLASLt does not run the swapped modules compute what the reference's do, bitwise: loss and
+    gradients of a training step, logits without gradients, and after unfreezing."""
+    plain = build_model("tiny", variant, bias=True)
+    model = linear.install(build_model("tiny", variant, bias=True))
+    block = model.blocks[0]
+    assert type(block.attn) is linear.LtAttention and type(block.mlp) is linear.LtMLP
+    assert type(block.attn.v) is linear.LtLinear and type(block.attn.proj) is linear.LtLinear
+    if variant != "synth_random":
+        assert type(block.attn.qk) is linear.LtQKProjection
+    names = lambda m: [(n, t.shape) for n, t in m.state_dict().items()]  # noqa: E731
+    assert names(model) == names(plain)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+    x = torch.randint(0, 128, (2, 32))
+    for unfreeze in (False, True):
+        if unfreeze:
+            assert len(model.unfreeze_qk()) == len(plain.unfreeze_qk())
+        losses, grads = [], []
+        for m in (model, plain):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                loss = m(x, x.roll(-1, 1))
+            loss.backward()
+            losses.append(loss)
+            grads.append({n: p.grad for n, p in m.named_parameters()})
+        assert torch.equal(losses[0], losses[1])
+        assert grads[0].keys() == grads[1].keys()
+        assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[1])
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU: the binding's GEMMs, and a training step with and without them
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_only_low_precision():
     cuda = torch.device("cuda")
     assert cublaslt.available(cuda, torch.bfloat16) and not cublaslt.available(cuda, torch.float32)
-    monkeypatch.setenv("OELM_CUBLASLT", "0")
-    assert not cublaslt.available(cuda, torch.bfloat16)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -48,7 +85,7 @@ def test_gemm_equals_torch(dtype, trans_a, trans_b, with_bias):
     assert _rel(got, want) < 4e-3  # one rounding of the float32 result to 8 (bf16) or 11 bits
 
 
-@gpu
+@pytest.mark.gpu
 def test_strided_operands_and_row_slices_of_the_output():
     a = torch.randn(40, 48, device="cuda").bfloat16()
     b = torch.randn(56, 24, device="cuda").bfloat16()
@@ -60,7 +97,7 @@ def test_strided_operands_and_row_slices_of_the_output():
     assert wide[:, :10].abs().max() == 0 and wide[:, 66:].abs().max() == 0
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("sliced", [False, True])
 def test_a_float32_sum_of_products_is_added_once_per_call(sliced):
     """The output layer's weight gradient over slices: out (float32) += a^T b for bf16 a, b. The
@@ -81,7 +118,7 @@ def test_a_float32_sum_of_products_is_added_once_per_call(sliced):
         assert torch.equal(wide[:, :8], whole[:, :8]) and torch.equal(wide[:, 48:], whole[:, 48:])
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemm_gelu_writes_the_tanh_gelu_and_its_input(with_bias):
     x = torch.randn(256, 64, device="cuda").bfloat16()
@@ -97,7 +134,7 @@ def test_gemm_gelu_writes_the_tanh_gelu_and_its_input(with_bias):
     assert (h == tanh).float().mean() > (h == erf).float().mean() + 0.05
 
 
-@gpu
+@pytest.mark.gpu
 def test_a_problem_cublaslt_refuses_falls_back_to_torch():
     lt = cublaslt._lt(torch.cuda.current_device())
     x = torch.randn(32, 16, device="cuda").bfloat16()
@@ -110,7 +147,7 @@ def test_a_problem_cublaslt_refuses_falls_back_to_torch():
     assert cublaslt.gemm(x[:0], w, None, False, True).shape == (0, 20)  # no rows: torch's answer
 
 
-@gpu
+@pytest.mark.gpu
 def test_each_problem_is_timed_once_and_a_capture_uses_the_first_guess(monkeypatch):
     lt = cublaslt._lt(torch.cuda.current_device())
     a = torch.randn(96, 64, device="cuda").bfloat16()
@@ -134,7 +171,7 @@ def test_each_problem_is_timed_once_and_a_capture_uses_the_first_guess(monkeypat
     assert timed == [1] and 0 <= plan.chosen < len(plan.candidates)
 
 
-@gpu
+@pytest.mark.gpu
 def test_deterministic_algorithms_keep_the_heuristics_first_guess():
     lt = cublaslt._lt(torch.cuda.current_device())
     a = torch.randn(72, 40, device="cuda").bfloat16()
@@ -162,30 +199,40 @@ def _gemm_calls_and_step(model, idx, monkeypatch):
     return len(calls), float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gpt_base", "oelm_nofreeze", "oelm_freeze"])
 @pytest.mark.parametrize("chunk", [8192, 48])
 def test_a_training_step_matches_torchs_ops(variant, chunk, monkeypatch):
-    """Loss and every gradient of a bf16 training step, through cuBLASLt and through torch's ops
-    (copied weights, one batch, the loss in one slice or in three): equal within bf16 rounding.
-    The GEMMs counted: frozen Q/K cost one forward and one input-gradient GEMM more per layer
-    than Q/K/V in one product (kept apart so that their weight gets no gradient), not two."""
+    """Loss and every gradient of a bf16 training step of the same weights and batch, the loss in
+    one slice or in three: with the fast paths as ``fast.apply`` installs them (train.cublaslt on:
+    the body's and the loss's GEMMs through cuBLASLt), with train.fused_logits off (the logits
+    GEMM through cuBLASLt too), with train.cublaslt off (no cuBLASLt GEMM at all), and the
+    reference model (full logits, torch's ops): equal within bf16 rounding.
+    The GEMMs counted: frozen Q/K cost one forward and one input-gradient GEMM more per layer than
+    Q/K/V in one product (kept apart so that their weight gets no gradient), not two."""
+    from oelm_core.fast import logits_gemm
+    cuda = torch.device("cuda")
+
+    def model(**switches):
+        return fast.apply(build_model("tiny", variant).cuda(), TrainConfig(loss_chunk_tokens=chunk, **switches), cuda)
+
+    lt, lt_unfused, no_lt, plain = model(), model(fused_logits=False), model(cublaslt=False), build_model("tiny", variant).cuda()
     torch.manual_seed(0)
-    model = build_model("tiny", variant, loss_chunk_tokens=chunk).cuda()
-    idx = torch.randint(0, model.cfg.vocab_size, (4, model.cfg.block_size), device="cuda")
-    for _ in range(2):  # the first step times each problem's candidates
-        launches, loss_lt, grads_lt = _gemm_calls_and_step(model, idx, monkeypatch)
-    n, slices = model.cfg.n_layer, -(-4 * (model.cfg.block_size - 1) // chunk)
+    idx = torch.randint(0, lt.cfg.vocab_size, (4, lt.cfg.block_size), device="cuda")
+    n, slices = lt.cfg.n_layer, -(-4 * (lt.cfg.block_size - 1) // chunk)
     # per layer: q/k/v (3, or 5 apart), projection (3), MLP (6); the loss: 3 a slice (over several
     # slices its weight gradient is summed in float32), 2 where the logits come from the fused
-    # Triton GEMM (oelm_core/logits_gemm.py)
-    fused = logits_gemm.available(idx.device, torch.bfloat16, model.cfg.d_model, model.cfg.padded_vocab_size)
-    assert launches == n * (5 if variant == "oelm_freeze" else 3) + n * 3 + n * 6 + (2 if fused else 3) * slices
-    monkeypatch.setenv("OELM_CUBLASLT", "0")
-    monkeypatch.setenv("OELM_FUSED_LOGITS", "0")  # all of it through torch's ops and the loss kernel
-    launches, loss_torch, grads_torch = _gemm_calls_and_step(model, idx, monkeypatch)
-    assert launches == 0
-    assert abs(loss_lt - loss_torch) < 2e-3 * abs(loss_torch)
-    assert grads_lt.keys() == grads_torch.keys()
-    for name in grads_torch:
-        assert _rel(grads_lt[name], grads_torch[name]) < 3e-2, name
+    # Triton GEMM (train.fused_logits, where it runs)
+    body = n * (5 if variant == "oelm_freeze" else 3) + n * 3 + n * 6
+    fused = logits_gemm.available(cuda, torch.bfloat16, lt.cfg.d_model, lt.cfg.padded_vocab_size)
+    _gemm_calls_and_step(lt, idx, monkeypatch)  # the first step times each new problem's candidates
+    launches, loss_lt, grads_lt = _gemm_calls_and_step(lt, idx, monkeypatch)
+    assert launches == body + (2 if fused else 3) * slices
+    for other, want_launches in ((lt_unfused, body + 3 * slices), (no_lt, 0), (plain, 0)):
+        _gemm_calls_and_step(other, idx, monkeypatch)
+        launches, loss, grads = _gemm_calls_and_step(other, idx, monkeypatch)
+        assert launches == want_launches
+        assert abs(loss_lt - loss) < 2e-3 * abs(loss)
+        assert grads_lt.keys() == grads.keys()
+        for name in grads:
+            assert _rel(grads_lt[name], grads[name]) < 3e-2, name
