@@ -153,8 +153,11 @@ class CausalSelfAttention(nn.Module):
     def qkv(self, x: torch.Tensor):
         """x (B, T, d_model) -> q, k, v, each (B, T, d_model); q and k are None for the Synthesizer."""
         d = self.cfg.d_model
-        if isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None:
-            # Trainable Q/K: q, k and v in one matmul, as nanoGPT's c_attn computes them.
+        if (isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None
+                and torch.is_grad_enabled()):
+            # Trainable Q/K in training: q, k and v in one matmul, as nanoGPT's c_attn computes
+            # them. (Without gradients, when decoding, the concatenation would copy the weights
+            # on every call for nothing; the products are the same either way.)
             return F.linear(x, torch.cat([self.qk.weight, self.v.weight])).split(d, dim=-1)
         if self.qk is None:
             return None, None, self.v(x)
