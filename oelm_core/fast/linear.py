@@ -118,7 +118,8 @@ class LtAttention(CausalSelfAttention):
     through the swapped Q/K and V modules."""
 
     def qkv(self, x: torch.Tensor):
-        if isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None:
+        if (isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None
+                and torch.is_grad_enabled()):
             d = self.cfg.d_model
             return linear(x, torch.cat([self.qk.weight, self.v.weight])).split(d, dim=-1)
         return super().qkv(x)
