@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -732,6 +733,67 @@ def test_clip_inside_the_fused_optimizer_equals_clip_grad_norm(grad_clip):
         assert (a - b).abs().max() <= 1e-6 * (1 + b.abs().max()), name
     # The step leaves no stale divisor behind for a later use of its optimizer.
     assert not hasattr(opts[0], "grad_scale")
+
+# What weight decay applies to, by name (the rule of configure_optimizer's docstring, written
+# out rather than derived from the tensors' shapes as the optimiser does): the matrices of the
+# mapping, embeddings, trainable Q/K and their POET generators, the Synthesizer's logit tables.
+DECAYED = (r"wte\.weight", r"wpe\.weight", r"lm_head\.weight", r"blocks\.\d+\.attn\.(qk|v|proj)\.weight",
+           r"blocks\.\d+\.mlp\.(fc|proj)\.weight", r"blocks\.\d+\.attn\.qk\.skew_[qk]_(left|right)",
+           r"blocks\.\d+\.attn\.synth_[01]")
+# Never decayed: biases and LayerNorm gains and shifts.
+UNDECAYED = (r"blocks\.\d+\.ln_[12]\.(weight|bias)", r"ln_f\.(weight|bias)",
+             r"blocks\.\d+\.(attn\.(v|proj)|mlp\.(fc|proj))\.bias")
+
+
+@pytest.mark.parametrize("variant, overrides", [
+    ("gpt_base", {}), ("gpt_base", {"tie_embeddings": False, "attn_bias": True}),
+    ("oelm_freeze", {}), ("oelm_freeze", {"tie_embeddings": False}), ("oelm_freeze", {"freeze_qk": [1]}),
+    ("oelm_poet", {}), ("synth_random", {}), ("synth_factorized", {})])
+def test_weight_decay_groups_by_parameter_name(variant, overrides):
+    model = build_model("tiny", variant, **overrides)
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = configure_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    decayed = [names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]]
+    undecayed = [names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert sorted(decayed + undecayed) == sorted(names.values())  # each parameter once, tied ones too
+    assert sorted(decayed) == sorted(n for n in names.values() if any(re.fullmatch(r, n) for r in DECAYED))
+    assert sorted(undecayed) == sorted(n for n in names.values() if any(re.fullmatch(r, n) for r in UNDECAYED))
+    # Frozen tensors are buffers, out of the optimiser: Q/K of frozen layers, POET's W0.
+    frozen = {f"blocks.{i}.attn.qk.weight" for i in model.cfg.frozen_layers()}
+    assert frozen <= {n for n, _ in model.named_buffers()} and not frozen & set(decayed + undecayed)
+    expected_untied = {"lm_head.weight"} if overrides.get("tie_embeddings") is False else set()
+    assert {"wte.weight", "wpe.weight"} | expected_untied <= set(decayed)
+    assert "ln_f.bias" in undecayed and ("blocks.0.attn.v.bias" in undecayed) == bool(overrides.get("attn_bias"))
+
+
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_poet", "synth_factorized"])
+def test_a_step_decays_the_matrices_and_leaves_biases_and_layernorms_alone(variant):
+    """One optimiser step with zero gradients moves a tensor by its weight decay alone: decayed
+    ones become exactly (1 - lr wd) times themselves, biases and LayerNorm parameters (set away
+    from their 0 and 1 first, where a decay could not move them) stay bit for bit."""
+    model = build_model("tiny", variant, tie_embeddings=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(0.5, 1.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tc = TrainConfig(lr=0.05, weight_decay=0.2)
+    opt = configure_optimizer(model, tc, torch.device("cpu"))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    shrink = 1 - tc.lr * tc.weight_decay  # 0.99
+    moved, kept = [], []
+    for n, p in model.named_parameters():
+        if torch.equal(p, before[n]):
+            kept.append(n)
+        else:
+            torch.testing.assert_close(p.detach(), before[n] * shrink, rtol=1e-6, atol=0, msg=n)
+            moved.append(n)
+    assert sorted(kept) == sorted(n for n in before if any(re.fullmatch(r, n) for r in UNDECAYED))
+    assert sorted(moved) == sorted(n for n in before if any(re.fullmatch(r, n) for r in DECAYED))
+    assert "ln_f.weight" in kept and "blocks.0.mlp.fc.bias" in kept and "lm_head.weight" in moved
+
 
 
 def test_clear_errors(tmp_path, folded, capsys):
