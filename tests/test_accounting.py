@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oelm_core import build_model, count_parameters, memory_account
+from oelm_core import ConfigError, build_model, count_parameters, memory_account
 from oelm_core.accounting import peak_flops
 
 
@@ -26,6 +26,7 @@ def test_memory_account_is_the_bytes_the_tensors_take(variant):
                                         ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
                                         ("Some Future GPU", None)])
 def test_peak_flops_takes_the_longest_matching_card_name(monkeypatch, name, peak):
+    monkeypatch.delenv("OELM_PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops("cuda:0") == peak
@@ -41,3 +42,15 @@ def test_flops_per_token_medium512_exact():
     f = flops_per_token(model_config("medium512", "oelm_freeze"))
     assert f["frozen_saving"]["flops"] == 6_291_456
     assert f["frozen_saving"]["fraction"] == pytest.approx(6_291_456 / 286_510_080)
+
+
+def test_a_peak_given_in_the_environment_is_every_devices(monkeypatch):
+    """OELM_PEAK_FLOPS: a card the table lacks, or the CPU (where the MFU tests give one)."""
+    monkeypatch.setenv("OELM_PEAK_FLOPS", "2.5e12")
+    assert peak_flops("cpu") == peak_flops() == 2.5e12
+    monkeypatch.setenv("OELM_PEAK_FLOPS", "")
+    assert peak_flops("cpu") is None
+    for bad in ("fast", "0", "-1e12", "nan", "inf"):
+        monkeypatch.setenv("OELM_PEAK_FLOPS", bad)
+        with pytest.raises(ConfigError, match=rf"OELM_PEAK_FLOPS='{bad}' is not a peak: .*positive number"):
+            peak_flops("cpu")

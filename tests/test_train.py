@@ -27,7 +27,7 @@ import torch.distributed as dist
 import yaml
 
 from conftest import STORIES
-from oelm_core.accounting import count_parameters
+from oelm_core.accounting import count_parameters, flops_per_token
 from oelm_core.checkpoint import load_checkpoint, model_from_state, save_checkpoint
 from oelm_core.config import ConfigError, DataConfig, TrainConfig, run_config_from_dict
 from oelm_core.data import eval_batches, prepare
@@ -196,17 +196,43 @@ def test_frozen_qk_stay_fixed(tmp_path, folded):
     assert summary["params"]["frozen"] == 2 * 2 * 64 * 64
 
 
+PEAK = 1e9  # FLOP/s per device, given to the trainer through OELM_PEAK_FLOPS (the CPU has no table entry)
+
+
+def assert_mfu(values: dict, world_size: int, unfreeze_at: int) -> None:
+    """Every logged MFU is flops_per_token * tokens_per_s / (PEAK * world_size) from the row's
+    own tokens/s (global: all ranks' tokens), with the accounting's FLOPs of the model as it was
+    then (Q/K frozen until the step ``unfreeze_at``), and the summary's is their median."""
+    import statistics
+
+    cfg = run_config_from_dict(values).model_config()
+    fpt = {True: flops_per_token(cfg)["total"],
+           False: flops_per_token(dataclasses.replace(cfg, freeze_qk="none"))["total"]}
+    assert fpt[True] < fpt[False]
+    rows = metric_rows(values["out_dir"])
+    for step, row in rows.items():
+        expected = fpt[step <= unfreeze_at] * row["tokens_per_s"] / (PEAK * world_size)
+        assert row["mfu"] == pytest.approx(expected, rel=1e-12), (world_size, step, row)
+    summary = json.loads((Path(values["out_dir"]) / "summary.json").read_text())
+    assert summary["world_size"] == world_size
+    assert summary["mfu"] == pytest.approx(statistics.median(r["mfu"] for r in rows.values()), rel=1e-12)
+
+
 @pytest.mark.parametrize("accum, batch", [(1, 4), (2, 2)])
-def test_ddp_matches_single_process(tmp_path, folded, accum, batch):
+def test_ddp_matches_single_process(tmp_path, folded, accum, batch, monkeypatch):
     """2 gloo ranks x grad_accum A == 1 process x grad_accum 2A, through torchrun and the CLI; an
     unfreeze mid-run checks that DDP is re-wrapped around the new parameters. 128 tokens per
-    rank and step: TiedGradReducer sends the embedding's rows (2 x 128 <= 256 rows)."""
+    rank and step: TiedGradReducer sends the embedding's rows (2 x 128 <= 256 rows). Both runs
+    are given a peak FLOP figure: their MFU is per device (``assert_mfu``)."""
     common = dict(steps=6, unfreeze_schedule={3: "all"}, eval_every=3, ckpt_every=3, batch_size=batch)
     single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
+    monkeypatch.setenv("OELM_PEAK_FLOPS", str(PEAK))
     run(single)
+    assert_mfu(single, world_size=1, unfreeze_at=3)
     ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, **common)
-    proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1")
+    proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1", OELM_PEAK_FLOPS=str(PEAK))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_mfu(ddp, world_size=2, unfreeze_at=3)
     # The tied weight goes through TiedGradReducer, before and after DDP is re-wrapped.
     assert proc.stderr.count("reduced in two shares (TiedGradReducer)") == 2, proc.stderr[-3000:]
     a, b = metric_rows(single["out_dir"]), metric_rows(ddp["out_dir"])
@@ -734,6 +760,7 @@ def test_clip_inside_the_fused_optimizer_equals_clip_grad_norm(grad_clip):
     # The step leaves no stale divisor behind for a later use of its optimizer.
     assert not hasattr(opts[0], "grad_scale")
 
+
 # What weight decay applies to, by name (the rule of configure_optimizer's docstring, written
 # out rather than derived from the tensors' shapes as the optimiser does): the matrices of the
 # mapping, embeddings, trainable Q/K and their POET generators, the Synthesizer's logit tables.
@@ -793,7 +820,6 @@ def test_a_step_decays_the_matrices_and_leaves_biases_and_layernorms_alone(varia
     assert sorted(kept) == sorted(n for n in before if any(re.fullmatch(r, n) for r in UNDECAYED))
     assert sorted(moved) == sorted(n for n in before if any(re.fullmatch(r, n) for r in DECAYED))
     assert "ln_f.weight" in kept and "blocks.0.mlp.fc.bias" in kept and "lm_head.weight" in moved
-
 
 
 def test_clear_errors(tmp_path, folded, capsys):
