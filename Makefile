@@ -32,6 +32,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@# Triton's interpreter runs the kernel tests on the CPU; a CUDA torch brings its own Triton.
+	if $(BIN)/python -c "import sys, torch; sys.exit(bool(torch.version.cuda or torch.version.hip))"; then \
+	  $(BIN)/python -m pip install -q -e ".[interpreter]"; fi
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

@@ -6,7 +6,7 @@ stored, or recomputed from x and w), with the library's tiles and (in the interp
 ones, so that each program walks many tiles; the finishing kernel alone on planted sums, where its
 two ways of redoing a row give different answers; on a GPU also the whole loss against the cuBLAS +
 loss-kernel path. Without a GPU the kernels run in Triton's CPU interpreter (float32; skipped
-without Triton).
+without Triton or with one whose interpreter cannot run them, conftest.triton_interpreter_unusable).
 """
 
 import math

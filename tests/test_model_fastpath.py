@@ -280,7 +280,7 @@ def check_scale_rows(device: str) -> None:
 @pytest.mark.parametrize("check", ["check_loss_kernel", "check_loss_kernel_offsets", "check_scale_rows"])
 def test_the_triton_kernels_of_the_loss(check):
     """Each check on a GPU here; without one, on the CPU through Triton's interpreter (skipped
-    without Triton)."""
+    without Triton, or with one whose interpreter cannot run them)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         globals()[check]("cuda")
