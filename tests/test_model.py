@@ -127,7 +127,7 @@ def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
     """A decoding step's logits come from a transposed copy of the output weight: equal to the
     plain product, and remade when the weight changes in place (as an optimiser step does)."""
     torch.manual_seed(0)
-    model = build_model("tiny", "gpt_base", tie_embeddings=tie).eval()
+    model = build_model("tiny", "gpt_base", tie_embeddings=tie, vocab_size=100).eval()  # 128 rows
     h = torch.randn(1, 1, model.cfg.d_model)
     vocab, weight = model.cfg.vocab_size, model.output_weight
     with torch.no_grad():
@@ -142,7 +142,10 @@ def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
         assert torch.allclose(model.logits(h3), torch.nn.functional.linear(h3, weight)[..., :vocab])
     grad_h = h.clone().requires_grad_()
     model.logits(grad_h).sum().backward()  # with gradients: the plain product, differentiable
-    assert weight.grad is not None and grad_h.grad.shape == h.shape
+    # d(sum of logits)/dW: h in every row that is a logit, 0 in the padding; d/dh: those rows' sum.
+    assert torch.allclose(weight.grad[:vocab], h.view(1, -1).expand(vocab, -1))
+    assert not weight.grad[vocab:].any()
+    assert torch.allclose(grad_h.grad, weight[:vocab].sum(0).view_as(h), atol=1e-6)
 
 
 @pytest.mark.parametrize("variant,bias", [("gpt_base", True), ("oelm_freeze", False)])
