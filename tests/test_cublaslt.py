@@ -9,7 +9,11 @@ from oelm_core import cublaslt, logits_gemm
 from oelm_core.model import _lt_dtype, build_model
 
 CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="cuBLASLt needs a GPU")
+
+
+def gpu(test):
+    """GPU only: marked `gpu` (make test-gpu runs them), skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="cuBLASLt needs a GPU")(test))
 
 
 def _rel(a, b):

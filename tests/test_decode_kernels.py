@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu  # CUDA's kernels here; on the CPU the interpreter runs them
 
 from conftest import run_in_triton_interpreter  # noqa: E402
 from oelm_core import build_model  # noqa: E402

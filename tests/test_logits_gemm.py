@@ -153,6 +153,7 @@ def check_against_cublas_path(device: str) -> None:
         assert float((a - b).norm() / b.norm()) < 1e-2
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("check", ["check_loss_and_grad", "check_finish_tiers", "check_against_cublas_path"])
 def test_the_fused_logits_gemm(check):
     """On a Hopper GPU here; without a GPU, the first two checks through Triton's CPU interpreter."""

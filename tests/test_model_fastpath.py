@@ -154,6 +154,7 @@ def test_an_all_ignored_batch_gives_the_full_paths_nan_loss_and_zero_gradients()
     assert all(float(g.abs().max()) == 0 for g in (*g1.values(), *g2.values()))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused loss kernel runs on CUDA")
 def test_float16_autocast_keeps_the_loss_in_range():
     """Under float16 autocast the loss takes the plain slices (the kernel's unnormalised gradient
@@ -277,6 +278,7 @@ def check_scale_rows(device: str) -> None:
         assert torch.equal(src, before) and torch.allclose(out, src * 0.25, rtol=1e-6, atol=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("check", ["check_loss_kernel", "check_loss_kernel_offsets", "check_scale_rows"])
 def test_the_triton_kernels_of_the_loss(check):
     """Each check on a GPU here; without one, on the CPU through Triton's interpreter (skipped

@@ -11,10 +11,11 @@ import importlib.util
 import os
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from conftest import REPO
+
+nbformat = pytest.importorskip("nbformat")  # the notebooks extra; a bare GPU machine may lack it
 
 NOTEBOOKS = ["01_theory", "02_model", "03_training", "04_analysis"]
 

@@ -332,6 +332,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("exchange, one_rank_fails, batch, accum, compile, unfreeze", [
     ("ddp", False, 4, 1, False, {}),
@@ -697,6 +698,7 @@ def test_compile_tuning_reaches_torch_compile_on_cuda_only(monkeypatch):
     assert step.compile
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_unfreezing_under_a_captured_step_matches_eager_steps(tmp_path, folded, caplog):
     """One GPU, float32: the captured step (two warm-up steps, captured at step 3, re-captured
