@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu  # CUDA's kernels here; on the CPU the interpreter runs them
 
-from conftest import run_in_triton_interpreter  # noqa: E402
+from conftest import run_in_triton_interpreter, run_interpreter_checks  # noqa: E402
 from oelm_core import build_model  # noqa: E402
 from oelm_core.decode_kernels import DecodeScratch, decode_step, supports  # noqa: E402
 
@@ -180,5 +180,9 @@ def test_fused_decode_step_replays_in_a_cuda_graph():
             assert (logits - expect).abs().max().item() < 1e-4, t
 
 
-if __name__ == "__main__":  # the interpreter subprocess: python test_decode_kernels.py CHECK ARGS...
-    globals()[sys.argv[1]](*sys.argv[2:], "cpu")
+# What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
+INTERPRETER_CHECKS = [*(("check_equal_to_reference", name) for name in CASES), ("check_supports",),
+                      ("check_decoder",)]
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_decode_kernels.py RESULTS.json
+    run_interpreter_checks(globals(), sys.argv[1])

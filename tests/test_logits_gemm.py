@@ -171,5 +171,9 @@ def test_the_fused_logits_gemm(check):
         run_in_triton_interpreter(Path(__file__), check)
 
 
-if __name__ == "__main__":  # the interpreter subprocess: python test_logits_gemm.py CHECK
-    globals()[sys.argv[1]]("cpu")
+# What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
+INTERPRETER_CHECKS = [("check_loss_and_grad",), ("check_finish_tiers",)]
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_logits_gemm.py RESULTS.json
+    from conftest import run_interpreter_checks
+    run_interpreter_checks(globals(), sys.argv[1])

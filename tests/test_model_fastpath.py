@@ -291,5 +291,9 @@ def test_the_triton_kernels_of_the_loss(check):
         run_in_triton_interpreter(Path(__file__), check)
 
 
-if __name__ == "__main__":  # the interpreter subprocess: python test_model_fastpath.py CHECK
-    globals()[sys.argv[1]]("cpu")
+# What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
+INTERPRETER_CHECKS = [("check_loss_kernel",), ("check_loss_kernel_offsets",), ("check_scale_rows",)]
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_model_fastpath.py RESULTS.json
+    from conftest import run_interpreter_checks
+    run_interpreter_checks(globals(), sys.argv[1])

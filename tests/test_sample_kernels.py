@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu  # CUDA's kernels here; on the CPU the interpreter runs them
 
-from conftest import run_in_triton_interpreter  # noqa: E402
+from conftest import run_in_triton_interpreter, run_interpreter_checks  # noqa: E402
 from oelm_core import sample_kernels  # noqa: E402
 from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor  # noqa: E402
 
@@ -117,5 +117,9 @@ def test_supports_plain_temperature_and_top_k_only():
     _run("check_supports")
 
 
-if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py CHECK
-    globals()[sys.argv[1]]("cpu")
+# What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
+INTERPRETER_CHECKS = [("check_draws_equal_torch",), ("check_greedy_is_argmax",),
+                      ("check_ties_at_the_cut_are_kept",), ("check_supports",)]
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py RESULTS.json
+    run_interpreter_checks(globals(), sys.argv[1])
