@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _no_data_override(monkeypatch):
     monkeypatch.delenv("OELM_DATA", raising=False)  # the tests name their own corpora
+    monkeypatch.delenv("OELM_PEAK_FLOPS", raising=False)  # no MFU unless a test gives a peak
 
 
 FOLDED_VOCAB = 256
