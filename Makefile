@@ -1,7 +1,8 @@
 # OELM Lab. On a fresh machine, two commands:
 #   make study   # the main job: the smoke study (notebooks, three trainings, analysis) -> runs/smoke
 #   make test    # the test suite, exactly what CI runs (.ci/run)
-# Each creates .venv and installs what it needs. Other targets: make lab, make demo, make bench.
+# Each creates .venv and installs what it needs. Other targets: make lab, make demo, make bench, and
+# on a GPU machine make test-gpu (the GPU tests CI cannot run; PYTHON_BIN=python3 uses that Python).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,6 +12,8 @@ STUDY  ?= parameters/study_smoke.yaml
 # wheel on disk takes it instead of a multi-GB CUDA build; a torch already in the venv is kept.
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# test-gpu: a Python that already has torch, Triton and pytest (no venv is made); empty: the venv.
+PYTHON_BIN ?=
 
 # Offline machines: the TinyStories text and GPT-2 BPE files beside the checkout, when present.
 # Online, nothing is set and the data comes from the Hugging Face hub.
@@ -23,7 +26,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tokenizer/tiktoken_cache
 endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study test lab demo bench browser clean
+.PHONY: study test test-gpu lab demo bench browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +35,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@# Triton's interpreter runs the kernel tests on the CPU; a CUDA torch brings its own Triton.
+	if $(BIN)/python -c "import sys, torch; sys.exit(bool(torch.version.cuda or torch.version.hip))"; then \
+	  $(BIN)/python -m pip install -q -e ".[interpreter]"; fi
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -53,6 +59,11 @@ test: $(VENV)/.installed browser
 LAB_ARGS ?=
 lab: $(VENV)/.installed
 	$(BIN)/python -m jupyterlab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+# The tests marked `gpu` (cuBLASLt, Triton kernels on CUDA, CUDA graphs, two GPUs), and a summary:
+# card, torch, date, commit, passed/failed/skipped (scripts/test_gpu.sh).
+test-gpu: $(if $(PYTHON_BIN),,$(VENV)/.installed)
+	PYTHON_BIN="$(or $(PYTHON_BIN),$(BIN)/python)" scripts/test_gpu.sh $(PYTEST_ARGS)
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m app

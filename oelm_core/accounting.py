@@ -9,13 +9,14 @@ so GPT-Base at medium512 counts the study's 44,896,768 whatever the padding.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections import defaultdict
 
 import torch
 import torch.nn as nn
 
-from oelm_core.config import ModelConfig
+from oelm_core.config import ConfigError, ModelConfig
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) by device-name fragment, for MFU.
 PEAK_BF16_FLOPS = {
@@ -30,8 +31,26 @@ PEAK_BF16_FLOPS = {
 }
 
 
+PEAK_FLOPS_ENV = "OELM_PEAK_FLOPS"
+
+
 def peak_flops(device: torch.device | str | None = None) -> float | None:
-    """The card's dense bf16 peak in FLOP/s, or None on CPU and unknown cards."""
+    """The card's dense bf16 peak in FLOP/s, or None on CPU and unknown cards.
+
+    ``OELM_PEAK_FLOPS`` (FLOP/s per device, e.g. ``312e12``), when set, is the peak on every
+    device, the CPU included: for a card the table lacks, or to check the MFU arithmetic where
+    there is no GPU (the tests do, on two gloo ranks)."""
+    override = os.environ.get(PEAK_FLOPS_ENV, "").strip()
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{PEAK_FLOPS_ENV}={override!r} is not a peak: give the device's FLOP/s "
+                             f"as a positive number (e.g. {PEAK_FLOPS_ENV}=989e12), or unset it to "
+                             f"look the card up by name")
+        return value
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
     name = torch.cuda.get_device_name(device)

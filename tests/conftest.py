@@ -1,8 +1,12 @@
 """Shared test set-up: the offline GPT-2 BPE files, and tiny corpora the tests write themselves."""
 
+import functools
+import json
 import os
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
@@ -18,30 +22,87 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_TOKENIZER.is_dir():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip where torch sees no CUDA device."""
+    """Tests marked ``gpu`` skip where torch sees no CUDA device, except those also marked
+    ``interpreter``: their Triton kernels then run under Triton's CPU interpreter."""
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and "interpreter" not in item.keywords:
             item.add_marker(no_gpu)
 
 
-def run_in_triton_interpreter(script: Path, *args: str) -> None:
-    """``python script args...`` under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set
-    before any kernel is defined, hence a subprocess). Skips where the interpreter itself cannot
-    run the kernels that compile for the GPU: Triton 3.5/3.6's fails on numpy >= 2.4 ("only
-    0-dimensional arrays ..."), and 3.9's turns a boolean tensor & a boolean scalar into an
-    int32 mask that its own load refuses ("mask has unsupported dtype")."""
+# Triton's CPU interpreter runs every kernel here with Triton 3.7 and 3.8 (pyproject.toml's
+# `interpreter` extra, which `make` installs beside a CPU torch). Known not to, by version:
+# 3.5 and 3.6 with numpy >= 2.4 (they turn one-element arrays into Python scalars, which numpy 2.4
+# refuses: "only 0-dimensional arrays can be converted"), and 3.9 for kernels that combine a
+# boolean tensor and a boolean scalar into a mask (it makes an int32 mask that its own load
+# refuses: "mask has unsupported dtype"). Any other failure fails the test.
+INTERPRETER_NUMPY_FIXED = "3.7"   # first Triton whose interpreter runs with numpy >= 2.4
+INTERPRETER_BOOL_MASKS_BROKEN = "3.9"  # first Triton whose interpreter refuses the boolean masks
+
+
+def triton_interpreter_unusable(bool_scalar_masks: bool) -> str | None:
+    """Why this Triton and numpy cannot run the kernels under the interpreter, or None."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    triton, numpy = Version(version("triton")), Version(version("numpy"))
+    fix = "install a Triton the interpreter runs with: pip install -e '.[interpreter]'"
+    if triton < Version(INTERPRETER_NUMPY_FIXED) and numpy >= Version("2.4"):
+        return f"Triton {triton}'s CPU interpreter does not run with numpy {numpy} (>= 2.4); {fix}"
+    if bool_scalar_masks and triton >= Version(INTERPRETER_BOOL_MASKS_BROKEN):
+        return f"Triton {triton}'s CPU interpreter refuses these kernels' boolean masks; {fix}"
+    return None
+
+
+def run_in_triton_interpreter(script: Path, check: str, *args: str, bool_scalar_masks: bool = False) -> None:
+    """``check(*args, "cpu")`` of the test module ``script`` under Triton's CPU interpreter
+    (TRITON_INTERPRET=1 must be set before any kernel is defined, hence a subprocess); it must
+    pass. Skipped, by version, where this Triton's interpreter is known not to run kernels like
+    these (``bool_scalar_masks``: a mask made of a boolean tensor and a boolean scalar, as the
+    sampler and the decode step have).
+
+    The first call runs every check the module lists in ``INTERPRETER_CHECKS``, in one process
+    (``_interpreter_results``); the others read their results. A process a check costs ~2.5 s
+    of CPU for its imports alone, a third of these tests' time in CI."""
+    reason = triton_interpreter_unusable(bool_scalar_masks)
+    if reason:
+        pytest.skip(reason)
+    results, output = _interpreter_results(Path(script))
+    key = " ".join((check, *args))
+    assert key in results, f"{key!r} did not run (not in {Path(script).name}'s INTERPRETER_CHECKS?):\n{output}"
+    if results[key] is not None:
+        pytest.fail(f"{key} failed under Triton's CPU interpreter:\n{results[key]}", pytrace=False)
+
+
+@functools.cache
+def _interpreter_results(script: Path) -> tuple[dict, str]:
+    """``python script RESULTS`` under the interpreter: ({check and args: None where it passed,
+    else its traceback}, the process's output)."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0 and "only 0-dimensional arrays can be converted" in proc.stderr:
-        pytest.skip("Triton's CPU interpreter does not run with this numpy (>= 2.4)")
-    if proc.returncode != 0 and "mask has unsupported dtype" in proc.stderr:
-        pytest.skip("this Triton's CPU interpreter refuses the kernels' boolean masks")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.json"
+        proc = subprocess.run([sys.executable, str(script), str(out)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=1800)
+        results = json.loads(out.read_text()) if out.is_file() else {}
+    return results, f"exit status {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def run_interpreter_checks(namespace: dict, out: str) -> None:
+    """The interpreter process's work (a test module's ``__main__``): every check of
+    ``namespace["INTERPRETER_CHECKS"]`` ((name, *args) each) on the CPU, each failure's
+    traceback kept, the results written to ``out`` as JSON."""
+    results = {}
+    for name, *args in namespace["INTERPRETER_CHECKS"]:
+        try:
+            namespace[name](*args, "cpu")
+            results[" ".join((name, *args))] = None
+        except Exception:
+            results[" ".join((name, *args))] = traceback.format_exc()
+    Path(out).write_text(json.dumps(results))
 
 
 STORIES = [

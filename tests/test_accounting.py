@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oelm_core import VARIANTS, build_model, count_parameters, memory_account
+from oelm_core import VARIANTS, ConfigError, build_model, count_parameters, memory_account
 from oelm_core.accounting import peak_flops
 
 
@@ -32,6 +32,7 @@ def test_memory_account_is_the_bytes_the_tensors_take(variant):
                                         ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
                                         ("Some Future GPU", None)])
 def test_peak_flops_takes_the_longest_matching_card_name(monkeypatch, name, peak):
+    monkeypatch.delenv("OELM_PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops("cuda:0") == peak
@@ -176,3 +177,15 @@ def test_the_step_estimate_is_near_a_measured_steps_peak(variant, batch, block, 
     need = step_memory(cfg, batch)
     estimate = need["total"] - memory_account(build_model(cfg))["weights"]
     assert need["activations"] > 100 * 2**20 and lowest < estimate / added < 1.3, (estimate, added)
+
+
+def test_a_peak_given_in_the_environment_is_every_devices(monkeypatch):
+    """OELM_PEAK_FLOPS: a card the table lacks, or the CPU (where the MFU tests give one)."""
+    monkeypatch.setenv("OELM_PEAK_FLOPS", "2.5e12")
+    assert peak_flops("cpu") == peak_flops() == 2.5e12
+    monkeypatch.setenv("OELM_PEAK_FLOPS", "")
+    assert peak_flops("cpu") is None
+    for bad in ("fast", "0", "-1e12", "nan", "inf"):
+        monkeypatch.setenv("OELM_PEAK_FLOPS", bad)
+        with pytest.raises(ConfigError, match=rf"OELM_PEAK_FLOPS='{bad}' is not a peak: .*positive number"):
+            peak_flops("cpu")

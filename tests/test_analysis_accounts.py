@@ -38,12 +38,22 @@ def test_the_parameter_table_follows_a_variant_registered_again(monkeypatch):
     assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * d * d
 
 
-@pytest.mark.parametrize("overrides", [{}, {"bias": False, "attn_bias": True, "tie_embeddings": False}])
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False},
+                                       {"bias": False, "attn_bias": True, "tie_embeddings": False}])
 @pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
 def test_analytic_parameters_equal_count_parameters(variant, overrides):
-    cfg = model_config("tiny", variant, **overrides)
-    counted = count_parameters(build_model(cfg))
+    """At a vocabulary that pads (100 ids, 128 rows): the padding rows of the embedding and of an
+    untied output layer are stored but are no parameters, in either count."""
+    cfg = model_config("tiny", variant, vocab_size=100, **overrides)
+    model = build_model(cfg)
+    assert cfg.padded_vocab_size == 128 and model.output_weight.shape == (128, 32)
+    counted = count_parameters(model)
     assert A.analytic_parameters(cfg) == {k: counted[k] for k in ("trainable", "frozen", "total")}
+    stored = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    outputs = 1 if cfg.tie_embeddings else 2  # tables of 128 rows: the embedding, and lm_head
+    assert counted["total"] == stored - outputs * 28 * 32
+    assert counted["by_component"]["embedding"]["trainable"] == 100 * 32
+    assert counted["by_component"].get("output", {"trainable": 0})["trainable"] == (outputs - 1) * 100 * 32
     rows = A.shape_account()  # Medium-512
     assert [r["total"] for r in rows] == [44_896_768] * 3
     assert rows[2]["trainable"] == 41_751_040 and rows[2]["trainable_reduction_pct"] == pytest.approx(7.0, abs=0.01)

@@ -4,6 +4,7 @@ checks and the error page, driven through gradio_client against a live server on
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -70,6 +72,19 @@ def served(checkpoints):
     client = gradio_client.Client(url, verbose=False)
     yield demo, client
     demo.close()
+
+
+def served_image(plot: dict) -> "np.ndarray":
+    """A gr.Plot as the client receives it (a matplotlib figure as an image data URL), in grey
+    levels 0-255 (height, width)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    assert plot["type"] == "matplotlib" and plot["plot"].startswith("data:image/"), str(plot)[:80]
+    data = base64.b64decode(plot["plot"].split(",", 1)[1])
+    return np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.float64)
 
 
 def generate(client, prompt=PROMPT, max_new=16, temperature=0.9, top_k=50, top_p=0.95, seed=7):
@@ -162,8 +177,10 @@ def test_attention_endpoint_returns_t_by_t_maps(served):
         assert details["tokens"] == [token_label(enc.decode([i])) for i in ids]
         assert details["n_tokens"] == t and details["shape"] == [t, t]
         assert details["layer"] == layer and details["model"] == group
-        for plot in (heat, compare, summary):
-            assert plot is not None
+        images = [served_image(plot) for plot in (heat, compare, summary)]
+        for image in images:  # drawn figures, not blank canvases
+            assert min(image.shape) > 200 and image.std() > 10, image.shape
+        assert not any(a.shape == b.shape and np.array_equal(a, b) for a, b in itertools.combinations(images, 2))
         # 3 models x 2 layers x 4 heads of per-head summaries
         rows = table["data"] if isinstance(table, dict) else table
         assert len(rows) == 24
@@ -174,7 +191,6 @@ def test_attention_endpoint_returns_t_by_t_maps(served):
 def test_attention_figure_content_and_no_leak(served):
     """The heatmap's image is the T x T map of the chosen head; figures never pile up in pyplot."""
     import matplotlib.pyplot as plt
-    import numpy as np
 
     demo, _ = served
     h = demo.oelm
@@ -196,8 +212,6 @@ def test_attention_figure_content_and_no_leak(served):
 def test_attention_figures_show_the_chosen_layer_and_head_of_each_model(served, head):
     """The heatmap is the chosen model's map of that layer and head (or their mean), and each
     panel of the comparison is its own model's, over the same tokens."""
-    import numpy as np
-
     from oelm_core.analysis import attention_maps
 
     h = served[0].oelm

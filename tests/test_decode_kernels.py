@@ -1,10 +1,11 @@
 """The fused Triton decode step (oelm_core.fast.decode_kernels) equals the PyTorch one
 (``oelm_core.fast.decode.decode_step``), and the decoder uses it.
 
-On a GPU the checks run in this process. Without one, but with Triton installed, they run in a
-subprocess under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before the
-kernels are defined, i.e. before oelm_core is imported) on the ``tiny`` preset. Without Triton
-(CI) the file is skipped.
+On a GPU the checks run in this process. Without one they run in a subprocess under Triton's CPU
+interpreter (``TRITON_INTERPRET=1`` must be set before the kernels are defined, i.e. before
+oelm_core is imported) on the ``tiny`` preset; `make test` installs a Triton for it beside a CPU
+torch. Skipped without Triton, and with a Triton whose interpreter cannot run these kernels
+(conftest.triton_interpreter_unusable).
 """
 
 import sys
@@ -14,8 +15,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+# CUDA's kernels here; on the CPU the interpreter runs them
+pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
 
-from conftest import run_in_triton_interpreter  # noqa: E402
+from conftest import run_in_triton_interpreter, run_interpreter_checks  # noqa: E402
 from oelm_core import build_model  # noqa: E402
 from oelm_core.fast.decode import decode_step as torch_step  # noqa: E402
 from oelm_core.fast.decode_kernels import DecodeScratch, decode_step, supports  # noqa: E402
@@ -105,13 +108,16 @@ def check_decoder(device: str) -> None:
     from oelm_core.generate import SamplingConfig, stream_tokens
 
     model = _model("oelm_freeze", device)
-    kw = dict(max_new_tokens=40, temperature=0.9, top_k=40, seed=5, stop_at_eot=False)
+    # Past the 32-position context (a restart, a prefill): on a GPU 3 + 40 tokens, 16-step graph
+    # chunks among them; under the CPU interpreter, whose kernels are slow, 18 + 16.
+    prompt, n_new = ([3, 4, 5], 40) if device == "cuda" else (list(range(3, 21)), 16)
+    kw = dict(max_new_tokens=n_new, temperature=0.9, top_k=40, seed=5, stop_at_eot=False)
     with torch.no_grad():
-        plain = list(stream_tokens(model, [3, 4, 5], SamplingConfig(**kw, use_cache=False)))
+        plain = list(stream_tokens(model, prompt, SamplingConfig(**kw, use_cache=False)))
         decoder = acquire_decoder(model)
         release_decoder(decoder)
         assert decoder.kernels == "triton"
-        assert list(stream_tokens(model, [3, 4, 5], SamplingConfig(**kw))) == plain
+        assert list(stream_tokens(model, prompt, SamplingConfig(**kw))) == plain
         assert acquire_decoder(model) is decoder and decoder.kernels == "triton"
         release_decoder(decoder)
         off = list(decode.stream_tokens(model, [3, 4, 5], SamplingConfig(**kw), decode_kernels=False))
@@ -120,13 +126,13 @@ def check_decoder(device: str) -> None:
         assert off == plain and decoder.kernels == "torch"
 
         model = _model("gpt_base", device)
-        plain = list(stream_tokens(model, [3, 4, 5], SamplingConfig(**kw, use_cache=False)))
+        plain = list(stream_tokens(model, prompt, SamplingConfig(**kw, use_cache=False)))
         right = decode_kernels.decode_step
         decode_kernels.decode_step = lambda *a: right(*a) + 1.0
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                cached = list(stream_tokens(model, [3, 4, 5], SamplingConfig(**kw)))
+                cached = list(stream_tokens(model, prompt, SamplingConfig(**kw)))
         finally:
             decode_kernels.decode_step = right
         decoder = acquire_decoder(model)
@@ -140,7 +146,7 @@ def _run(check: str, *args: str) -> None:
     if CUDA:
         globals()[check](*args, "cuda")
         return
-    run_in_triton_interpreter(Path(__file__), check, *args)
+    run_in_triton_interpreter(Path(__file__), check, *args, bool_scalar_masks=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -184,5 +190,9 @@ def test_fused_decode_step_replays_in_a_cuda_graph():
             assert (logits - expect).abs().max().item() < 1e-4, t
 
 
-if __name__ == "__main__":  # the interpreter subprocess: python test_decode_kernels.py CHECK ARGS...
-    globals()[sys.argv[1]](*sys.argv[2:], "cpu")
+# What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
+INTERPRETER_CHECKS = [*(("check_equal_to_reference", name) for name in CASES), ("check_supports",),
+                      ("check_decoder",)]
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_decode_kernels.py RESULTS.json
+    run_interpreter_checks(globals(), sys.argv[1])

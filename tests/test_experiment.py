@@ -420,11 +420,13 @@ def test_notebook_parameters_of_the_wrong_type_are_named(name, values, message):
 
 @pytest.mark.parametrize("name", ["01_theory", "02_model", "03_training", "04_analysis", "05_sweep"])
 def test_a_notebooks_defaults_and_values_of_their_types_pass(name):
-    check_notebook_parameters(name, notebook_defaults(name))
+    defaults = notebook_defaults(name)
+    check_notebook_parameters(name, defaults)
     given = {"03_training": {"run_dir": "/tmp/run", "overrides": ["train.steps=20"], "nproc": 2},
              "04_analysis": {"fig_dir": "figs", "which": "best"},
              "05_sweep": {"seeds": [0, 1], "variants": ["gpt_base"], "runner": "notebook", "figure_path": "f.png"},
              "01_theory": {"d": 64}, "02_model": {"all_variants": False}}[name]
+    assert all(defaults[key] != value for key, value in given.items())  # other values than the defaults
     check_notebook_parameters(name, given)
 
 

@@ -228,7 +228,7 @@ def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
     """A decoding step's logits come from a transposed copy of the output weight: equal to the
     plain product, and remade when the weight changes in place (as an optimiser step does)."""
     torch.manual_seed(0)
-    model = build_model("tiny", "gpt_base", tie_embeddings=tie).eval()
+    model = build_model("tiny", "gpt_base", tie_embeddings=tie, vocab_size=100).eval()  # 128 rows
     copies = CPUCopies(model)
     h = torch.randn(1, 1, model.cfg.d_model)
     vocab, weight = model.cfg.vocab_size, model.output_weight
@@ -244,6 +244,12 @@ def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
         assert not copies.applies(h3)
         assert torch.allclose(decode._logits(model, h3, copies), torch.nn.functional.linear(h3, weight)[..., :vocab])
     assert not copies.applies(h)  # with gradients: the plain product, differentiable
+    grad_h = h.clone().requires_grad_()
+    decode._logits(model, grad_h, copies).sum().backward()
+    # d(sum of logits)/dW: h in every row that is a logit, 0 in the padding; d/dh: those rows' sum.
+    assert torch.allclose(weight.grad[:vocab], h.view(1, -1).expand(vocab, -1))
+    assert not weight.grad[vocab:].any()
+    assert torch.allclose(grad_h.grad, weight[:vocab].sum(0).view_as(h), atol=1e-6)
 
 
 @pytest.mark.parametrize("variant,bias", [("gpt_base", True), ("oelm_freeze", False)])

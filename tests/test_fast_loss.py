@@ -445,11 +445,14 @@ def check_logits_gemm_finish_tiers(device: str) -> None:
     assert float(got[3].abs().max()) == 0.0 and float(loss[3]) == 0.0 and float(scale[3]) == 0.0
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("check", ["check_loss_kernel", "check_loss_kernel_offsets", "check_scale_rows",
                                    "check_logits_gemm", "check_logits_gemm_finish_tiers"])
 def test_the_triton_kernels_of_the_loss(check):
     """Each check on a GPU here (the fused logits GEMM's where it runs: Hopper); without one, on the
-    CPU through Triton's interpreter (skipped without Triton)."""
+    CPU through Triton's interpreter (skipped without Triton, or with one whose interpreter cannot
+    run them: conftest.triton_interpreter_unusable)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         if "logits_gemm" in check:
@@ -493,5 +496,10 @@ def test_the_fused_logits_gemm_agrees_with_the_loss_kernel():
         assert float((a - b).norm() / b.norm()) < 1e-2
 
 
-if __name__ == "__main__":  # the interpreter subprocess: python test_fast_loss.py CHECK
-    globals()[sys.argv[1]]("cpu")
+# What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
+INTERPRETER_CHECKS = [("check_loss_kernel",), ("check_loss_kernel_offsets",), ("check_scale_rows",),
+                      ("check_logits_gemm",), ("check_logits_gemm_finish_tiers",)]
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_fast_loss.py RESULTS.json
+    from conftest import run_interpreter_checks
+    run_interpreter_checks(globals(), sys.argv[1])

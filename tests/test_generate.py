@@ -1,6 +1,7 @@
 """The reference generation (oelm_core.generate): the KV cache changes speed, not results;
 seeds, filters, limits and streaming. The fast decoder against it: tests/test_fast_decode.py."""
 
+import functools
 import itertools
 import math
 import os
@@ -289,6 +290,75 @@ def test_a_model_in_training_mode_generates_through_the_reference(path):
     assert list(stream_tokens(model, [3], SamplingConfig(**kw, **PATHS[path]))) == expect
     model = build_model("tiny", "gpt_base", seed=9, dropout=0.5).train()
     assert list(stream_tokens(model, [3], SamplingConfig(**kw, **PATHS[path]))) != expect
+
+
+# --------------------------------------------------------------------------------------------
+# Past the context: the sliding window, seen by a model whose next token depends on it
+# --------------------------------------------------------------------------------------------
+
+WINDOW_VOCAB = 16  # the ids the window models are trained on and generate
+WINDOW_VARIANTS = ["gpt_base", "oelm_freeze", "synth_random", "synth_factorized", "oelm_poet"]
+
+
+@functools.lru_cache(maxsize=None)
+def _window_model(variant: str):
+    """A tiny model trained (120 AdamW steps, about half a second) to continue x[p] with
+    x[p] + (p odd) mod 16, p being x[p]'s position in the window: its greedy text depends on
+    where the window starts. (An untrained model's greedy text repeats one token whatever the
+    window; a learned pattern of the tokens alone, with no position in it, would continue the
+    same way from any window that holds the pattern.) Learned to 100% on random windows, each
+    argmax ahead of the runner-up by 5 logits."""
+    model = build_model("tiny", variant, seed=0)
+    block = model.cfg.block_size
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    odd = torch.arange(block) % 2
+    for _ in range(120):
+        x = torch.randint(0, WINDOW_VOCAB, (32, block), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model(x, (x + odd) % WINDOW_VOCAB).backward()
+        opt.step()
+    model.eval()
+    x = torch.randint(0, WINDOW_VOCAB, (64, block), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(model(x).argmax(-1), (x + odd) % WINDOW_VOCAB), f"{variant} did not learn the rule"
+    return model
+
+
+def _greedy_with_window(model, prompt: list[int], n: int, keep: int) -> list[int]:
+    """n greedy tokens, each from the full forward over the window: the ids since ``start``, and
+    once they would pass block_size, the most recent ``keep`` of them (stream_tokens' policy:
+    keep = block_size // 2)."""
+    block, ids, start = model.cfg.block_size, list(prompt), 0
+    with torch.no_grad():
+        for _ in range(n):
+            if len(ids) - start > block:
+                start = len(ids) - keep
+            ids.append(int(model(torch.tensor([ids[start:]]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("variant", WINDOW_VARIANTS)
+def test_greedy_text_past_the_context_follows_the_window(variant, one_thread):
+    """Three contexts' worth of greedy tokens on every path (the fast decoder's fixed-shape steps,
+    the reference cached loop, each with prefills at every restart, and the uncached reference)
+    equal the full forward over the windows the policy gives;
+    a window one token shorter or longer gives another text, so a path whose window is off by
+    one fails here."""
+    model = _window_model(variant)
+    block = model.cfg.block_size
+    n = 3 * block
+    kw = dict(max_new_tokens=n, temperature=0.0, stop_at_eot=False)
+    for prompt in ([5], [7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3]):
+        expected = _greedy_with_window(model, prompt, n, keep=block // 2)
+        for keep in (block // 2 - 1, block // 2 + 1):
+            other = _greedy_with_window(model, prompt, n, keep=keep)
+            assert other != expected and other[:block - len(prompt) + 1] == expected[:block - len(prompt) + 1]
+        for path, switches in PATHS.items():
+            tokens = list(stream_tokens(model, prompt, SamplingConfig(**kw, **switches)))
+            wrong = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+            assert tokens == expected, (f"{path} path, prompt {prompt}: token {wrong} is {tokens[wrong]}, "
+                                        f"the window's forward gives {expected[wrong]}")
 
 
 def test_the_reference_imports_no_fast_path():

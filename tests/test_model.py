@@ -224,6 +224,31 @@ def test_flop_account_shows_the_small_saving_of_freezing():
     assert mem["frozen_saving"] == 12 * count_parameters(build_model("tiny", "oelm_freeze"))["frozen"]
 
 
+@pytest.mark.parametrize("frozen, overrides", [("all", {}), ([1], {}), ("all", {"tie_embeddings": False})])
+def test_freezing_removes_exactly_the_frozen_weight_gradients_from_the_backward(frozen, overrides):
+    """The backward's FLOPs, counted by torch, of GPT-Base minus OELM-Freeze's (same shape, one
+    batch) are the frozen W_q, W_k weight gradients that the accounting says freezing saves. A
+    frozen weight computed in one matmul with a trained one (torch.cat of the Q/K buffer and W_v)
+    gets its gradient computed anyway: that costs the saving and fails here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    measured, account = {}, {}
+    for variant in ("gpt_base", "oelm_freeze"):
+        model = build_model("tiny", variant, **overrides, **({} if variant == "gpt_base" else {"freeze_qk": frozen}))
+        loss = model(idx, idx.roll(-1, 1))
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        measured[variant] = counter.get_total_flops()
+        account[variant] = flops_per_token(model.cfg)
+    tokens = idx.numel()
+    saving = account["oelm_freeze"]["frozen_saving"]["flops"]
+    frozen_layers = len(model.cfg.frozen_layers())
+    assert saving == frozen_layers * 2 * (2 * 32 * 32) > 0  # W_q and W_k: 2 FLOPs a weight a token
+    assert account["gpt_base"]["total_backward"] - account["oelm_freeze"]["total_backward"] == saving
+    assert measured["gpt_base"] - measured["oelm_freeze"] == tokens * saving, measured
+
+
 def test_presets_have_the_roadmap_shapes():
     for preset, shape in {"small": (6, 512, 8, 2048), "base": (12, 768, 12, 3072),
                           "large": (24, 1024, 16, 4096), "medium512": (6, 512, 8, 2048)}.items():

@@ -1,7 +1,6 @@
 """POET-style learnable orthogonal Q/K: W = R W0 P keeps W0's singular values while it trains."""
 
 import io
-import math
 
 import pytest
 import torch
@@ -212,4 +211,4 @@ def test_block_sizes_that_divide_every_preset():
     from oelm_core import PRESETS
     for name, shape in PRESETS.items():
         cfg = model_config(name, "oelm_poet")
-        assert shape["d_model"] % cfg.poet_block_size == 0 and math.isfinite(cfg.poet_neumann_terms)
+        assert shape["d_model"] % cfg.poet_block_size == 0, name

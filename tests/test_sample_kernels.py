@@ -1,9 +1,10 @@
 """The Triton sampler (oelm_core.fast.sample_kernels) draws the tokens of ``generate.sample_from_noise``,
 and the fast decoder's ``sample`` picks it where it applies.
 
-On a GPU the checks run in this process; without one, with Triton installed, under Triton's CPU
-interpreter in a subprocess (as tests/test_decode_kernels.py); without Triton (CI) the file is
-skipped.
+On a GPU the checks run in this process; without one, under Triton's CPU interpreter in a
+subprocess (as tests/test_decode_kernels.py; `make test` installs a Triton for it beside a CPU
+torch). Skipped without Triton, and with a Triton whose interpreter cannot run these kernels
+(conftest.triton_interpreter_unusable).
 """
 
 import sys
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+# CUDA's kernels here; on the CPU the interpreter runs them
+pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
 
-from conftest import run_in_triton_interpreter  # noqa: E402
+from conftest import run_in_triton_interpreter, run_interpreter_checks  # noqa: E402
 from oelm_core.fast import sample_kernels  # noqa: E402
 from oelm_core.fast.decode import sample  # noqa: E402
 from oelm_core.generate import SamplingConfig, gumbel_noise, sample_from_noise, seed_tensor  # noqa: E402
@@ -73,11 +76,18 @@ def check_ties_at_the_cut_are_kept(device: str) -> None:
     tied_at_the_p_cut[0, :4] = 5.0  # p 0.25 each: top_p 0.3 is reached inside the tie
     cases = [(logits, SamplingConfig(temperature=1.0, top_k=k)) for k in (2, 3, 5, 100)]
     cases.append((tied_at_the_p_cut, SamplingConfig(temperature=1.0, top_k=8, top_p=0.3)))
+    # Fewer draws under the CPU interpreter (slow); enough that torch draws every tied token of
+    # the cuts at 2 and 3 and at top-p, so that a kernel dropping one would differ on some draw.
+    steps = 40 if device == "cuda" else 12
     for row, cfg in cases:
-        for step in range(40):
+        drawn = set()
+        for step in range(steps):
             seed_t, step_t = seed_tensor(11, device), torch.tensor([step], device=device)
             expect = sample_from_noise(row, cfg, gumbel_noise(seed_t, step_t, 1, row.size(-1))[0])
             assert torch.equal(sample(row, cfg, seed_t, step_t), expect), (cfg, step)
+            drawn.add(int(expect))
+        if cfg.top_k in (2, 3, 8):
+            assert drawn == set(range(3 if cfg.top_k < 8 else 4)), (cfg, drawn)
 
 
 def check_supports(device: str) -> None:
@@ -97,7 +107,7 @@ def _run(check: str) -> None:
     if CUDA:
         globals()[check]("cuda")
         return
-    run_in_triton_interpreter(Path(__file__), check)
+    run_in_triton_interpreter(Path(__file__), check, bool_scalar_masks=True)
 
 
 def test_fused_draws_equal_the_torch_draws():
@@ -116,5 +126,9 @@ def test_supports_plain_temperature_and_top_k_only():
     _run("check_supports")
 
 
-if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py CHECK
-    globals()[sys.argv[1]]("cpu")
+# What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
+INTERPRETER_CHECKS = [("check_draws_equal_torch",), ("check_greedy_is_argmax",),
+                      ("check_ties_at_the_cut_are_kept",), ("check_supports",)]
+
+if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py RESULTS.json
+    run_interpreter_checks(globals(), sys.argv[1])

@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import yaml
 
 from conftest import STORIES
-from oelm_core.accounting import count_parameters
+from oelm_core.accounting import count_parameters, flops_per_token
 from oelm_core.checkpoint import load_checkpoint, model_from_state, save_checkpoint
 from oelm_core.config import ConfigError, DataConfig, TrainConfig, run_config_from_dict
 from oelm_core.data import eval_batches, prepare
@@ -40,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _no_data_override(monkeypatch):
     monkeypatch.delenv("OELM_DATA", raising=False)  # the tests name their own corpora
+    monkeypatch.delenv("OELM_PEAK_FLOPS", raising=False)  # no MFU unless a test gives a peak
 
 
 FOLDED_VOCAB = 256
@@ -195,17 +197,43 @@ def test_frozen_qk_stay_fixed(tmp_path, folded):
     assert summary["params"]["frozen"] == 2 * 2 * 64 * 64
 
 
+PEAK = 1e9  # FLOP/s per device, given to the trainer through OELM_PEAK_FLOPS (the CPU has no table entry)
+
+
+def assert_mfu(values: dict, world_size: int, unfreeze_at: int) -> None:
+    """Every logged MFU is flops_per_token * tokens_per_s / (PEAK * world_size) from the row's
+    own tokens/s (global: all ranks' tokens), with the accounting's FLOPs of the model as it was
+    then (Q/K frozen until the step ``unfreeze_at``), and the summary's is their median."""
+    import statistics
+
+    cfg = run_config_from_dict(values).model_config()
+    fpt = {True: flops_per_token(cfg)["total"],
+           False: flops_per_token(dataclasses.replace(cfg, freeze_qk="none"))["total"]}
+    assert fpt[True] < fpt[False]
+    rows = metric_rows(values["out_dir"])
+    for step, row in rows.items():
+        expected = fpt[step <= unfreeze_at] * row["tokens_per_s"] / (PEAK * world_size)
+        assert row["mfu"] == pytest.approx(expected, rel=1e-12), (world_size, step, row)
+    summary = json.loads((Path(values["out_dir"]) / "summary.json").read_text())
+    assert summary["world_size"] == world_size
+    assert summary["mfu"] == pytest.approx(statistics.median(r["mfu"] for r in rows.values()), rel=1e-12)
+
+
 @pytest.mark.parametrize("accum, batch", [(1, 4), (2, 2)])
-def test_ddp_matches_single_process(tmp_path, folded, accum, batch):
+def test_ddp_matches_single_process(tmp_path, folded, accum, batch, monkeypatch):
     """2 gloo ranks x grad_accum A == 1 process x grad_accum 2A, through torchrun and the CLI; an
     unfreeze mid-run checks that DDP is re-wrapped around the new parameters. 128 tokens per
-    rank and step: TiedGradReducer sends the embedding's rows (2 x 128 <= 256 rows)."""
+    rank and step: TiedGradReducer sends the embedding's rows (2 x 128 <= 256 rows). Both runs
+    are given a peak FLOP figure: their MFU is per device (``assert_mfu``)."""
     common = dict(steps=6, unfreeze_schedule={3: "all"}, eval_every=3, ckpt_every=3, batch_size=batch)
     single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
+    monkeypatch.setenv("OELM_PEAK_FLOPS", str(PEAK))
     run(single)
+    assert_mfu(single, world_size=1, unfreeze_at=3)
     ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, **common)
-    proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1")
+    proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1", OELM_PEAK_FLOPS=str(PEAK))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_mfu(ddp, world_size=2, unfreeze_at=3)
     # The tied weight goes through TiedGradReducer, before and after DDP is re-wrapped.
     assert proc.stderr.count("reduced in two shares (TiedGradReducer)") == 2, proc.stderr[-3000:]
     a, b = metric_rows(single["out_dir"]), metric_rows(ddp["out_dir"])
@@ -305,6 +333,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("exchange, one_rank_fails, batch, accum, compile, unfreeze", [
     ("ddp", False, 4, 1, False, {}),
@@ -517,7 +546,7 @@ def test_resuming_a_run_that_ended_changes_nothing(tmp_path, folded):
     out = Path(values["out_dir"])
     before = outputs(out)
     again = run(values, resume=True)
-    assert again == first and first["tokens_per_s"] is not None
+    assert again == first and first["tokens_per_s"] > 0
     assert outputs(out) == before
 
 
@@ -670,6 +699,7 @@ def test_compile_tuning_reaches_torch_compile_on_cuda_only(monkeypatch):
     assert step.compile
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_unfreezing_under_a_captured_step_matches_eager_steps(tmp_path, folded, caplog):
     """One GPU, float32: the captured step (two warm-up steps, captured at step 3, re-captured
@@ -732,6 +762,67 @@ def test_clip_inside_the_fused_optimizer_equals_clip_grad_norm(grad_clip):
         assert (a - b).abs().max() <= 1e-6 * (1 + b.abs().max()), name
     # The step leaves no stale divisor behind for a later use of its optimizer.
     assert not hasattr(opts[0], "grad_scale")
+
+
+# What weight decay applies to, by name (the rule of configure_optimizer's docstring, written
+# out rather than derived from the tensors' shapes as the optimiser does): the matrices of the
+# mapping, embeddings, trainable Q/K and their POET generators, the Synthesizer's logit tables.
+DECAYED = (r"wte\.weight", r"wpe\.weight", r"lm_head\.weight", r"blocks\.\d+\.attn\.(qk|v|proj)\.weight",
+           r"blocks\.\d+\.mlp\.(fc|proj)\.weight", r"blocks\.\d+\.attn\.qk\.skew_[qk]_(left|right)",
+           r"blocks\.\d+\.attn\.synth_[01]")
+# Never decayed: biases and LayerNorm gains and shifts.
+UNDECAYED = (r"blocks\.\d+\.ln_[12]\.(weight|bias)", r"ln_f\.(weight|bias)",
+             r"blocks\.\d+\.(attn\.(v|proj)|mlp\.(fc|proj))\.bias")
+
+
+@pytest.mark.parametrize("variant, overrides", [
+    ("gpt_base", {}), ("gpt_base", {"tie_embeddings": False, "attn_bias": True}),
+    ("oelm_freeze", {}), ("oelm_freeze", {"tie_embeddings": False}), ("oelm_freeze", {"freeze_qk": [1]}),
+    ("oelm_poet", {}), ("synth_random", {}), ("synth_factorized", {})])
+def test_weight_decay_groups_by_parameter_name(variant, overrides):
+    model = build_model("tiny", variant, **overrides)
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = configure_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    decayed = [names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]]
+    undecayed = [names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert sorted(decayed + undecayed) == sorted(names.values())  # each parameter once, tied ones too
+    assert sorted(decayed) == sorted(n for n in names.values() if any(re.fullmatch(r, n) for r in DECAYED))
+    assert sorted(undecayed) == sorted(n for n in names.values() if any(re.fullmatch(r, n) for r in UNDECAYED))
+    # Frozen tensors are buffers, out of the optimiser: Q/K of frozen layers, POET's W0.
+    frozen = {f"blocks.{i}.attn.qk.weight" for i in model.cfg.frozen_layers()}
+    assert frozen <= {n for n, _ in model.named_buffers()} and not frozen & set(decayed + undecayed)
+    expected_untied = {"lm_head.weight"} if overrides.get("tie_embeddings") is False else set()
+    assert {"wte.weight", "wpe.weight"} | expected_untied <= set(decayed)
+    assert "ln_f.bias" in undecayed and ("blocks.0.attn.v.bias" in undecayed) == bool(overrides.get("attn_bias"))
+
+
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_poet", "synth_factorized"])
+def test_a_step_decays_the_matrices_and_leaves_biases_and_layernorms_alone(variant):
+    """One optimiser step with zero gradients moves a tensor by its weight decay alone: decayed
+    ones become exactly (1 - lr wd) times themselves, biases and LayerNorm parameters (set away
+    from their 0 and 1 first, where a decay could not move them) stay bit for bit."""
+    model = build_model("tiny", variant, tie_embeddings=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(0.5, 1.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tc = TrainConfig(lr=0.05, weight_decay=0.2)
+    opt = configure_optimizer(model, tc, torch.device("cpu"))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    shrink = 1 - tc.lr * tc.weight_decay  # 0.99
+    moved, kept = [], []
+    for n, p in model.named_parameters():
+        if torch.equal(p, before[n]):
+            kept.append(n)
+        else:
+            torch.testing.assert_close(p.detach(), before[n] * shrink, rtol=1e-6, atol=0, msg=n)
+            moved.append(n)
+    assert sorted(kept) == sorted(n for n in before if any(re.fullmatch(r, n) for r in UNDECAYED))
+    assert sorted(moved) == sorted(n for n in before if any(re.fullmatch(r, n) for r in DECAYED))
+    assert "ln_f.weight" in kept and "blocks.0.mlp.fc.bias" in kept and "lm_head.weight" in moved
 
 
 def test_clear_errors(tmp_path, folded, capsys):
