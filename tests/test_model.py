@@ -248,33 +248,6 @@ def test_chunked_loss_equals_full_logits_loss():
         assert torch.allclose(p1.grad, p2.grad, atol=1e-6), name
 
 
-def test_split_tied_gradient_hands_over_the_output_share():
-    """The hook gets the output layer's share of the tied weight's gradient; wte.grad keeps the
-    embedding's, zero outside the batch's tokens; together exactly the plain gradient."""
-    torch.manual_seed(0)
-    model = build_model("tiny", "gpt_base", loss_chunk_tokens=40)  # 3 x 32 tokens: 3 slices
-    idx, tgt = torch.randint(0, 100, (3, 32)), torch.randint(0, 128, (3, 32))
-    model(idx, tgt).backward()
-    plain = model.wte.weight.grad.clone()
-    model.zero_grad(set_to_none=True)
-    shares = []
-    assert model.split_tied_gradient(shares.append) is model.wte.weight
-    (0.5 * model(idx, tgt)).backward()  # the hook's share is scaled like any gradient
-    (out,), emb = shares, model.wte.weight.grad
-    assert out.dtype == torch.float32 and out.shape == plain.shape
-    assert (out + emb - 0.5 * plain).abs().max().item() < 1e-7
-    unused = torch.ones(emb.size(0), dtype=torch.bool)
-    unused[idx.flatten()] = False
-    assert emb[unused].abs().max().item() == 0.0 and emb[~unused].abs().min().item() > 0
-    assert out[unused].abs().max().item() > 0  # the output layer touches every row
-    model.split_tied_gradient(None)
-    model.zero_grad(set_to_none=True)
-    model(idx, tgt).backward()
-    assert torch.equal(model.wte.weight.grad, plain)
-    for kwargs in ({"tie_embeddings": False}, {"loss_impl": "full"}):  # nothing to split
-        assert build_model("tiny", "gpt_base", **kwargs).split_tied_gradient(shares.append) is None
-
-
 def test_counts_see_through_the_compile_and_ddp_wrappers(tmp_path):
     """The trainer counts ``torch.compile(model)`` or its DDP wrapper: the ``_orig_mod.`` and
     ``module.`` prefixes hid every component (all "other") and the vocabulary padding."""
