@@ -160,8 +160,8 @@ def check_same_data(cfg: RunConfig, state: dict, path: Path, meta: dict) -> None
         f"these from step 0 with out_dir set to a new folder")
 
 
-def restore(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, samplers: list,
-            d: Dist, seed: int) -> None:
+def restore_state(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, samplers: list,
+                  d: Dist, seed: int) -> None:
     """Load the weights, the optimiser state and the samplers' places of ``state`` (the model
     must have the checkpoint's parameter set: unfreeze first), and this rank's random state: the
     saved one where the world size is the run's, else a seed of its own for the resumed step."""

@@ -43,7 +43,7 @@ from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.distributed import Dist, mean_across_ranks, on_rank_0, setup_distributed
 from oelm_core.model import build_model
-from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore, resume_point
+from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
 from oelm_core.run_folder import (append_metrics, check_folders, checkpoints, hold_run_folder, json_safe,
                                   read_summary, start_files, write_summary)
 from oelm_core.step import autocast_context, configure_optimizer, lr_at, make_step
@@ -100,7 +100,8 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls outside autocast
         self.frozen = self.model_cfg.frozen_layers()  # layers whose Q/K are still buffers
         # The seed makes the weights identical on every rank; the offset gives ranks own dropout.
-        self.model = fast.apply(build_model(self.model_cfg, seed=self.tc.seed).to(self.device), self.tc, self.device)
+        model = build_model(self.model_cfg, seed=self.tc.seed).to(self.device)
+        self.model = fast.apply(model, self.tc, self.device)  # the fast paths tc switches on
         torch.manual_seed(self.tc.seed + d.rank)
         self.optimizer = configure_optimizer(self.model, self.tc, self.device)
         self.step_fn = make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)
@@ -325,7 +326,7 @@ class Trainer:
         for at, layers in self.schedule.items():
             if at < self.step:
                 self.unfreeze(layers)
-        restore(state, self.model, self.optimizer, self.samplers, self.d, self.tc.seed)
+        restore_state(state, self.model, self.optimizer, self.samplers, self.d, self.tc.seed)
         m = state["metrics"]
         self.best_val_loss = m["best_val_loss"] if m.get("best_val_loss") is not None else float("inf")
         self.bad_evals = m.get("bad_evals", 0)
