@@ -66,13 +66,14 @@ NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 def _write_pid(fd: int) -> None:
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, f"{os.getpid()}\n".encode())
 
 
 @contextmanager
 def exclusive_lock(path: str | Path, on_wait: Optional[Callable[[], None]] = None) -> Iterator[bool]:
-    """Hold an exclusive lock on the file ``path`` (``filelock``: flock on Unix, msvcrt on
-    Windows; the file is created if missing and holds this process's pid while held) for the body
+    """Hold an exclusive lock on the file ``path`` (``filelock``: flock on Unix, LockFileEx on
+    Windows; the file is created if missing and holds the pid of its latest holder) for the body
     of the with-block.
 
     When another process holds it: with ``on_wait`` None raise LockHeld naming that process;
@@ -106,6 +107,7 @@ def exclusive_lock(path: str | Path, on_wait: Optional[Callable[[], None]] = Non
 
 
 def _holder(path: Path) -> str:
+    # Windows refuses to read a region another process has locked: the holder stays unknown there.
     try:
         return path.read_text().strip() or "unknown"
     except OSError:
