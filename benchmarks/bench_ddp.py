@@ -41,7 +41,7 @@ from common import at_least, card_name, commit, free_between_runs, median, now  
 
 from oelm_core import fast  # noqa: E402
 from oelm_core.config import ConfigError, TrainConfig, model_config  # noqa: E402
-from oelm_core.distributed import resolve_device  # noqa: E402
+from oelm_core.distributed import init_process_group, resolve_device  # noqa: E402
 from oelm_core.model import build_model  # noqa: E402
 from oelm_core.step import configure_optimizer, make_step  # noqa: E402
 
@@ -148,7 +148,7 @@ def main():
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as the trainer

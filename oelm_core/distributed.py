@@ -74,10 +74,23 @@ def setup_distributed(tc: TrainConfig) -> Dist:
     device = resolve_device(tc.device, local_rank)
     owns = False
     if world > 1 and not dist.is_initialized():
-        backend = tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        init_process_group(tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
+                           rank=rank, world_size=world)
         owns = True
     return Dist(rank, world, device, owns)
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """``dist.init_process_group``, torch._dynamo imported first.
+
+    DDP's constructor imports torch._dynamo. Imported once a process group exists, it keeps
+    references to the group (torch 2.13) that outlive destroy_process_group: gloo's threads then
+    run on into the interpreter's exit, and one that frees a finished collective there aborts the
+    process ("terminate called without an active exception"). Imported first, it holds none.
+    """
+    import torch._dynamo  # noqa: F401
+
+    dist.init_process_group(backend, **kwargs)
 
 
 def mean_across_ranks(t: torch.Tensor) -> torch.Tensor:
