@@ -166,7 +166,6 @@ class PeerGradExchange:
     def __init__(self, model: nn.Module, device: torch.device):
         self.device = device
         self._connect()
-        self.model = model
         self.tied = split_tied_gradient(model, None)
         if self.tied is None and getattr(getattr(model, "cfg", None), "tie_embeddings", False):
             # Not split (the reference loss): the embedding and the output layer would each send a part.
@@ -195,6 +194,7 @@ class PeerGradExchange:
         self._tap = ParameterTap(model, self.params, self._on_grad)
         if self.tied is not None:
             split_tied_gradient(model, self._on_output_grad)
+            self._loss = model.output_loss  # not the model: its loss's hook refers to this exchange
             self._hook = self.tied.register_post_accumulate_grad_hook(self._on_embedding_grad)
 
     def remove(self) -> None:
@@ -202,7 +202,7 @@ class PeerGradExchange:
         self._tap.remove()
         if self.tied is not None:
             self._hook.remove()
-            split_tied_gradient(self.model, None)
+            self._loss.grad_hook = None
 
     # The link to the peer: symmetric memory, a copy stream and a side stream. Small methods, so
     # that the arithmetic above them can be tested on the CPU with two exchanges in one process

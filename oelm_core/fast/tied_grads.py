@@ -72,7 +72,9 @@ class TiedGradReducer:
     gradients_by = "ddp"
 
     def __init__(self, model: nn.Module, weight: nn.Parameter):
-        self.model, self.weight, self.world = model, weight, dist.get_world_size()
+        # Not the model: a reference to it from its own loss's hook would keep it (and what it
+        # holds) alive past the trainer, until the garbage collector runs.
+        self.loss, self.weight, self.world = model.output_loss, weight, dist.get_world_size()
         # NCCL averages within the all-reduce; gloo has no AVG: sum, then scale.
         self.average = dist.get_backend() == "nccl"
         self.sync = True  # False on micro-steps that only accumulate (DDP's no_sync)
@@ -97,7 +99,7 @@ class TiedGradReducer:
     def remove(self) -> None:
         """Detach from the model (before another reducer or none takes over)."""
         self._hook.remove()
-        split_tied_gradient(self.model, None)
+        self.loss.grad_hook = None
 
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         op = dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM
