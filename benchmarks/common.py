@@ -14,6 +14,7 @@ import time
 import torch
 
 from oelm_core.config import TrainConfig
+from oelm_core.step import configure_optimizer
 
 
 def card_name(device=None) -> str:
@@ -55,10 +56,10 @@ def now() -> str:
 
 class PlainStep:
     """forward + backward + clip + AdamW for one (x, y) batch, written out plainly: the baseline
-    the trainer's step (``oelm_core.train.TrainStep``) is timed against, not that step. The
-    optimiser is the trainer's (``train.configure_optimizer``), but the gradients are clipped by
+    the trainer's step (``oelm_core.step.TrainStep``) is timed against, not that step. The
+    optimiser is the trainer's (``step.configure_optimizer``), but the gradients are clipped by
     ``clip_grad_norm_`` (a separate pass over them) where the trainer's fused AdamW divides them
-    inside its kernel. ``graph=True`` captures the step whole in a CUDA graph (inputs copied into
+    inside its kernel (train.fused_clip). ``graph=True`` captures the step whole in a CUDA graph (inputs copied into
     static buffers, the optimiser capturable with its learning rate a device tensor)."""
 
     def __init__(self, model, fwd, tc: TrainConfig, batch_shape, device, graph: bool = False,

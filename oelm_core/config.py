@@ -286,23 +286,23 @@ class TrainConfig:
     dtype: str = "auto"          # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
     compile: bool = False        # torch.compile the model (falls back to eager if it fails)
     # With compile on CUDA: inductor tunes the launch shapes of its Triton kernels (LayerNorm,
-    # casts, reductions) by coordinate descent: about a minute more compiling, 0.4 ms (2%) less a
-    # step at medium512, 64 x 512 on an H200 (benchmarks/RESULTS.md).
+    # casts, reductions) by coordinate descent: about a minute more compiling, for a faster step
+    # (benchmarks/README.md).
     compile_tuning: bool = True
     # Capture the whole step (forward, backward, clip, AdamW; under DDP with NCCL the gradient
     # all-reduce too) in one CUDA graph after 2 warm-up steps (11 under DDP) and replay it: small
-    # batches are launch-bound (benchmarks/RESULTS.md). Falls back to eager if capture fails.
+    # batches are launch-bound (oelm_core/fast/graph_step.py). Falls back to eager if capture fails.
     cuda_graph: bool = True
     backend: str = "auto"        # DDP backend: "auto" = nccl on CUDA, gloo on CPU
     # DDP's gradient buckets, MB: each is all-reduced as soon as its gradients are ready, and
     # torch.compile splits the model at the bucket boundaries so that they are ready early. At
-    # medium512 on 2 H200s, 50 beat PyTorch's 25 by 0.09 ms a step at 8 and 16 x 512 per GPU;
-    # 2-10 were slower (benchmarks/RESULTS.md, "DDP scaling").
+    # medium512 on 2 H200s 50 beat PyTorch's 25 at 8 and 16 x 512 per GPU, and 2-10 were slower
+    # (benchmarks/README.md).
     ddp_bucket_mb: float = 50.0
     # How two CUDA GPUs of one host exchange gradients. "auto": by NVLink copies straight into
-    # the other GPU's memory during the backward (oelm_core/peer_grads.py; 92% scaling at
-    # medium512, 8 x 512 per GPU, where DDP reached 87%: benchmarks/RESULTS.md), DDP wherever that cannot run (other
-    # world sizes, no peer access, CPU). "ddp": always DDP. "peer": the copies or an error.
+    # the other GPU's memory during the backward (oelm_core/fast/peer_grads.py; its scaling
+    # against DDP's: benchmarks/README.md), DDP wherever that cannot run (other world sizes, no
+    # peer access, CPU). "ddp": always DDP. "peer": the copies or an error.
     # Measured on NVLink only: where peer access goes over PCIe, time both before choosing.
     grad_exchange: str = "auto"
     # --- fast paths (oelm_core/fast): each applied to the plain model or step where it runs,
@@ -314,6 +314,13 @@ class TrainConfig:
     loss_chunk_tokens: int = 8192
     fused_logits: bool = True    # Hopper, bf16: the logits GEMM computes the loss's exp() itself
     cublaslt: bool = True        # CUDA: the body's GEMMs through cuBLASLt, GELU in fc's epilogue
+    # The gradient clip inside the fused AdamW (its grad_scale) instead of clip_grad_norm_'s pass
+    # over the gradients (oelm_core/fast/fused_clip.py).
+    fused_clip: bool = True
+    # DDP: the tied embedding/output weight's gradient reduced in two shares, the output layer's
+    # during the backward and the embedding's as the rows of the batch's tokens (needs fused_loss).
+    tied_grad_split: bool = True
+    cpu_heap: bool = True        # CPU: glibc keeps freed large blocks for the next step (mallopt)
     progress: bool = True        # tqdm bar on rank 0
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
     # follows `steps`, so a later --resume continues the same curve (time-boxed jobs, tests).
@@ -547,16 +554,17 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 # how long it goes on. Everything else shapes the curve (seed, batch, optimiser, schedule, data)
 # and must be the run's own, or the resumed run would continue a curve it is not part of. How
 # long it goes on shapes the curve too where the schedule reads train.steps (the cosine ends
-# there): oelm_core.train's Trainer._check_resumable refuses a change that moves the learning
+# there): oelm_core.resume.check_resumable refuses a change that moves the learning
 # rate of the steps to come. grad_accum may change only with the number of processes, so that
-# world size x grad_accum, the global batch, stays the run's own (_check_resumable refuses any
+# world size x grad_accum, the global batch, stays the run's own (check_resumable refuses any
 # other change): W ranks with accumulation A draw exactly what one process with W x A does. EXECUTION_KEYS
 # below reads this too.
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "compile_tuning", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
-              "loss_chunk_tokens", "fused_logits", "cublaslt"},
+              "loss_chunk_tokens", "fused_logits", "cublaslt", "fused_clip", "tied_grad_split",
+              "cpu_heap"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
 

@@ -502,16 +502,15 @@ def _bins_match(out: Path, meta: dict) -> bool:
                for s in SPLIT_NAMES)
 
 
-def _folder_lock(out: Path) -> ContextManager[bool | None]:
+def _folder_lock(out: Path) -> ContextManager[bool]:
     """A context manager holding an exclusive lock on out/.prepare.lock while preparing ``out``:
     a second process preparing the same folder waits on entering it. Entering it gives whether
-    the lock is held (``exclusive_lock``'s answer: False or None where the file system or the
-    platform has no locks)."""
+    the lock is held (``exclusive_lock``'s answer: False where the file system has no locks)."""
     return exclusive_lock(out / ".prepare.lock",
                           on_wait=lambda: log.info("waiting for another process that is preparing %s", out))
 
 
-def _remove_stale_temp_files(out: Path, locked: bool | None, started: float) -> None:
+def _remove_stale_temp_files(out: Path, locked: bool, started: float) -> None:
     """Remove what killed writes of prepare's outputs left in ``out`` (atomic_write's temporary
     ``.train.bin.*.tmp`` and the like). Under the lock no other process is writing there. Without
     it only files untouched since this call started (``started``, time.time()) go: a live write

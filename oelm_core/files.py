@@ -8,16 +8,14 @@ A folder that one process writes at a time is held through ``exclusive_lock`` on
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, IO, Iterator, Optional
 
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks (exclusive_lock holds none there)
-    fcntl = None
+import filelock
 
 
 def atomic_write(path: str | Path, write: Callable[[IO], None], mode: str = "wb") -> Path:
@@ -62,40 +60,55 @@ class LockHeld(RuntimeError):
         self.holder = holder
 
 
+# flock's answers on a file system (or platform) without locks: some network mounts, FUSE.
+NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _write_pid(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, f"{os.getpid()}\n".encode())
+
+
 @contextmanager
-def exclusive_lock(path: str | Path, on_wait: Optional[Callable[[], None]] = None) -> Iterator[Optional[bool]]:
-    """Hold an exclusive advisory lock on the file ``path`` (created if missing; it then holds
-    this process's pid) for the body of the with-block.
+def exclusive_lock(path: str | Path, on_wait: Optional[Callable[[], None]] = None) -> Iterator[bool]:
+    """Hold an exclusive lock on the file ``path`` (``filelock``: flock on Unix, LockFileEx on
+    Windows; the file is created if missing and holds the pid of its latest holder) for the body
+    of the with-block.
 
     When another process holds it: with ``on_wait`` None raise LockHeld naming that process;
     else call ``on_wait()`` (to say why nothing happens) and wait until it lets go. Yields True
-    when held, False where the file system has no locks (some network mounts), None where the
-    platform has none (Windows: no file is created there). OSError where ``path`` cannot be
-    opened for writing. The kernel drops the lock of a process that dies: nothing to clean up.
+    when held, False where the file system has no locks (some network mounts: nothing is held
+    and no pid is written). OSError where ``path`` cannot be opened for writing. The kernel drops
+    the lock of a process that dies: nothing to clean up.
     """
-    if fcntl is None:
-        yield None
-        return
-    with open(path, "a+") as f:
-        locked = True
+    path = Path(path)
+    # The pid is written through the locked descriptor, once held: filelock opens the file
+    # without truncating it, so a contender still reads the holder's pid.
+    lock = filelock.FileLock(path, on_acquired=_write_pid)
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            lock.acquire(blocking=False)
+        except filelock.Timeout:
             if on_wait is None:
-                f.seek(0)
-                raise LockHeld(Path(path), f.read().strip() or "unknown") from None
+                raise LockHeld(path, _holder(path)) from None
             on_wait()
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks
-            locked = False
+            lock.acquire()
+        locked = True
+    except OSError as exc:
+        if exc.errno not in NO_LOCKS:
+            raise
+        locked = False
+    try:
+        yield locked
+    finally:
         if locked:
-            f.truncate(0)  # "a+" writes at the end, which is now the start
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-        try:
-            yield locked
-        finally:
-            if locked:
-                # Unlocked explicitly: a child process forked meanwhile shares the lock and would
-                # hold it past close() for as long as it lives.
-                fcntl.flock(f, fcntl.LOCK_UN)
+            lock.release()
+
+
+def _holder(path: Path) -> str:
+    # Windows refuses to read a region another process has locked: the holder stays unknown there.
+    try:
+        return path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"

@@ -41,7 +41,7 @@ the truncation error never accumulates; the weight jumps by only the truncation 
 O(||Q||^{n+1}) at a merge.
 
 Optimizer state at a merge: the skew parameters are zeroed in place and returned by
-``after_optimizer_step``; the trainer then zeroes their AdamW moments (``oelm_core.train.
+``after_optimizer_step``; the trainer then zeroes their AdamW moments (``oelm_core.step.
 restart_optimizer_state``), which referred to the previous interval's coordinates that the new
 permutations re-assign. A trainer that ignores the returned list still trains correctly; the
 stale momentum decays with beta1 within ~10-20 steps.

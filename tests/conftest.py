@@ -168,3 +168,38 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# The training tests fold the prepared tokens into a small vocabulary (id % FOLDED_VOCAB) except
+# where the real GPT-2 vocabulary matters: the CPU time goes to the trainer, not to a 50,257-way
+# output layer.
+FOLDED_VOCAB = 256
+
+
+@pytest.fixture
+def folded(tmp_path: Path, story_folder: Path) -> Path:
+    """story_folder prepared into tmp_path/data, its token ids folded to FOLDED_VOCAB. The token
+    files keep their sizes and meta.json its content hash, so `prepare` in train() keeps them;
+    its vocabulary becomes FOLDED_VOCAB, which the trainer checks the model against."""
+    import json
+
+    import numpy as np
+
+    from oelm_core.config import DataConfig
+    from oelm_core.data import prepare
+
+    data = DataConfig(source=str(story_folder), out_dir=str(tmp_path / "data"), num_proc=1)
+    meta = prepare(data, progress=False)
+    for split in ("train", "val"):
+        path = tmp_path / "data" / f"{split}.bin"
+        (np.fromfile(path, dtype=np.uint16) % FOLDED_VOCAB).astype(np.uint16).tofile(path)
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({**meta, "vocab_size": FOLDED_VOCAB}))
+    return story_folder
+
+
+@pytest.fixture
+def no_data_override(monkeypatch):
+    """No OELM_DATA from the environment: the training tests name their own corpora; no
+    OELM_PEAK_FLOPS: no MFU unless a test gives a peak."""
+    monkeypatch.delenv("OELM_DATA", raising=False)
+    monkeypatch.delenv("OELM_PEAK_FLOPS", raising=False)

@@ -497,12 +497,12 @@ def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):
 
 @pytest.mark.parametrize("gpus", [0, 2])
 def test_the_demo_checks_a_device_as_the_trainer_does(monkeypatch, gpus):
-    """pick_device had its own copy of train.resolve_device's checks, worded apart: both now run
-    config.check_device, whose message names the demo's --device instead of train.device."""
+    """pick_device had its own copy of the trainer's resolve_device checks, worded apart: both now
+    run config.check_device, whose message names the demo's --device instead of train.device."""
     import torch
     from app.demo import SetupError, pick_device
     from oelm_core.config import ConfigError
-    from oelm_core.train import resolve_device
+    from oelm_core.distributed import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
@@ -521,8 +521,8 @@ def test_the_demo_does_not_import_the_trainer():
     """The device check lived in oelm_core.train, so the demo imported the whole trainer (its
     gradient exchange, torch.distributed) for one function; it is config.check_device now."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = ("import sys, app.demo; "
-            "print(sorted(m for m in ('oelm_core.train', 'oelm_core.peer_grads') if m in sys.modules))")
+    trainer = ("oelm_core.train", "oelm_core.step", "oelm_core.distributed", "oelm_core.fast.peer_grads")
+    code = f"import sys, app.demo; print(sorted(m for m in {trainer!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from oelm_core import files
 from oelm_core.files import LockHeld, atomic_write, exclusive_lock, temporary_files, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +69,8 @@ def test_temporary_files_are_those_of_writes_killed_mid_way(tmp_path):
 
 
 # Two holders in one process: flock locks belong to an open file description, and each
-# exclusive_lock opens its own, so the second contends with the first as another process would.
+# exclusive_lock (a filelock.FileLock of its own) opens its own, so the second contends with the
+# first as another process would.
 
 def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
     pytest.importorskip("fcntl")
@@ -115,19 +115,14 @@ def test_a_waiting_holder_says_so_and_enters_when_the_first_leaves(tmp_path):
     assert events == ["waiting", ("entered", True)]
 
 
-def test_without_fcntl_nothing_is_locked_and_no_file_is_made(tmp_path, monkeypatch):
-    monkeypatch.setattr(files, "fcntl", None)
-    with exclusive_lock(tmp_path / ".lock") as locked:
-        assert locked is None
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_on_a_file_system_without_locks_nothing_is_held_and_no_pid_is_written(tmp_path, monkeypatch):
-    """Some network mounts have no locks: flock fails with ENOLCK there."""
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_on_a_file_system_without_locks_nothing_is_held_and_no_pid_is_written(tmp_path, monkeypatch, code):
+    """Some network mounts have no locks: flock fails with ENOLCK there; where flock is not
+    implemented at all (ENOSYS, some FUSE file systems: EOPNOTSUPP) it is the same."""
     fcntl = pytest.importorskip("fcntl")
 
     def refuses(f, operation):
-        raise OSError(errno.ENOLCK, "No locks available")
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(fcntl, "flock", refuses)
     path = tmp_path / ".lock"
@@ -136,3 +131,10 @@ def test_on_a_file_system_without_locks_nothing_is_held_and_no_pid_is_written(tm
         with exclusive_lock(path) as second:  # nothing stops a second holder
             assert second is False
     assert path.read_text() == ""
+
+
+def test_a_lock_file_that_cannot_be_made_is_an_os_error(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(OSError):
+        with exclusive_lock(tmp_path / "file" / ".lock"):
+            pytest.fail("entered a lock that has no file")

@@ -1,20 +1,25 @@
-"""oelm_core.peer_grads on the CPU: the parameter tap that starts each gradient's copy from inside
-the (compiled) backward; the exchange's arithmetic with two exchanges in one process (what the
-GPUs add, streams and symmetric memory, left out); the trainer's handling of gradients that hold
-a sum over ranks. The copies between two GPUs themselves: tests/test_train.py's two-GPU test."""
+"""oelm_core.fast.peer_grads on the CPU: the parameter tap that starts each gradient's copy from
+inside the (compiled) backward; the exchange's arithmetic with two exchanges in one process (what
+the GPUs add, streams and symmetric memory, left out). The step's handling of gradients that hold
+a sum over ranks: tests/test_step.py; the copies between two GPUs themselves:
+tests/test_distributed.py's two-GPU test."""
 
 import copy
 import threading
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from oelm_core import VARIANTS, build_model
+from oelm_core import VARIANTS, build_model, fast
 from oelm_core.config import ConfigError, RunConfig, TrainConfig
-from oelm_core.peer_grads import ParameterTap, PeerGradExchange
-from oelm_core.train import TrainStep, configure_optimizer
+from oelm_core.fast.peer_grads import ParameterTap, PeerGradExchange
+
+
+def fused(model):
+    """``model`` with the fused loss, which splits the tied weight's gradient (train.fused_loss),
+    as the trainer builds it."""
+    return fast.apply(model, TrainConfig(), torch.device("cpu"))
 
 
 def body(model):
@@ -44,7 +49,7 @@ class Recorder:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tap_hands_over_each_gradient_once_and_leaves_the_model_as_it_was(variant):
-    model = build_model("tiny", variant, seed=0)
+    model = fused(build_model("tiny", variant, seed=0))
     x, y = batch(model)
     keys, classes = list(model.state_dict()), [type(m) for m in model.modules()]
     reference = model(x, y)
@@ -71,7 +76,7 @@ def test_tap_hands_over_each_gradient_once_and_leaves_the_model_as_it_was(varian
 def test_under_compile_every_gradient_is_sent_before_any_reaches_grad():
     """The sends sit in the compiled backward graph, each right after its gradient's kernel: all
     of them have run when the compiled backward returns and autograd starts filling .grad."""
-    model = build_model("tiny", "oelm_freeze", seed=0)
+    model = fused(build_model("tiny", "oelm_freeze", seed=0))
     x, y = batch(model)
     params = body(model)
     model(x, y).backward()
@@ -94,7 +99,7 @@ def test_under_compile_every_gradient_is_sent_before_any_reaches_grad():
 
 
 def test_tap_refuses_a_parameter_the_model_does_not_hold():
-    model = build_model("tiny", "gpt_base", seed=0)
+    model = fused(build_model("tiny", "gpt_base", seed=0))
     stranger = torch.nn.Parameter(torch.zeros(3))
     classes = [type(m) for m in model.modules()]
     with pytest.raises(ValueError, match="1 of the parameters to tap are not in the model"):
@@ -203,7 +208,7 @@ def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(v
                                                                              vocab):
     """The exchange's arithmetic (tapped sends, the tied weight's shares, finish) against the
     gradients of the two ranks' batches computed apart: .grad = their sum, the same on both."""
-    base = build_model("tiny", variant, seed=0, vocab_size=vocab)
+    base = fused(build_model("tiny", variant, seed=0, vocab_size=vocab))
     assert base.cfg.padded_vocab_size == 128
     batches = [micro_batches(base, r, n_micro, batch) for r in range(2)]
     expected = []
@@ -227,41 +232,18 @@ def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(v
 
 
 def test_exchange_refuses_what_it_cannot_send_once():
-    """A tied weight that the model does not split would be sent in two parts; a step whose
-    backward did not send every gradient stops before anything is added."""
-    with pytest.raises(ValueError, match="not split"):
-        InProcessPair([build_model("tiny", "gpt_base", seed=0, loss_impl="full") for _ in range(2)])
-    pair = InProcessPair([build_model("tiny", "gpt_base", seed=0) for _ in range(2)])
+    """A tied weight that the model does not split (the reference loss: train.fused_loss off)
+    would be sent in two parts; a step whose backward did not send every gradient stops before
+    anything is added."""
+    with pytest.raises(ValueError, match=r"not split \(train.fused_loss off\)"):
+        InProcessPair([build_model("tiny", "gpt_base", seed=0) for _ in range(2)])
+    pair = InProcessPair([fused(build_model("tiny", "gpt_base", seed=0)) for _ in range(2)])
     x = torch.zeros(1, pair.models[0].cfg.block_size, dtype=torch.long)
     pair.backward(0, [(x, x)])
     pair.exchanges[1].begin([x])  # rank 1 runs no backward
     with pytest.raises(RuntimeError, match="not sent exactly once"):
         pair.finish()
     pair.remove()
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_gradient_sum_over_two_ranks_steps_as_their_mean(fused):
-    """The exchange leaves g0 + g1 in .grad and grad_divisor = 2; the clip and AdamW step then
-    equal those of the mean (g0 + g1) / 2, bit for bit (halving is exact), clipped or not."""
-    tc = TrainConfig(grad_clip=0.05)
-    models, steps = [], []
-    for divisor in (1.0, 2.0):
-        model = build_model("tiny", "gpt_base", seed=0)
-        optimizer = configure_optimizer(model, tc, torch.device("cpu"))
-        for group in optimizer.param_groups:
-            group["fused"] = fused
-        step = TrainStep(model, optimizer, grad_clip=tc.grad_clip, autocast=nullcontext())
-        step.grads = SimpleNamespace(grad_divisor=divisor)
-        g = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=g) * divisor
-        models.append(model)
-        steps.append(step)
-    norms = [step._clip_and_step() for step in steps]
-    assert norms[0] > tc.grad_clip and torch.equal(norms[0], norms[1])
-    for a, b in zip(*(m.parameters() for m in models)):
-        assert torch.equal(a, b)
 
 
 def test_grad_exchange_setting_is_checked():

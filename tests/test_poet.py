@@ -16,7 +16,7 @@ from oelm_core.poet import (
     skew_from_upper,
     spectrum_error,
 )
-from oelm_core.train import restart_optimizer_state
+from oelm_core.step import restart_optimizer_state
 
 # tiny preset: 2 layers, d 32, vocab 128, T 32; block 16 gives 2 blocks per factor.
 TINY = dict(poet_block_size=16)

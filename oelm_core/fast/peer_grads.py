@@ -2,16 +2,12 @@
 GPU's memory by the copy engines (NVLink), from inside the compiled backward pass, as soon as the
 kernel that wrote it has run.
 
-Why not DDP: at medium512 with 8 x 512 tokens per GPU a step takes ~4.16 ms on one H200, and DDP
-made it 4.76-4.79 ms on two (87-88%). The bytes are not the problem (180 MB each way take the copy
-engines 0.5 ms, and only ~0.1 ms of the step's time when they run beside it); DDP's work on the
-compute stream is: the copies of every gradient into its buckets, the NCCL kernels' SMs, and the
-buckets still in flight when the backward ends. Here the copy engines move the gradients while
-the SMs compute, and what is left after the backward is one barrier and the adds of the body's
-gradients and the embedding's rows: 4.52 ms against DDP's 4.80 on two H200s (92.2% against 86.7%
-of two one-GPU steps; 92.9% against 88.8% at 16 x 512; at 64 x 512 both 93.3%; benchmarks/RESULTS.md,
-"DDP scaling"). Since the one-GPU step got faster (3.79 ms at 8 x 512) the two-GPU step is 4.20 ms:
-90.2% (92.8% / 95.1% / 95.1% at 16 / 32 / 64 x 512).
+Why not DDP: the bytes are not the problem (the copy engines move a step's gradients in a small
+part of a step, beside the compute); DDP's work on the compute stream is: the copies of every
+gradient into its buckets, the NCCL kernels' SMs, and the buckets still in flight when the
+backward ends. Here the copy engines move the gradients while the SMs compute, and what is left
+after the backward is one barrier and the adds of the body's gradients and the embedding's rows.
+The two-GPU efficiencies of both, at 8-64 x 512 tokens per GPU: benchmarks/README.md.
 
 Two pieces:
 
@@ -22,16 +18,20 @@ Two pieces:
   their names and the state_dict stay as they are.
 - ``PeerGradExchange``: the sends into the peer's symmetric-memory receive buffer, the tied
   embedding/output weight's two shares (the dense output share as the backward starts, then only
-  the rows of the batch's tokens, as ``train.TiedGradReducer`` does over NCCL), and ``finish``:
+  the rows of the batch's tokens, as ``tied_grads.TiedGradReducer`` does over NCCL), and ``finish``:
   after a barrier each rank adds the peer's copy to its own. Both ranks add the same two numbers,
   so the sums (and the weights) stay bitwise equal. The output shares (103 MB) are summed during
   the backward, on a side stream, once the peer signals that its copy has landed, and the token
-  ids are sorted there beside the forward: together 45 us off the step at 8 x 512 (4.20 against
-  4.25 ms on one start).
+  ids are sorted there beside the forward, off the step's path.
 
-``finish`` leaves the *sum* over the two ranks in ``.grad`` (``grad_divisor`` = 2): the halving
-rides in the fused AdamW's divisor (``train.TrainStep._clip_and_step``) instead of a pass over
-every gradient. Works inside the trainer's whole-step CUDA graph (copies, barriers and all).
+``finish`` leaves the *sum* over the two ranks in ``.grad`` (``grad_divisor`` = 2): the step
+averages it (``oelm_core.step.TrainStep.clip_and_step``; with ``train.fused_clip`` the halving
+rides in the fused AdamW's divisor instead of a pass over every gradient). Works inside the
+trainer's whole-step CUDA graph (``oelm_core.fast.graph_step``: copies, barriers and all).
+
+Switch: ``train.grad_exchange`` (auto: this exchange where it can run, else DDP; ddp; peer).
+It needs the split of the tied weight's gradient that the fused loss offers (``train.fused_loss``).
+Gain: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from oelm_core.fast.tied_grads import first_of_each, split_tied_gradient
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +129,6 @@ class ParameterTap:
         _TAPS.pop(self.id, None)
 
 
-def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (N,) -> (sorted ids, bool mask of each id's first place): the tied weight's embedding
-    rows are sent once each (here and by ``train.TiedGradReducer``), the repeats as exact zeros.
-    The ids must be words (< ``cfg.vocab_size``), as the data's tokens are: the exchange gathers
-    the repeats from a padding row."""
-    ids = ids.sort().values
-    first = torch.ones_like(ids, dtype=torch.bool)
-    first[1:] = ids[1:] != ids[:-1]
-    return ids, first
-
-
 class PeerGradExchange:
     """The data-parallel gradient of two ranks on two GPUs with peer access (see the module).
 
@@ -148,6 +139,7 @@ class PeerGradExchange:
     """
 
     grad_divisor = 2.0
+    gradients_by = "nvlink copies"
 
     @classmethod
     def for_model(cls, model: nn.Module, device: torch.device) -> Optional["PeerGradExchange"]:
@@ -174,11 +166,10 @@ class PeerGradExchange:
     def __init__(self, model: nn.Module, device: torch.device):
         self.device = device
         self._connect()
-        self._split = getattr(model, "split_tied_gradient", None)
-        self.tied = self._split(None) if self._split is not None else None
+        self.tied = split_tied_gradient(model, None)
         if self.tied is None and getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-            # Not split (loss_impl "full"): the embedding and the output layer would each send a part.
-            raise ValueError("the tied embedding/output weight is not split (model.loss_impl full)")
+            # Not split (the reference loss): the embedding and the output layer would each send a part.
+            raise ValueError("the tied embedding/output weight is not split (train.fused_loss off)")
         if self.tied is not None and not self.tied.requires_grad:
             self.tied = None
         self.params = [p for p in model.parameters() if p.requires_grad and p is not self.tied]
@@ -197,12 +188,13 @@ class PeerGradExchange:
             self._rows_capacity = 0
             # A padding row of the output layer (medium512: 50,304 rows for 50,257 words) is no
             # token's: its embedding gradient is 0, and a repeated id can gather it instead of its
-            # own row times a mask of 0s afterwards (one kernel fewer, 17 us at 4,096 tokens).
+            # own row times a mask of 0s afterwards (one kernel fewer).
             vocab = getattr(getattr(model, "cfg", None), "vocab_size", v)
             self._zero_row = v - 1 if v > vocab else None
         self._tap = ParameterTap(model, self.params, self._on_grad)
         if self.tied is not None:
-            self._split(self._on_output_grad)
+            split_tied_gradient(model, self._on_output_grad)
+            self._loss = model.output_loss  # not the model: its loss's hook refers to this exchange
             self._hook = self.tied.register_post_accumulate_grad_hook(self._on_embedding_grad)
 
     def remove(self) -> None:
@@ -210,7 +202,7 @@ class PeerGradExchange:
         self._tap.remove()
         if self.tied is not None:
             self._hook.remove()
-            self._split(None)
+            self._loss.grad_hook = None
 
     # The link to the peer: symmetric memory, a copy stream and a side stream. Small methods, so
     # that the arithmetic above them can be tested on the CPU with two exchanges in one process
@@ -312,8 +304,8 @@ class PeerGradExchange:
             self._recv_rows, self._peer_rows = self._buffer(n * d, torch.float32)
             self._recv_ids, self._peer_ids = self._buffer(n, torch.int64)
             self._rows_capacity = n
-        # The sorted ids (~45 us at 4,096 tokens) are needed only at the embedding's backward,
-        # the end of the step: they are made beside the forward, not before it.
+        # The sorted ids are needed only at the embedding's backward, the end of the step: they
+        # are made beside the forward, not before it.
         with self._aside():
             self._ids, first = first_of_each(torch.cat([t.flatten() for t in tokens]))
             self._send(self._peer_ids[:n], self._ids)

@@ -1,0 +1,185 @@
+"""Processes and devices: which rank this process is, on which device, and data parallelism.
+
+One process trains alone; under torchrun each process joins the process group that torchrun's
+environment describes (RANK, WORLD_SIZE, LOCAL_RANK) and trains on its own device. The step
+(``oelm_core.step``) wraps the model with ``data_parallel``: DDP, or on two GPUs of one host the
+NVLink exchange (``oelm_core.fast.peer_grads``), with DDP's tied embedding/output gradient reduced
+in two shares (``oelm_core.fast.tied_grads``) where ``train.tied_grad_split`` is on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from oelm_core.config import ConfigError, TrainConfig, check_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Dist:
+    """This process's place in the job (torchrun's RANK / WORLD_SIZE; 0 / 1 alone) and its device
+    (LOCAL_RANK picks the GPU: ``resolve_device``)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    owns_group: bool  # this process created the process group, so it also destroys it
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The torch.device that ``name`` (train.device: "auto", "cpu", "cuda" or "cuda:N") means on
+    this machine, made the current CUDA device when it is one.
+
+    "auto" -> this rank's GPU when there is one, else the CPU; a bare "cuda" gets index
+    ``local_rank`` (torchrun's LOCAL_RANK). ConfigError as ``check_device`` says, or for a local
+    rank past the GPUs there are.
+    """
+    device = check_device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise ConfigError(f"train.device {name!r} puts local rank {local_rank} on {device}, but this "
+                                  f"machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}: start at "
+                                  f"most {count} processes per node")
+        torch.cuda.set_device(device)
+    return device
+
+
+def setup_distributed(tc: TrainConfig) -> Dist:
+    """Join the process group torchrun describes in the environment (a no-op for one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    device = resolve_device(tc.device, local_rank)
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        init_process_group(tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
+                           rank=rank, world_size=world)
+        owns = True
+    return Dist(rank, world, device, owns)
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """``dist.init_process_group``, torch._dynamo imported first.
+
+    DDP's constructor imports torch._dynamo. Imported once a process group exists, it keeps
+    references to the group (torch 2.13) that outlive destroy_process_group: gloo's threads then
+    run on into the interpreter's exit, and one that frees a finished collective there aborts the
+    process ("terminate called without an active exception"). Imported first, it holds none.
+    """
+    import torch._dynamo  # noqa: F401
+
+    dist.init_process_group(backend, **kwargs)
+
+
+def mean_across_ranks(t: torch.Tensor) -> torch.Tensor:
+    """The mean of ``t`` over the ranks (a new tensor), or ``t`` itself with one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    t = t.clone()
+    dist.all_reduce(t)  # SUM: gloo has no AVG
+    return t / dist.get_world_size()
+
+
+def broadcast_object(value: Any, d: Dist) -> Any:
+    """Rank 0's ``value`` on every rank (the others' is ignored); ``value`` itself alone."""
+    if not d.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# The model's buffers (frozen Q/K, POET's reference weights and permutations) are identical on
+# every rank by construction (same seed, same updates): broadcasting them before each forward is
+# wasted traffic. torch 2.13 renamed the switch and warns on the old name (its new one still syncs
+# once, at construction, which is harmless).
+DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})
+
+
+def wrap_ddp(module: nn.Module, device: torch.device, bucket_mb: float,
+             ignored: Optional[list[nn.Parameter]] = None) -> DDP:
+    """``module`` in DistributedDataParallel with ``bucket_mb`` MB buckets (train.ddp_bucket_mb),
+    no buffer broadcasts, and the ``ignored`` parameters left to another reducer."""
+    if ignored:
+        names = [name for name, p in module.named_parameters() if any(p is q for q in ignored)]
+        DDP._set_params_and_buffers_to_ignore_for_model(module, names)
+    # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, so they are not
+    # copied back out after each all-reduce.
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+               gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **DDP_NO_BUFFER_SYNC)
+
+
+def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: torch.device):
+    """``module`` (``model`` or its compiled wrapper) made data parallel as ``tc`` says:
+    (what the forward runs through, the exchange that reduces gradients besides DDP or instead
+    of it, or None).
+
+    ``train.grad_exchange`` "auto"/"peer": on two CUDA GPUs of one host the NVLink exchange
+    replaces DDP ("peer": or a ConfigError); otherwise, or with "ddp", DDP, with the tied
+    embedding/output weight's gradient reduced in two shares when ``train.tied_grad_split``.
+    An exchange is an object with ``begin(tokens)``, ``sync``, ``finish()``, ``remove()`` and
+    ``grad_divisor`` (``oelm_core.step.TrainStep`` calls them).
+    """
+    if tc.grad_exchange != "ddp":
+        from oelm_core.fast.peer_grads import PeerGradExchange
+
+        exchange = PeerGradExchange.for_model(model, device)
+        if exchange is not None:
+            log.info("gradients exchanged by NVLink copies during the backward (PeerGradExchange)")
+            with torch.no_grad():  # what DDP's constructor does: every rank starts from rank 0's state
+                for t in itertools.chain(model.parameters(), model.buffers()):
+                    dist.broadcast(t, 0)
+            return module, exchange
+        if tc.grad_exchange == "peer":
+            raise ConfigError("train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
+                              "access (NVLink) under NCCL; use auto to fall back to DDP")
+    exchange = None
+    if tc.tied_grad_split:
+        from oelm_core.fast.tied_grads import TiedGradReducer
+
+        exchange = TiedGradReducer.for_model(model)
+        if exchange is not None:
+            log.info("DDP: the tied embedding/output weight is reduced in two shares (TiedGradReducer)")
+    ignored = [exchange.weight] if exchange is not None else None
+    return wrap_ddp(module, device, tc.ddp_bucket_mb, ignored), exchange
+
+
+def on_rank_0(fn: Callable[[], Any], d: Dist, what: str) -> None:
+    """``fn()`` on rank 0 while the other ranks wait for it (the broadcast is the barrier); its
+    exception is raised on rank 0, a ConfigError saying that rank 0 could not ``what`` on the
+    others."""
+    failure: Optional[BaseException] = None
+    if d.is_main:
+        try:
+            fn()
+        except Exception as exc:
+            failure = exc
+    message = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", d)
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise ConfigError(f"rank 0 could not {what}: {message}")

@@ -1,0 +1,143 @@
+"""The run folder (``RunConfig.out_dir``): its files, and one training session at a time in it.
+
+    config.yaml            the RunConfig as run
+    metrics.jsonl          one JSON object per logged step (train figures; eval rows add val_*)
+    ckpt/step_XXXXXXX.pt   the last ``keep_last`` step checkpoints (what --resume continues from)
+    best.pt                the checkpoint with the lowest validation loss
+    summary.json           the run's figures, written when a session ends
+    .lock                  held by the session writing the folder (pid inside): one at a time
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+from oelm_core.config import ConfigError, RunConfig, save_run_config
+from oelm_core.distributed import Dist, broadcast_object
+from oelm_core.files import LockHeld, exclusive_lock, temporary_files, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+STEP_FILE = re.compile(r"step_(\d+)\.pt")
+
+
+def step_number(path: Path) -> Optional[int]:
+    """N of a step checkpoint ckpt/step_N.pt; None for any other name (a backup, a copy)."""
+    match = STEP_FILE.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """out/ckpt/step_N.pt, oldest first. Other files there are neither read nor deleted."""
+    numbered = ((step_number(p), p) for p in (out / "ckpt").glob("step_*.pt") if p.is_file())
+    return [p for n, p in sorted((n, p) for n, p in numbered if n is not None)]
+
+
+def json_safe(value: Any) -> Any:
+    """NaN/inf -> None so metrics.jsonl and summary.json stay standard JSON."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def check_folders(cfg: RunConfig) -> None:
+    """ConfigError for an out_dir or data.out_dir that is a file (or lies under one): caught
+    before the data is prepared, not as a FileExistsError after it."""
+    for key, folder in (("out_dir", Path(cfg.out_dir)), ("data.out_dir", Path(cfg.data.out_dir))):
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            where = "is a file" if existing == folder else f"lies under the file {existing}"
+            raise ConfigError(f"{key} {folder} {where}, not a folder: set {key} to a folder")
+
+
+@contextmanager
+def hold_run_folder(out: Path, d: Dist):
+    """Hold the run folder ``out`` for this session: an exclusive lock on out/.lock (rank 0; the
+    file holds its pid), so that a second training into the same folder fails at once instead of
+    interleaving metrics.jsonl, config.yaml and the checkpoints with this one's. Under the lock
+    nothing else writes there: temporaries of atomic writes killed mid-way (a checkpoint's
+    ``.step_*.pt.*.tmp``: 0.5 GB at medium512) are removed.
+
+    ConfigError on every rank when another process holds the lock. The kernel drops the lock of
+    a process that dies, so a killed training leaves nothing to clean up. Where the file system
+    has no locks (some network mounts) the session goes on, with a warning.
+    """
+    with ExitStack() as held:
+        locked, refused = _lock_run_folder(out, held) if d.is_main else (None, None)
+        # The other ranks stop too, rather than wait for rank 0 in the next collective.
+        refused = broadcast_object(refused, d)
+        if refused is not None:
+            raise ConfigError(refused)
+        if locked:
+            _remove_killed_writes(out)
+        yield
+
+
+def _lock_run_folder(out: Path, held: ExitStack) -> tuple[Optional[bool], Optional[str]]:
+    """(``exclusive_lock``'s answer for out/.lock, which ``held`` then holds; why the folder is
+    refused, or None)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        locked = held.enter_context(exclusive_lock(out / ".lock"))
+    except LockHeld as exc:
+        return None, f"another training (pid {exc.holder}) is writing to {out}; wait for it or choose another out_dir"
+    except OSError as exc:
+        return None, f"cannot write to out_dir {out} ({exc.strerror}); set out_dir to a folder you can write to"
+    if not locked:
+        log.warning("the file system of %s has no locks: a second training into it would not be stopped", out)
+    return locked, None
+
+
+def _remove_killed_writes(out: Path) -> None:
+    """Remove the temporaries that atomic writes killed mid-way left in ``out`` and out/ckpt."""
+    stale = temporary_files(out) + temporary_files(out / "ckpt")
+    if stale:
+        size = sum(p.stat().st_size for p in stale)
+        for p in stale:
+            p.unlink()
+        log.info("removed %d file(s) left by writes that were killed (%.1f MB): %s",
+                 len(stale), size / 1e6, ", ".join(p.name for p in stale))
+
+
+def start_files(cfg: RunConfig, step: int) -> None:
+    """config.yaml; metrics.jsonl fresh, or cut back to ``step``, the resumed one (no duplicate
+    rows, and none cut short by a kill)."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_run_config(cfg, out / "config.yaml")
+    metrics = out / "metrics.jsonl"
+    kept = []
+    if step > 0 and metrics.is_file():
+        for line in filter(str.strip, metrics.read_text().splitlines()):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a row cut short when the run was killed mid-write
+                log.warning("metrics.jsonl: dropped a row that is not JSON: %.80s", line)
+                continue
+            if row["step"] <= step:
+                kept.append(line)
+    write_text_atomic(metrics, "".join(line + "\n" for line in kept))  # killed: the old rows stay
+
+
+def append_metrics(out: Path, row: dict) -> None:
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({k: json_safe(v) for k, v in row.items()}) + "\n")
+
+
+def write_summary(out: Path, summary: dict) -> dict:
+    """summary.json (NaN/inf as null); returns what it wrote."""
+    summary = {k: json_safe(v) for k, v in summary.items()}
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def read_summary(out: Path) -> dict:
+    """summary.json, or {} where it is missing or cut short."""
+    try:
+        return json.loads((out / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

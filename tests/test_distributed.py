@@ -1,0 +1,199 @@
+"""Processes, devices and data parallelism (oelm_core.distributed): DDP on gloo ranks equals one
+process, DDP's settings, the exchanges that step aside where they cannot run, the NVLink
+exchange and the captured DDP step on two GPUs, device names refused with what to choose."""
+
+import dataclasses
+import json
+import statistics
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oelm_core import fast
+from oelm_core.accounting import flops_per_token
+from oelm_core.config import ConfigError, TrainConfig, run_config_from_dict
+from oelm_core.distributed import resolve_device
+from oelm_core.model import build_model
+from oelm_core.step import configure_optimizer, make_step
+from oelm_core.train import main
+from train_helpers import REPO, losses, metric_rows, params, run, torchrun_train, write_params
+
+pytestmark = pytest.mark.usefixtures("no_data_override")
+
+
+PEAK = 1e9  # FLOP/s per device, given to the trainer through OELM_PEAK_FLOPS (the CPU has no table entry)
+
+
+def assert_mfu(values: dict, world_size: int, unfreeze_at: int) -> None:
+    """Every logged MFU is flops_per_token * tokens_per_s / (PEAK * world_size) from the row's
+    own tokens/s (global: all ranks' tokens), with the accounting's FLOPs of the model as it was
+    then (Q/K frozen until the step ``unfreeze_at``), and the summary's is their median."""
+    cfg = run_config_from_dict(values).model_config()
+    fpt = {True: flops_per_token(cfg)["total"],
+           False: flops_per_token(dataclasses.replace(cfg, freeze_qk="none"))["total"]}
+    assert fpt[True] < fpt[False]
+    rows = metric_rows(values["out_dir"])
+    for step, row in rows.items():
+        expected = fpt[step <= unfreeze_at] * row["tokens_per_s"] / (PEAK * world_size)
+        assert row["mfu"] == pytest.approx(expected, rel=1e-12), (world_size, step, row)
+    summary = json.loads((Path(values["out_dir"]) / "summary.json").read_text())
+    assert summary["world_size"] == world_size
+    assert summary["mfu"] == pytest.approx(statistics.median(r["mfu"] for r in rows.values()), rel=1e-12)
+
+
+@pytest.mark.parametrize("accum, batch, split", [(1, 4, True), (2, 2, True), (1, 4, False)])
+def test_ddp_matches_single_process(tmp_path, folded, accum, batch, split, monkeypatch):
+    """2 gloo ranks x grad_accum A == 1 process x grad_accum 2A, through torchrun and the CLI; an
+    unfreeze mid-run checks that DDP is re-wrapped around the new parameters. 128 tokens per
+    rank and step: TiedGradReducer sends the embedding's rows (2 x 128 <= 256 rows); with
+    train.tied_grad_split off DDP reduces the tied weight with the rest. Both runs are given a
+    peak FLOP figure: their MFU is per device (``assert_mfu``)."""
+    common = dict(steps=6, unfreeze_schedule={3: "all"}, eval_every=3, ckpt_every=3, batch_size=batch)
+    single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
+    monkeypatch.setenv("OELM_PEAK_FLOPS", str(PEAK))
+    run(single)
+    assert_mfu(single, world_size=1, unfreeze_at=3)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, tied_grad_split=split, **common)
+    proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1", OELM_PEAK_FLOPS=str(PEAK))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_mfu(ddp, world_size=2, unfreeze_at=3)
+    # The tied weight goes through TiedGradReducer, before and after DDP is re-wrapped.
+    assert proc.stderr.count("reduced in two shares (TiedGradReducer)") == 2 * split, proc.stderr[-3000:]
+    a, b = metric_rows(single["out_dir"]), metric_rows(ddp["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 7))
+    for step in a:
+        assert abs(a[step]["train_loss"] - b[step]["train_loss"]) < 1e-5, (step, a[step], b[step])
+    # The validation batches are shared out across the ranks and their losses all-reduced.
+    assert [s for s in a if "val_loss" in a[s]] == [s for s in b if "val_loss" in b[s]] == [3, 6]
+    for step in (3, 6):
+        assert abs(a[step]["val_loss"] - b[step]["val_loss"]) < 1e-5, (step, a[step], b[step])
+    summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
+    assert summary["gradients_by"] == "ddp"  # the NVLink exchange steps aside on the CPU
+
+
+def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
+    """With one rank there is nothing to reduce: DDP keeps the tied weight, no hook is left on the
+    fused loss. DDP gets train.ddp_bucket_mb as its bucket size, does not sync buffers before each
+    forward, and is built without a deprecation warning on the installed torch. The NVLink
+    exchange (grad_exchange auto) steps aside on the CPU; asked for by name (peer), it says why not."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    cpu = torch.device("cpu")
+    try:
+        tc = TrainConfig(ddp_bucket_mb=12.5)
+        model = fast.apply(build_model("tiny", "gpt_base"), tc, cpu)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            step = make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
+        assert step.exchange is None and model.output_loss.grad_hook is None and step.gradients_by == "ddp"
+        assert step.module.bucket_bytes_cap == 12.5 * 2**20
+        assert step.module.broadcast_buffers is False
+        tc = TrainConfig(grad_exchange="peer")
+        with pytest.raises(ConfigError, match="grad_exchange: peer needs two CUDA GPUs of one host"):
+            make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
+        fresh = fast.apply(build_model("tiny", "gpt_base"), tc, cpu)
+        assert [type(m) for m in model.modules()] == [type(m) for m in fresh.modules()]
+    finally:
+        dist.destroy_process_group()
+
+
+REFUSE_ON_RANK_1 = """import os, sys, torch
+if os.environ["RANK"] == "1":
+    def refuse(*args, **kwargs):
+        raise RuntimeError("capture refused on purpose")
+    torch.cuda.graph = refuse
+from oelm_core.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("exchange, one_rank_fails, batch, accum, compile, unfreeze", [
+    ("ddp", False, 4, 1, False, {}),
+    # the tied weight's rows; the sends inside the compiled backward; a new exchange for the
+    # parameters that unfreezing adds at step 5 (captured after 11 more eager steps)
+    ("peer", False, 4, 1, True, {5: "all"}),
+    ("peer", True, 8, 2, False, {}),   # the tied weight dense; accumulated micro-steps
+    ("peer", False, 8, 2, False, {}),  # the same, captured: no side-stream work to wait for
+])
+def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, exchange, one_rank_fails,
+                                                                    batch, accum, compile, unfreeze):
+    """2 NCCL ranks x grad_accum A == 1 GPU x grad_accum 2A (float32), both with the whole step in
+    a CUDA graph: on two ranks the gradient exchange (DDP's all-reduce, or the NVLink copies) is
+    captured after 11 eager steps, and the later steps replay it. If one rank cannot capture,
+    neither replays (no hang): both go on eagerly, with the same losses."""
+    common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32",
+                  batch_size=batch, compile=compile, unfreeze_schedule=unfreeze)
+    single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
+    run(single)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, grad_exchange=exchange, **common)
+    entry = ("-m", "oelm_core.train")
+    if one_rank_fails:
+        (tmp_path / "refuse.py").write_text(REFUSE_ON_RANK_1)
+        entry = (str(tmp_path / "refuse.py"),)
+    proc = torchrun_train(tmp_path, ddp, entry, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if one_rank_fails:
+        assert "capture refused on purpose" in proc.stderr, proc.stderr[-3000:]
+        assert "another rank could not capture its step" in proc.stderr, proc.stderr[-3000:]
+        assert "captured the training step" not in proc.stderr
+    else:
+        by = "DDP's all-reduce" if exchange == "ddp" else "the NVLink gradient exchange"
+        assert f"captured the training step as a CUDA graph with {by}" in proc.stderr
+        assert "capture failed" not in proc.stderr, proc.stderr[-3000:]
+    if exchange == "peer":  # rank 0 logs each exchange it builds: the first, and one per re-wrap
+        builds = 1 + len(unfreeze) + one_rank_fails
+        assert proc.stderr.count("gradients exchanged by NVLink copies") == builds, proc.stderr[-3000:]
+    summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
+    assert summary["gradients_by"] == ("ddp" if exchange == "ddp" else "nvlink copies")
+    a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 21))
+    # Relative: float32 with TF32 matmuls (the trainer's "high" precision on CUDA), and the two
+    # halves of the batch summed in another order on one GPU than on two, drift apart by rounding
+    # that grows with the loss (1.09e-4 at a loss of 4.63 once, on H200s). A wrong gradient (a
+    # missing 1/world, a rank's share dropped) moves the loss by 1e-2 or more within a few steps.
+    for step in a:
+        assert abs(a[step] - b[step]) <= 5e-5 * abs(a[step]), (step, a[step], b[step])
+
+
+def test_a_gpu_index_past_the_machines_gpus_is_a_config_error(tmp_path, monkeypatch, capsys):
+    """train.device: cuda:2 on a machine with 2 GPUs (or a third torchrun process there) was
+    torch's raw error from set_device, a traceback out of main; now a ConfigError naming
+    train.device and the GPUs there are. This machine's CUDA is simulated: 2 GPUs."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda", local_rank=1) == torch.device("cuda", 1)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 1), torch.device("cuda", 0)]
+    with pytest.raises(ConfigError, match=r"^train.device is 'cuda:2', but this machine has 2 CUDA GPU\(s\), "
+                                          r"cuda:0..cuda:1: choose one of them, or auto$"):
+        resolve_device("cuda:2")
+    with pytest.raises(ConfigError, match=r"^train.device 'cuda' puts local rank 2 on cuda:2, but this machine "
+                                          r"has 2 CUDA GPU\(s\), .*: start at most 2 processes per node$"):
+        resolve_device("cuda", local_rank=2)
+    with pytest.raises(ConfigError, match=r"^train.device 'auto' puts local rank 3 on cuda:3"):
+        resolve_device("auto", local_rank=3)
+    assert len(chosen) == 3  # nothing was made current for the refused ones
+
+    # Through the CLI: exit code 2 and one line, before any data or model is touched.
+    values = params(tmp_path, tmp_path / "nowhere", device="cuda:7")
+    assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.device is 'cuda:7', but this machine has 2 CUDA GPU(s)")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["mps", "xla", "meta", "xpu:0"])
+def test_devices_the_trainer_does_not_run_on_are_refused(name):
+    with pytest.raises(ConfigError, match=rf"^train.device '{name}' is not supported: OELM Lab runs on "
+                                          rf"the CPU or on CUDA GPUs; choose auto, cpu, cuda or cuda:N$"):
+        resolve_device(name)
+

@@ -1,0 +1,100 @@
+"""The run folder (oelm_core.run_folder): one training session at a time, what killed writes
+left removed, folders that are files refused before anything is prepared."""
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+from oelm_core.distributed import Dist
+from oelm_core.run_folder import hold_run_folder
+from oelm_core.train import main
+from train_helpers import params, run, write_params
+
+pytestmark = pytest.mark.usefixtures("no_data_override")
+
+
+def test_a_second_training_into_a_held_folder_is_refused_at_once(tmp_path, folded, capsys):
+    """Two trainings into one out_dir once both passed the "already holds a run" check and wrote
+    into each other's files. A session holds out_dir/.lock (with its pid); another is refused
+    before it writes anything. Sessions one after another in one process (a sweep's in-process
+    runner) each take and release it, also one that fails."""
+    fcntl = pytest.importorskip("fcntl")
+    good = write_params(tmp_path / "p.yaml", params(tmp_path, folded, steps=2, ckpt_every=1, eval_every=2))
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "w") as held:  # another training's
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["--params", str(good)]) == 2
+        assert capsys.readouterr().err == (f"error: another training (pid 4242) is writing to {out}; wait "
+                                           f"for it or choose another out_dir\n")
+        assert [p.name for p in out.iterdir()] == [".lock"]
+    assert main(["--params", str(good), "--set", "train.stop_after=1"]) == 0
+    assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+    assert main(["--params", str(good)]) == 2  # fails inside the session: the folder holds a run
+    assert "pass --resume" in capsys.readouterr().err
+    assert main(["--params", str(good), "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
+def test_a_run_folder_without_locks_is_used_with_one_warning(tmp_path, caplog, monkeypatch, code):
+    """Where the file system has no locks (flock: ENOLCK, some network mounts; ENOSYS where flock
+    is not implemented) a second training would not be stopped: the session says so once, and
+    removes no temporaries (one may be another session's live write)."""
+    fcntl = pytest.importorskip("fcntl")
+
+    def refuses(f, operation):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", refuses)
+    out = tmp_path / "run"
+    live = out / "ckpt" / ".step_0000004.pt.k1l2m3.tmp"
+    live.parent.mkdir(parents=True)
+    live.write_bytes(b"another session's write")
+    with caplog.at_level("INFO", logger="oelm_core"):
+        with hold_run_folder(out, Dist(0, 1, torch.device("cpu"), False)):
+            entered = True
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert entered and live.exists() and "removed" not in caplog.text
+    assert warned == [f"the file system of {out} has no locks: a second training into it would not "
+                      f"be stopped"]
+    assert (out / ".lock").read_text() == ""
+
+
+def test_a_session_removes_what_killed_writes_left(tmp_path, folded, caplog):
+    """A write killed mid-way leaves its temporary (.step_*.pt.*.tmp: 0.5 GB at medium512); the
+    next session, holding the folder, removes those of out_dir and out_dir/ckpt, nothing else."""
+    values = params(tmp_path, folded, steps=4, ckpt_every=2, eval_every=2)
+    run({**values, "train": {**values["train"], "stop_after": 2}})
+    out = tmp_path / "run"
+    left = [out / "ckpt" / ".step_0000004.pt.k1l2m3.tmp", out / ".best.pt.a1b2c3.tmp",
+            out / ".metrics.jsonl.x9y8z7.tmp"]
+    kept = [out / "notes.tmp", out / "ckpt" / ".keep", out / "ckpt" / "step_0000002.pt.tmp"]
+    for p in left + kept:
+        p.write_bytes(b"\0" * 500_000)
+    with caplog.at_level("INFO", logger="oelm_core"):
+        assert run(values, resume=True)["steps"] == 4
+    assert [p for p in left if p.exists()] == [] and all(p.exists() for p in kept)
+    assert "removed 3 file(s) left by writes that were killed (1.5 MB)" in caplog.text
+
+
+def test_an_out_dir_that_is_a_file_is_refused_before_the_data_is_prepared(tmp_path, story_folder, capsys):
+    """It was a FileExistsError traceback, after the data had been prepared."""
+    (tmp_path / "run").write_text("not a folder")
+    good = write_params(tmp_path / "p.yaml", params(tmp_path, story_folder, variant="gpt_base", vocab=50257))
+    assert main(["--params", str(good)]) == 2
+    assert capsys.readouterr().err == (f"error: out_dir {tmp_path / 'run'} is a file, not a folder: set "
+                                       f"out_dir to a folder\n")
+    assert not (tmp_path / "data").exists()
+    assert main(["--params", str(good), "--set", f"out_dir={tmp_path / 'run' / 'inner'}"]) == 2
+    assert f"out_dir {tmp_path / 'run' / 'inner'} lies under the file {tmp_path / 'run'}" in capsys.readouterr().err
+    (tmp_path / "data").write_text("not a folder either")
+    assert main(["--params", str(good), "--set", f"out_dir={tmp_path / 'run2'}"]) == 2
+    assert capsys.readouterr().err == (f"error: data.out_dir {tmp_path / 'data'} is a file, not a folder: "
+                                       f"set data.out_dir to a folder\n")
+
