@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 
-from oelm_core.config import ConfigError, ModelConfig
+from oelm_core.config import ConfigError, ModelConfig, TrainConfig
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) by device-name fragment, for MFU.
 PEAK_BF16_FLOPS = {
@@ -220,10 +220,11 @@ def state_bytes(cfg: ModelConfig) -> dict:
     return {"weights": weights, "grads": grads, "adam_state": adam, "total": weights + grads + adam}
 
 
-def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32",
-                     device_type: str = "cpu") -> dict:
+def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32", device_type: str = "cpu",
+                     fused_loss: bool = True, loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens) -> dict:
     """Bytes of activations one training micro-step holds at its peak: ``batch_size`` sequences
-    of ``cfg.block_size`` tokens, ``dtype`` "float32" or "bf16" (autocast), on ``device_type``.
+    of ``cfg.block_size`` tokens, ``dtype`` "float32" or "bf16" (autocast), on ``device_type``,
+    with the fused loss (``train.fused_loss``, slices of ``loss_chunk_tokens``) or the reference's.
 
     'saved': what autograd keeps from the forward for the backward, per layer and token: the
     LayerNorm inputs (the residual stream, float32 under autocast too) and statistics, the inputs
@@ -231,12 +232,12 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32",
     log-sum-exp, the GELU's input; then the final LayerNorm's input and the chunked loss's input
     gradient (N x d) and float32 weight gradient (vocab x d). The Synthesizer keeps its per-head
     T x T attention for every sequence (its matmul broadcasts it) and once more with its mask, a
-    ``loss_impl`` "full" run its N x vocab log-probabilities, a bf16 run its weights cast to bf16,
+    run with the reference loss its N x vocab log-probabilities, a bf16 run its weights cast to bf16,
     dropout its masks (and on the CPU the attention's T x T weights: PyTorch's math path).
-    'loss_workspace': one slice of the chunked loss (``loss_chunk_tokens`` rows of the vocabulary's
+    'loss_workspace': one slice of the fused loss (``loss_chunk_tokens`` rows of the vocabulary's
     logits): on the CPU the logits, their shifted copy and the gradient, float32, and one more that
     the heap holds back of the freed ones (``train.keep_large_blocks_in_heap``); on CUDA one bf16
-    slice. For "full", the logits and their float32 copy.
+    slice. For the reference loss, the logits and their float32 copy.
     'backward_workspace': the largest gradients of one layer's backward, two d_ff wide (on the CPU
     doubled, as the loss's slices, for the heap).
     'total': 'saved' and the larger workspace (they are not alive together).
@@ -269,9 +270,9 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32",
     else:
         layer += 4 * h                          # the attention's log-sum-exp, float32
     per_token = layers * layer + r * d + 2 * 4 + drop * a * d  # ln_f; the embedding's dropout mask
-    per_token += 4 * vocab if cfg.loss_impl == "full" else a * d  # log-probabilities; the loss's input gradient
+    per_token += a * d if fused_loss else 4 * vocab  # the loss's input gradient; log-probabilities
     saved = n * per_token
-    if cfg.loss_impl == "chunked":
+    if fused_loss:
         saved += 4 * padded * d                 # the output weight's gradient, from the forward
     if cfg.attention != "dot" and cfg.synth_trainable:
         saved += layers * (4 * h * t * t + t * t)  # the softmax output (once for all sequences), the mask
@@ -284,8 +285,8 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32",
         # Q, K and V trained together are one matmul over the concatenated weights, kept for it.
         saved += 4 * 3 * d * d * (layers - len(cfg.frozen_layers()))
 
-    rows = min(n, cfg.loss_chunk_tokens)
-    if cfg.loss_impl == "full":
+    rows = min(n, loss_chunk_tokens)
+    if not fused_loss:
         loss = n * vocab * (a + 4)
     elif device_type == "cuda":
         loss = rows * padded * a
@@ -296,13 +297,14 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32",
     return {"saved": saved, "loss_workspace": loss, "backward_workspace": backward, "total": total}
 
 
-def step_memory(cfg: ModelConfig, batch_size: int, dtype: str = "float32", device_type: str = "cpu") -> dict:
+def step_memory(cfg: ModelConfig, batch_size: int, dtype: str = "float32", device_type: str = "cpu",
+                fused_loss: bool = True, loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens) -> dict:
     """Estimated peak bytes of one training micro-step: ``state_bytes`` (weights, gradients, AdamW
     state) plus ``activation_bytes`` at the peak. {'state', 'activations', 'saved',
     'loss_workspace', 'total'}, bytes. Gradient accumulation adds nothing: each micro-step frees
     its activations before the next."""
     state = state_bytes(cfg)["total"]
-    act = activation_bytes(cfg, batch_size, dtype, device_type)
+    act = activation_bytes(cfg, batch_size, dtype, device_type, fused_loss, loss_chunk_tokens)
     return {"state": state, "activations": act["total"], "saved": act["saved"],
             "loss_workspace": act["loss_workspace"], "total": state + act["total"]}
 

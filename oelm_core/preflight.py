@@ -67,7 +67,8 @@ def check_step_memory(cfg: RunConfig, device: torch.device, local_processes: int
     info line (neither unless ``report``: one rank speaks for all). Returns step_memory's account."""
     mc, tc = cfg.model_config(), cfg.train
     bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")
-    need = step_memory(mc, tc.batch_size, "bf16" if bf16 else "float32", device.type)
+    need = step_memory(mc, tc.batch_size, "bf16" if bf16 else "float32", device.type, tc.fused_loss,
+                       tc.loss_chunk_tokens)
     total = need["total"] * (local_processes if device.type == "cpu" else 1)
     flops = flops_per_token(mc)["total"] * tc.batch_size * mc.block_size * tc.grad_accum
     processes = f" x {local_processes} processes" if device.type == "cpu" and local_processes > 1 else ""

@@ -82,22 +82,34 @@ def saved_for_backward(model, batch: int) -> int:
     return sum(seen.values())
 
 
-SHAPES = [(8, 128, {}), (4, 256, {"loss_impl": "full"}), (3, 32, {"dropout": 0.1}),
-          (2, 64, {"tie_embeddings": False, "attn_bias": True}), (4, 512, {})]
+# (batch, context, model settings, the fused loss or the reference's)
+SHAPES = [(8, 128, {}, True), (4, 256, {}, False), (3, 32, {"dropout": 0.1}, True),
+          (2, 64, {"tie_embeddings": False, "attn_bias": True}, True), (4, 512, {}, True)]
 
 
-@pytest.mark.parametrize("variant, batch, block, shape",
+def smoke_model(variant: str, block: int, fused_loss: bool = True, **shape):
+    """The smoke preset at a 256-token vocabulary (the activations, not the output layer's
+    gradient, dominate), in training mode, with the trainer's fused loss or the reference's."""
+    model = build_model("smoke", variant, block_size=block, vocab_size=256, **shape).train()
+    if fused_loss:
+        from oelm_core.fast import loss
+
+        loss.install(model)
+    return model
+
+
+@pytest.mark.parametrize("variant, batch, block, shape, fused_loss",
                          [(v, *SHAPES[0]) for v in VARIANTS]
                          + [(v, *shape) for v in ("gpt_base", "oelm_freeze", "synth_random", "synth_random_fixed",
                                                   "oelm_poet") for shape in SHAPES[1:]])
-def test_the_activation_estimate_is_what_autograd_saves(variant, batch, block, shape, one_thread):
-    """activation_bytes' 'saved' against the tensors the model's backward really keeps (a 256-token
-    vocabulary, so that the activations and not the output layer's gradient dominate)."""
+def test_the_activation_estimate_is_what_autograd_saves(variant, batch, block, shape, fused_loss, one_thread):
+    """activation_bytes' 'saved' against the tensors the model's backward really keeps."""
     from oelm_core.accounting import activation_bytes
 
-    model = build_model("smoke", variant, block_size=block, vocab_size=256, **shape).train()
+    model = smoke_model(variant, block, fused_loss, **shape)
     measured = saved_for_backward(model, batch)
-    assert activation_bytes(model.cfg, batch)["saved"] == pytest.approx(measured, rel=0.05)
+    estimate = activation_bytes(model.cfg, batch, fused_loss=fused_loss)["saved"]
+    assert estimate == pytest.approx(measured, rel=0.05)
 
 
 @pytest.mark.parametrize("variant", ["gpt_base", "synth_random"])
@@ -107,7 +119,7 @@ def test_the_estimate_grows_with_context_and_batch_as_the_saved_tensors_do(varia
     from oelm_core.accounting import activation_bytes
 
     def both(batch, block):
-        model = build_model("smoke", variant, block_size=block, vocab_size=256).train()
+        model = smoke_model(variant, block)
         return activation_bytes(model.cfg, batch)["saved"], saved_for_backward(model, batch)
 
     (e0, m0), (e_batch, m_batch), (e_block, m_block) = both(4, 256), both(8, 256), both(4, 512)
@@ -130,7 +142,9 @@ import json, sys
 import torch
 from oelm_core import build_model
 from oelm_core.config import TrainConfig
-from oelm_core.train import configure_optimizer, keep_large_blocks_in_heap, make_step
+from oelm_core import fast
+from oelm_core.fast.heap import keep_large_blocks_in_heap
+from oelm_core.step import configure_optimizer, make_step
 torch.set_num_threads(1)
 keep_large_blocks_in_heap()  # as the trainer does on the CPU
 
@@ -139,8 +153,8 @@ def status(key):  # bytes; VmHWM is this process's own peak (ru_maxrss keeps its
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 variant, batch, block, vocab, chunk = json.loads(sys.argv[1])
-model = build_model("smoke", variant, block_size=block, vocab_size=vocab, loss_chunk_tokens=chunk)
-tc = TrainConfig(batch_size=batch, device="cpu")
+tc = TrainConfig(batch_size=batch, device="cpu", loss_chunk_tokens=chunk)
+model = fast.apply(build_model("smoke", variant, block_size=block, vocab_size=vocab), tc, torch.device("cpu"))
 step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
 x, y = (torch.randint(0, vocab, (batch, block)) for _ in range(2))
 with open("/proc/self/clear_refs", "w") as f:
@@ -173,8 +187,8 @@ def test_the_step_estimate_is_near_a_measured_steps_peak(variant, batch, block, 
                          env={**os.environ, "PYTHONPATH": str(repo)})
     assert out.returncode == 0, out.stderr[-3000:]
     added = json.loads(out.stdout.splitlines()[-1])["added"]
-    cfg = model_config("smoke", variant, block_size=block, vocab_size=vocab, loss_chunk_tokens=chunk)
-    need = step_memory(cfg, batch)
+    cfg = model_config("smoke", variant, block_size=block, vocab_size=vocab)
+    need = step_memory(cfg, batch, loss_chunk_tokens=chunk)
     estimate = need["total"] - memory_account(build_model(cfg))["weights"]
     assert need["activations"] > 100 * 2**20 and lowest < estimate / added < 1.3, (estimate, added)
 
