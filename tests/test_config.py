@@ -3,7 +3,7 @@
 import pytest
 
 from oelm_core.config import (ConfigError, TrainConfig, apply_overrides, load_run_config, read_yaml,
-                              run_config_from_dict)
+                              model_config, run_config_from_dict)
 
 
 def test_defaults_are_the_original_study():
@@ -63,8 +63,10 @@ def test_missing_file_and_bad_override(tmp_path):
     ("model.freeze_qk", ["a"], r"model\.freeze_qk must list layer indices as integers"),
     ("model.freeze_qk", [1.7], r"model\.freeze_qk must list layer indices as integers"),
     ("model.freeze_qk", True, r"model\.freeze_qk should be str or list, got bool True"),
-    ("model.loss_chunk_tokens", 0, r"model\.loss_chunk_tokens must be positive, got 0"),
-    ("model.loss_chunk_tokens", -1, r"model\.loss_chunk_tokens must be positive, got -1"),
+    ("train.loss_chunk_tokens", 0, r"train\.loss_chunk_tokens must be at least 1, got 0"),
+    ("train.loss_chunk_tokens", -1, r"train\.loss_chunk_tokens must be at least 1, got -1"),
+    # moved from model to train: an old file's value is checked under its new name
+    ("model.loss_chunk_tokens", -1, r"train\.loss_chunk_tokens must be at least 1, got -1"),
     ("model.synth_rank", 0, r"model\.synth_rank must be positive"),
     ("model.vocab_pad_multiple", 0, r"model\.vocab_pad_multiple must be positive"),
     ("model.poet_merge_every", -5, r"model\.poet_merge_every must be 0 \(off\) or positive"),
@@ -83,6 +85,22 @@ def test_unusable_values_fail_at_load_time(key, value, message):
     values[section] = {name: value}
     with pytest.raises(ConfigError, match=message):
         run_config_from_dict(values)
+
+
+def test_the_loss_switches_of_older_files_are_read_as_train_settings(caplog):
+    """model.loss_impl and model.loss_chunk_tokens were the fused loss's switches; they are train
+    settings now (the model computes the plain loss): an old parameter file, and the run config
+    in an old checkpoint, load with a note; a model built with them is told where they went."""
+    with caplog.at_level("INFO", logger="oelm_core.config"):
+        cfg = run_config_from_dict({"model": {"loss_impl": "full", "loss_chunk_tokens": 100}})
+    assert (cfg.train.fused_loss, cfg.train.loss_chunk_tokens, cfg.model) == (False, 100, {})
+    assert "model.loss_impl is now train.fused_loss" in caplog.text
+    assert run_config_from_dict({"model": {"loss_impl": "chunked"}}).train.fused_loss is True
+    # the train section's own value wins over a moved one
+    assert run_config_from_dict({"model": {"loss_impl": "full"}, "train": {"fused_loss": True}}).train.fused_loss
+    with pytest.raises(ConfigError, match=r"model\.loss_impl is no longer a model setting: .* train\.fused_loss "
+                                          r"and train\.loss_chunk_tokens \(from Python: oelm_core\.fast\.loss"):
+        model_config("tiny", "gpt_base", loss_impl="full")
 
 
 def test_a_section_with_every_key_commented_out_is_empty(tmp_path):

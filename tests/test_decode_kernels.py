@@ -120,7 +120,7 @@ def check_decoder(device: str) -> None:
         assert list(stream_tokens(model, prompt, SamplingConfig(**kw))) == plain
         assert acquire_decoder(model) is decoder and decoder.kernels == "triton"
         release_decoder(decoder)
-        off = list(decode.stream_tokens(model, [3, 4, 5], SamplingConfig(**kw), decode_kernels=False))
+        off = list(decode.stream_tokens(model, prompt, SamplingConfig(**kw), decode_kernels=False))
         decoder = acquire_decoder(model, decode_kernels=False)
         release_decoder(decoder)
         assert off == plain and decoder.kernels == "torch"
