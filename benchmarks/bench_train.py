@@ -1,7 +1,7 @@
 """The trainer's step, with each training fast path on and off, and the nanoGPT reference, on one card.
 
     PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --compile 0 1 \\
-        --groups reference gpt_base oelm_freeze --off fused_loss fused_logits cublaslt cuda_graph
+        --groups reference gpt_base oelm_freeze --off fused_loss fused_logits cublaslt cuda_graph fused_clip
     # cuBLASLt against torch.compile's own autotuning of the GEMMs:
     PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --groups gpt_base:compile=1 \\
         gpt_base:compile=max-autotune-no-cudagraphs,cublaslt=0 \\
@@ -16,7 +16,7 @@ issue that asked for it defines it).
 
 A variant is a group (a model variant, or ``reference``) with options after a colon, e.g.
 ``gpt_base:cublaslt=0,compile=1``:
-  fused_loss, fused_logits, cublaslt, cuda_graph   0/1: that TrainConfig switch (default: on)
+  fused_loss, fused_logits, cublaslt, cuda_graph, fused_clip   0/1: that TrainConfig switch (default: on)
   compile     0/1: train.compile; or a torch.compile mode (max-autotune-no-cudagraphs, max-autotune,
               ...): train.compile with inductor set as that mode sets it, for the whole variant.
               max-autotune is inductor's own GEMM autotuning, the comparison for cublaslt; its
@@ -62,9 +62,9 @@ from oelm_core import build_model, fast  # noqa: E402
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
 from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.fast.loss import ChunkedOutputLoss  # noqa: E402
-from oelm_core.train import configure_optimizer, make_step  # noqa: E402
+from oelm_core.step import configure_optimizer, make_step  # noqa: E402
 
-FAST_PATHS = ("fused_loss", "fused_logits", "cublaslt", "cuda_graph")
+FAST_PATHS = ("fused_loss", "fused_logits", "cublaslt", "cuda_graph", "fused_clip")
 # A variant's options and, where the set is closed, their values (compile: 0, 1 or a torch.compile mode).
 OPTIONS = {**{path: ("0", "1") for path in FAST_PATHS}, "compile": None, "tuning": ("0", "1"),
            "chunk": None, "pad": ("0", "1")}

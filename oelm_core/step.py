@@ -186,9 +186,13 @@ class TrainStep:
             from oelm_core.fast.fused_clip import clip_and_step
 
             return clip_and_step(self.optimizer, self.params, max_norm, divisor)
+        grads = [p.grad for p in self.params if p.grad is not None]
         if divisor != 1.0:
-            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], 1.0 / divisor)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            torch._foreach_mul_(grads, 1.0 / divisor)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        # clip_grad_norm_'s factor max_norm / (norm + 1e-6), capped at 1, applied as a division:
+        # the rounding of a fused optimizer's grad_scale, so both steps give the same weights.
+        torch._foreach_div_(grads, torch.clamp((norm + 1e-6) / max_norm, min=1.0))
         self.optimizer.step()
         return norm
 

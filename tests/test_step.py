@@ -104,42 +104,40 @@ def test_compile_tuning_reaches_torch_compile_on_cuda_only(monkeypatch):
 
 
 @pytest.mark.parametrize("grad_clip", [0.05, 0.0])
-@pytest.mark.parametrize("fused_clip", [True, False])
-def test_the_steps_clip_equals_clip_grad_norm(grad_clip, fused_clip):
-    """The plain step (train.fused_clip off) clips with clip_grad_norm_ and takes the fused AdamW
-    step: bit for bit what doing so by hand gives. With train.fused_clip it divides the gradients
-    by the clip factor inside the fused AdamW (its grad_scale, oelm_core.fast.fused_clip): the
-    same norms and weights up to rounding. Over 4 steps with the clip binding (0.05 is far below
-    this model's norm) and with it off."""
+def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
+    """The plain step (train.fused_clip off) divides the gradients by clip_grad_norm_'s factor and
+    takes the fused AdamW step; with train.fused_clip the fused AdamW divides them inside its
+    kernel (its grad_scale, oelm_core.fast.fused_clip). The two give the same weights bit for bit
+    (so the switch never moves a run's numbers), and clip_grad_norm_ by hand the same norms and
+    weights up to rounding. Over 4 steps with the clip binding (0.05 is far below this model's
+    norm) and with it off."""
     x = torch.randint(0, FOLDED_VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     batches = [(x[:, :-1], x[:, 1:])]
-    tc = TrainConfig(grad_clip=grad_clip, lr=1e-2, fused_clip=fused_clip)
     models = [build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
-              for _ in range(2)]
-    opts = [configure_optimizer(model, tc, torch.device("cpu")) for model in models]
-    assert all(group["fused"] for opt in opts for group in opt.param_groups)
-
-    step = make_step(models[0], opts[0], tc, torch.device("cpu"))
-    inside = [float(step(batches, tc.lr, n)[1]) for n in range(1, 5)]
-    outside = []
-    params = [p for group in opts[1].param_groups for p in group["params"]]  # the step's order
+              for _ in range(3)]
+    norms = []
+    for model, fused_clip in zip(models, (True, False)):
+        tc = TrainConfig(grad_clip=grad_clip, lr=1e-2, fused_clip=fused_clip)
+        opt = configure_optimizer(model, tc, torch.device("cpu"))
+        assert all(group["fused"] for group in opt.param_groups)
+        step = make_step(model, opt, tc, torch.device("cpu"))
+        norms.append([float(step(batches, tc.lr, n)[1]) for n in range(1, 5)])
+        assert not hasattr(opt, "grad_scale")  # no stale divisor left for a later use of the optimizer
+    opt = configure_optimizer(models[2], tc, torch.device("cpu"))
+    by_hand = []
+    params = [p for group in opt.param_groups for p in group["params"]]  # the step's order
     for _ in range(4):
-        opts[1].zero_grad(set_to_none=True)
-        models[1](*batches[0]).backward()
-        outside.append(float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))))
-        opts[1].step()
+        opt.zero_grad(set_to_none=True)
+        models[2](*batches[0]).backward()
+        by_hand.append(float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))))
+        opt.step()
 
-    assert min(inside) > 10 * 0.05  # the 0.05 clip binds on every step
-    if fused_clip:
-        assert inside == pytest.approx(outside, rel=1e-5)
-        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-            assert (a - b).abs().max() <= 1e-6 * (1 + b.abs().max()), name
-    else:
-        assert inside == outside
-        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(a, b), name
-    # The step leaves no stale divisor behind for a later use of its optimizer.
-    assert not hasattr(opts[0], "grad_scale")
+    assert min(norms[0]) > 10 * 0.05  # the 0.05 clip binds on every step
+    assert norms[0] == norms[1] and norms[0] == pytest.approx(by_hand, rel=1e-5)
+    for (name, fused), plain, hand in zip(models[0].named_parameters(), models[1].parameters(),
+                                          models[2].parameters()):
+        assert torch.equal(fused, plain), name
+        assert (fused - hand).abs().max() <= 1e-6 * (1 + hand.abs().max()), name
 
 
 @pytest.mark.parametrize("fused", [True, False])

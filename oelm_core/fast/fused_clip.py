@@ -1,14 +1,12 @@
 """Gradient clipping inside PyTorch's fused AdamW: no separate pass over the gradients.
 
-``torch.nn.utils.clip_grad_norm_`` (the plain step) multiplies every gradient by the clip factor
-before ``optimizer.step()``: one more read and write of all of them. A fused AdamW takes a
-divisor of the gradients, ``grad_scale`` (what AMP's GradScaler hands it), and applies it inside
-its one kernel: ``clip_and_step`` passes the clip factor (and the NVLink exchange's
-``grad_divisor``, which averages gradients that hold a sum over ranks) that way.
-
-The same update up to float rounding (dividing by (norm + 1e-6) / max_norm instead of
-multiplying by its inverse; tests/test_step.py). Switch: ``train.fused_clip``; the step uses it
-only where every parameter group is fused. Gain: benchmarks/README.md.
+The plain step divides every gradient by clip_grad_norm_'s factor before ``optimizer.step()``:
+one more read and write of all of them. A fused AdamW takes a divisor of the gradients,
+``grad_scale`` (what AMP's GradScaler hands it), and applies it inside its one kernel:
+``clip_and_step`` passes the clip factor (and the NVLink exchange's ``grad_divisor``, which
+averages gradients that hold a sum over ranks) that way. The same division, so the same weights
+bit for bit (tests/test_step.py). Switch: ``train.fused_clip``; the step uses it only where every
+parameter group is fused. Gain: benchmarks/README.md.
 """
 
 from __future__ import annotations
