@@ -60,7 +60,7 @@ LAB_ARGS ?=
 lab: $(VENV)/.installed
 	$(BIN)/python -m jupyterlab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
-# The tests marked `gpu` (cuBLASLt, Triton kernels on CUDA, CUDA graphs, two GPUs), and a summary:
+# The tests marked `gpu` (Triton kernels on CUDA, CUDA graphs, two GPUs), and a summary:
 # card, torch, date, commit, passed/failed/skipped (scripts/test_gpu.sh).
 test-gpu: $(if $(PYTHON_BIN),,$(VENV)/.installed)
 	PYTHON_BIN="$(or $(PYTHON_BIN),$(BIN)/python)" scripts/test_gpu.sh $(PYTEST_ARGS)

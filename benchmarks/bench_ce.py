@@ -7,10 +7,9 @@ the memory roofline on that slice (a copy: one read, one write; a float32 sum: o
 with WRITE_GRAD for each BLOCKxnum_warps config, at GB/s counting its two passes over the slice
 (one read, one write), each run on a fresh copy of the logits (the kernel works in place, and what
 it leaves is no longer logits) and checked against float32 torch; and the output layer's
-weight-gradient accumulation for the slice, bf16 matmul + float add vs ce_kernels._addmm_fp32_
-vs cuBLASLt's float32 sum (what the loss runs with train.cublaslt); and the slice's whole forward,
-cuBLASLt's GEMM + the kernel against the fused logits GEMM (oelm_core.fast.logits_gemm; switch
-train.fused_logits), from x and w.
+weight-gradient accumulation for the slice, bf16 matmul + float add vs ce_kernels._addmm_fp32_;
+and the slice's whole forward, torch's GEMM + the kernel against the fused logits GEMM
+(oelm_core.fast.logits_gemm; switch train.fused_logits), from x and w.
 Each figure is the median of --reps CUDA-event timings after 3 warm-up runs. CUDA and Triton only.
 """
 
@@ -109,7 +108,7 @@ def main():
         print("bench_ce: no CUDA device; the kernel it times runs on CUDA only. Nothing to do.")
         return
     try:
-        from oelm_core.fast import ce_kernels, cublaslt
+        from oelm_core.fast import ce_kernels
     except ImportError:
         print("bench_ce: Triton is not installed, so the fused loss has no cross-entropy kernel. Nothing to do.")
         return
@@ -149,10 +148,6 @@ def main():
           "addmm_fp32_rel_err": float((acc - exact).norm() / exact.norm()),
           # False: this torch lacks the mixed-dtype addmm and _addmm_fp32_ fell back to (a).
           "mixed_dtype_addmm": ce_kernels._HAS_ADDMM_OUT_DTYPE}
-    if cublaslt.available(logits.device, logits.dtype):  # what the loss runs with train.cublaslt
-        lt_ms = time_ms(lambda: cublaslt.matmul_into(acc, logits, x, trans_a=True, accumulate=True), args.reps)
-        cublaslt.matmul_into(acc, logits, x, trans_a=True)
-        dw |= {"cublaslt_ms": lt_ms, "cublaslt_rel_err": float((acc - exact).norm() / exact.norm())}
 
     forward = forward_paths(args.rows, args.reps)
     if args.json:
@@ -164,9 +159,9 @@ def main():
 
 def forward_paths(rows: int, reps: int) -> dict:
     """The slice's forward as the training step runs it, from x (rows, d) and w (padded, d) to E, the
-    loss and the row scales: cuBLASLt's GEMM + ``_ce_rows_kernel`` against the fused logits GEMM
+    loss and the row scales: torch's GEMM + ``_ce_rows_kernel`` against the fused logits GEMM
     (``oelm_core.fast.logits_gemm``), with the GEMM alone for scale, and the two paths' agreement."""
-    from oelm_core.fast import cublaslt, logits_gemm
+    from oelm_core.fast import logits_gemm
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(rows, D_MODEL, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(PADDED, D_MODEL, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
@@ -175,10 +170,8 @@ def forward_paths(rows: int, reps: int) -> dict:
     inv_n = (1.0 / (targets >= 0).sum().float()).reshape(1)
     loss, scale = (torch.empty(rows, device="cuda") for _ in range(2))
     x_scaled = torch.empty_like(x)
-    lt = cublaslt.available(x.device, x.dtype)
-
     def gemm():
-        return cublaslt.gemm(x, w, None, False, True) if lt else x @ w.T
+        return x @ w.T
 
     def split():
         logits = gemm()
@@ -212,8 +205,7 @@ def print_tables(meta, roofline, kernel, dw, forward):
               f"{k['loss_err']:9.2e} {k['grad_err']:9.2e} {'yes' if k['pad_zero'] else 'NO':>5s}")
     print(f"\ndW += logits.T @ x ({PADDED} x {D_MODEL} float32): bf16 mm + float add {dw['bf16_mm_float_add_ms']:.3f} ms, "
           f"_addmm_fp32_ {dw['addmm_fp32_ms']:.3f} ms (rel err {dw['addmm_fp32_rel_err']:.1e}"
-          f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})"
-          + (f", cuBLASLt {dw['cublaslt_ms']:.3f} ms (rel err {dw['cublaslt_rel_err']:.1e})" if "cublaslt_ms" in dw else ""))
+          f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})")
     f = forward
     print(f"\nforward, x ({meta['rows']} x {D_MODEL}) to E, loss and row scales: GEMM alone {f['gemm_ms']:.3f} ms, "
           f"GEMM + loss kernel {f['gemm_and_kernel_ms']:.3f} ms"

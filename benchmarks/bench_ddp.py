@@ -10,13 +10,11 @@ steps) on the model as the trainer builds it (``oelm_core.fast.apply``), once fo
 
     peer       train.grad_exchange: peer, the NVLink copies (oelm_core/fast/peer_grads.py): two
                CUDA GPUs of one host with peer access only (elsewhere the row says why not)
-    ddp        DDP, the tied embedding/output weight's gradient in two shares
-               (train.tied_grad_split, oelm_core/fast/tied_grads.py)
-    ddp-joint  DDP reducing the tied weight with the other gradients (train.tied_grad_split off)
+    ddp        DDP (train.grad_exchange: ddp)
 
 and first, unless --no-baseline, the same step on rank 0 alone without DDP (one GPU, while the
 others wait): efficiency = tokens/s per GPU over that one GPU's, in the same run. --set KEY=VALUE
-sets any other train.* switch for every row (e.g. --set compile=true fused_clip=false). Rank 0
+sets any other train.* switch for every row (e.g. --set compile=true fused_logits=false). Rank 0
 prints a table (and --json writes the rows); times are the median of --blocks blocks of --steps
 steps after --warmup steps, the slowest rank's (CUDA events on GPUs).
 """
@@ -45,9 +43,7 @@ from oelm_core.distributed import init_process_group, resolve_device  # noqa: E4
 from oelm_core.model import build_model  # noqa: E402
 from oelm_core.step import configure_optimizer, make_step  # noqa: E402
 
-EXCHANGES = {"peer": {"grad_exchange": "peer"},
-             "ddp": {"grad_exchange": "ddp", "tied_grad_split": True},
-             "ddp-joint": {"grad_exchange": "ddp", "tied_grad_split": False}}
+EXCHANGES = {"peer": {"grad_exchange": "peer"}, "ddp": {"grad_exchange": "ddp"}}
 
 
 def train_settings(items: list[str]) -> dict:
@@ -74,7 +70,7 @@ def time_step(args, tc: TrainConfig, group: str, batch: int, accum: int, device:
         torch.cuda.reset_peak_memory_stats(device)
     base_mem = torch.cuda.memory_allocated(device) if cuda else 0  # held before this row: not its own
     cfg = model_config(args.preset, group)
-    model = fast.apply(build_model(cfg, seed=0).to(device), tc, device)
+    model = fast.apply(build_model(cfg, seed=0).to(device), tc)
     step = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=ddp)
     rank = dist.get_rank() if ddp else 0
     gen = torch.Generator().manual_seed(rank + 1)
@@ -116,10 +112,7 @@ def time_step(args, tc: TrainConfig, group: str, batch: int, accum: int, device:
     s = median(secs)
     world = dist.get_world_size() if ddp else 1
     tokens = world * accum * batch * cfg.block_size
-    reducer = step.gradients_by  # and, beside DDP, TiedGradReducer where it reduces the tied weight
-    if step.gradients_by == "ddp" and step.exchange is not None:
-        reducer += f" + {type(step.exchange).__name__}"
-    row = {"impl": "trainer", "reducer": reducer, "group": group, "world": world,
+    row = {"impl": "trainer", "reducer": step.gradients_by, "group": group, "world": world,
            "batch_per_gpu": batch, "grad_accum": accum, "ms_per_step": 1000 * s, "tokens_per_s": tokens / s,
            "tokens_per_s_per_gpu": tokens / s / world, "warmup_s": warmup_s,
            "peak_mem_gb": (torch.cuda.max_memory_allocated(device) - base_mem) / 2**30 if cuda else None}
@@ -187,7 +180,7 @@ def main():
             eff = f"{100 * r['tokens_per_s_per_gpu'] / base:9.1f}%" if base else f"{'-':>10s}"
             mem = f"{r['peak_mem_gb']:8.2f}" if r["peak_mem_gb"] is not None else f"{'-':>8s}"
             print(f"{head} {r['ms_per_step']:8.2f} {r['tokens_per_s_per_gpu']:10.0f} {eff} {mem}  {r['reducer']}")
-        if args.json:  # the measured rows (benchmarks/ddp_efficiency.py reads them too)
+        if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "results": [r for r in rows if "unavailable" not in r]}, f, indent=1)
     dist.destroy_process_group()

@@ -5,8 +5,8 @@ medium512 (bf16 autocast, float32 hidden states and weight): the fused loss
     PYTHONPATH=. python benchmarks/bench_loss.py --tokens 32768 4096 --json loss.json
 
 Timed for each path: ms per forward + backward (median of --blocks blocks of 10 after 3 warm-up
-calls, CUDA events) and the peak memory above the inputs. --fused-logits and --cublaslt set the
-fused loss's switches (train.fused_logits, train.cublaslt). CUDA only.
+calls, CUDA events) and the peak memory above the inputs. --fused-logits sets the fused loss's
+switch (train.fused_logits). CUDA only.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ def main():
     ap.add_argument("--chunk", type=at_least(1), default=TrainConfig.loss_chunk_tokens,
                     help="tokens per slice of the fused loss (default: train.loss_chunk_tokens)")
     ap.add_argument("--fused-logits", type=int, choices=[0, 1], default=1, help="train.fused_logits")
-    ap.add_argument("--cublaslt", type=int, choices=[0, 1], default=1, help="train.cublaslt")
     ap.add_argument("--blocks", type=at_least(1), default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -50,8 +49,7 @@ def main():
     w = torch.nn.Parameter(torch.randn(PADDED, D_MODEL, device=device, generator=g) * 0.02)
     reference = OutputLoss(VOCAB)
     paths = {"fused": lambda x, t: linear_cross_entropy(x, w, t, VOCAB, chunk=args.chunk,
-                                                        fused_logits=bool(args.fused_logits),
-                                                        cublaslt=bool(args.cublaslt)),
+                                                        fused_logits=bool(args.fused_logits)),
              "reference": lambda x, t: reference(x, w, t)}
     rows = []
     for n in args.tokens:
@@ -73,7 +71,6 @@ def main():
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
             rows.append({"path": name, "tokens": n, "chunk": args.chunk if name == "fused" else None,
                          "fused_logits": bool(args.fused_logits) if name == "fused" else None,
-                         "cublaslt": bool(args.cublaslt) if name == "fused" else None,
                          "ms": ms, "peak_gib_above_inputs": peak})
             print(f"{name:9s} {n} tokens: {ms:.3f} ms forward + backward, peak +{peak:.2f} GiB")
     out = {"card": card_name(), "date": now(), "commit": commit(), "command": " ".join(sys.argv), "rows": rows}

@@ -1,11 +1,10 @@
 """The trainer's step, with each training fast path on and off, and the nanoGPT reference, on one card.
 
     PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --compile 0 1 \\
-        --groups reference gpt_base oelm_freeze --off fused_loss fused_logits cublaslt cuda_graph fused_clip
-    # cuBLASLt against torch.compile's own autotuning of the GEMMs:
+        --groups reference gpt_base oelm_freeze --off fused_loss fused_logits cuda_graph
+    # torch.compile's own GEMM autotuning, and its coordinate-descent tuning off:
     PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --groups gpt_base:compile=1 \\
-        gpt_base:compile=max-autotune-no-cudagraphs,cublaslt=0 \\
-        gpt_base:compile=1,cuda_graph=0 gpt_base:compile=max-autotune,cublaslt=0,cuda_graph=0
+        gpt_base:compile=max-autotune-no-cudagraphs gpt_base:compile=1,tuning=0
 
 The step is built as the trainer builds it: ``build_model`` -> ``oelm_core.fast.apply(model, tc,
 device)`` -> ``make_step(model, configure_optimizer(model, tc, device), tc, device)`` (forward,
@@ -15,26 +14,25 @@ step (no fast path applies to it), compiled plainly and without a CUDA graph unl
 issue that asked for it defines it).
 
 A variant is a group (a model variant, or ``reference``) with options after a colon, e.g.
-``gpt_base:cublaslt=0,compile=1``:
-  fused_loss, fused_logits, cublaslt, cuda_graph, fused_clip   0/1: that TrainConfig switch (default: on)
+``gpt_base:fused_logits=0,compile=1``:
+  fused_loss, fused_logits, cuda_graph   0/1: that TrainConfig switch (default: on)
   compile     0/1: train.compile; or a torch.compile mode (max-autotune-no-cudagraphs, max-autotune,
               ...): train.compile with inductor set as that mode sets it, for the whole variant.
-              max-autotune is inductor's own GEMM autotuning, the comparison for cublaslt; its
-              CUDA graphs do not mix with the step's own (use cuda_graph=0 with it), the
-              no-cudagraphs mode does
+              max-autotune adds inductor's own GEMM autotuning; its CUDA graphs do not mix
+              with the step's own (use cuda_graph=0 with it), the no-cudagraphs mode does
   tuning      0/1: train.compile_tuning (default: TrainConfig's; 0 for the reference)
   chunk       train.loss_chunk_tokens
   pad         0/1, the reference only: its vocabulary padded to 50,304 rows as nanoGPT pads it
               (default 1)
 ``--compile 0 1`` times every variant that sets no compile of its own at each value; ``--off``
 times every group but the reference once more with each named fast path off, one at a time. A
-row's label is the variant as given, with what these add (``gpt_base:compile=1,cublaslt=0``; the
+row's label is the variant as given, with what these add (``gpt_base:compile=1,fused_logits=0``; the
 compile value only where --compile names several).
 
 Each figure is the median of --blocks blocks of --steps steps after warm-up, timed with CUDA events
 (on the CPU with the wall clock); peak memory is torch.cuda.max_memory_allocated over building,
 compiling, capturing and the timed steps, less what was allocated before the variant began. The
-JSON's ``applied`` says which fast paths actually ran (cuBLASLt and the fused logits GEMM only
+JSON's ``applied`` says which fast paths actually ran (the fused logits GEMM only
 where they run; cuda_graph whether the timed step replayed a graph). Prints a table last: "x ref"
 is tokens/s against the reference at the same batch and compile setting, "vs on" the step time
 against the same group with every fast path on (a fast path's gain is its "off" row's excess).
@@ -64,7 +62,7 @@ from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.fast.loss import ChunkedOutputLoss  # noqa: E402
 from oelm_core.step import configure_optimizer, make_step  # noqa: E402
 
-FAST_PATHS = ("fused_loss", "fused_logits", "cublaslt", "cuda_graph", "fused_clip")
+FAST_PATHS = ("fused_loss", "fused_logits", "cuda_graph")
 # A variant's options and, where the set is closed, their values (compile: 0, 1 or a torch.compile mode).
 OPTIONS = {**{path: ("0", "1") for path in FAST_PATHS}, "compile": None, "tuning": ("0", "1"),
            "chunk": None, "pad": ("0", "1")}
@@ -79,7 +77,7 @@ def check_option(spec: str, group: str, k: str, val: str) -> None:
     """ValueError, naming ``spec``, unless ``k=val`` is an option ``group`` takes."""
     if k not in OPTIONS:
         raise ValueError(f"{spec}: unknown option {k!r}; a variant's options are "
-                         f"{', '.join(OPTIONS)} (e.g. gpt_base:cublaslt=0,compile=1)")
+                         f"{', '.join(OPTIONS)} (e.g. gpt_base:fused_logits=0,compile=1)")
     if not val:
         raise ValueError(f"{spec}: {k} needs a value ({k}=...)")
     if group == "reference" and k not in REFERENCE_OPTIONS:
@@ -153,22 +151,21 @@ def build(v: dict, tc: TrainConfig, preset: str, device):
         cfg = model_config(preset, "gpt_base")
         return cfg, ReferenceGPT(cfg, pad_vocab=bool(int(v.get("pad", 1)))).to(device)
     model = build_model(preset, v["group"]).to(device)
-    return model.cfg, fast.apply(model, tc, device)
+    return model.cfg, fast.apply(model, tc)
 
 
 def applied(v: dict, tc: TrainConfig, model, step, device) -> dict:
     """Which fast paths ran in the timed steps (not only which were asked for)."""
     if v["group"] == "reference":
-        return {"fused_loss": False, "fused_logits": False, "cublaslt": False,
+        return {"fused_loss": False, "fused_logits": False,
                 "cuda_graph": bool(getattr(step, "cuda_graph", False))}
     fused_loss = isinstance(model.output_loss, ChunkedOutputLoss)
-    lt = fused_logits = False
+    fused_logits = False
     if device.type == "cuda":
-        from oelm_core.fast import cublaslt, logits_gemm
-        lt = tc.cublaslt and cublaslt.available(device, torch.bfloat16)
+        from oelm_core.fast import logits_gemm
         fused_logits = fused_loss and tc.fused_logits and logits_gemm.available(
             device, torch.bfloat16, model.cfg.d_model, model.cfg.padded_vocab_size)
-    return {"fused_loss": fused_loss, "fused_logits": bool(fused_logits), "cublaslt": bool(lt),
+    return {"fused_loss": fused_loss, "fused_logits": bool(fused_logits),
             "cuda_graph": bool(getattr(step, "cuda_graph", False))}
 
 
@@ -299,7 +296,7 @@ def agreement(preset: str, device, batch: int = 4) -> dict:
     torch.manual_seed(0)
     autocast = device.type == "cuda"
     for variant in ("gpt_base", "oelm_freeze"):
-        fast_model = fast.apply(build_model(preset, variant).to(device), TrainConfig(), device)
+        fast_model = fast.apply(build_model(preset, variant).to(device), TrainConfig())
         plain = build_model(preset, variant).to(device)
         plain.load_state_dict(fast_model.state_dict())
         ref = copy_from(ReferenceGPT(fast_model.cfg).to(device), fast_model)
@@ -328,7 +325,7 @@ def main():
     ap.add_argument("--preset", default="medium512")
     ap.add_argument("--batch", type=at_least(1), nargs="+", default=[16, 64])
     ap.add_argument("--groups", nargs="+", default=["reference", "gpt_base", "oelm_nofreeze", "oelm_freeze"],
-                    help="variants: a group (a model variant or 'reference') with options, e.g. gpt_base:cublaslt=0")
+                    help="variants: a group (a model variant or 'reference') with options, e.g. gpt_base:fused_logits=0")
     ap.add_argument("--compile", nargs="+", default=["0"],
                     help="train.compile for the variants that set none: 0, 1 or a torch.compile mode (several: each)")
     ap.add_argument("--off", nargs="*", default=[], choices=FAST_PATHS,

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: a plain training step, timing, card and commit names."""
+"""Shared pieces of the benchmarks: timing, card and commit names."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ import subprocess
 import time
 
 import torch
-
-from oelm_core.config import TrainConfig
-from oelm_core.step import configure_optimizer
 
 
 def card_name(device=None) -> str:
@@ -52,70 +49,6 @@ def commit() -> str:
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-class PlainStep:
-    """forward + backward + clip + AdamW for one (x, y) batch, written out plainly: the baseline
-    the trainer's step (``oelm_core.step.TrainStep``) is timed against, not that step. The
-    optimiser is the trainer's (``step.configure_optimizer``), but the gradients are clipped by
-    ``clip_grad_norm_`` (a separate pass over them) where the trainer's fused AdamW divides them
-    inside its kernel (train.fused_clip). ``graph=True`` captures the step whole in a CUDA graph (inputs copied into
-    static buffers, the optimiser capturable with its learning rate a device tensor)."""
-
-    def __init__(self, model, fwd, tc: TrainConfig, batch_shape, device, graph: bool = False,
-                 autocast: bool = True):
-        self.model, self.fwd, self.tc, self.graph = model, fwd, tc, graph
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.device = torch.device(device)
-        from oelm_core.train import configure_optimizer  # here: the generation benchmarks need no trainer
-
-        self.opt = configure_optimizer(model, tc, self.device)
-        if graph:  # as the trainer's step turns it capturable before its capture
-            for group in self.opt.param_groups:
-                group["lr"] = torch.tensor(tc.lr, device=self.device)
-                group["capturable"] = True
-        self.autocast = autocast and self.device.type == "cuda"
-        self.x = torch.zeros(batch_shape, dtype=torch.long, device=device)
-        self.y = torch.zeros(batch_shape, dtype=torch.long, device=device)
-        self.g = None
-        self.loss = None
-
-    def _body(self):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss = self.fwd(self.x, self.y)
-        loss.backward()
-        # As oelm_core.train: the norm is always computed (logged), max_norm=inf when clipping is off.
-        torch.nn.utils.clip_grad_norm_(self.params, self.tc.grad_clip or float("inf"))
-        self.opt.step()
-        return loss
-
-    def warmup(self, x, y, n: int = 3):
-        self.x.copy_(x)
-        self.y.copy_(y)
-        if self.graph:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(n):
-                    self._body()
-                    self.opt.zero_grad(set_to_none=True)
-            torch.cuda.current_stream().wait_stream(s)
-            self.g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.g):
-                self.loss = self._body()
-        else:
-            for _ in range(n):
-                self(x, y)
-
-    def __call__(self, x, y):
-        self.x.copy_(x, non_blocking=True)
-        self.y.copy_(y, non_blocking=True)
-        if self.g is not None:
-            self.g.replay()
-            return self.loss
-        loss = self._body()
-        self.opt.zero_grad(set_to_none=True)
-        return loss
 
 
 def at_least(low: int):

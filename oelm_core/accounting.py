@@ -246,9 +246,9 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32", 
     and 'total' plus ``state_bytes`` 5-25% under a CPU step's measured peak where the activations
     dominate; where the loss's slices do, the heap holds back a number of freed slices that varies
     from run to run (the estimate counts one), and the peak came out up to twice the estimate
-    (tests/test_accounting.py). On CUDA (bf16, compiled) it came within 15% of the peaks
-    benchmarks/RESULTS.md records for medium512 at 8 and 64 x 512 (1.67 / 5.09 GiB against
-    1.53 / 5.85).
+    (tests/test_accounting.py). On CUDA (bf16, compiled), 'total' plus ``state_bytes`` came
+    within 15% of the peaks that benchmarks/bench_train.py measured for medium512 at 16 and
+    64 x 512 (benchmarks/README.md).
     """
     if dtype not in ("float32", "bf16"):
         raise ValueError(f"dtype must be 'float32' or 'bf16', got {dtype!r}")

@@ -313,13 +313,6 @@ class TrainConfig:
     fused_loss: bool = True
     loss_chunk_tokens: int = 8192
     fused_logits: bool = True    # Hopper, bf16: the logits GEMM computes the loss's exp() itself
-    cublaslt: bool = True        # CUDA: the body's GEMMs through cuBLASLt, GELU in fc's epilogue
-    # The gradient clip inside the fused AdamW (its grad_scale) instead of clip_grad_norm_'s pass
-    # over the gradients (oelm_core/fast/fused_clip.py).
-    fused_clip: bool = True
-    # DDP: the tied embedding/output weight's gradient reduced in two shares, the output layer's
-    # during the backward and the embedding's as the rows of the batch's tokens (needs fused_loss).
-    tied_grad_split: bool = True
     cpu_heap: bool = True        # CPU: glibc keeps freed large blocks for the next step (mallopt)
     progress: bool = True        # tqdm bar on rank 0
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
@@ -507,21 +500,33 @@ MOVED_MODEL_KEYS = {
     "loss_impl": ("fused_loss", lambda impl: impl != "full"),
     "loss_chunk_tokens": ("loss_chunk_tokens", lambda n: n),
 }
+# Switches of fast paths deleted because they no longer saved 2% of a step (benchmarks/README.md).
+# They changed no number, so a run folder or parameter file that sets them loads without them.
+REMOVED_TRAIN_KEYS = ("cublaslt", "fused_clip", "tied_grad_split")
 
 
-def upgrade_model_keys(values: dict) -> dict:
-    """A copy of a parameter mapping with MOVED_MODEL_KEYS moved from ``model`` to ``train``;
-    for ``model_config`` mappings (a checkpoint's), see ``model_config_from_dict``."""
-    model = values.get("model")
-    if not isinstance(model, dict) or not set(model) & set(MOVED_MODEL_KEYS):
+def upgrade_keys(values: dict) -> dict:
+    """A copy of a parameter mapping with MOVED_MODEL_KEYS moved from ``model`` to ``train`` and
+    REMOVED_TRAIN_KEYS dropped; for ``model_config`` mappings (a checkpoint's), see
+    ``model_config_from_dict``."""
+    model, train = values.get("model"), values.get("train")
+    moved = isinstance(model, dict) and set(model) & set(MOVED_MODEL_KEYS)
+    removed = isinstance(train, dict) and set(train) & set(REMOVED_TRAIN_KEYS)
+    if not (moved or removed):
         return values
-    values = {**values, "model": dict(model), "train": dict(values.get("train") or {})}
-    for old, (new, convert) in MOVED_MODEL_KEYS.items():
-        if old in values["model"]:
-            value = values["model"].pop(old)
-            values["train"].setdefault(new, convert(value) if isinstance(value, (str, int)) else value)
-            log.info("model.%s is now train.%s (an execution switch, not the model's shape); "
-                     "read as train.%s: %r", old, new, new, values["train"][new])
+    values = {**values, "train": dict(train or {})}
+    if moved:
+        values["model"] = dict(model)
+        for old, (new, convert) in MOVED_MODEL_KEYS.items():
+            if old in values["model"]:
+                value = values["model"].pop(old)
+                values["train"].setdefault(new, convert(value) if isinstance(value, (str, int)) else value)
+                log.info("model.%s is now train.%s (an execution switch, not the model's shape); "
+                         "read as train.%s: %r", old, new, new, values["train"][new])
+    for key in sorted(removed or ()):
+        del values["train"][key]
+        log.info("train.%s is ignored: that fast path was removed (it saved under 2%% of a step and "
+                 "changed no number; benchmarks/README.md)", key)
     return values
 
 
@@ -534,7 +539,7 @@ def model_config_from_dict(values: dict) -> ModelConfig:
 
 def run_config_from_dict(values: dict) -> RunConfig:
     """A RunConfig from a nested mapping (a parsed YAML file), with every key checked."""
-    return _build(RunConfig, upgrade_model_keys(values or {}), "params").validate()
+    return _build(RunConfig, upgrade_keys(values or {}), "params").validate()
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -563,8 +568,7 @@ RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "compile_tuning", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
-              "loss_chunk_tokens", "fused_logits", "cublaslt", "fused_clip", "tied_grad_split",
-              "cpu_heap"},
+              "loss_chunk_tokens", "fused_logits", "cpu_heap"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
 

@@ -560,8 +560,7 @@ def _open_tokens(bin_path: str | Path, block_size: int, vocab_size: int = VOCAB_
     """The token file as a uint16 memmap, after checking that it holds whole tokens, at least one
     window of block_size + 1 of them, and no id past ``vocab_size`` (the tokenizer's: a file
     damaged in place keeps its size, and its ids reached torch.embedding as a bare IndexError).
-    The largest id is one pass over the map, cheap next to a training step (benchmarks/RESULTS.md,
-    the measurement log)."""
+    The largest id is one pass over the map, once per run: cheap next to the training."""
     path = Path(bin_path)
     if not path.is_file():
         raise ConfigError(f"token file {path} not found; {_prepare_hint(path.parent)}")

@@ -3,8 +3,7 @@
 One process trains alone; under torchrun each process joins the process group that torchrun's
 environment describes (RANK, WORLD_SIZE, LOCAL_RANK) and trains on its own device. The step
 (``oelm_core.step``) wraps the model with ``data_parallel``: DDP, or on two GPUs of one host the
-NVLink exchange (``oelm_core.fast.peer_grads``), with DDP's tied embedding/output gradient reduced
-in two shares (``oelm_core.fast.tied_grads``) where ``train.tied_grad_split`` is on.
+NVLink exchange (``oelm_core.fast.peer_grads``).
 """
 
 from __future__ import annotations
@@ -120,13 +119,9 @@ DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                       else {"broadcast_buffers": False})
 
 
-def wrap_ddp(module: nn.Module, device: torch.device, bucket_mb: float,
-             ignored: Optional[list[nn.Parameter]] = None) -> DDP:
-    """``module`` in DistributedDataParallel with ``bucket_mb`` MB buckets (train.ddp_bucket_mb),
-    no buffer broadcasts, and the ``ignored`` parameters left to another reducer."""
-    if ignored:
-        names = [name for name, p in module.named_parameters() if any(p is q for q in ignored)]
-        DDP._set_params_and_buffers_to_ignore_for_model(module, names)
+def wrap_ddp(module: nn.Module, device: torch.device, bucket_mb: float) -> DDP:
+    """``module`` in DistributedDataParallel with ``bucket_mb`` MB buckets (train.ddp_bucket_mb)
+    and no buffer broadcasts."""
     # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, so they are not
     # copied back out after each all-reduce.
     return DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
@@ -135,14 +130,12 @@ def wrap_ddp(module: nn.Module, device: torch.device, bucket_mb: float,
 
 def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: torch.device):
     """``module`` (``model`` or its compiled wrapper) made data parallel as ``tc`` says:
-    (what the forward runs through, the exchange that reduces gradients besides DDP or instead
-    of it, or None).
+    (what the forward runs through, the exchange that reduces gradients instead of DDP, or None).
 
     ``train.grad_exchange`` "auto"/"peer": on two CUDA GPUs of one host the NVLink exchange
-    replaces DDP ("peer": or a ConfigError); otherwise, or with "ddp", DDP, with the tied
-    embedding/output weight's gradient reduced in two shares when ``train.tied_grad_split``.
-    An exchange is an object with ``begin(tokens)``, ``sync``, ``finish()``, ``remove()`` and
-    ``grad_divisor`` (``oelm_core.step.TrainStep`` calls them).
+    replaces DDP ("peer": or a ConfigError); otherwise, or with "ddp", DDP. An exchange is an
+    object with ``begin(tokens)``, ``sync``, ``finish()``, ``remove()`` and ``grad_divisor``
+    (``oelm_core.step.TrainStep`` calls them).
     """
     if tc.grad_exchange != "ddp":
         from oelm_core.fast.peer_grads import PeerGradExchange
@@ -157,15 +150,7 @@ def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: 
         if tc.grad_exchange == "peer":
             raise ConfigError("train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
                               "access (NVLink) under NCCL; use auto to fall back to DDP")
-    exchange = None
-    if tc.tied_grad_split:
-        from oelm_core.fast.tied_grads import TiedGradReducer
-
-        exchange = TiedGradReducer.for_model(model)
-        if exchange is not None:
-            log.info("DDP: the tied embedding/output weight is reduced in two shares (TiedGradReducer)")
-    ignored = [exchange.weight] if exchange is not None else None
-    return wrap_ddp(module, device, tc.ddp_bucket_mb, ignored), exchange
+    return wrap_ddp(module, device, tc.ddp_bucket_mb), None
 
 
 def on_rank_0(fn: Callable[[], Any], d: Dist, what: str) -> None:

@@ -17,7 +17,7 @@ and whether they learn:
 replace QK^T by input-independent logits (the Synthesizer).
 
 This file is the reference path: plain PyTorch, any device. The speed tricks (a loss that never
-holds all logits, cuBLASLt GEMMs, CUDA-graph decoding, Triton kernels...) live in
+holds all logits, a CUDA-graph step and decoder, Triton kernels...) live in
 ``oelm_core.fast`` and are applied to a built model, tested against this one.
 """
 

@@ -182,16 +182,12 @@ class TrainStep:
         ``grad_divisor``) are averaged first."""
         max_norm = self.tc.grad_clip or float("inf")
         divisor = getattr(self.exchange, "grad_divisor", 1.0)
-        if self.tc.fused_clip and all(group.get("fused") for group in self.optimizer.param_groups):
-            from oelm_core.fast.fused_clip import clip_and_step
-
-            return clip_and_step(self.optimizer, self.params, max_norm, divisor)
         grads = [p.grad for p in self.params if p.grad is not None]
         if divisor != 1.0:
             torch._foreach_mul_(grads, 1.0 / divisor)
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        # clip_grad_norm_'s factor max_norm / (norm + 1e-6), capped at 1, applied as a division:
-        # the rounding of a fused optimizer's grad_scale, so both steps give the same weights.
+        # clip_grad_norm_'s factor max_norm / (norm + 1e-6), capped at 1, applied as a division
+        # (the rounding the study's runs were trained with), without a sync: capturable in a graph.
         torch._foreach_div_(grads, torch.clamp((norm + 1e-6) / max_norm, min=1.0))
         self.optimizer.step()
         return norm

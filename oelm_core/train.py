@@ -102,7 +102,7 @@ class Trainer:
         self.frozen = self.model_cfg.frozen_layers()  # layers whose Q/K are still buffers
         # The seed makes the weights identical on every rank; the offset gives ranks own dropout.
         model = build_model(self.model_cfg, seed=self.tc.seed).to(self.device)
-        self.model = fast.apply(model, self.tc, self.device)  # the fast paths tc switches on
+        self.model = fast.apply(model, self.tc)  # the fast paths tc switches on
         torch.manual_seed(self.tc.seed + d.rank)
         self.optimizer = configure_optimizer(self.model, self.tc, self.device)
         self.step_fn = make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)

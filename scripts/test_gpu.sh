@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tests (pytest marker `gpu`: cuBLASLt, the Triton loss, logits-GEMM, decode and sampling
+# The GPU tests (pytest marker `gpu`: the Triton loss, logits-GEMM, decode and sampling
 # kernels on CUDA, CUDA-graph capture, the two-GPU exchange), which CI cannot run, on this
 # machine's GPUs; then one summary: card(s), torch and Triton, date, commit, passed / failed /
 # skipped. Run it at the end of every change that touches a fast path:

@@ -154,7 +154,7 @@ def status(key):  # bytes; VmHWM is this process's own peak (ru_maxrss keeps its
 
 variant, batch, block, vocab, chunk = json.loads(sys.argv[1])
 tc = TrainConfig(batch_size=batch, device="cpu", loss_chunk_tokens=chunk)
-model = fast.apply(build_model("smoke", variant, block_size=block, vocab_size=vocab), tc, torch.device("cpu"))
+model = fast.apply(build_model("smoke", variant, block_size=block, vocab_size=vocab), tc)
 step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
 x, y = (torch.randint(0, vocab, (batch, block)) for _ in range(2))
 with open("/proc/self/clear_refs", "w") as f:

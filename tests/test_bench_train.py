@@ -25,21 +25,21 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_bench_train_times_the_trainers_step_with_each_fast_path_off(tmp_path):
     out = tmp_path / "train.json"
     proc = _run("--preset", "smoke", "--batch", "2", "--steps", "2", "--blocks", "2", "--warmup", "0",
-                "--groups", "reference", "gpt_base", "--off", "fused_loss", "cublaslt", "--check",
+                "--groups", "reference", "gpt_base", "--off", "fused_loss", "fused_logits", "--check",
                 "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     written = json.loads(out.read_text())
     rows = {r["label"]: r for r in written["results"]}
-    assert list(rows) == ["reference", "gpt_base", "gpt_base:fused_loss=0", "gpt_base:cublaslt=0"]
+    assert list(rows) == ["reference", "gpt_base", "gpt_base:fused_loss=0", "gpt_base:fused_logits=0"]
     assert all("error" not in r and r["ms_per_step"] > 0 and r["batch"] == 2 for r in rows.values())
-    # What ran: the fused loss unless switched off; on the CPU never cuBLASLt nor a CUDA graph.
+    # What ran: the fused loss unless switched off; on the CPU never the logits GEMM nor a CUDA graph.
     assert [r["applied"]["fused_loss"] for r in rows.values()] == [False, True, False, True]
-    assert not any(r["applied"]["cublaslt"] or r["applied"]["cuda_graph"] for r in rows.values())
+    assert not any(r["applied"]["fused_logits"] or r["applied"]["cuda_graph"] for r in rows.values())
     assert [r["train"]["fused_loss"] for r in rows.values()][1:] == [True, False, True]
-    assert rows["gpt_base:cublaslt=0"]["train"]["cublaslt"] is False
+    assert rows["gpt_base:fused_logits=0"]["train"]["fused_logits"] is False
     # The same weights and batches through the same steps: the fused loss trains as the reference
     # loss does (float32), to rounding.
-    losses = [rows[k]["loss"] for k in ("gpt_base", "gpt_base:fused_loss=0", "gpt_base:cublaslt=0")]
+    losses = [rows[k]["loss"] for k in ("gpt_base", "gpt_base:fused_loss=0", "gpt_base:fused_logits=0")]
     assert all(math.isfinite(x) for x in losses) and max(losses) - min(losses) < 1e-4, losses
     for name, check in written["checks"]["float32"].items():
         assert check["loss_abs_diff"] < 1e-5 and check["max_grad_rel_diff"] < 1e-5, (name, check)
@@ -53,21 +53,21 @@ def test_bench_train_expands_the_variants_and_refuses_an_option_saying_which():
     sys.path.insert(0, str(BENCH.parent))
     import bench_train
 
-    variants = bench_train.expand(["reference", "oelm_freeze:cuda_graph=0", "gpt_base:compile=max-autotune,cublaslt=0"],
+    variants = bench_train.expand(["reference", "oelm_freeze:cuda_graph=0", "gpt_base:compile=max-autotune,tuning=0"],
                                   ["0", "1"], ["fused_logits", "cuda_graph"])
     assert [v["label"] for v in variants] == [
         "reference:compile=0", "reference:compile=1",
         "oelm_freeze:cuda_graph=0,compile=0", "oelm_freeze:cuda_graph=0,compile=0,fused_logits=0",
         "oelm_freeze:cuda_graph=0,compile=1", "oelm_freeze:cuda_graph=0,compile=1,fused_logits=0",
-        "gpt_base:compile=max-autotune,cublaslt=0", "gpt_base:compile=max-autotune,cublaslt=0,fused_logits=0",
-        "gpt_base:compile=max-autotune,cublaslt=0,cuda_graph=0"]
+        "gpt_base:compile=max-autotune,tuning=0", "gpt_base:compile=max-autotune,tuning=0,fused_logits=0",
+        "gpt_base:compile=max-autotune,tuning=0,cuda_graph=0"]
     tc = bench_train.train_config(variants[-1])
-    assert (tc.compile, tc.cublaslt, tc.cuda_graph, tc.fused_loss, tc.fused_logits) == (True, False, False, True, True)
+    assert (tc.compile, tc.compile_tuning, tc.cuda_graph, tc.fused_loss, tc.fused_logits) == (True, False, False, True, True)
     reference = bench_train.train_config(variants[0])
     assert (reference.compile, reference.cuda_graph, reference.compile_tuning) == (False, False, False)
     for specs, compiles, message in (
             (["gpt_base:gemm=torch"], ["0"], r"unknown option 'gemm'; a variant's options are fused_loss, fused_logits"),
-            (["reference:cublaslt=0"], ["0"], "the reference takes only compile, cuda_graph, tuning, pad"),
+            (["reference:fused_logits=0"], ["0"], "the reference takes only compile, cuda_graph, tuning, pad"),
             (["gpt_base:chunk=0"], ["0"], "chunk=0 must be a positive integer"),
             (["gpt_base"], ["fastest"], "compile=fastest is not 0, 1 or a torch.compile mode")):
         with pytest.raises(ValueError, match=message):

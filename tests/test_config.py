@@ -2,8 +2,8 @@
 
 import pytest
 
-from oelm_core.config import (ConfigError, TrainConfig, apply_overrides, load_run_config, read_yaml,
-                              model_config, run_config_from_dict)
+from oelm_core.config import (REMOVED_TRAIN_KEYS, ConfigError, TrainConfig, apply_overrides, load_run_config,
+                              model_config, read_yaml, run_config_from_dict)
 
 
 def test_defaults_are_the_original_study():
@@ -101,6 +101,21 @@ def test_the_loss_switches_of_older_files_are_read_as_train_settings(caplog):
     with pytest.raises(ConfigError, match=r"model\.loss_impl is no longer a model setting: .* train\.fused_loss "
                                           r"and train\.loss_chunk_tokens \(from Python: oelm_core\.fast\.loss"):
         model_config("tiny", "gpt_base", loss_impl="full")
+
+
+def test_the_switches_of_removed_fast_paths_are_dropped_with_a_note(caplog):
+    """train.cublaslt, train.fused_clip and train.tied_grad_split switched fast paths that were
+    removed (they changed no number): a run folder or parameter file that sets them still loads,
+    with a note; every other unknown train key is still refused."""
+    old = {"train": {"cublaslt": False, "fused_clip": True, "tied_grad_split": True, "lr": 1e-3}}
+    with caplog.at_level("INFO", logger="oelm_core.config"):
+        cfg = run_config_from_dict(old)
+    assert cfg.train.lr == 1e-3 and not hasattr(cfg.train, "cublaslt")
+    for key in REMOVED_TRAIN_KEYS:
+        assert f"train.{key} is ignored: that fast path was removed" in caplog.text
+    assert old["train"]["cublaslt"] is False  # the caller's mapping is left as it was
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) params\.train\.cublas;"):
+        run_config_from_dict({"train": {"cublas": False}})
 
 
 def test_a_section_with_every_key_commented_out_is_empty(tmp_path):

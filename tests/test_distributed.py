@@ -44,24 +44,20 @@ def assert_mfu(values: dict, world_size: int, unfreeze_at: int) -> None:
     assert summary["mfu"] == pytest.approx(statistics.median(r["mfu"] for r in rows.values()), rel=1e-12)
 
 
-@pytest.mark.parametrize("accum, batch, split", [(1, 4, True), (2, 2, True), (1, 4, False)])
-def test_ddp_matches_single_process(tmp_path, folded, accum, batch, split, monkeypatch):
+@pytest.mark.parametrize("accum, batch", [(1, 4), (2, 2)])
+def test_ddp_matches_single_process(tmp_path, folded, accum, batch, monkeypatch):
     """2 gloo ranks x grad_accum A == 1 process x grad_accum 2A, through torchrun and the CLI; an
-    unfreeze mid-run checks that DDP is re-wrapped around the new parameters. 128 tokens per
-    rank and step: TiedGradReducer sends the embedding's rows (2 x 128 <= 256 rows); with
-    train.tied_grad_split off DDP reduces the tied weight with the rest. Both runs are given a
-    peak FLOP figure: their MFU is per device (``assert_mfu``)."""
+    unfreeze mid-run checks that DDP is re-wrapped around the new parameters. Both runs are given
+    a peak FLOP figure: their MFU is per device (``assert_mfu``)."""
     common = dict(steps=6, unfreeze_schedule={3: "all"}, eval_every=3, ckpt_every=3, batch_size=batch)
     single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
     monkeypatch.setenv("OELM_PEAK_FLOPS", str(PEAK))
     run(single)
     assert_mfu(single, world_size=1, unfreeze_at=3)
-    ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, tied_grad_split=split, **common)
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, **common)
     proc = torchrun_train(tmp_path, ddp, OMP_NUM_THREADS="1", OELM_PEAK_FLOPS=str(PEAK))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_mfu(ddp, world_size=2, unfreeze_at=3)
-    # The tied weight goes through TiedGradReducer, before and after DDP is re-wrapped.
-    assert proc.stderr.count("reduced in two shares (TiedGradReducer)") == 2 * split, proc.stderr[-3000:]
     a, b = metric_rows(single["out_dir"]), metric_rows(ddp["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 7))
     for step in a:
@@ -75,16 +71,15 @@ def test_ddp_matches_single_process(tmp_path, folded, accum, batch, split, monke
     assert summary["gradients_by"] == "ddp"  # the NVLink exchange steps aside on the CPU
 
 
-def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
-    """With one rank there is nothing to reduce: DDP keeps the tied weight, no hook is left on the
-    fused loss. DDP gets train.ddp_bucket_mb as its bucket size, does not sync buffers before each
+def test_ddp_on_one_rank(tmp_path):
+    """DDP on one rank leaves no hook on the fused loss. DDP gets train.ddp_bucket_mb as its bucket size, does not sync buffers before each
     forward, and is built without a deprecation warning on the installed torch. The NVLink
     exchange (grad_exchange auto) steps aside on the CPU; asked for by name (peer), it says why not."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     cpu = torch.device("cpu")
     try:
         tc = TrainConfig(ddp_bucket_mb=12.5)
-        model = fast.apply(build_model("tiny", "gpt_base"), tc, cpu)
+        model = fast.apply(build_model("tiny", "gpt_base"), tc)
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
             step = make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
@@ -94,7 +89,7 @@ def test_one_rank_needs_no_tied_gradient_reducer(tmp_path):
         tc = TrainConfig(grad_exchange="peer")
         with pytest.raises(ConfigError, match="grad_exchange: peer needs two CUDA GPUs of one host"):
             make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
-        fresh = fast.apply(build_model("tiny", "gpt_base"), tc, cpu)
+        fresh = fast.apply(build_model("tiny", "gpt_base"), tc)
         assert [type(m) for m in model.modules()] == [type(m) for m in fresh.modules()]
     finally:
         dist.destroy_process_group()

@@ -1,27 +1,26 @@
-"""oelm_core.fast: what ``fast.apply`` installs for each training switch and device, and that the
-reference modules import no fast path that loads Triton or the cuBLASLt binding."""
+"""oelm_core.fast: what ``fast.apply`` installs for each training switch, and that neither the
+reference modules nor a CPU training step or generation load a fast path's Triton kernels."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from oelm_core import build_model, fast
 from oelm_core.config import TrainConfig
-from oelm_core.fast import linear
 from oelm_core.fast.loss import ChunkedOutputLoss
-from oelm_core.model import MLP, CausalSelfAttention, OutputLoss
+from oelm_core.model import OutputLoss
 
 REFERENCE_MODULES = ["oelm_core", "oelm_core.model", "oelm_core.config", "oelm_core.generate", "oelm_core.data",
                      "oelm_core.accounting", "oelm_core.checkpoint"]
-# What loads Triton or the ctypes binding of cuBLASLt (or is Triton).
-LOADERS = ["triton", "oelm_core.fast.cublaslt", "oelm_core.fast.ce_kernels", "oelm_core.fast.logits_gemm",
-           "oelm_core.fast.linear"]
+# What loads Triton kernels (or is Triton).
+LOADERS = ["triton", "oelm_core.fast.ce_kernels", "oelm_core.fast.logits_gemm", "oelm_core.fast.decode_kernels",
+           "oelm_core.fast.sample_kernels"]
 IMPORTS = "\n".join(f"import {m}" for m in REFERENCE_MODULES + ["oelm_core.fast", "oelm_core.fast.loss"])
 # A fresh interpreter: which LOADERS it holds after importing the reference modules and the fast
-# package, after a CPU training step with the fast paths installed, and after installing them for CUDA.
+# package, after a CPU training step with the fast paths installed, and after the fast decoder's
+# CPU generation.
 PROBE = f"""
 import json, sys
 def loaded():
@@ -31,11 +30,13 @@ loaded()
 import torch
 from oelm_core import build_model, fast
 from oelm_core.config import TrainConfig
-model = fast.apply(build_model("tiny"), TrainConfig(), torch.device("cpu"))
+from oelm_core.generate import SamplingConfig, stream_tokens
+model = fast.apply(build_model("tiny"), TrainConfig())
 x = torch.zeros(1, 8, dtype=torch.long)
 model(x, x).backward()
 loaded()
-fast.apply(model, TrainConfig(), torch.device("cuda"))
+tokens = list(stream_tokens(model.eval(), [1, 2, 3], SamplingConfig(max_new_tokens=4, seed=0, stop_at_eot=False)))
+assert len(tokens) == 4, tokens
 loaded()
 """
 
@@ -47,43 +48,34 @@ def loaded() -> list[list[str]]:
     return [json.loads(line) for line in proc.stdout.splitlines()[-3:]]
 
 
-def test_importing_the_reference_modules_loads_no_triton_nor_the_binding(loaded):
+def test_importing_the_reference_modules_loads_no_triton(loaded):
     assert loaded[0] == []
 
 
-def test_a_cpu_training_step_with_the_fast_paths_loads_none_of_them(loaded):
+def test_cpu_training_and_generation_with_the_fast_paths_load_no_kernels(loaded):
     # (Triton itself may come with torch._dynamo, which the fused loss imports when it is
     # installed, to stay out of compiled graphs: torch imports Triton wherever it is installed.)
     ours = [[name for name in names if name != "triton"] for names in loaded]
-    assert ours[1] == []
-    # The probe sees what a fast path imports where it is installed: the module swaps on CUDA.
-    assert ours[2] == ["oelm_core.fast.cublaslt", "oelm_core.fast.linear"]
+    assert ours[1:] == [[], []]
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("fused_loss", [True, False])
-@pytest.mark.parametrize("cublaslt", [True, False])
-def test_apply_installs_what_the_switches_ask_where_it_runs(device, fused_loss, cublaslt):
-    """The fused loss on any device (its settings from TrainConfig), the cuBLASLt module swaps on
-    CUDA only; switched off, the reference modules stay. (Class swaps: no GPU needed to check.)"""
-    tc = TrainConfig(fused_loss=fused_loss, cublaslt=cublaslt, fused_logits=False, loss_chunk_tokens=77)
+@pytest.mark.parametrize("fused_logits", [True, False])
+def test_apply_installs_what_the_switches_ask(fused_loss, fused_logits):
+    """The fused loss with its settings from TrainConfig; switched off, the reference's loss stays."""
+    tc = TrainConfig(fused_loss=fused_loss, fused_logits=fused_logits, loss_chunk_tokens=77)
     model = build_model("tiny", "oelm_freeze")
-    assert fast.apply(model, tc, torch.device(device)) is model
+    assert fast.apply(model, tc) is model
     if fused_loss:
         loss = model.output_loss
         assert type(loss) is ChunkedOutputLoss
-        assert (loss.chunk, loss.fused_logits, loss.cublaslt, loss.vocab_size) == (77, False, cublaslt, 128)
+        assert (loss.chunk, loss.fused_logits, loss.vocab_size) == (77, fused_logits, 128)
     else:
         assert type(model.output_loss) is OutputLoss
-    swapped = cublaslt and device == "cuda"
-    for block in model.blocks:
-        assert type(block.attn) is (linear.LtAttention if swapped else CausalSelfAttention)
-        assert type(block.mlp) is (linear.LtMLP if swapped else MLP)
 
 
 def test_every_switch_off_leaves_the_reference_model():
     model = build_model("tiny", "gpt_base")
     before = {name: type(m) for name, m in model.named_modules()}
-    tc = TrainConfig(fused_loss=False, fused_logits=False, cublaslt=False)
-    fast.apply(model, tc, torch.device("cuda"))
+    fast.apply(model, TrainConfig(fused_loss=False, fused_logits=False))
     assert {name: type(m) for name, m in model.named_modules()} == before

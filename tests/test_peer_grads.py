@@ -19,7 +19,7 @@ from oelm_core.fast.peer_grads import ParameterTap, PeerGradExchange
 def fused(model):
     """``model`` with the fused loss, which splits the tied weight's gradient (train.fused_loss),
     as the trainer builds it."""
-    return fast.apply(model, TrainConfig(), torch.device("cpu"))
+    return fast.apply(model, TrainConfig())
 
 
 def body(model):

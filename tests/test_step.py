@@ -1,6 +1,5 @@
 """The training step (oelm_core.step): the schedule, make_step, re-wrapping, the compile
-fallback, the clip (plain, and inside the fused AdamW: oelm_core.fast.fused_clip), gradients
-that hold a sum over ranks. The CUDA-graph step: test_graph_step.py."""
+fallback, the clip, gradients that hold a sum over ranks. The CUDA-graph step: test_graph_step.py."""
 
 import dataclasses
 import re
@@ -105,46 +104,45 @@ def test_compile_tuning_reaches_torch_compile_on_cuda_only(monkeypatch):
 
 @pytest.mark.parametrize("grad_clip", [0.05, 0.0])
 def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
-    """The plain step (train.fused_clip off) divides the gradients by clip_grad_norm_'s factor and
-    takes the fused AdamW step; with train.fused_clip the fused AdamW divides them inside its
-    kernel (its grad_scale, oelm_core.fast.fused_clip). The two give the same weights bit for bit
-    (so the switch never moves a run's numbers), and clip_grad_norm_ by hand the same norms and
-    weights up to rounding. Over 4 steps with the clip binding (0.05 is far below this model's
-    norm) and with it off."""
+    """The step divides the gradients by clip_grad_norm_'s factor and takes the fused AdamW step:
+    the same norms and weights as clip_grad_norm_ by hand, up to rounding, over 4 steps with the
+    clip binding (0.05 is far below this model's norm) and with it off."""
     x = torch.randint(0, FOLDED_VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     batches = [(x[:, :-1], x[:, 1:])]
     models = [build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
-              for _ in range(3)]
-    norms = []
-    for model, fused_clip in zip(models, (True, False)):
-        tc = TrainConfig(grad_clip=grad_clip, lr=1e-2, fused_clip=fused_clip)
-        opt = configure_optimizer(model, tc, torch.device("cpu"))
-        assert all(group["fused"] for group in opt.param_groups)
-        step = make_step(model, opt, tc, torch.device("cpu"))
-        norms.append([float(step(batches, tc.lr, n)[1]) for n in range(1, 5)])
-        assert not hasattr(opt, "grad_scale")  # no stale divisor left for a later use of the optimizer
-    opt = configure_optimizer(models[2], tc, torch.device("cpu"))
+              for _ in range(2)]
+    tc = TrainConfig(grad_clip=grad_clip, lr=1e-2)
+    opt = configure_optimizer(models[0], tc, torch.device("cpu"))
+    assert all(group["fused"] for group in opt.param_groups)
+    step = make_step(models[0], opt, tc, torch.device("cpu"))
+    norms = [float(step(batches, tc.lr, n)[1]) for n in range(1, 5)]
+    opt = configure_optimizer(models[1], tc, torch.device("cpu"))
     by_hand = []
     params = [p for group in opt.param_groups for p in group["params"]]  # the step's order
     for _ in range(4):
         opt.zero_grad(set_to_none=True)
-        models[2](*batches[0]).backward()
+        models[1](*batches[0]).backward()
         by_hand.append(float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))))
         opt.step()
 
-    assert min(norms[0]) > 10 * 0.05  # the 0.05 clip binds on every step
-    assert norms[0] == norms[1] and norms[0] == pytest.approx(by_hand, rel=1e-5)
-    for (name, fused), plain, hand in zip(models[0].named_parameters(), models[1].parameters(),
-                                          models[2].parameters()):
-        assert torch.equal(fused, plain), name
-        assert (fused - hand).abs().max() <= 1e-6 * (1 + hand.abs().max()), name
+    assert min(norms) > 10 * 0.05  # the 0.05 clip binds on every step
+    assert norms == pytest.approx(by_hand, rel=1e-5)
+    for (name, ours), hand in zip(models[0].named_parameters(), models[1].parameters()):
+        assert (ours - hand).abs().max() <= 1e-6 * (1 + hand.abs().max()), name
+    if grad_clip:  # and the clip did move the weights: unclipped steps end elsewhere
+        unclipped = build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
+        tc = TrainConfig(grad_clip=0.0, lr=1e-2)
+        step = make_step(unclipped, configure_optimizer(unclipped, tc, torch.device("cpu")), tc, torch.device("cpu"))
+        for n in range(1, 5):
+            step(batches, tc.lr, n)
+        assert max((a - b).abs().max() for a, b in zip(unclipped.parameters(), models[0].parameters())) > 1e-3
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_gradient_sum_over_two_ranks_steps_as_their_mean(fused):
     """The NVLink exchange leaves g0 + g1 in .grad and grad_divisor = 2; the clip and AdamW step
-    then equal those of the mean (g0 + g1) / 2, bit for bit (halving is exact), clipped or not:
-    with the fused clip (its divisor) and with the plain one (a scaling pass first)."""
+    then equal those of the mean (g0 + g1) / 2, bit for bit (halving is exact), with the fused
+    AdamW and the foreach one."""
     tc = TrainConfig(grad_clip=0.05)
     models, steps = [], []
     for divisor in (1.0, 2.0):

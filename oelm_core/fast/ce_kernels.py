@@ -1,7 +1,6 @@
 """The fused loss's CUDA kernels (Triton), behind ``oelm_core.fast.loss`` on GPUs.
 
-Per slice of tokens: the logits GEMM over the padded vocabulary (through cuBLASLt where
-``oelm_core.fast.cublaslt`` runs and is switched on), one Triton pass (``_ce_rows_kernel``) that
+Per slice of tokens: the logits GEMM over the padded vocabulary, one Triton pass (``_ce_rows_kernel``) that
 turns the logits into the loss and, in place, the unnormalised gradient, then the two gradient
 GEMMs; on Hopper in bf16, where switched on, the logits GEMM of ``oelm_core.fast.logits_gemm``
 writes exp() from its accumulator instead of the first two. ``forward`` runs a batch of slices,
@@ -17,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from oelm_core.fast import cublaslt as lt_gemm
 from oelm_core.fast import logits_gemm
 
 # How far above the offset (the target's logit) a logit may go in the kernel's one pass: E stays
@@ -136,8 +134,8 @@ _HAS_ADDMM_OUT_DTYPE = True
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (float32) += a @ b for bf16/fp16 a, b: one GEMM accumulating in place where torch has
     the mixed-dtype addmm (CUDA, torch >= 2.8), else a low-precision product added in float32
-    (slower: one more pass over the product; ``benchmarks/bench_ce.py`` times both). The loss's
-    float32 sum where cuBLASLt does not run (``cublaslt.matmul_into`` does it where it does)."""
+    (slower: one more pass over the product; ``benchmarks/bench_ce.py`` times both). The weight
+    gradient's float32 sum over the slices."""
     global _HAS_ADDMM_OUT_DTYPE
     if _HAS_ADDMM_OUT_DTYPE:
         try:
@@ -149,7 +147,7 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int,
-            dtype: torch.dtype, need_grad: bool, *, fused_logits: bool, cublaslt: bool):
+            dtype: torch.dtype, need_grad: bool, *, fused_logits: bool):
     """The fused loss's forward on CUDA: x (n, d), w (padded, d), targets (n,) as
     ``oelm_core.fast.loss.linear_cross_entropy`` takes them, computed in ``dtype`` (bf16, or
     float32 for tests) in slices of ``chunk`` rows.
@@ -162,8 +160,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
     loads in flight to run at about the speed of a copy of the slice (``benchmarks/bench_ce.py``).
     Ignored rows (target -1) cost as much as the others: E is written and scaled by 0.
     ``fused_logits``: with gradients, bf16, on Hopper (``logits_gemm.available``) the matmul and
-    that pass are one Triton GEMM that writes E from its accumulator. ``cublaslt``: the other
-    matmuls through ``oelm_core.fast.cublaslt`` where it runs, else torch's.
+    that pass are one Triton GEMM that writes E from its accumulator.
 
     Returns (loss, grad_x, grad_w, row_scale): the mean loss (0-dim float32); grad_w = E^T
     (row_scale * x) (padded, d) is final, float32 (or ``dtype`` for a single slice); grad_x = E W
@@ -176,14 +173,13 @@ def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
     n_valid = (targets >= 0).sum()
     inv_n = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
     row_loss = torch.empty(n, dtype=torch.float32, device=x.device)
-    lt = cublaslt and lt_gemm.available(x.device, dtype)
     grad_x = grad_w = row_scale = x_scaled = None
     if need_grad:
         grad_x = torch.empty((n, x.size(1)), dtype=dtype, device=x.device)
         row_scale = torch.empty(n, dtype=torch.float32, device=x.device)
         x_scaled = torch.empty_like(xc[:chunk])  # one slice's x times its row scales, reused
-        if n > chunk:  # several slices: the weight gradient summed in float32 (cuBLASLt: from the first)
-            grad_w = (torch.empty if lt else torch.zeros)(w.shape, dtype=torch.float32, device=x.device)
+        if n > chunk:  # several slices: the weight gradient summed in float32
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
     fused = need_grad and fused_logits and logits_gemm.available(x.device, dtype, x.size(1), padded)
     if fused:
         wc = wc.contiguous()
@@ -193,7 +189,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
             logits = logits_gemm.loss_and_grad(xs, wc, targets[s:s + chunk], vocab, inv_n, row_loss[s:s + chunk],
                                                row_scale[s:s + chunk], x_scaled[:xs.size(0)])
         else:
-            logits = lt_gemm.gemm(xs, wc, None, False, True) if lt else xs @ wc.T
+            logits = xs @ wc.T
             # Without need_grad, the pointers the kernel does not use are row_loss and xs.
             _ce_rows_kernel[(xs.size(0),)](logits, logits.stride(0), targets[s:s + chunk], row_loss[s:],
                                            row_loss if row_scale is None else row_scale[s:], inv_n,
@@ -201,15 +197,10 @@ def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
                                            WRITE_GRAD=need_grad, BLOCK=2048,
                                            BLOCK_D=triton.next_power_of_2(xs.size(1)), num_warps=4)
         if need_grad:
-            if lt:
-                lt_gemm.matmul_into(grad_x[s:s + chunk], logits, wc)
-            else:
-                torch.mm(logits, wc, out=grad_x[s:s + chunk])
+            torch.mm(logits, wc, out=grad_x[s:s + chunk])
             xs = x_scaled[:xs.size(0)]
             if n <= chunk:
-                grad_w = lt_gemm.gemm(logits, xs, None, True, False) if lt else logits.T @ xs
-            elif lt:
-                lt_gemm.matmul_into(grad_w, logits, xs, trans_a=True, accumulate=s > 0)
+                grad_w = logits.T @ xs
             else:
                 _addmm_fp32_(grad_w, logits.T, xs)
     loss = row_loss.sum() / n_valid  # every target ignored: 0/0, NaN, as F.cross_entropy gives

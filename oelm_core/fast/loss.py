@@ -8,12 +8,12 @@ one_hot), so the backward only scales them by the incoming scalar. The same matm
 
 Where it runs: on the CPU (and on a GPU without Triton, or under float16 autocast) the slices are
 plain torch ops, the same ops in the same order as before this module existed. On CUDA with Triton
-each slice is the logits GEMM and one Triton pass (``oelm_core.fast.ce_kernels``), the GEMMs through
-cuBLASLt where ``cublaslt`` is on, and on Hopper in bf16 with ``fused_logits`` the logits GEMM
-itself writes the loss's exponentials (``oelm_core.fast.logits_gemm``).
+each slice is the logits GEMM and one Triton pass (``oelm_core.fast.ce_kernels``), and on Hopper
+in bf16 with ``fused_logits`` the logits GEMM itself writes the loss's exponentials
+(``oelm_core.fast.logits_gemm``).
 
 Switches (TrainConfig): ``train.fused_loss`` installs it, ``train.loss_chunk_tokens`` sets the
-slice, ``train.fused_logits`` and ``train.cublaslt`` choose its CUDA kernels. Gain:
+slice, ``train.fused_logits`` chooses its CUDA logits kernel. Gain:
 benchmarks/README.md.
 """
 
@@ -55,7 +55,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     too; the backward only scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, x, w, targets, vocab: int, chunk: int, w_grad_hook, fused_logits: bool, cublaslt: bool):
+    def forward(ctx, x, w, targets, vocab: int, chunk: int, w_grad_hook, fused_logits: bool):
         dtype = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ctx.w_grad_hook = w_grad_hook
@@ -63,7 +63,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         kernels = _cuda_kernels() if x.is_cuda else None
         if kernels is not None and dtype != torch.float16:  # (float16: see ce_kernels._ce_rows_kernel)
             loss, grad_x, grad_w, row_scale = kernels.forward(x, w, targets, vocab, chunk, dtype, need_grad,
-                                                              fused_logits=fused_logits, cublaslt=cublaslt)
+                                                              fused_logits=fused_logits)
             if need_grad:
                 ctx.save_for_backward(grad_x, grad_w, row_scale)
             return loss
@@ -105,12 +105,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.w_grad_hook(grad_w)
             grad_w = None
         return (_scale_rows(grad_x, grad_loss, row_scale, dtype=x_dtype), grad_w,
-                None, None, None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
                          chunk: Optional[int] = None, w_grad_hook: Optional[Callable] = None, *,
-                         fused_logits: bool = True, cublaslt: bool = True) -> torch.Tensor:
+                         fused_logits: bool = True) -> torch.Tensor:
     """x: (N, d), w: (V_padded, d), targets: (N,) -> scalar mean loss (nats/token), float32.
 
     ``targets`` are what ``F.cross_entropy(..., ignore_index=-1)`` takes: token ids in
@@ -129,10 +129,8 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     gradient) is handed to it when the backward pass reaches the loss, its first step, instead of
     flowing back to w through autograd (``ChunkedOutputLoss.grad_hook``).
 
-    ``fused_logits``, ``cublaslt``: on CUDA, whether the logits GEMM may compute the exponentials
-    itself (``oelm_core.fast.logits_gemm``, Hopper, bf16) and whether the slices' GEMMs may run
-    through cuBLASLt (``oelm_core.fast.cublaslt``); each is used only where it runs. No effect
-    elsewhere.
+    ``fused_logits``: on CUDA, whether the logits GEMM may compute the exponentials itself
+    (``oelm_core.fast.logits_gemm``; used only where it runs: Hopper, bf16). No effect elsewhere.
 
     ``ChunkedOutputLoss`` runs it outside torch.compile: a clean graph break, the transformer body
     compiled, the loss a few large matmuls and Triton kernels that the compiler would not improve.
@@ -142,7 +140,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     if chunk <= 0:
         raise ValueError(f"linear_cross_entropy: chunk must be a positive number of tokens per "
                          f"slice, got chunk={chunk}")
-    return _LinearCrossEntropy.apply(x, w, targets, vocab, chunk, w_grad_hook, fused_logits, cublaslt)
+    return _LinearCrossEntropy.apply(x, w, targets, vocab, chunk, w_grad_hook, fused_logits)
 
 
 class ChunkedOutputLoss(nn.Module):
@@ -162,17 +160,17 @@ class ChunkedOutputLoss(nn.Module):
     Why: with tied weights the gradient of the model's largest tensor is complete only after the
     embedding's backward, the very last step, so a data-parallel all-reduce of it could not overlap
     anything. Split, the dense output share can be reduced while the rest of the backward runs, and
-    the embedding's share is a few rows (``oelm_core.fast.tied_grads``, ``oelm_core.fast.peer_grads``).
+    the embedding's share is a few rows (``oelm_core.fast.peer_grads``).
     """
 
     def __init__(self, vocab_size: int, chunk: int = TrainConfig.loss_chunk_tokens, *,
-                 fused_logits: bool = True, cublaslt: bool = True):
+                 fused_logits: bool = True):
         super().__init__()
         if chunk <= 0:
             raise ValueError(f"ChunkedOutputLoss: chunk must be a positive number of tokens per "
                              f"slice (train.loss_chunk_tokens), got {chunk}")
         self.vocab_size, self.chunk = vocab_size, chunk
-        self.fused_logits, self.cublaslt = fused_logits, cublaslt
+        self.fused_logits = fused_logits
         self.grad_hook: Optional[Callable[[torch.Tensor], None]] = None
         # Made here, not by decorating the function: torch.compiler.disable imports torch._dynamo,
         # which imports Triton where it is installed, and importing this module must not.
@@ -182,19 +180,17 @@ class ChunkedOutputLoss(nn.Module):
         """h (N, d_model), weight (padded_vocab, d_model), targets (N,) token ids or -1 -> the mean
         loss over the counted positions, 0-dim float32 (nats/token), as ``OutputLoss``."""
         return self._outside_compile(h, weight, targets, self.vocab_size, self.chunk, self.grad_hook,
-                                     fused_logits=self.fused_logits, cublaslt=self.cublaslt)
+                                     fused_logits=self.fused_logits)
 
     def extra_repr(self) -> str:
-        return (f"vocab_size={self.vocab_size}, chunk={self.chunk}, fused_logits={self.fused_logits}, "
-                f"cublaslt={self.cublaslt}")
+        return f"vocab_size={self.vocab_size}, chunk={self.chunk}, fused_logits={self.fused_logits}"
 
 
-def install(model: nn.Module, chunk: int = TrainConfig.loss_chunk_tokens, *, fused_logits: bool = True,
-            cublaslt: bool = True) -> ChunkedOutputLoss:
+def install(model: nn.Module, chunk: int = TrainConfig.loss_chunk_tokens, *,
+            fused_logits: bool = True) -> ChunkedOutputLoss:
     """Swap ``model.output_loss`` (a GPT's) for a ``ChunkedOutputLoss``; returns it. The model's
     parameters and state dict are untouched."""
-    model.output_loss = ChunkedOutputLoss(model.cfg.vocab_size, chunk, fused_logits=fused_logits,
-                                          cublaslt=cublaslt)
+    model.output_loss = ChunkedOutputLoss(model.cfg.vocab_size, chunk, fused_logits=fused_logits)
     return model.output_loss
 
 

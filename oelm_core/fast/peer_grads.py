@@ -18,15 +18,14 @@ Two pieces:
   their names and the state_dict stay as they are.
 - ``PeerGradExchange``: the sends into the peer's symmetric-memory receive buffer, the tied
   embedding/output weight's two shares (the dense output share as the backward starts, then only
-  the rows of the batch's tokens, as ``tied_grads.TiedGradReducer`` does over NCCL), and ``finish``:
+  the rows of the batch's tokens), and ``finish``:
   after a barrier each rank adds the peer's copy to its own. Both ranks add the same two numbers,
   so the sums (and the weights) stay bitwise equal. The output shares (103 MB) are summed during
   the backward, on a side stream, once the peer signals that its copy has landed, and the token
   ids are sorted there beside the forward, off the step's path.
 
 ``finish`` leaves the *sum* over the two ranks in ``.grad`` (``grad_divisor`` = 2): the step
-averages it (``oelm_core.step.TrainStep.clip_and_step``; with ``train.fused_clip`` the halving
-rides in the fused AdamW's divisor instead of a pass over every gradient). Works inside the
+averages it (``oelm_core.step.TrainStep.clip_and_step``). Works inside the
 trainer's whole-step CUDA graph (``oelm_core.fast.graph_step``: copies, barriers and all).
 
 Switch: ``train.grad_exchange`` (auto: this exchange where it can run, else DDP; ddp; peer).
@@ -47,9 +46,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oelm_core.fast.tied_grads import first_of_each, split_tied_gradient
+from oelm_core.fast.loss import split_tied_gradient
 
 log = logging.getLogger(__name__)
+
+
+def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (N,) -> (sorted ids, bool mask of each id's first place): the tied weight's embedding
+    rows are sent once each, the repeats as exact zeros (gathered from a padding row, so the ids
+    must be words, < ``cfg.vocab_size``, as the data's tokens are)."""
+    ids = ids.sort().values
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    return ids, first
 
 # The live taps, by id: the custom op carries the id (an int) so that the compiled graph holds
 # no Python object.
