@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --compile 0 1 \\
         --groups reference gpt_base oelm_freeze --off fused_loss fused_logits cuda_graph
-    # torch.compile's own GEMM autotuning, and its coordinate-descent tuning off:
+    # with torch.compile's own GEMM autotuning:
     PYTHONPATH=. python benchmarks/bench_train.py --batch 16 64 --groups gpt_base:compile=1 \\
-        gpt_base:compile=max-autotune-no-cudagraphs gpt_base:compile=1,tuning=0
+        gpt_base:compile=max-autotune-no-cudagraphs
 
 The step is built as the trainer builds it: ``build_model`` -> ``oelm_core.fast.apply(model, tc,
 device)`` -> ``make_step(model, configure_optimizer(model, tc, device), tc, device)`` (forward,
@@ -20,7 +20,6 @@ A variant is a group (a model variant, or ``reference``) with options after a co
               ...): train.compile with inductor set as that mode sets it, for the whole variant.
               max-autotune adds inductor's own GEMM autotuning; its CUDA graphs do not mix
               with the step's own (use cuda_graph=0 with it), the no-cudagraphs mode does
-  tuning      0/1: train.compile_tuning (default: TrainConfig's; 0 for the reference)
   chunk       train.loss_chunk_tokens
   pad         0/1, the reference only: its vocabulary padded to 50,304 rows as nanoGPT pads it
               (default 1)
@@ -64,9 +63,9 @@ from oelm_core.step import configure_optimizer, make_step  # noqa: E402
 
 FAST_PATHS = ("fused_loss", "fused_logits", "cuda_graph")
 # A variant's options and, where the set is closed, their values (compile: 0, 1 or a torch.compile mode).
-OPTIONS = {**{path: ("0", "1") for path in FAST_PATHS}, "compile": None, "tuning": ("0", "1"),
+OPTIONS = {**{path: ("0", "1") for path in FAST_PATHS}, "compile": None,
            "chunk": None, "pad": ("0", "1")}
-REFERENCE_OPTIONS = ("compile", "cuda_graph", "tuning", "pad")
+REFERENCE_OPTIONS = ("compile", "cuda_graph", "pad")
 
 
 def compile_modes() -> list[str]:
@@ -137,7 +136,6 @@ def train_config(v: dict) -> TrainConfig:
     for path in FAST_PATHS:
         setattr(tc, path, bool(int(v.get(path, getattr(tc, path)))))
     tc.compile = v["compile"] != "0"
-    tc.compile_tuning = bool(int(v.get("tuning", 0 if v["group"] == "reference" else tc.compile_tuning)))
     if v["group"] == "reference":  # compiled plainly, no CUDA graph, unless asked
         tc.cuda_graph = bool(int(v.get("cuda_graph", 0)))
     if "chunk" in v:
@@ -227,7 +225,7 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
          "compile_s": compile_s, "loss": loss, "kernel_ms_per_step": breakdown,
          "dynamo_graphs": graphs_after - graphs_before if graphs_after is not None else None,
          "options": {k: v[k] for k in v if k != "label"},
-         "train": {k: getattr(tc, k) for k in (*FAST_PATHS, "compile", "compile_tuning", "loss_chunk_tokens")},
+         "train": {k: getattr(tc, k) for k in (*FAST_PATHS, "compile", "loss_chunk_tokens")},
          "applied": applied(v, tc, model, step, device)}
     step = model = last[0] = None  # the closure holds the step and the last loss: drop them first
     free_between_runs(cuda)
@@ -385,7 +383,7 @@ def main():
 def _setting(r: dict) -> tuple:
     """What a row's fast paths are compared within: batch, compile and the options that are no fast path."""
     o = r["options"]
-    return (r["batch"], o["compile"], o.get("tuning"), o.get("chunk"))
+    return (r["batch"], o["compile"], o.get("chunk"))
 
 
 def print_table(meta, results):

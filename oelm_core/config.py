@@ -285,10 +285,6 @@ class TrainConfig:
     device: str = "auto"         # "auto": cuda when there is one, else cpu
     dtype: str = "auto"          # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
     compile: bool = False        # torch.compile the model (falls back to eager if it fails)
-    # With compile on CUDA: inductor tunes the launch shapes of its Triton kernels (LayerNorm,
-    # casts, reductions) by coordinate descent: about a minute more compiling, for a faster step
-    # (benchmarks/README.md).
-    compile_tuning: bool = True
     # Capture the whole step (forward, backward, clip, AdamW; under DDP with NCCL the gradient
     # all-reduce too) in one CUDA graph after 2 warm-up steps (11 under DDP) and replay it: small
     # batches are launch-bound (oelm_core/fast/graph_step.py). Falls back to eager if capture fails.
@@ -500,9 +496,10 @@ MOVED_MODEL_KEYS = {
     "loss_impl": ("fused_loss", lambda impl: impl != "full"),
     "loss_chunk_tokens": ("loss_chunk_tokens", lambda n: n),
 }
-# Switches of fast paths deleted because they no longer saved 2% of a step (benchmarks/README.md).
-# They changed no number, so a run folder or parameter file that sets them loads without them.
-REMOVED_TRAIN_KEYS = ("cublaslt", "fused_clip", "tied_grad_split")
+# Switches of fast paths deleted because they saved under 2% of a step (benchmarks/README.md):
+# execution settings, not the curve's, so a run folder or parameter file that sets them loads
+# without them.
+REMOVED_TRAIN_KEYS = ("cublaslt", "fused_clip", "tied_grad_split", "compile_tuning")
 
 
 def upgrade_keys(values: dict) -> dict:
@@ -525,8 +522,8 @@ def upgrade_keys(values: dict) -> dict:
                          "read as train.%s: %r", old, new, new, values["train"][new])
     for key in sorted(removed or ()):
         del values["train"][key]
-        log.info("train.%s is ignored: that fast path was removed (it saved under 2%% of a step and "
-                 "changed no number; benchmarks/README.md)", key)
+        log.info("train.%s is ignored: that fast path was removed (it saved under 2%% of a step; "
+                 "benchmarks/README.md)", key)
     return values
 
 
@@ -566,7 +563,7 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 # below reads this too.
 RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
-              "early_stop_patience", "progress", "device", "dtype", "compile", "compile_tuning", "cuda_graph",
+              "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
               "loss_chunk_tokens", "fused_logits", "cpu_heap"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere

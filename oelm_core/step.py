@@ -100,9 +100,6 @@ class TrainStep:
         self.model, self.optimizer, self.tc, self.device, self.ddp = model, optimizer, tc, device, ddp
         self.autocast = autocast_context(tc.dtype, device)
         self.compile = tc.compile
-        # Inductor's coordinate-descent tuning of its Triton kernels; CPU code has none to tune.
-        self.compile_options = {"coordinate_descent_tuning": True} if (
-            tc.compile_tuning and device.type == "cuda") else None
         self.exchange = None
         self.wrap()
 
@@ -111,7 +108,7 @@ class TrainStep:
         if self.exchange is not None:
             self.exchange.remove()
             self.exchange = None
-        module = torch.compile(self.model, options=self.compile_options) if self.compile else self.model
+        module = torch.compile(self.model) if self.compile else self.model
         if self.ddp:
             module, self.exchange = self.data_parallel(module)
         self.module = module

@@ -53,21 +53,21 @@ def test_bench_train_expands_the_variants_and_refuses_an_option_saying_which():
     sys.path.insert(0, str(BENCH.parent))
     import bench_train
 
-    variants = bench_train.expand(["reference", "oelm_freeze:cuda_graph=0", "gpt_base:compile=max-autotune,tuning=0"],
+    variants = bench_train.expand(["reference", "oelm_freeze:cuda_graph=0", "gpt_base:compile=max-autotune,chunk=4096"],
                                   ["0", "1"], ["fused_logits", "cuda_graph"])
     assert [v["label"] for v in variants] == [
         "reference:compile=0", "reference:compile=1",
         "oelm_freeze:cuda_graph=0,compile=0", "oelm_freeze:cuda_graph=0,compile=0,fused_logits=0",
         "oelm_freeze:cuda_graph=0,compile=1", "oelm_freeze:cuda_graph=0,compile=1,fused_logits=0",
-        "gpt_base:compile=max-autotune,tuning=0", "gpt_base:compile=max-autotune,tuning=0,fused_logits=0",
-        "gpt_base:compile=max-autotune,tuning=0,cuda_graph=0"]
+        "gpt_base:compile=max-autotune,chunk=4096", "gpt_base:compile=max-autotune,chunk=4096,fused_logits=0",
+        "gpt_base:compile=max-autotune,chunk=4096,cuda_graph=0"]
     tc = bench_train.train_config(variants[-1])
-    assert (tc.compile, tc.compile_tuning, tc.cuda_graph, tc.fused_loss, tc.fused_logits) == (True, False, False, True, True)
+    assert (tc.compile, tc.loss_chunk_tokens, tc.cuda_graph, tc.fused_loss, tc.fused_logits) == (True, 4096, False, True, True)
     reference = bench_train.train_config(variants[0])
-    assert (reference.compile, reference.cuda_graph, reference.compile_tuning) == (False, False, False)
+    assert (reference.compile, reference.cuda_graph) == (False, False)
     for specs, compiles, message in (
             (["gpt_base:gemm=torch"], ["0"], r"unknown option 'gemm'; a variant's options are fused_loss, fused_logits"),
-            (["reference:fused_logits=0"], ["0"], "the reference takes only compile, cuda_graph, tuning, pad"),
+            (["reference:fused_logits=0"], ["0"], "the reference takes only compile, cuda_graph, pad"),
             (["gpt_base:chunk=0"], ["0"], "chunk=0 must be a positive integer"),
             (["gpt_base"], ["fastest"], "compile=fastest is not 0, 1 or a torch.compile mode")):
         with pytest.raises(ValueError, match=message):

@@ -104,10 +104,11 @@ def test_the_loss_switches_of_older_files_are_read_as_train_settings(caplog):
 
 
 def test_the_switches_of_removed_fast_paths_are_dropped_with_a_note(caplog):
-    """train.cublaslt, train.fused_clip and train.tied_grad_split switched fast paths that were
-    removed (they changed no number): a run folder or parameter file that sets them still loads,
+    """train.cublaslt, train.fused_clip, train.tied_grad_split and train.compile_tuning switched
+    fast paths that were removed: a run folder or parameter file that sets them still loads,
     with a note; every other unknown train key is still refused."""
-    old = {"train": {"cublaslt": False, "fused_clip": True, "tied_grad_split": True, "lr": 1e-3}}
+    old = {"train": {"cublaslt": False, "fused_clip": True, "tied_grad_split": True, "compile_tuning": True,
+                     "lr": 1e-3}}
     with caplog.at_level("INFO", logger="oelm_core.config"):
         cfg = run_config_from_dict(old)
     assert cfg.train.lr == 1e-3 and not hasattr(cfg.train, "cublaslt")

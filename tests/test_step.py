@@ -86,22 +86,6 @@ def test_a_failed_compile_falls_back_to_eager_with_only_its_own_gradients(monkey
         assert torch.equal(a, b)
 
 
-def test_compile_tuning_reaches_torch_compile_on_cuda_only(monkeypatch):
-    """train.compile_tuning asks inductor for coordinate-descent tuning of its Triton kernels; CPU
-    code has none to tune, so a CPU step compiles plainly."""
-    seen = []
-    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: seen.append(kwargs) or module)
-    model = build_model("smoke", "gpt_base", block_size=16, vocab_size=FOLDED_VOCAB)
-    tc = TrainConfig(compile=True)
-    assert tc.compile_tuning  # the default
-    make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
-    step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cuda"))
-    tuning_off = dataclasses.replace(tc, compile_tuning=False)
-    make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tuning_off, torch.device("cuda"))
-    assert seen == [{"options": None}, {"options": {"coordinate_descent_tuning": True}}, {"options": None}]
-    assert step.compile
-
-
 @pytest.mark.parametrize("grad_clip", [0.05, 0.0])
 def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
     """The step divides the gradients by clip_grad_norm_'s factor and takes the fused AdamW step:
