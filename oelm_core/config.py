@@ -293,7 +293,7 @@ class TrainConfig:
     # DDP's gradient buckets, MB: each is all-reduced as soon as its gradients are ready, and
     # torch.compile splits the model at the bucket boundaries so that they are ready early. At
     # medium512 on 2 H200s 50 beat PyTorch's 25 at 8 and 16 x 512 per GPU, and 2-10 were slower
-    # (benchmarks/README.md).
+    # (benchmarks/bench_ddp.py --exchange ddp --set ddp_bucket_mb=25 times another size).
     ddp_bucket_mb: float = 50.0
     # How two CUDA GPUs of one host exchange gradients. "auto": by NVLink copies straight into
     # the other GPU's memory during the backward (oelm_core/fast/peer_grads.py; its scaling

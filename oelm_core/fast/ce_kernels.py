@@ -1,11 +1,11 @@
 """The fused loss's CUDA kernels (Triton), behind ``oelm_core.fast.loss`` on GPUs.
 
-Per slice of tokens: the logits GEMM over the padded vocabulary, one Triton pass (``_ce_rows_kernel``) that
-turns the logits into the loss and, in place, the unnormalised gradient, then the two gradient
-GEMMs; on Hopper in bf16, where switched on, the logits GEMM of ``oelm_core.fast.logits_gemm``
-writes exp() from its accumulator instead of the first two. ``forward`` runs a batch of slices,
-``scale_rows`` is the backward's pass. Imported only on CUDA (it imports Triton): timings of
-each piece in benchmarks/README.md (``benchmarks/bench_ce.py``, ``benchmarks/bench_loss.py``).
+Per slice of tokens: the logits GEMM over the padded vocabulary, one Triton pass
+(``_ce_rows_kernel``) that turns the logits into the loss and, in place, the unnormalised
+gradient, then the two gradient GEMMs; on Hopper in bf16, where switched on, the logits GEMM of
+``oelm_core.fast.logits_gemm`` writes exp() from its accumulator instead of the first two.
+``forward`` runs a batch of slices, ``scale_rows`` is the backward's pass. Imported only on CUDA
+(it imports Triton); ``benchmarks/bench_ce.py`` and ``benchmarks/bench_loss.py`` time each piece.
 """
 
 from __future__ import annotations

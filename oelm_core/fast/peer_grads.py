@@ -7,7 +7,7 @@ part of a step, beside the compute); DDP's work on the compute stream is: the co
 gradient into its buckets, the NCCL kernels' SMs, and the buckets still in flight when the
 backward ends. Here the copy engines move the gradients while the SMs compute, and what is left
 after the backward is one barrier and the adds of the body's gradients and the embedding's rows.
-The two-GPU efficiencies of both, at 8-64 x 512 tokens per GPU: benchmarks/README.md.
+Its gain over DDP, at 16 and 64 x 512 tokens per GPU: benchmarks/README.md.
 
 Two pieces:
 
