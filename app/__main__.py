@@ -1,11 +1,14 @@
 """python -m app [--study runs/smoke | --ckpt gpt_base=PATH --ckpt ...] [--host H] [--port P] [--share]
 
 Without --study or --ckpt the newest runs/*/study.json is used, one run (the lowest seed) per group.
+With --train-mini (what `make demo` runs) the newest study whose models are trained is used; where
+there is none and a GPU is, one seed of the mini study is trained first.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 
 
@@ -17,6 +20,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="checkpoint of a group (gpt_base, oelm_nofreeze, oelm_freeze); repeat per group")
     src.add_argument("--study", help="study folder (or its study.json): one run per group, lowest seed")
     p.add_argument("--runs-root", default="runs", help="where to look for the newest study (default: runs)")
+    p.add_argument("--train-mini", action="store_true",
+                   help="without --study/--ckpt: serve the newest trained study; with none and a GPU, "
+                        "train one seed of the mini study first (about a minute)")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=7860)
@@ -38,6 +44,11 @@ def main(argv=None) -> int:
     from app.demo import SetupError, build_demo, lab_from_args, launch
     from oelm_core.config import ConfigError
 
+    if args.train_mini and not (args.study or args.ckpt):
+        args.study, status = trained_or_mini_study(args.runs_root)
+        if status:
+            return status
+
     try:
         lab = lab_from_args(args.ckpt, args.study, args.runs_root, args.device)
         if lab.models:
@@ -54,6 +65,33 @@ def main(argv=None) -> int:
         return 2
     launch(demo, host=args.host, port=args.port, share=args.share, concurrency=args.concurrency)
     return 0
+
+
+def trained_or_mini_study(runs_root: str) -> tuple[str | None, int]:
+    """(the study to serve, or None for the newest one; an exit status, 0 to go on): the newest
+    trained study under ``runs_root``; where there is none, on a GPU, the mini study trained now
+    (its runner shows the progress); on the CPU None: the newest study, with the page's notice."""
+    import torch
+
+    from pathlib import Path
+
+    from app.demo import MINI_STUDY, MINI_STUDY_OUT, trained_study
+
+    study = trained_study(runs_root)
+    if study is not None:
+        return str(study.parent), 0
+    if not torch.cuda.is_available():
+        print("oelm app: no trained study and no GPU: serving the newest study, whose page says how to "
+              "train models worth comparing", file=sys.stderr)
+        return None, 0
+    print(f"oelm app: no trained study under {runs_root}/: training one seed of the mini study on the GPU "
+          f"first ({MINI_STUDY})", file=sys.stderr)
+    out = str(Path(runs_root) / Path(MINI_STUDY_OUT).name)
+    status = subprocess.call([sys.executable, "-m", "oelm_core.study", MINI_STUDY, "--set", "study.seeds=[0]",
+                              "--out", out])
+    if status:
+        print(f"error: the mini study failed (exit status {status}); its output above says why", file=sys.stderr)
+    return out, status
 
 
 if __name__ == "__main__":

@@ -56,6 +56,15 @@ MAX_PROMPT_CHARS = 20_000
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She"
 MEAN_HEAD = "mean"
 
+# When models are worth comparing: trained on TinyStories they reach a validation perplexity near
+# 20 (results/); the smoke study's models stop in the hundreds after 150 steps and write gibberish,
+# which a newcomer would otherwise take for what OELM does.
+WORTH_STEPS, WORTH_PPL, WORTH_D_MODEL = 1000, 40.0, 128
+MINI_STUDY = "parameters/study_tinystories_mini.yaml"
+MINI_STUDY_OUT = "runs/tinystories_mini"
+# One seed of the mini study: the three groups, about a minute on one GPU.
+MINI_COMMAND = f"python -m oelm_core.study {MINI_STUDY} --set 'study.seeds=[0]'"
+
 
 def refuse(message: str) -> gr.Error:
     """An input error shown to the user (a message, not a server-side traceback)."""
@@ -103,6 +112,11 @@ def newest_study(runs_root: str | Path = "runs") -> Path:
 
 def study_checkpoints(study: str | Path) -> dict[str, Path]:
     """Group -> best.pt of one run per group (its lowest seed) of a study folder or study.json."""
+    return {g: run_dir / "best.pt" for g, run_dir in study_runs(study).items()}
+
+
+def study_runs(study: str | Path) -> dict[str, Path]:
+    """Group -> run folder of one run per group (its lowest seed) of a study folder or study.json."""
     path = Path(study)
     if path.is_dir():
         path = path / "study.json"
@@ -126,7 +140,21 @@ def study_checkpoints(study: str | Path) -> dict[str, Path]:
             chosen[group] = run
     if not chosen:
         raise SetupError(f"{path} lists no run of the groups {', '.join(GROUPS)}")
-    return {g: path.parent / chosen[g]["run_dir"] / "best.pt" for g in GROUPS if g in chosen}
+    return {g: path.parent / chosen[g]["run_dir"] for g in GROUPS if g in chosen}
+
+
+def trained_study(runs_root: str | Path = "runs") -> Path | None:
+    """The newest ``runs/*/study.json`` whose runs (one per group, as the demo loads them) are
+    worth comparing by their summary.json (steps, best validation perplexity); None if none is."""
+    for study in sorted(Path(runs_root).glob("*/study.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            summaries = [json.loads((d / "summary.json").read_text()) for d in study_runs(study).values()]
+        except (SetupError, OSError, ValueError):
+            continue
+        if summaries and not any(barely_trained(s.get("steps"), s.get("best_val_ppl"), WORTH_D_MODEL)
+                                 for s in summaries):
+            return study
+    return None
 
 
 @dataclass
@@ -481,12 +509,8 @@ def _fmt_int(n: int) -> str:
 
 def model_card(m: LoadedModel, device: str) -> str:
     cfg, c = m.cfg, m.counts
-    metrics = m.state.get("metrics") or {}
-    ppl = metrics.get("val_ppl")
-    loss = metrics.get("val_loss")
-    if ppl is None and isinstance(loss, (int, float)):
-        ppl = perplexity(loss)
-    ppl_s = f"{ppl:.2f}" if isinstance(ppl, (int, float)) else "not recorded"
+    ppl = checkpoint_ppl(m.state)
+    ppl_s = f"{ppl:.2f}" if ppl is not None else "not recorded"
     step = m.state.get("step")
     frozen_layers = cfg.frozen_layers()
     qk = ("frozen in every layer" if len(frozen_layers) == cfg.n_layer and cfg.n_layer
@@ -503,6 +527,40 @@ def model_card(m: LoadedModel, device: str) -> str:
             f"| validation perplexity | {ppl_s} |\n"
             f"| step | {step if step is not None else 'not recorded'} |\n\n"
             f"<small>checkpoint `{m.path}` on {device}</small>\n")
+
+
+def checkpoint_ppl(state: dict) -> float | None:
+    """The validation perplexity a checkpoint records, or None."""
+    metrics = state.get("metrics") or {}
+    ppl, loss = metrics.get("val_ppl"), metrics.get("val_loss")
+    if ppl is None and isinstance(loss, (int, float)):
+        ppl = perplexity(loss)
+    return ppl if isinstance(ppl, (int, float)) else None
+
+
+def barely_trained(step: int | None, ppl: float | None, d_model: int) -> bool:
+    """Whether a model of this training and width writes gibberish (unknown figures do not count)."""
+    return (d_model < WORTH_D_MODEL or (step is not None and step < WORTH_STEPS)
+            or (ppl is not None and ppl > WORTH_PPL))
+
+
+def undertrained_notice(lab: Lab) -> str | None:
+    """What the top of the page says when the loaded models are smoke-sized or barely trained:
+    each one's steps and validation perplexity, and the command that trains models worth
+    comparing. None when they all look trained."""
+    weak = [m for m in lab.models if barely_trained(m.state.get("step"), checkpoint_ppl(m.state), m.cfg.d_model)]
+    if not weak:
+        return None
+
+    def figures(m: LoadedModel) -> str:
+        step, ppl = m.state.get("step"), checkpoint_ppl(m.state)
+        return (f"{m.label}: {step if step is not None else 'unknown'} steps, validation perplexity "
+                f"{f'{ppl:,.0f}' if ppl is not None else 'not recorded'}, d_model {m.cfg.d_model}")
+    return ("**These models are barely trained: expect gibberish.** "
+            + "; ".join(figures(m) for m in weak)
+            + f". Models trained on TinyStories reach a perplexity near 20. To compare models worth "
+              f"comparing, train the mini study on a GPU (about a minute): `{MINI_COMMAND}`, then "
+              f"`python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which does both).")
 
 
 def failed_card(group: str, error: str) -> str:
@@ -547,6 +605,9 @@ def build_demo(lab: Lab) -> gr.Blocks:
         demo.oelm = handlers  # tests and scripts reach the handlers through the Blocks
         gr.Markdown(f"Checkpoints from {lab.source or 'the command line'}, on **{lab.device}**; "
                     f"context {handlers.context} tokens.", elem_id="source")
+        notice = undertrained_notice(lab)
+        if notice:
+            gr.Markdown(notice, elem_id="undertrained")
         with gr.Row(equal_height=True):
             for group, m, error in lab.columns():
                 with gr.Column():

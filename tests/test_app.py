@@ -404,6 +404,83 @@ def test_study_resolution(tmp_path, checkpoints):
     assert "unknown group 'oelm_poet'; choose one of gpt_base, oelm_nofreeze, oelm_freeze" in poet.errors[0]
 
 
+def trained_checkpoints(folder: Path, step: int = 3000, ppl: float = 18.5) -> dict[str, Path]:
+    """Checkpoints of a width worth comparing (d_model 128), recorded as trained ``step`` steps to ``ppl``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for i, variant in enumerate(GROUPS):
+        model = build_model("smoke", variant, d_model=128, seed=i)
+        paths[variant] = save_checkpoint(
+            {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg), "step": step,
+             "metrics": {"val_ppl": ppl}}, folder / f"{variant}_trained.pt")
+    return paths
+
+
+def test_the_page_says_when_the_models_are_barely_trained(tmp_path, checkpoints):
+    """Smoke-sized or barely trained models get a notice at the top naming each one's steps and
+    perplexity, and the command that trains models worth comparing; trained ones get none."""
+    from app.demo import MINI_COMMAND, build_demo, load_lab, undertrained_notice
+
+    smoke = load_lab(checkpoints, "cpu")
+    notice = undertrained_notice(smoke)
+    assert notice.startswith("**These models are barely trained: expect gibberish.**")
+    assert "GPT-Base: 100 steps, validation perplexity 20, d_model 64" in notice
+    assert "OELM-Freeze: 300 steps, validation perplexity 22, d_model 64" in notice
+    assert f"`{MINI_COMMAND}`" in notice and "make demo" in notice
+    assert component(build_demo(smoke).get_config_file(), "undertrained")["value"] == notice
+
+    trained = load_lab(trained_checkpoints(tmp_path), "cpu")
+    assert trained.ok and undertrained_notice(trained) is None
+    ids = {c.get("props", {}).get("elem_id") for c in build_demo(trained).get_config_file()["components"]}
+    assert "undertrained" not in ids and "source" in ids
+    short = load_lab(trained_checkpoints(tmp_path / "short", step=400), "cpu")  # wide, but 400 steps
+    assert "GPT-Base: 400 steps, validation perplexity 18, d_model 128" in undertrained_notice(short)
+
+
+def write_study(folder: Path, summaries: dict[str, dict], age_s: float = 0.0) -> Path:
+    """A study folder with one run per group, each holding ``summaries[group]`` as summary.json."""
+    entries = []
+    for group, summary in summaries.items():
+        (folder / group).mkdir(parents=True)
+        (folder / group / "summary.json").write_text(json.dumps(summary))
+        entries.append({"name": group, "variant": group, "seed": 0, "run_dir": group})
+    (folder / "study.json").write_text(json.dumps({"name": folder.name, "runs": entries}))
+    os.utime(folder / "study.json", (time.time() - age_s, time.time() - age_s))
+    return folder
+
+
+def test_make_demo_serves_the_newest_trained_study_or_trains_the_mini_one(tmp_path, monkeypatch):
+    """`make demo` (--train-mini): the newest study whose runs are trained, though a smoke study is
+    newer; with none, on the CPU the newest study (its page carries the notice), on a GPU one seed
+    of the mini study trained first, by the command the notice shows, into runs/tinystories_mini.
+    (Training the mini study is GPU work: here the command is recorded, not run.)"""
+    import torch
+
+    from app.__main__ import trained_or_mini_study
+    from app.demo import MINI_COMMAND, trained_study
+
+    runs = tmp_path / "runs"
+    smoke = {g: {"steps": 150, "best_val_ppl": 900.0} for g in GROUPS}
+    write_study(runs / "smoke", smoke)
+    assert trained_study(runs) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert trained_or_mini_study(str(runs)) == (None, 0)
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert trained_or_mini_study(str(runs)) == (str(runs / "tinystories_mini"), 0)
+    (cmd,) = calls
+    assert cmd[1:] == [*MINI_COMMAND.split()[1:4], "--set", "study.seeds=[0]", "--out", str(runs / "tinystories_mini")]
+
+    mini = write_study(runs / "mini", {g: {"steps": 1500, "best_val_ppl": 18.2} for g in GROUPS}, age_s=100)
+    assert trained_study(runs) == mini / "study.json"
+    assert trained_or_mini_study(str(runs)) == (str(mini), 0) and len(calls) == 1
+    half = dict(smoke, gpt_base={"steps": 1500, "best_val_ppl": 18.2})  # one group trained is not enough
+    write_study(runs / "half", half, age_s=-100)
+    assert trained_study(runs) == mini / "study.json"
+
+
 def test_checkpoint_of_another_group_is_refused(checkpoints):
     """A GPT-Base checkpoint passed as OELM-Freeze would be labelled and compared as one."""
     from app.demo import load_lab
