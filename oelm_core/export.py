@@ -485,7 +485,8 @@ def export_run(run_dir: str | Path) -> Path:
 def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
            tokenizer_dir: str | Path | None = None) -> list[Path]:
     """The CLI's work: ``source`` (checkpoint or run folder) to ``out`` in ``fmt``; "both" writes
-    out/safetensors and out/transformers. Refuses a non-GPT-2 before writing anything."""
+    out/safetensors and out/transformers. What stops the transformers folder (a non-GPT-2, no
+    tokenizer files, no transformers) stops the command before it writes anything."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     model, card = load_for_export(source)
@@ -494,6 +495,8 @@ def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
         why = gpt2_refusal(model)
         if why:
             raise ExportError(f"cannot export {source} as a transformers GPT-2: {why}")
+        find_gpt2_tokenizer(tokenizer_dir)
+        _transformers()
     if fmt == "both":
         _out_folder(out)
         return [to_safetensors(model, out / "safetensors", card=card),

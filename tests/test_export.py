@@ -258,11 +258,13 @@ def test_cli_exports_a_run_folder_in_both_formats(tmp_path, capsys, gpt2_bpe):
 
 def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     _, run = run_folder(tmp_path, "synth_random")
+    _, gpt = run_folder(tmp_path / "gpt", "gpt_base")
     cases = [
         ([str(tmp_path / "absent.pt")], "checkpoint .*absent.pt not found"),
         ([str(tmp_path / "empty")], "holds no best.pt"),
         ([str(tmp_path / "junk.pt")], "could not be read .* not an OELM checkpoint"),
         ([str(run), "--format", "transformers"], "cannot export .* as a transformers GPT-2: the Synthesizer"),
+        ([str(gpt), "--format", "both", "--tokenizer-dir", str(tmp_path)], "no GPT-2 tokenizer files"),
     ]
     (tmp_path / "empty").mkdir()
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
@@ -272,6 +274,9 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("error: "), err
         assert re.search(message, err), err
     assert not (tmp_path / "out").exists()
+    assert main([str(gpt), "--out", str(tmp_path)]) == 2  # a folder of other files is not replaced
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds files that no export writes (empty, gpt, junk.pt, run)" in err
     with pytest.raises(SystemExit) as exit:
         main([str(run), "--out", str(tmp_path / "out"), "--format", "onnx"])
     assert exit.value.code == 2 and "invalid choice: 'onnx'" in capsys.readouterr().err
