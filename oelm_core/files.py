@@ -1,8 +1,10 @@
-"""Files that a killed process never leaves half-written, and folders one process at a time.
+"""Files and folders that a killed process never leaves half-written; folders one process at a time.
 
 Every file a later run reads back (checkpoints, token files, summaries, the run's parameters) is
 written to a temporary file in the same folder and renamed over the old one: the rename is atomic
 on one file system, so a reader finds the previous file or the new one, never a partial one.
+A folder whose files are read together (an exported model) is written the same way, as a
+temporary folder renamed into place (``atomic_folder``).
 A folder that one process writes at a time is held through ``exclusive_lock`` on a file in it.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +52,46 @@ def temporary_files(folder: str | Path, name: str = "*") -> list[Path]:
     left in ``folder``, which only a process killed mid-write leaves behind. Remove them only
     while no other process can be writing there (under a lock on the folder)."""
     return sorted(p for p in Path(folder).glob(f".{name}.*.tmp") if p.is_file())
+
+
+def temporary_folders(folder: str | Path) -> list[Path]:
+    """What ``atomic_folder`` writes killed mid-way left in ``folder``: ``.<name>.*.tmp`` folders,
+    and ``.<name>.*.old`` ones (a replaced folder not yet removed). Same caution as
+    ``temporary_files``."""
+    return sorted(p for pattern in (".*.tmp", ".*.old") for p in Path(folder).glob(pattern) if p.is_dir())
+
+
+@contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """Create or replace the folder ``path`` with what the with-block writes into the folder it
+    is given, ``.<name>.<random>.tmp`` beside ``path``; a block that fails removes it.
+
+    Its files reach the disk before the rename, as ``atomic_write``'s do. An existing ``path`` is
+    renamed aside first (``.<name>.<random>.old``) and removed once the new folder is in place: a
+    reader finds the old folder or the new one, never a mix (between the two renames, briefly,
+    neither)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    old = None
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as handle:
+                    os.fsync(handle.fileno())
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; outputs are shared like any file
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old)  # onto the empty folder mkdtemp made: rename allows that
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not path.exists():
+            os.replace(old, path)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
 
 
 class LockHeld(RuntimeError):

@@ -5,6 +5,8 @@
     ckpt/step_XXXXXXX.pt   the last ``keep_last`` step checkpoints (what --resume continues from)
     best.pt                the checkpoint with the lowest validation loss
     summary.json           the run's figures, written when a session ends
+    export/                best.pt's weights as safetensors with config.json and a model card,
+                           written when a session ends (oelm_core.export; no pickle to load them)
     .lock                  held by the session writing the folder (pid inside): one at a time
 """
 
@@ -14,13 +16,14 @@ import json
 import logging
 import math
 import re
+import shutil
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
 from oelm_core.config import ConfigError, RunConfig, save_run_config
 from oelm_core.distributed import Dist, broadcast_object
-from oelm_core.files import LockHeld, exclusive_lock, temporary_files, write_text_atomic
+from oelm_core.files import LockHeld, exclusive_lock, temporary_files, temporary_folders, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +96,18 @@ def _lock_run_folder(out: Path, held: ExitStack) -> tuple[Optional[bool], Option
 
 
 def _remove_killed_writes(out: Path) -> None:
-    """Remove the temporaries that atomic writes killed mid-way left in ``out`` and out/ckpt."""
-    stale = temporary_files(out) + temporary_files(out / "ckpt")
+    """Remove the temporaries that atomic writes killed mid-way left in ``out`` and out/ckpt: files,
+    and the folders of an export (export/'s ``.export.*.tmp``)."""
+    files = temporary_files(out) + temporary_files(out / "ckpt")
+    folders = temporary_folders(out)
+    stale = files + folders
     if stale:
-        size = sum(p.stat().st_size for p in stale)
-        for p in stale:
+        size = sum(f.stat().st_size for f in files + [f for d in folders for f in d.rglob("*") if f.is_file()])
+        for p in files:
             p.unlink()
-        log.info("removed %d file(s) left by writes that were killed (%.1f MB): %s",
+        for d in folders:
+            shutil.rmtree(d)
+        log.info("removed %d temporaries left by writes that were killed (%.1f MB): %s",
                  len(stale), size / 1e6, ", ".join(p.name for p in stale))
 
 

@@ -42,6 +42,7 @@ from oelm_core.checkpoint import RESUME_KEYS, CheckpointError, save_checkpoint
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_run_config
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.distributed import Dist, mean_across_ranks, on_rank_0, setup_distributed
+from oelm_core.export import RUN_EXPORT, ExportError, export_run
 from oelm_core.model import build_model
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
 from oelm_core.run_folder import (append_metrics, check_folders, checkpoints, hold_run_folder, json_safe,
@@ -162,7 +163,14 @@ class Trainer:
             raise
         finally:
             bar.close()
-        return self.write_summary(status, time.perf_counter() - self.t_start)
+        summary = self.write_summary(status, time.perf_counter() - self.t_start)
+        if self.d.is_main and (self.out / "best.pt").is_file():
+            # The best weights as safetensors + JSON: what leaves the run folder (no pickle to load).
+            try:
+                export_run(self.out)
+            except ExportError as exc:  # the run itself is done and saved: say why, do not fail it
+                log.warning("no %s/%s: %s", self.out, RUN_EXPORT, exc)
+        return summary
 
     def loop(self, end: int, bar, status: str) -> str:
         """Train up to step ``end``; how the session ended (``status`` unless it stopped early)."""

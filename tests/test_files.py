@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from oelm_core.files import LockHeld, atomic_write, exclusive_lock, temporary_files, write_text_atomic
+from oelm_core.files import (LockHeld, atomic_folder, atomic_write, exclusive_lock, temporary_files,
+                             temporary_folders, write_text_atomic)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,6 +67,32 @@ def test_temporary_files_are_those_of_writes_killed_mid_way(tmp_path):
     assert left[0].read_bytes() == b"half a checkpoint" and not (tmp_path / "step_0000004.pt").exists()
     assert temporary_files(tmp_path, "best.pt") == [] and temporary_files(tmp_path, "step_*.pt") == left
     assert temporary_files(tmp_path / "absent") == []
+
+
+def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    """atomic_folder: the new folder replaces the old one whole (no file of the old one stays); a
+    block that fails keeps the old folder and leaves no temporary; temporary_folders finds what
+    a killed one leaves."""
+    out = tmp_path / "export"
+    with atomic_folder(out) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"old")
+        (tmp / "README.md").write_text("old card")
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    with atomic_folder(out) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".export.") and tmp.suffix == ".tmp"
+        (tmp / "model.safetensors").write_bytes(b"new")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"new"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_folder(out) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise KeyboardInterrupt("killed mid-write")
+    assert (out / "model.safetensors").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"] and temporary_folders(tmp_path) == []
+    (tmp_path / ".export.a1b2c3.tmp").mkdir()
+    (tmp_path / ".export.d4e5f6.old").mkdir()
+    (tmp_path / ".notes.tmp").write_text("a file: temporary_files' business")
+    assert [p.name for p in temporary_folders(tmp_path)] == [".export.a1b2c3.tmp", ".export.d4e5f6.old"]
 
 
 # Two holders in one process: flock locks belong to an open file description, and each

@@ -67,20 +67,23 @@ def test_a_run_folder_without_locks_is_used_with_one_warning(tmp_path, caplog, m
 
 
 def test_a_session_removes_what_killed_writes_left(tmp_path, folded, caplog):
-    """A write killed mid-way leaves its temporary (.step_*.pt.*.tmp: 0.5 GB at medium512); the
-    next session, holding the folder, removes those of out_dir and out_dir/ckpt, nothing else."""
+    """A write killed mid-way leaves its temporary (.step_*.pt.*.tmp: 0.5 GB at medium512; an
+    export's folder .export.*.tmp); the next session, holding the folder, removes those of out_dir
+    and out_dir/ckpt, nothing else."""
     values = params(tmp_path, folded, steps=4, ckpt_every=2, eval_every=2)
     run({**values, "train": {**values["train"], "stop_after": 2}})
     out = tmp_path / "run"
+    (out / ".export.q1w2e3.tmp").mkdir()
     left = [out / "ckpt" / ".step_0000004.pt.k1l2m3.tmp", out / ".best.pt.a1b2c3.tmp",
-            out / ".metrics.jsonl.x9y8z7.tmp"]
+            out / ".metrics.jsonl.x9y8z7.tmp", out / ".export.q1w2e3.tmp" / "model.safetensors"]
     kept = [out / "notes.tmp", out / "ckpt" / ".keep", out / "ckpt" / "step_0000002.pt.tmp"]
     for p in left + kept:
         p.write_bytes(b"\0" * 500_000)
     with caplog.at_level("INFO", logger="oelm_core"):
         assert run(values, resume=True)["steps"] == 4
     assert [p for p in left if p.exists()] == [] and all(p.exists() for p in kept)
-    assert "removed 3 file(s) left by writes that were killed (1.5 MB)" in caplog.text
+    assert not (out / ".export.q1w2e3.tmp").exists() and (out / "export" / "model.safetensors").is_file()
+    assert "removed 4 temporaries left by writes that were killed (2.0 MB)" in caplog.text
 
 
 def test_an_out_dir_that_is_a_file_is_refused_before_the_data_is_prepared(tmp_path, story_folder, capsys):

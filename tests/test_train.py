@@ -17,6 +17,7 @@ from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import load_checkpoint, model_from_state
 from oelm_core.config import ConfigError, run_config_from_dict
 from oelm_core.data import eval_batches
+from oelm_core.export import load_safetensors
 from oelm_core.model import GPT, build_model
 from oelm_core.train import main
 from train_helpers import REPO, losses, params, qk_weights, run, write_params
@@ -66,6 +67,15 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"lr", "grad_norm", "tokens_per_s", "tokens_seen", "epochs", "val_ppl", "val_bpb"} <= set(row)
     assert row["tokens_seen"] == 30 * 4 * 32
+    # export/: best.pt's weights, loaded from safetensors and JSON, with what the run knew of them
+    assert sorted(p.name for p in (out / "export").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    best = load_checkpoint(out / "best.pt")
+    exported = load_safetensors(out / "export").state_dict()
+    assert exported.keys() == best["model"].keys()
+    assert all(torch.equal(exported[k], best["model"][k]) for k in exported)
+    card = json.loads((out / "export" / "config.json").read_text())["run"]
+    assert card["step"] == best["step"] and card["val_loss"] == best["metrics"]["val_loss"] == summary["best_val_loss"]
+    assert (card["variant"], card["seed"], card["run_status"], card["run_steps"]) == ("gpt_base", 42, "completed", 30)
 
 
 def test_validation_loss_is_the_models_without_dropout(tmp_path, folded):

@@ -1,0 +1,534 @@
+"""Models that travel: a trained GPT as files that load without this repository's pickles, or as
+a Hugging Face GPT-2.
+
+    python -m oelm_core.export runs/smoke/oelm_freeze_s0 --out exported/ --format both
+
+Two formats (docs/export.md):
+
+- **safetensors** (``to_safetensors`` / ``load_safetensors``), any variant: ``model.safetensors``
+  holds the state dict (parameters and the frozen Q/K buffers), ``config.json`` what rebuilds it
+  (the ModelConfig, with ``freeze_qk`` naming the layers frozen *now*), ``README.md`` a model
+  card. Loading reads safetensors and JSON only, never a pickle, and gives the model bit for bit.
+  The trainer writes one into every run folder (``RUN_EXPORT``).
+- **transformers** (``to_transformers``): a ``GPT2LMHeadModel`` folder with GPT-2's tokenizer
+  files, for ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``. At inference every
+  dot-product variant is a GPT-2: how W_q, W_k started (orthogonal, Gaussian, any construction)
+  and whether they learned (frozen, layer-wise, unfrozen on a schedule) shape the weights, not the
+  computation; POET's W = R W0 P is one matrix once composed. Every one scales the logits by
+  1/sqrt(d_head), as GPT-2 does (``model.CausalSelfAttention``: SDPA's default scale; ``qk_gain``
+  lives in the weights), so nothing has to be folded into W_q. The Synthesizer has no QK^T and
+  is refused, as is a vocabulary other than GPT-2's (the tokenizer beside it would not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from oelm_core.accounting import count_parameters
+from oelm_core.checkpoint import CheckpointError, load_model
+from oelm_core.config import (PRESETS, ConfigError, ModelConfig, model_config_from_dict, read_yaml,
+                              variant_overrides, variants)
+from oelm_core.data import EOT, EOT_TEXT
+from oelm_core.files import atomic_folder
+from oelm_core.model import GPT, QKProjection
+from oelm_core.orthogonal import QK_INITS
+from oelm_core.run_folder import read_summary
+
+FORMAT = "oelm-core/safetensors"
+FORMAT_VERSION = 1
+FORMATS = ("safetensors", "transformers", "both")
+RUN_EXPORT = "export"  # the run folder's safetensors export, written when a session ends
+GPT2_VOCAB = EOT + 1
+# Every name an export writes (both formats, and the two subfolders of --format both): a folder
+# holding anything else is refused as --out rather than replaced.
+EXPORT_NAMES = {"model.safetensors", "config.json", "README.md", "generation_config.json", "vocab.json",
+                "merges.txt", "tokenizer_config.json", "safetensors", "transformers"}
+# Where tiktoken.get_encoding("gpt2") downloads GPT-2's BPE from; its cache names each file by the
+# sha1 of its URL (encoder.json: 6c7ea1a7..., vocab.bpe: 6d1cbeee...).
+TIKTOKEN_GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+
+
+class ExportError(RuntimeError):
+    """A model, checkpoint or folder that cannot be exported or loaded as asked."""
+
+
+# --------------------------------------------------------------------------------------------
+# What the model is: config.json and the model card
+# --------------------------------------------------------------------------------------------
+
+def frozen_layers(model: GPT) -> list[int]:
+    """The layers whose Q/K are buffers now: after progressive unfreezing, fewer than
+    ``model.cfg.freeze_qk`` names."""
+    return [i for i, block in enumerate(model.blocks)
+            if isinstance(block.attn.qk, QKProjection) and block.attn.qk.frozen]
+
+
+def config_now(model: GPT) -> ModelConfig:
+    """``model.cfg`` with ``freeze_qk`` as the modules are: what rebuilds this very model."""
+    frozen = frozen_layers(model)
+    if model.cfg.frozen_layers() == frozen:
+        return model.cfg
+    return dataclasses.replace(model.cfg, freeze_qk=frozen or "none")
+
+
+def _preset_and_variant(cfg: ModelConfig) -> tuple[Optional[str], Optional[str]]:
+    """The preset whose shape ``cfg`` has and the variant whose settings it has, each None where
+    none fits (a run's own names, when known, are used instead)."""
+    preset = next((name for name, shape in PRESETS.items()
+                   if all(getattr(cfg, k) == v for k, v in shape.items())), None)
+    keys = {k for name in variants() for k in variant_overrides(name)}
+    default = ModelConfig()
+    for name in variants():
+        overrides = variant_overrides(name)
+        expected = dataclasses.replace(cfg, **{k: overrides.get(k, getattr(default, k)) for k in keys})
+        # freeze_qk compared by the layers it names: "all" and [0, 1] are one setting at 2 layers
+        if (dataclasses.replace(expected, freeze_qk=cfg.freeze_qk) == cfg
+                and expected.frozen_layers() == cfg.frozen_layers()):
+            return preset, name
+    return preset, None
+
+
+def _version() -> str:
+    try:
+        return metadata.version("oelm-core")
+    except metadata.PackageNotFoundError:  # run from a checkout on PYTHONPATH, not installed
+        return "unknown"
+
+
+def describe(model: GPT, card: Optional[dict] = None) -> dict:
+    """config.json of the safetensors export: the format tag and oelm_core version, preset and
+    variant, the ModelConfig that rebuilds the model, its Q/K construction and frozen layers,
+    parameter counts, and ``card`` (what the run knows, ``run_card``) under "run"."""
+    card = dict(card or {})
+    cfg = config_now(model)
+    preset, variant = _preset_and_variant(cfg)
+    preset, variant = card.get("preset", preset), card.get("variant", variant)
+    counts = count_parameters(model)
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "oelm_core_version": _version(),
+        "preset": preset, "variant": variant,
+        "description": variants().get(variant),
+        "model_config": dataclasses.asdict(cfg),
+        "qk": None if cfg.attention != "dot" else {
+            "construction": cfg.qk_init, "about": QK_INITS[cfg.qk_init], "gain": cfg.qk_gain,
+            "frozen_layers": frozen_layers(model), "poet_block_size": cfg.poet_block_size,
+            "logit_scale": "1/sqrt(d_head)"},
+        "parameters": {k: counts[k] for k in ("trainable", "frozen", "total")},
+        "run": card,
+    }
+
+
+def run_card(state: dict, run_dir: Optional[Path] = None, weights: str = "best.pt") -> dict:
+    """What a checkpoint (``state``, as ``load_model`` returns it) and its run folder tell about
+    the weights, for the card: name, preset, variant, seed, data source and size, the step and
+    tokens seen when they were saved, the validation figures of the evaluation they followed,
+    and the run's status and steps from summary.json. Keys without a value are left out."""
+    run = state.get("run_config")
+    if run is None and run_dir is not None and (run_dir / "config.yaml").is_file():
+        run = read_yaml(run_dir / "config.yaml")
+    run = run or {}
+    metrics = state.get("metrics") or {}
+    summary = read_summary(run_dir) if run_dir is not None else {}
+    card = {
+        "name": run.get("name"), "preset": run.get("preset"), "variant": run.get("variant"),
+        "weights": weights, "step": state.get("step"),
+        "tokens_seen": metrics.get("tokens_seen"), "epochs": metrics.get("epochs"),
+        "val_loss": metrics.get("val_loss"), "val_ppl": metrics.get("val_ppl"),
+        "val_bpb": metrics.get("val_bpb"),
+        "seed": (run.get("train") or {}).get("seed"), "data": (run.get("data") or {}).get("source"),
+        "train_tokens": (state.get("data") or {}).get("train_tokens"),
+        "run_status": summary.get("status"), "run_steps": summary.get("steps"),
+    }
+    return {k: v for k, v in card.items() if v is not None}
+
+
+def source_commit() -> Optional[str]:
+    """The git commit of the oelm_core source running now ("-dirty" with uncommitted changes), or
+    None outside a git checkout: what the trainer records of the code that trained."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
+                              cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def model_card(info: dict, fmt: str) -> str:
+    """README.md of an export: Hub front matter, what the model is and how it was trained (what
+    ``info``, config.json's content, knows), and how to load it (``fmt``: safetensors or
+    transformers)."""
+    cfg, run, n = info["model_config"], info["run"], info["parameters"]
+    variant = info["variant"] or "custom"
+    front = ["---", "tags: [oelm, orthogonal-attention, text-generation]"]
+    if fmt == "transformers":
+        front += ["library_name: transformers", "pipeline_tag: text-generation"]
+    if run.get("data") == "roneneldan/TinyStories":
+        front.append("datasets: [roneneldan/TinyStories]")
+    front.append("---")
+    if info["qk"] is None:
+        qk = f"none: Synthesizer attention ({cfg['attention']}), input-independent logits"
+    else:
+        frozen = info["qk"]["frozen_layers"]
+        if cfg["poet_block_size"]:
+            learned = (f"POET: W = R W0 P, W0 frozen, R and P learned (blocks of {cfg['poet_block_size']}); "
+                       f"composed into one matrix for GPT-2")
+        else:
+            learned = f"frozen (buffers) in layers {frozen}" if frozen else "trainable in every layer"
+        qk = f"{cfg['qk_init']} ({info['qk']['about']}), gain {cfg['qk_gain']}; {learned}"
+    rows = [
+        ("variant", f"`{variant}`" + (f": {info['description']}" if info["description"] else "")),
+        ("preset", f"`{info['preset']}`" if info["preset"] else "custom"),
+        ("shape", f"{cfg['n_layer']} layers, d_model {cfg['d_model']}, {cfg['n_head']} heads, d_ff "
+                  f"{cfg['d_ff']}, context {cfg['block_size']}, vocabulary {cfg['vocab_size']:,}"),
+        ("Q/K", qk),
+        ("parameters", f"{n['trainable']:,} trainable, {n['frozen']:,} frozen, {n['total']:,} total"),
+    ]
+    if "data" in run:
+        rows.append(("data", f"{run['data']}" + (f" ({run['train_tokens']:,} training tokens)"
+                                                  if "train_tokens" in run else "")))
+    if "step" in run:
+        seen = f", {run['tokens_seen']:,} tokens seen" if "tokens_seen" in run else ""
+        epochs = f" ({run['epochs']:.2f} epochs)" if "epochs" in run else ""
+        of_run = (f" of the run's {run['run_steps']:,} ({run['run_status']})"
+                  if "run_steps" in run and "run_status" in run else "")
+        rows.append(("trained", f"{run['step']:,} steps{of_run}{seen}{epochs}; weights: {run['weights']}"))
+    if "val_loss" in run:
+        which = ("the run's lowest" if run.get("weights") == "best.pt"
+                 else "the run's latest evaluation up to these weights")
+        rows.append(("validation", f"loss {run['val_loss']:.4f} nats/token, PPL {run['val_ppl']:.2f}, "
+                                   f"{run['val_bpb']:.4f} bits/byte ({which})"))
+    for key in ("seed", "commit"):
+        if key in run:
+            rows.append((key, f"`{run[key]}`"))
+    rows.append(("format", f"{fmt} export, oelm_core {info['oelm_core_version']}"))
+    if fmt == "transformers":
+        load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                "model = AutoModelForCausalLM.from_pretrained(\"path/to/this/folder\")\n"
+                "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/folder\")")
+        about = ("A GPT-2 (`GPT2LMHeadModel`) with the weights of an OELM Lab model: at inference "
+                 "its Q/K projections are ordinary linear maps, so GPT-2's code runs it exactly.")
+    else:
+        load = ("from oelm_core.export import load_safetensors\n"
+                "model = load_safetensors(\"path/to/this/folder\")   # safetensors and JSON, no pickle")
+        about = ("The state dict of an OELM Lab GPT, frozen Q/K buffers included, with config.json "
+                 "to rebuild it.")
+    title = run.get("name") or variant
+    table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    return (f"{chr(10).join(front)}\n\n# {title}\n\n{about} OELM: GPT models whose attention Q/K "
+            f"projections start as random orthogonal matrices and may stay frozen.\n\n{table}\n\n"
+            f"## Load\n\n```python\n{load}\n```\n")
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors
+# --------------------------------------------------------------------------------------------
+
+def _plain(model) -> GPT:
+    if not isinstance(model, GPT):
+        raise ExportError(f"export takes an oelm_core GPT (build_model, checkpoint.load_model), got "
+                          f"{type(model).__name__}: pass the model inside torch.compile's or DDP's "
+                          f"wrapper (model._orig_mod, model.module)")
+    return model
+
+
+def _out_folder(out_dir: str | Path) -> Path:
+    """``out_dir`` when writing there replaces at most an earlier export: a folder holding anything
+    else (an --out mistyped as the project's root) is refused, not deleted."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; pass a folder (new, empty, or an earlier export)")
+    other = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_NAMES) if out.is_dir() else []
+    if other:
+        raise ExportError(f"{out} holds files that no export writes ({', '.join(other[:5])}); replacing "
+                          f"the folder would delete them: pass a new or empty folder as --out")
+    return out
+
+
+def _safetensors():
+    # Imported here: the trainer imports this module, and a GPU image without safetensors still
+    # trains (the session then ends without export/, saying why).
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ExportError("the safetensors package is not installed: pip install safetensors (a core "
+                          "dependency of oelm-core)") from None
+    return safetensors
+
+
+def to_safetensors(model: GPT, out_dir: str | Path, *, card: Optional[dict] = None) -> Path:
+    """Write ``model`` to the folder ``out_dir``, created or replaced whole (``atomic_folder``):
+    model.safetensors (every tensor of the state dict, on the CPU, in its dtype), config.json
+    (``describe``) and README.md (``model_card``). ``card``: what the run knows (``run_card``).
+    Returns the folder."""
+    model = _plain(model)
+    safetensors = _safetensors()
+    out = _out_folder(out_dir)
+    info = describe(model, card)
+    # Tied embeddings are one tensor in the state dict (GPT.lm_head is None, the output layer
+    # reads wte.weight), so no tensor is stored twice, which safetensors would refuse.
+    tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    with atomic_folder(out) as tmp:
+        safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(info, "safetensors"))
+    return out
+
+
+def load_safetensors(folder: str | Path, device: str | torch.device = "cpu") -> GPT:
+    """The GPT a ``to_safetensors`` folder holds, in eval mode on ``device``, equal bit for bit to
+    the one written (frozen layers frozen again). Reads JSON and safetensors only: no pickle."""
+    safetensors = _safetensors()
+    folder = Path(folder)
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise ExportError(f"{folder} holds no {name}: pass a folder that oelm_core.export wrote "
+                              f"(a run's {RUN_EXPORT}/, or python -m oelm_core.export RUN --out DIR)")
+    try:
+        info = json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{folder}/config.json is not JSON ({exc}); export the model again") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        hint = (" (a transformers export: load it with transformers.AutoModelForCausalLM.from_pretrained)"
+                if isinstance(info, dict) and info.get("model_type") == "gpt2" else "")
+        raise ExportError(f"{folder} is not an OELM safetensors export: its config.json has no "
+                          f"format {FORMAT!r}{hint}")
+    if info.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{folder} has export format {info.get('format_version')!r}; this oelm_core "
+                          f"reads format {FORMAT_VERSION}: load it with the oelm_core version that wrote "
+                          f"it ({info.get('oelm_core_version')})")
+    try:
+        model = GPT(model_config_from_dict(info["model_config"]))
+        model.load_state_dict(safetensors.torch.load_file(folder / "model.safetensors"))
+    except (ConfigError, RuntimeError, safetensors.SafetensorError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise ExportError(f"{folder} holds no model this oelm_core can rebuild ({reason}); export it "
+                          f"again from its checkpoint") from exc
+    return model.to(device).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# transformers (GPT-2)
+# --------------------------------------------------------------------------------------------
+
+def gpt2_refusal(model: GPT) -> Optional[str]:
+    """Why ``model`` cannot run as transformers' GPT-2; None where it can."""
+    cfg = model.cfg
+    if cfg.attention != "dot":
+        return (f"the Synthesizer ({cfg.attention}) has no QK^T at inference: its attention is a learned "
+                f"table of position-by-position logits that ignores the input, which GPT-2's attention "
+                f"cannot express; export it with --format safetensors (oelm_core.export.load_safetensors)")
+    if cfg.vocab_size != GPT2_VOCAB:
+        return (f"its vocabulary has {cfg.vocab_size} ids, not GPT-2's {GPT2_VOCAB}, so the GPT-2 "
+                f"tokenizer written beside it would not fit; export it with --format safetensors")
+    return None
+
+
+@torch.no_grad()
+def gpt2_weights(model: GPT) -> dict[str, torch.Tensor]:
+    """``model``'s weights under transformers' GPT2LMHeadModel names, on the CPU in the embedding's
+    dtype. GPT-2's Conv1D stores (in, out), nn.Linear (out, in): every matrix is transposed, and
+    ``c_attn`` is [W_q; W_k; W_v] (3 d, d) transposed to (d, 3 d). The padding rows of the
+    vocabulary are dropped; the biases we do not have (Q/K never, V and the output projection
+    without ``attn_bias``, MLP and LayerNorm without ``bias``) are zeros."""
+    cfg = model.cfg
+    d, dtype = cfg.d_model, model.wte.weight.dtype
+
+    def bias(b: Optional[torch.Tensor], n: int) -> torch.Tensor:
+        return b if b is not None else torch.zeros(n, dtype=dtype, device=model.wte.weight.device)
+
+    w = {"transformer.wte.weight": model.wte.weight[: cfg.vocab_size],
+         "transformer.wpe.weight": model.wpe.weight,
+         "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": bias(model.ln_f.bias, d),
+         "lm_head.weight": model.output_weight[: cfg.vocab_size]}
+    for i, block in enumerate(model.blocks):
+        h, attn, mlp = f"transformer.h.{i}.", block.attn, block.mlp
+        # qk.weight is what forward multiplies by: for POET, R W0 P with the Neumann-series
+        # rotations. POETProjection.merge() would compose the exact Cayley ones instead, which
+        # differ by the series' truncation error (and it would change the model).
+        qkv = torch.cat([attn.qk.weight.to(dtype), attn.v.weight])
+        w.update({
+            h + "ln_1.weight": block.ln_1.weight, h + "ln_1.bias": bias(block.ln_1.bias, d),
+            h + "attn.c_attn.weight": qkv.T,
+            h + "attn.c_attn.bias": torch.cat([bias(None, 2 * d), bias(attn.v.bias, d)]),
+            h + "attn.c_proj.weight": attn.proj.weight.T, h + "attn.c_proj.bias": bias(attn.proj.bias, d),
+            h + "ln_2.weight": block.ln_2.weight, h + "ln_2.bias": bias(block.ln_2.bias, d),
+            h + "mlp.c_fc.weight": mlp.fc.weight.T, h + "mlp.c_fc.bias": bias(mlp.fc.bias, cfg.d_ff),
+            h + "mlp.c_proj.weight": mlp.proj.weight.T, h + "mlp.c_proj.bias": bias(mlp.proj.bias, d),
+        })
+    return {k: t.detach().to("cpu", dtype).contiguous() for k, t in w.items()}
+
+
+def _tiktoken_cache() -> tuple[Path, str]:
+    """tiktoken's cache folder, found as tiktoken finds it, and how it was found."""
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if var in os.environ:
+            return Path(os.environ[var]), f"{var}={os.environ[var]}"
+    folder = Path(tempfile.gettempdir()) / "data-gym-cache"
+    return folder, f"tiktoken's default cache {folder} (TIKTOKEN_CACHE_DIR is not set)"
+
+
+def find_gpt2_tokenizer(tokenizer_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """(vocab.json, merges.txt) of GPT-2's BPE: from ``tokenizer_dir`` (Hugging Face's names) when
+    given, else tiktoken's cache, which holds the same two files as encoder.json and vocab.bpe
+    once ``tiktoken.get_encoding("gpt2")`` has run online. ExportError where neither has them."""
+    if tokenizer_dir is not None:
+        where = f"tokenizer_dir {tokenizer_dir}"
+        files = (Path(tokenizer_dir) / "vocab.json", Path(tokenizer_dir) / "merges.txt")
+    else:
+        cache, where = _tiktoken_cache()
+        files = tuple(cache / hashlib.sha1((TIKTOKEN_GPT2_URL + name).encode()).hexdigest()
+                      for name in ("encoder.json", "vocab.bpe"))
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        raise ExportError(f"no GPT-2 tokenizer files: {where} lacks {', '.join(missing)}; pass "
+                          f"--tokenizer-dir (tokenizer_dir=) a folder with GPT-2's vocab.json and "
+                          f"merges.txt, or set TIKTOKEN_CACHE_DIR to a tiktoken cache holding GPT-2 "
+                          f"(tiktoken.get_encoding('gpt2') run once online fills it)")
+    try:
+        vocab = json.loads(files[0].read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        vocab = None
+    if not isinstance(vocab, dict) or len(vocab) != GPT2_VOCAB or vocab.get(EOT_TEXT) != EOT:
+        raise ExportError(f"{files[0]} ({where}) is not GPT-2's vocabulary ({GPT2_VOCAB} entries, "
+                          f"{EOT_TEXT} = {EOT}); pass the GPT-2 files")
+    return files
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ExportError("the transformers format needs the transformers package: pip install "
+                          "'oelm-core[export]' (or export with --format safetensors)") from None
+    return transformers
+
+
+def to_transformers(model: GPT, out_dir: str | Path, *, card: Optional[dict] = None,
+                    tokenizer_dir: str | Path | None = None) -> Path:
+    """Write ``model`` as a transformers GPT-2 to the folder ``out_dir``, created or replaced whole:
+    config.json, generation_config.json and model.safetensors (``save_pretrained``), vocab.json,
+    merges.txt and tokenizer_config.json (``find_gpt2_tokenizer``), README.md (the card).
+    ExportError, before anything is written, where the model is no GPT-2 (``gpt2_refusal``) or the
+    tokenizer files are not found. Returns the folder."""
+    model = _plain(model)
+    why = gpt2_refusal(model)
+    if why:
+        raise ExportError(f"cannot export this model as a transformers GPT-2: {why}")
+    vocab, merges = find_gpt2_tokenizer(tokenizer_dir)
+    transformers = _transformers()
+    out = _out_folder(out_dir)
+    cfg = model.cfg
+    config = transformers.GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, n_inner=cfg.d_ff,
+        # F.gelu(approximate="tanh") in our MLP: GPT-2's own "gelu_new", the same formula
+        activation_function="gelu_new", layer_norm_epsilon=model.ln_f.eps,
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=EOT, eos_token_id=EOT)
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    gpt2.load_state_dict(gpt2_weights(model))
+    info = describe(model, card)
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
+                        "unk_token": EOT_TEXT, "model_max_length": cfg.block_size}
+    with atomic_folder(out) as tmp:
+        gpt2.save_pretrained(tmp)
+        shutil.copyfile(vocab, tmp / "vocab.json")
+        shutil.copyfile(merges, tmp / "merges.txt")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(info, "transformers"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints and run folders; the CLI
+# --------------------------------------------------------------------------------------------
+
+def load_for_export(source: str | Path) -> tuple[GPT, dict]:
+    """(model, card) of a checkpoint file or a run folder (its best.pt); the card reads the run
+    folder's summary.json and config.yaml where they exist (``run_card``)."""
+    source = Path(source)
+    ckpt = source / "best.pt" if source.is_dir() else source
+    if source.is_dir() and not ckpt.is_file():
+        raise CheckpointError(f"{source} holds no best.pt: pass a run folder that has evaluated at least "
+                              f"once, or a checkpoint file (its ckpt/step_*.pt)")
+    model, state = load_model(ckpt)
+    # A step checkpoint lies in the run folder's ckpt/
+    run_dir = next((d for d in (ckpt.parent, ckpt.parent.parent)
+                    if (d / "config.yaml").is_file() or (d / "summary.json").is_file()), None)
+    return model, run_card(state, run_dir, weights=ckpt.name)
+
+
+def export_run(run_dir: str | Path) -> Path:
+    """run_dir/export/: the run's best.pt as ``to_safetensors`` writes it, its card naming the
+    commit of the code running now (the trainer calls this as a session ends)."""
+    run_dir = Path(run_dir)
+    model, card = load_for_export(run_dir)
+    commit = source_commit()
+    return to_safetensors(model, run_dir / RUN_EXPORT, card={**card, "commit": commit} if commit else card)
+
+
+def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
+           tokenizer_dir: str | Path | None = None) -> list[Path]:
+    """The CLI's work: ``source`` (checkpoint or run folder) to ``out`` in ``fmt``; "both" writes
+    out/safetensors and out/transformers. What stops the transformers folder (a non-GPT-2, no
+    tokenizer files, no transformers) stops the command before it writes anything."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    model, card = load_for_export(source)
+    out = Path(out)
+    if fmt != "safetensors":
+        why = gpt2_refusal(model)
+        if why:
+            raise ExportError(f"cannot export {source} as a transformers GPT-2: {why}")
+        find_gpt2_tokenizer(tokenizer_dir)
+        _transformers()
+    if fmt == "both":
+        _out_folder(out)
+        return [to_safetensors(model, out / "safetensors", card=card),
+                to_transformers(model, out / "transformers", card=card, tokenizer_dir=tokenizer_dir)]
+    if fmt == "transformers":
+        return [to_transformers(model, out, card=card, tokenizer_dir=tokenizer_dir)]
+    return [to_safetensors(model, out, card=card)]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The CLI; returns the exit code: 0 written, 2 nothing written (the error on one line)."""
+    p = argparse.ArgumentParser(prog="python -m oelm_core.export",
+                                description="Export a checkpoint or run folder as safetensors and/or "
+                                            "a transformers GPT-2 (docs/export.md).")
+    p.add_argument("source", help="a checkpoint (.pt) or a run folder (its best.pt is exported)")
+    p.add_argument("--out", required=True, help="the folder to write (new, empty or an earlier export)")
+    p.add_argument("--format", default="safetensors", choices=FORMATS,
+                   help="safetensors: any variant, loads with oelm_core.export.load_safetensors; "
+                        "transformers: GPT2LMHeadModel with its tokenizer; both: OUT/safetensors and "
+                        "OUT/transformers (default: safetensors)")
+    p.add_argument("--tokenizer-dir", help="a folder with GPT-2's vocab.json and merges.txt (default: "
+                                           "tiktoken's cache, TIKTOKEN_CACHE_DIR)")
+    args = p.parse_args(argv)
+    try:
+        written = export(args.source, args.out, args.format, args.tokenizer_dir)
+    except (ExportError, CheckpointError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    for folder in written:
+        print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
