@@ -17,7 +17,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ckpt", action="append", default=[], metavar="GROUP=PATH",
-                     help="checkpoint of a group (gpt_base, oelm_nofreeze, oelm_freeze); repeat per group")
+                     help="a group's model (gpt_base, oelm_nofreeze, oelm_freeze): a checkpoint, a run folder, "
+                          "or an export folder (safetensors or transformers); repeat per group")
     src.add_argument("--study", help="study folder (or its study.json): one run per group, lowest seed")
     p.add_argument("--runs-root", default="runs", help="where to look for the newest study (default: runs)")
     p.add_argument("--train-mini", action="store_true",

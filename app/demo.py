@@ -1,7 +1,8 @@
 """The OELM Lab web demo: GPT-Base, OELM-NoFreeze and OELM-Freeze side by side.
 
-Start-up loads each group's checkpoint once (``oelm_core.checkpoint.load_model``, weights-only,
-on the GPU when there is one). The page then offers
+Start-up loads each group's model once, on the GPU when there is one: from a checkpoint
+(``oelm_core.checkpoint.load_model``, weights-only), a run folder, or a folder that
+``oelm_core.export`` wrote (safetensors, or transformers' GPT-2). The page then offers
 
 * a card per model (shape, parameter counts, validation perplexity and step of the checkpoint),
 * side-by-side generation: one prompt, seed and sampling setting sent to every model, the texts
@@ -255,6 +256,27 @@ def group_mismatch(group: str, cfg: ModelConfig) -> str | None:
     return f"holds a model with {_describe(have, differ)}, but {group} has {_describe(want, differ)}; {fix}"
 
 
+def load_source(path: Path, device: str) -> tuple[Any, dict]:
+    """(model, checkpoint state) of what --ckpt names: a checkpoint file, a run folder (its
+    best.pt), or a folder ``oelm_core.export`` wrote (safetensors or transformers), whose card
+    gives the state's step and validation figures. CheckpointError saying what went wrong."""
+    if path.is_dir() and (path / "best.pt").is_file():
+        return load_model(path / "best.pt", device)
+    if path.is_dir() and (path / "config.json").is_file():
+        from oelm_core.export import ExportError, load_export  # only for folders: it reads safetensors
+
+        try:
+            model, card = load_export(path, device)
+        except ExportError as exc:
+            raise CheckpointError(str(exc)) from None
+        metrics = {k: card[k] for k in ("val_loss", "val_ppl") if k in card}
+        return model, {"step": card.get("step"), "metrics": metrics}
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a folder without best.pt or config.json: pass a checkpoint file, "
+                              f"a run folder, or a folder that python -m oelm_core.export wrote")
+    return load_model(path, device)
+
+
 def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> Lab:
     """Load every checkpoint once; collect what fails instead of raising."""
     try:
@@ -268,7 +290,7 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> 
     for group in sorted(paths, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS)):
         path = Path(paths[group])
         try:
-            model, state = load_model(path, lab.device)
+            model, state = load_source(path, lab.device)
         except CheckpointError as exc:
             fail(group, str(exc))
             continue

@@ -33,7 +33,7 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -206,7 +206,8 @@ def model_card(info: dict, fmt: str) -> str:
         epochs = f" ({run['epochs']:.2f} epochs)" if "epochs" in run else ""
         of_run = (f" of the run's {run['run_steps']:,} ({run['run_status']})"
                   if "run_steps" in run and "run_status" in run else "")
-        rows.append(("trained", f"{run['step']:,} steps{of_run}{seen}{epochs}; weights: {run['weights']}"))
+        weights = f"; weights: {run['weights']}" if "weights" in run else ""
+        rows.append(("trained", f"{run['step']:,} steps{of_run}{seen}{epochs}{weights}"))
     if "val_loss" in run:
         which = ("the run's lowest" if run.get("weights") == "best.pt"
                  else "the run's latest evaluation up to these weights")
@@ -439,10 +440,13 @@ def to_transformers(model: GPT, out_dir: str | Path, *, card: Optional[dict] = N
         # F.gelu(approximate="tanh") in our MLP: GPT-2's own "gelu_new", the same formula
         activation_function="gelu_new", layer_norm_epsilon=model.ln_f.eps,
         resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=EOT, eos_token_id=EOT)
+        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=EOT, eos_token_id=EOT,
+        # What rebuilds the oelm_core model from these weights (load_transformers): transformers
+        # keeps unknown config keys and writes them to config.json.
+        oelm=describe(model, card))
     gpt2 = transformers.GPT2LMHeadModel(config)
     gpt2.load_state_dict(gpt2_weights(model))
-    info = describe(model, card)
+    info = config.oelm
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
                         "unk_token": EOT_TEXT, "model_max_length": cfg.block_size}
     with atomic_folder(out) as tmp:
@@ -452,6 +456,80 @@ def to_transformers(model: GPT, out_dir: str | Path, *, card: Optional[dict] = N
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(info, "transformers"))
     return out
+
+
+def load_transformers(folder: str | Path, device: str | torch.device = "cpu") -> GPT:
+    """The oelm_core GPT of a ``to_transformers`` folder, in eval mode on ``device``: the inverse of
+    ``gpt2_weights``, read from config.json (its "oelm" entry) and model.safetensors, with neither
+    transformers nor a pickle. Its logits equal the exported model's. POET's exported W_q, W_k are
+    its rotations composed with W0, from which R, W0 and P cannot be recovered: refused, as is a
+    GPT-2 that oelm_core did not export (its Q/K construction is unknown)."""
+    safetensors = _safetensors()
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / "config.json").read_text()).get("oelm")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ExportError(f"{folder} holds no readable config.json ({exc}); pass a folder that "
+                          f"oelm_core.export wrote with --format transformers") from None
+    if not isinstance(info, dict) or "model_config" not in info:
+        raise ExportError(f"{folder} is a transformers model that oelm_core did not export (its config.json "
+                          f"has no 'oelm' entry), so its Q/K construction and freezing are unknown; load "
+                          f"it with transformers.AutoModelForCausalLM.from_pretrained")
+    cfg = model_config_from_dict(info["model_config"])
+    if cfg.poet_block_size:
+        raise ExportError(f"{folder} holds a POET model as GPT-2: its W_q, W_k are R W0 P composed, from which "
+                          f"POET's rotations cannot be recovered; load its safetensors export instead")
+    model = GPT(cfg)
+    gpt2 = safetensors.torch.load_file(folder / "model.safetensors")
+    state = model.state_dict()
+    d, vocab = cfg.d_model, cfg.vocab_size
+
+    def take(name: str, gpt2_name: str, transpose: bool = False) -> None:
+        if name in state:  # the biases and untied head this model has
+            t = gpt2[gpt2_name].T if transpose else gpt2[gpt2_name]
+            state[name] = state[name].clone()
+            state[name][: t.size(0)] = t.to(state[name].dtype)
+
+    take("wte.weight", "transformer.wte.weight")  # the padding rows stay zero
+    take("wpe.weight", "transformer.wpe.weight")
+    take("lm_head.weight", "lm_head.weight")
+    for name in ("weight", "bias"):
+        take(f"ln_f.{name}", f"transformer.ln_f.{name}")
+    for i in range(cfg.n_layer):
+        b, h = f"blocks.{i}.", f"transformer.h.{i}."
+        qkv = gpt2[h + "attn.c_attn.weight"].T
+        state[b + "attn.qk.weight"] = qkv[: 2 * d].clone()
+        state[b + "attn.v.weight"] = qkv[2 * d:].clone()
+        if b + "attn.v.bias" in state:
+            state[b + "attn.v.bias"] = gpt2[h + "attn.c_attn.bias"][2 * d:].clone()
+        for ours, theirs, transpose in (("attn.proj.weight", "attn.c_proj.weight", True),
+                                        ("attn.proj.bias", "attn.c_proj.bias", False),
+                                        ("mlp.fc.weight", "mlp.c_fc.weight", True), ("mlp.fc.bias", "mlp.c_fc.bias", False),
+                                        ("mlp.proj.weight", "mlp.c_proj.weight", True),
+                                        ("mlp.proj.bias", "mlp.c_proj.bias", False),
+                                        ("ln_1.weight", "ln_1.weight", False), ("ln_1.bias", "ln_1.bias", False),
+                                        ("ln_2.weight", "ln_2.weight", False), ("ln_2.bias", "ln_2.bias", False)):
+            take(b + ours, h + theirs, transpose)
+    if vocab > len(gpt2["transformer.wte.weight"]):
+        raise ExportError(f"{folder}: its embedding has {len(gpt2['transformer.wte.weight'])} rows for a "
+                          f"{vocab}-word model; export it again")
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def load_export(folder: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """(model, card) of a folder either format wrote: ``load_safetensors`` or ``load_transformers``
+    by its config.json, and the card of the run it came from (config.json's "run": step,
+    validation figures, ...)."""
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{folder} holds no readable config.json ({exc}); pass a checkpoint, a run "
+                          f"folder or a folder that oelm_core.export wrote") from None
+    if isinstance(info, dict) and info.get("model_type") == "gpt2":
+        return load_transformers(folder, device), dict((info.get("oelm") or {}).get("run") or {})
+    return load_safetensors(folder, device), dict(info.get("run") or {}) if isinstance(info, dict) else {}
 
 
 # --------------------------------------------------------------------------------------------

@@ -481,6 +481,37 @@ def test_make_demo_serves_the_newest_trained_study_or_trains_the_mini_one(tmp_pa
     assert trained_study(runs) == mini / "study.json"
 
 
+def test_models_load_from_run_folders_and_both_export_formats(tmp_path, checkpoints):
+    """--ckpt takes a checkpoint, a run folder (its best.pt), a safetensors export or a transformers
+    export: each gives the checkpoint's model (same generation) and the card's step and
+    perplexity; a folder that is none of these is named as such."""
+    pytest.importorskip("transformers")
+    from app.demo import load_lab, model_card
+    from oelm_core.checkpoint import load_model
+    from oelm_core.export import to_safetensors, to_transformers
+    from oelm_core.generate import SamplingConfig, generate as core_generate
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "best.pt").write_bytes(checkpoints["gpt_base"].read_bytes())
+    models = {g: load_model(checkpoints[g]) for g in GROUPS}
+    card = {"step": 200, "val_ppl": 21.0}
+    st = to_safetensors(models["oelm_nofreeze"][0], tmp_path / "st", card=card)
+    hf = to_transformers(models["oelm_freeze"][0], tmp_path / "hf", card={"step": 300, "val_ppl": 22.0})
+    lab = load_lab({"gpt_base": run_dir, "oelm_nofreeze": st, "oelm_freeze": hf}, "cpu")
+    assert lab.ok, lab.errors
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=50, seed=5)
+    for m in lab.models:
+        assert core_generate(m.model, PROMPT, cfg) == core_generate(models[m.group][0], PROMPT, cfg)
+        steps, ppl = {"gpt_base": (100, "20.00"), "oelm_nofreeze": (200, "21.00"), "oelm_freeze": (300, "22.00")}[m.group]
+        text = model_card(m, "cpu")
+        assert f"| step | {steps} |" in text and f"| validation perplexity | {ppl} |" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = load_lab({"gpt_base": empty}, "cpu")
+    assert "is a folder without best.pt or config.json" in bad.failed["gpt_base"]
+
+
 def test_checkpoint_of_another_group_is_refused(checkpoints):
     """A GPT-Base checkpoint passed as OELM-Freeze would be labelled and compared as one."""
     from app.demo import load_lab

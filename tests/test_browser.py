@@ -51,14 +51,21 @@ def browser():
 
 
 def test_generate_and_attention_in_browser(tmp_path, browser):
+    """OELM-Freeze comes from a safetensors export folder, the others from checkpoints."""
     from app.demo import load_lab
+    from oelm_core.checkpoint import load_model
+    from oelm_core.export import to_safetensors
 
-    demo, url = start_app(load_lab(make_checkpoints(tmp_path), "cpu", "browser test checkpoints"))
+    paths = make_checkpoints(tmp_path)
+    paths["oelm_freeze"] = to_safetensors(load_model(paths["oelm_freeze"])[0], tmp_path / "freeze_export",
+                                          card={"step": 300, "val_ppl": 22.0})
+    demo, url = start_app(load_lab(paths, "cpu", "browser test checkpoints"))
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url, wait_until="domcontentloaded", timeout=60_000)
         page.wait_for_selector("#generate-btn", timeout=60_000)
-        assert "OELM-Freeze" in page.inner_text("#card-oelm_freeze")
+        freeze_card = page.inner_text("#card-oelm_freeze")
+        assert "OELM-Freeze" in freeze_card and "freeze_export" in freeze_card
         # Smoke-sized checkpoints: the top of the page says what to expect and what to train.
         notice = page.inner_text("#undertrained")
         assert "These models are barely trained: expect gibberish." in notice

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import save_checkpoint
 from oelm_core.data import EOT
-from oelm_core.export import (ExportError, find_gpt2_tokenizer, load_safetensors, main, to_safetensors,
-                              to_transformers)
+from oelm_core.export import (ExportError, find_gpt2_tokenizer, load_export, load_safetensors, load_transformers,
+                              main, to_safetensors, to_transformers)
 from oelm_core.generate import SamplingConfig, stream_tokens
 from oelm_core.model import build_model
 
@@ -170,6 +170,34 @@ def test_transformers_gpt2_gives_our_logits_and_greedy_tokens(tmp_path, gpt2_bpe
         c_attn, d = gpt2.transformer.h[0].attn.c_attn.weight, model.cfg.d_model
         c_attn[:, :d] = c_attn[:, :d].T.clone()
         assert (gpt2(ids).logits - ours).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("case", ["gpt_base", "oelm_freeze", "gaussian_gain2_biases_untied"])
+def test_a_transformers_export_loads_back_without_transformers(tmp_path, monkeypatch, case):
+    """load_transformers is gpt2_weights' inverse: the same variant (frozen layers frozen again) and
+    the same logits, from JSON and safetensors alone; POET, whose rotations the export composed
+    away, and a GPT-2 oelm_core did not write are refused saying why."""
+    pytest.importorskip("transformers")
+    variant, overrides = GPT2_CASES[case]
+    model = perturbed("smoke", variant, **overrides)
+    folder = to_transformers(model, tmp_path / "hf", card={"step": 1234, "val_ppl": 19.5})
+    poet = to_transformers(perturbed("smoke", "oelm_poet"), tmp_path / "poet")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called"))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # importing it now would fail
+    back, card = load_export(folder)
+    assert back.cfg == model.cfg and card["step"] == 1234 and card["val_ppl"] == 19.5
+    assert count_parameters(back) == count_parameters(model)
+    ids = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (back(ids) - model.eval()(ids)).abs().max().item() < 1e-5
+
+    with pytest.raises(ExportError, match="POET's rotations cannot be recovered; load its safetensors export"):
+        load_transformers(poet)
+    foreign = json.loads((folder / "config.json").read_text())
+    del foreign["oelm"]
+    (folder / "config.json").write_text(json.dumps(foreign))
+    with pytest.raises(ExportError, match="a transformers model that oelm_core did not export"):
+        load_transformers(folder)
 
 
 def test_transformers_tokenizer_is_tiktoken_gpt2(tmp_path, gpt2_bpe):
