@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,9 +75,7 @@ def trained_or_mini_study(runs_root: str) -> tuple[str | None, int]:
     (its runner shows the progress); on the CPU None: the newest study, with the page's notice."""
     import torch
 
-    from pathlib import Path
-
-    from app.demo import MINI_STUDY, MINI_STUDY_OUT, trained_study
+    from app.demo import MINI_ARGS, MINI_STUDY, MINI_STUDY_OUT, trained_study
 
     study = trained_study(runs_root)
     if study is not None:
@@ -88,8 +87,7 @@ def trained_or_mini_study(runs_root: str) -> tuple[str | None, int]:
     print(f"oelm app: no trained study under {runs_root}/: training one seed of the mini study on the GPU "
           f"first ({MINI_STUDY})", file=sys.stderr)
     out = str(Path(runs_root) / Path(MINI_STUDY_OUT).name)
-    status = subprocess.call([sys.executable, "-m", "oelm_core.study", MINI_STUDY, "--set", "study.seeds=[0]",
-                              "--out", out])
+    status = subprocess.call([sys.executable, *MINI_ARGS, "--out", out])
     if status:
         print(f"error: the mini study failed (exit status {status}); its output above says why", file=sys.stderr)
     return out, status

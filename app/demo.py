@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -63,8 +64,10 @@ MEAN_HEAD = "mean"
 WORTH_STEPS, WORTH_PPL, WORTH_D_MODEL = 1000, 40.0, 128
 MINI_STUDY = "parameters/study_tinystories_mini.yaml"
 MINI_STUDY_OUT = "runs/tinystories_mini"
-# One seed of the mini study: the three groups, about a minute on one GPU.
-MINI_COMMAND = f"python -m oelm_core.study {MINI_STUDY} --set 'study.seeds=[0]'"
+# One seed of the mini study: the three groups, about a minute on one GPU. The arguments after
+# `python`, as make demo runs them and the page shows them.
+MINI_ARGS = ["-m", "oelm_core.study", MINI_STUDY, "--set", "study.seeds=[0]"]
+MINI_COMMAND = shlex.join(["python", *MINI_ARGS])
 
 
 def refuse(message: str) -> gr.Error:
