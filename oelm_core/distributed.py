@@ -148,8 +148,9 @@ def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: 
                     dist.broadcast(t, 0)
             return module, exchange
         if tc.grad_exchange == "peer":
-            raise ConfigError("train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
-                              "access (NVLink) under NCCL; use auto to fall back to DDP")
+            why = PeerGradExchange.not_here(device) or "here they have no peer access"
+            raise ConfigError(f"train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
+                              f"access (NVLink) under NCCL ({why}); use auto to fall back to DDP")
     return wrap_ddp(module, device, tc.ddp_bucket_mb), None
 
 

@@ -87,7 +87,8 @@ def test_ddp_on_one_rank(tmp_path):
         assert step.module.bucket_bytes_cap == 12.5 * 2**20
         assert step.module.broadcast_buffers is False
         tc = TrainConfig(grad_exchange="peer")
-        with pytest.raises(ConfigError, match="grad_exchange: peer needs two CUDA GPUs of one host"):
+        with pytest.raises(ConfigError, match=r"grad_exchange: peer needs two CUDA GPUs of one host with "
+                                              r"peer access \(NVLink\) under NCCL \(here on cpu\)"):
             make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
         fresh = fast.apply(build_model("tiny", "gpt_base"), tc)
         assert [type(m) for m in model.modules()] == [type(m) for m in fresh.modules()]

@@ -250,3 +250,20 @@ def test_grad_exchange_setting_is_checked():
     cfg = RunConfig(preset="tiny", train=TrainConfig(grad_exchange="nvlink"))
     with pytest.raises(ConfigError, match=r"train.grad_exchange must be one of \('auto', 'ddp', 'peer'\)"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("device, world, backend, local, why", [
+    ("cpu", 2, "gloo", 2, "here on cpu"),
+    ("cuda:0", 4, "nccl", 4, "here 4 ranks"),           # bench_ddp's peer row on four GPUs
+    ("cuda:0", 2, "gloo", 2, "here under gloo"),
+    ("cuda:0", 2, "nccl", 1, "here the two ranks are on different nodes"),  # torchrun --nnodes 2
+    ("cuda:0", 2, "nccl", 2, None),
+])
+def test_the_exchange_says_where_it_cannot_run(monkeypatch, device, world, backend, local, why):
+    """Why the NVLink exchange steps aside, from what every rank knows alike (no collective): the
+    reason the trainer logs, and that grad_exchange: peer's refusal names. Two nodes of one GPU
+    each are two ranks under NCCL too, but have no peer memory: LOCAL_WORLD_SIZE tells them."""
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda: world)
+    monkeypatch.setattr("torch.distributed.get_backend", lambda: backend)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    assert PeerGradExchange.not_here(torch.device(device)) == why

@@ -155,8 +155,9 @@ class PeerGradExchange:
         """An exchange for ``model`` on this rank, or None (logged) where it cannot run: not two
         ranks on CUDA GPUs of one host with peer access, or no symmetric memory in this torch.
         Collective: both ranks call it and both get an exchange or both None."""
-        if device.type != "cuda" or dist.get_world_size() != 2 or dist.get_backend() != "nccl":
-            log.info("gradients by DDP: the NVLink copy exchange pairs two CUDA GPUs under NCCL")
+        if cls.not_here(device) is not None:
+            log.info("gradients by DDP: the NVLink copy exchange pairs two CUDA GPUs of one host "
+                     "under NCCL (%s)", cls.not_here(device))
             return None  # the same on every rank: no need to agree
         exchange = reason = None
         try:
@@ -171,6 +172,23 @@ class PeerGradExchange:
             log.info("gradients by DDP: no NVLink copy exchange (%s)", reason or "not on the other rank")
             return None
         return exchange
+
+    @staticmethod
+    def not_here(device: torch.device) -> Optional[str]:
+        """Why this job cannot exchange by NVLink copies, as every rank knows it without asking
+        the others ("4 ranks"), or None where it may try."""
+        world, backend = dist.get_world_size(), dist.get_backend()
+        # torchrun's processes on this host; two single-GPU nodes have one each: no peer memory
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        if device.type != "cuda":
+            return f"here on {device.type}"
+        if world != 2:
+            return f"here {world} ranks"
+        if backend != "nccl":
+            return f"here under {backend}"
+        if local != world:
+            return "here the two ranks are on different nodes"
+        return None
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.device = device
