@@ -110,6 +110,16 @@ def broadcast_object(value: Any, d: Dist) -> Any:
     return box[0]
 
 
+def every_rank(value: Any, d: Dist) -> list:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` alone): what lets all
+    ranks take the same decision from what each one sees."""
+    if not d.enabled:
+        return [value]
+    values = [None] * d.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
 # The model's buffers (frozen Q/K, POET's reference weights and permutations) are identical on
 # every rank by construction (same seed, same updates): broadcasting them before each forward is
 # wasted traffic. torch 2.13 renamed the switch and warns on the old name (its new one still syncs

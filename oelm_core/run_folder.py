@@ -17,12 +17,13 @@ import logging
 import math
 import re
 import shutil
+import socket
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
 from oelm_core.config import ConfigError, RunConfig, save_run_config
-from oelm_core.distributed import Dist, broadcast_object
+from oelm_core.distributed import Dist, broadcast_object, every_rank
 from oelm_core.files import LockHeld, exclusive_lock, temporary_files, temporary_folders, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,9 @@ def hold_run_folder(out: Path, d: Dist):
     nothing else writes there: temporaries of atomic writes killed mid-way (a checkpoint's
     ``.step_*.pt.*.tmp``: 0.5 GB at medium512) are removed.
 
-    ConfigError on every rank when another process holds the lock. The kernel drops the lock of
-    a process that dies, so a killed training leaves nothing to clean up. Where the file system
+    ConfigError on every rank when another process holds the lock, or when a rank sees other
+    checkpoints there than rank 0 (``check_same_checkpoints``). The kernel drops the lock of a
+    process that dies, so a killed training leaves nothing to clean up. Where the file system
     has no locks (some network mounts) the session goes on, with a warning.
     """
     with ExitStack() as held:
@@ -75,9 +77,33 @@ def hold_run_folder(out: Path, d: Dist):
         refused = broadcast_object(refused, d)
         if refused is not None:
             raise ConfigError(refused)
+        check_same_checkpoints(out, d)
         if locked:
             _remove_killed_writes(out)
         yield
+
+
+def check_same_checkpoints(out: Path, d: Dist) -> None:
+    """ConfigError on every rank where a rank finds other step checkpoints in ``out`` than rank 0.
+
+    Rank 0 alone writes the run folder, but every rank reads its newest checkpoint to resume
+    (``oelm_core.resume``), so the ranks of a job on several nodes must see one folder: a node
+    whose out_dir is a local disk of its own would start afresh, or from another checkpoint,
+    beside a resumed rank 0. Names and sizes are compared, on every rank, so that all stop
+    together instead of leaving the others waiting in a collective."""
+    seen = every_rank((socket.gethostname(), [(p.name, p.stat().st_size) for p in checkpoints(out)]), d)
+
+    def described(rank: int) -> str:
+        host, files = seen[rank]
+        return (f"rank {rank} (host {host}) finds "
+                + (", ".join(f"{name} ({size} bytes)" for name, size in files) if files else "none"))
+
+    differ = [r for r in range(1, len(seen)) if seen[r][1] != seen[0][1]]
+    if differ:
+        raise ConfigError(f"the ranks see different checkpoints in {out / 'ckpt'}: {described(0)}, "
+                          f"{described(differ[0])}. Every rank reads the checkpoint rank 0 writes: "
+                          f"on several nodes set out_dir (and data.out_dir) to a folder on a file "
+                          f"system that every node shares")
 
 
 def _lock_run_folder(out: Path, held: ExitStack) -> tuple[Optional[bool], Optional[str]]:

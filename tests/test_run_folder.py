@@ -1,13 +1,17 @@
 """The run folder (oelm_core.run_folder): one training session at a time, what killed writes
-left removed, folders that are files refused before anything is prepared."""
+left removed, folders that are files refused before anything is prepared, ranks that do not
+see rank 0's checkpoints refused."""
 
 import errno
 import json
 import os
+import socket
 
 import pytest
 import torch
 
+from oelm_core import run_folder
+from oelm_core.config import ConfigError
 from oelm_core.distributed import Dist
 from oelm_core.run_folder import hold_run_folder
 from oelm_core.train import main
@@ -39,6 +43,33 @@ def test_a_second_training_into_a_held_folder_is_refused_at_once(tmp_path, folde
     assert "pass --resume" in capsys.readouterr().err
     assert main(["--params", str(good), "--resume"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_rank_that_sees_other_checkpoints_than_rank_0_is_refused(tmp_path, monkeypatch):
+    """On several nodes every rank reads the checkpoint rank 0 wrote (--resume): a node whose
+    out_dir is a disk of its own would start afresh beside a resumed rank 0. Rank 1 of two is
+    simulated here (rank 0's answers given): it goes on where it sees rank 0's checkpoints, and
+    is refused, with what each rank sees and the fix, where it does not. The collective itself
+    runs in test_distributed's two-node job."""
+    out = tmp_path / "run"
+    (out / "ckpt").mkdir(parents=True)
+    (out / "ckpt" / "step_0000004.pt").write_bytes(b"0123456789")
+    rank_0 = ("node-a", [("step_0000004.pt", 10)])
+    monkeypatch.setattr(run_folder, "broadcast_object", lambda value, d: None)  # rank 0 holds the folder
+    monkeypatch.setattr(run_folder, "every_rank", lambda value, d: [rank_0, value])
+    rank_1 = Dist(1, 2, torch.device("cpu"), False)
+    with hold_run_folder(out, rank_1):
+        entered = True
+    assert entered and not (out / ".lock").exists()  # rank 0 alone takes the lock
+    (out / "ckpt" / "step_0000004.pt").unlink()  # rank 1's own disk: rank 0's checkpoint is not there
+    with pytest.raises(ConfigError) as refused:
+        with hold_run_folder(out, rank_1):
+            pytest.fail("entered")
+    assert str(refused.value) == (
+        f"the ranks see different checkpoints in {out / 'ckpt'}: rank 0 (host node-a) finds "
+        f"step_0000004.pt (10 bytes), rank 1 (host {socket.gethostname()}) finds none. Every rank reads "
+        f"the checkpoint rank 0 writes: on several nodes set out_dir (and data.out_dir) to a folder on a "
+        f"file system that every node shares")
 
 
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
