@@ -19,7 +19,7 @@ from oelm_core.distributed import resolve_device
 from oelm_core.model import build_model
 from oelm_core.step import configure_optimizer, make_step
 from oelm_core.train import main
-from train_helpers import REPO, losses, metric_rows, params, run, torchrun_train, write_params
+from train_helpers import REPO, losses, metric_rows, outputs, params, run, torchrun_nodes, torchrun_train, write_params
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -69,6 +69,38 @@ def test_ddp_matches_single_process(tmp_path, folded, accum, batch, monkeypatch)
     summary = json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params"]["frozen"] == 0
     assert summary["gradients_by"] == "ddp"  # the NVLink exchange steps aside on the CPU
+
+
+def test_two_nodes_match_single_process(tmp_path, folded):
+    """A multi-node job, as two nodes of one gloo process each on this host (two torchrun agents
+    that meet by c10d rendezvous; both processes have LOCAL_RANK 0) == one process with the same
+    global batch (grad_accum 2). Both nodes see one run folder, as on a shared file system: only
+    global rank 0 writes there, so it holds what the single process's holds, one metrics row a
+    step, and the summary counts both nodes."""
+    common = dict(steps=4, eval_every=2, ckpt_every=2, batch_size=4)
+    single = params(tmp_path, folded, out="single", grad_accum=2, **common)
+    run(single)
+    nodes = params(tmp_path, folded, out="nodes", grad_accum=1, **common)
+    procs = torchrun_nodes(tmp_path, nodes, OMP_NUM_THREADS="1")
+    for i, proc in enumerate(procs):
+        assert proc.returncode == 0, f"node {i} (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    # The same tolerance as test_ddp_matches_single_process, for the same reason: float32 on the
+    # CPU, where only the order of the gradient sums differs (two ranks' halves all-reduced, one
+    # process's accumulated); a wrong exchange moves the loss by far more within a step or two.
+    a, b = metric_rows(single["out_dir"]), metric_rows(nodes["out_dir"])
+    assert a.keys() == b.keys() == set(range(1, 5))  # metric_rows would hide a row written twice:
+    losses(nodes["out_dir"])                           # losses() refuses duplicate steps
+    for step in a:
+        assert abs(a[step]["train_loss"] - b[step]["train_loss"]) < 1e-5, (step, a[step], b[step])
+    for step in (2, 4):
+        assert abs(a[step]["val_loss"] - b[step]["val_loss"]) < 1e-5, (step, a[step], b[step])
+    assert outputs(Path(single["out_dir"])).keys() == outputs(Path(nodes["out_dir"])).keys()
+    summary = json.loads((Path(nodes["out_dir"]) / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["gradients_by"] == "ddp"
+    assert summary["global_batch_tokens"] == json.loads((Path(single["out_dir"]) / "summary.json")
+                                                        .read_text())["global_batch_tokens"]
+    # Rank 0 alone prints the summary; the other node's worker prints nothing on stdout.
+    assert sorted('"world_size": 2' in proc.stdout for proc in procs) == [False, True]
 
 
 def test_ddp_on_one_rank(tmp_path):

@@ -7,9 +7,11 @@ matters); each training test module uses conftest's `no_data_override`.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,3 +97,51 @@ def kill_at(monkeypatch, obj, name: str, when) -> None:
 
     monkeypatch.setattr(obj, name, dies)
 
+
+
+def torchrun_nodes(tmp_path: Path, values: dict, nodes: int = 2, timeout: float = 120,
+                   **env: str) -> list[subprocess.CompletedProcess]:
+    """The CLI as a multi-node job on this host: ``nodes`` torchrun agents of one process each,
+    started separately as on separate machines, that find each other by c10d rendezvous on a free
+    local port (the first agent to bind it hosts the store; rendezvous numbers the nodes).
+    Returns each agent's finished process, its output read from files (nobody reads a pipe while
+    the agents run).
+
+    Each agent gets a session of its own: one still running after ``timeout`` seconds (a hang),
+    or when the test is interrupted, is stopped with its worker, and its return code is then
+    negative (the signal). The join timeout bounds how long an agent waits for one that
+    never came."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc_per_node=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+           f"--rdzv_id=oelm-test-{os.getpid()}-{time.monotonic_ns()}", "--rdzv_conf=join_timeout=60",
+           # The address the workers' process group is reached at: without it the host's name,
+           # which a CI container need not resolve.
+           "--local_addr=127.0.0.1", "--monitor_interval=0.1",
+           "-m", "oelm_core.train", "--params", str(write_params(tmp_path / "nodes.yaml", values))]
+    logs = [(tmp_path / f"node{i}.out", tmp_path / f"node{i}.err") for i in range(nodes)]
+    procs = []
+    try:
+        for out, err in logs:
+            with open(out, "w") as o, open(err, "w") as e:  # the child keeps its own descriptors
+                procs.append(subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env}, stdout=o, stderr=e,
+                                              start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break  # the finally kills this one and every other still running
+    finally:
+        # torchrun starts each worker in a session of its own: SIGTERM lets the agent stop its
+        # worker before it exits; SIGKILL, to the agent's group, only where it does not.
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in running:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
+            for p, (out, err) in zip(procs, logs)]
