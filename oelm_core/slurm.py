@@ -127,6 +127,8 @@ def job_script(plan: "Plan", run: "PlannedRun", settings: SlurmSettings) -> str:
     options += ["--requeue", f"--signal=B:USR1@{settings.signal_s}", *settings.sbatch_args]
     env = {"PYTHONPATH": _env()["PYTHONPATH"], "PYTHONUNBUFFERED": "1",
            **{k: os.environ[k] for k in CARRIED_ENV if k in os.environ},
+           # torch would start a thread per core of the node, the other jobs' cores too
+           **({"OMP_NUM_THREADS": str(settings.cpus_per_task)} if settings.cpus_per_task and nproc == 1 else {}),
            # torchrun passes these on to its workers; SIGUSR1 is not among its defaults
            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
     lines = ["#!/bin/bash",
