@@ -51,6 +51,9 @@ RUNNING = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT"}
 # The environment a training reads that the job script writes down (when set here), so that a
 # script re-submitted from another shell trains on the same data.
 CARRIED_ENV = ("OELM_DATA", "TIKTOKEN_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# Seconds a job must look ended, its run unfinished, before it counts as failed: a requeue passes
+# through an ended state (much longer where the run was preempted and the requeue is on its way).
+ENDED_WAIT_S, REQUEUE_WAIT_S = 10.0, 60.0
 RDZV_PORT = 29500   # the port torchrun's rendezvous listens on, on a multi-node job's first node
 
 
@@ -286,7 +289,7 @@ class Job:
         self.state = "queued"     # queued, running, done, failed
         self.error: Optional[str] = None
         self.ended_s = 0.0
-        self.gone = 0             # polls in a row that found the job ended without the run finished
+        self.ended_at: Optional[float] = None   # when a look first found it ended, its run unfinished
 
     @property
     def log(self) -> Path:
@@ -367,17 +370,19 @@ def _follow(plan: "Plan", jobs: dict[int, Job], settings: SlurmSettings, log: Ca
             if job.state not in ("queued", "running"):
                 continue
             state, reason = queue.get(job.id) or accounting_state(job.id) or ("", "")
+            summary = _status(job.run.run_dir).get("status")
             if state in QUEUED | RUNNING:
-                new, job.gone = ("queued" if state in QUEUED else "running"), 0
-            elif _status(job.run.run_dir).get("status") in FINISHED:
+                new, job.ended_at = ("queued" if state in QUEUED else "running"), None
+            elif summary in FINISHED:
                 new = "done"
             else:
-                # A job that requeues itself passes through an ended state for a moment: two looks.
-                job.gone += 1
-                if job.gone < 2:
+                # A job that requeues itself looks ended for a moment (CANCELLED "due to job requeue"),
+                # longer on a busy controller; one whose run says "preempted" has its requeue coming.
+                job.ended_at = job.ended_at or time.time()
+                if time.time() - job.ended_at < (REQUEUE_WAIT_S if summary == "preempted" else ENDED_WAIT_S):
                     continue
                 new = "failed"
-                summary = _status(job.run.run_dir).get("status") or "no summary.json"
+                summary = summary or "no summary.json"
                 job.error = (f"SLURM job {job.id} ended {state or '(gone from the queue)'}"
                              f"{f' ({reason})' if reason and reason != 'None' else ''} before the run finished "
                              f"({summary}); log: {job.log}\n  last lines:\n    "
