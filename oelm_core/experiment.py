@@ -631,7 +631,7 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
               overrides: list[str] | dict | None = None, variants: Sequence[str] | None = None,
               seeds: Sequence[int] | None = None, runner: str | None = None,
               out_root: str | Path | None = None, launcher: str | None = None,
-              slurm: dict | None = None, gpus_per_run: int | None = None) -> Plan:
+              cluster: dict | None = None, gpus_per_run: int | None = None) -> Plan:
     """Read and check a plan file; every run's parameters are validated before anything runs.
 
     ``sets``: --set strings; SECTION.KEY=VALUE (study.seeds=[1,2]) changes the plan section, any
@@ -639,7 +639,7 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
     {dotted key: value}) goes to every run too. ``smoke``: the section's smoke points and settings
     (a sweep without them: its first two points). ``only``: the names of the variants (or runs)
     to train. ``variants``, ``seeds``, ``runner``, ``launcher``, ``gpus_per_run``: replace the
-    section's; ``slurm``: settings laid over its slurm section. ``out``: the plan's
+    section's; ``cluster``: SLURM settings laid over its slurm section. ``out``: the plan's
     folder (default runs/<name>, runs/<name>_smoke for --smoke; a sweep's runs/sweeps/<name>);
     or ``out_root``: the folder that holds it."""
     path = Path(path)
@@ -653,8 +653,8 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
     spec.update({k: list(v) for k, v in (("variants", variants), ("seeds", seeds)) if v is not None})
     spec.update({k: v for k, v in (("runner", runner), ("launcher", launcher), ("gpus_per_run", gpus_per_run))
                  if v is not None})
-    if slurm:
-        spec["slurm"] = {**(spec.get("slurm") or {}), **slurm}
+    if cluster:
+        spec["slurm"] = {**(spec.get("slurm") or {}), **cluster}
     plan = _plan_settings(section, spec, path)
     axes = _axes(section, spec, path, smoke, only)
     axes.last = [s for s in sets if s not in section_sets] + _set_strings(overrides or [], "overrides", path)
@@ -1013,11 +1013,10 @@ def run_plan(plan: Plan, *, skip_done: bool = True, budget_s: float = 0.0,
     try:
         for k, name in enumerate(plan.notebooks, 1):
             log(f"[{plan.kind}] step {k}/{len(plan.notebooks)}: {name}")
-            if name == "03_training" and plan.launcher == "slurm":
-                rows = slurm.run_trainings(plan, plan.slurm, skip_done=skip_done, log=log)
-            elif name == "03_training":
-                rows = run_trainings(plan, skip_done=skip_done, budget_s=budget_s, log=log)
             if name == "03_training":
+                rows = (slurm.run_trainings(plan, plan.slurm, skip_done=skip_done, log=log)
+                        if plan.launcher == "slurm" else
+                        run_trainings(plan, skip_done=skip_done, budget_s=budget_s, log=log))
                 failed = [r for r in rows if r["status"] in ("failed", "not started")]
                 if failed:
                     raise ExperimentError(f"{len(failed)} of {len(rows)} training(s) did not finish: " + "; ".join(
@@ -1079,7 +1078,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m oelm_core.experim
     try:
         cluster = {k: getattr(args, k) for k in ("partition", "time", "account", "nodes") if getattr(args, k) is not None}
         plan = load_plan(args.plan, args.out, args.sets, smoke=args.smoke, only=args.only, runner=args.runner,
-                         launcher=args.launcher, slurm=cluster, gpus_per_run=args.gpus_per_run)
+                         launcher=args.launcher, cluster=cluster, gpus_per_run=args.gpus_per_run)
         if plan.launcher == "slurm" and args.budget_s:
             raise ConfigError("--budget-s starts no local training after that many seconds; under --launcher "
                               "slurm each job has its own time limit: use --time instead")
