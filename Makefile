@@ -26,7 +26,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tokenizer/tiktoken_cache
 endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study test test-gpu lab demo bench browser clean
+.PHONY: study test test-gpu lab demo bench browser slurm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,15 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	  || echo "chromium not installed: the browser test will be skipped"; }
 
-test: $(VENV)/.installed browser
+# The SLURM tests start a throw-away single-node SLURM (tests/test_slurm.py): Debian's daemons
+# and clients, installed here when missing and we may use apt (no services are enabled).
+slurm:
+	@command -v sbatch >/dev/null && [ -x /usr/sbin/slurmctld ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	   slurmctld slurmd slurm-client munge >/dev/null) \
+	  || echo "slurm not installed: the SLURM tests will be skipped"; }
+
+test: $(VENV)/.installed browser slurm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # JupyterLab at the repository root, on the project's kernel (python3, installed above); jupytext

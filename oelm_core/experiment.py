@@ -21,6 +21,8 @@ A plan file is a training parameter file (the base of its runs) plus one plan se
                                            # 03_training, which launches it), subprocess, inprocess
       gpus_per_run: 0                      # 0: CPU; g: g GPUs (torchrun) per run, side by side
       keep_checkpoints: true               # false: a finished run keeps best.pt, not its ckpt/
+      launcher: local                      # slurm: each training a SLURM job (oelm_core.slurm)
+      slurm: {partition: gpu, time: "4:00:00", account: ..., nodes: 1}   # its jobs' resources
 
 Every key is optional (without runs, variants or points the plan trains its file's own parameters
 once). The plan trains every (seed, point, run, variant), seed outermost, so that a plan cut short
@@ -67,6 +69,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from oelm_core import slurm
 from oelm_core.analysis import WHICH
 from oelm_core.config import (ConfigError, apply_overrides, read_yaml, run_config_from_dict, trained_settings,
                               variants as known_variants)
@@ -76,6 +79,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 ALL_NOTEBOOKS = ("01_theory", "02_model", "03_training", "04_analysis")   # a plan's steps
 RUNNERS = ("inprocess", "subprocess", "notebook")
+LAUNCHERS = ("local", "slurm")   # where trainings run: child processes here, or SLURM jobs
 GROUPS = ("gpt_base", "oelm_nofreeze", "oelm_freeze")
 # The trainer's statuses of a run that has ended: nothing is left to train.
 FINISHED = ("completed", "stopped_early")
@@ -105,15 +109,19 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def train_command(params: str | Path, overrides: Sequence[str] = (), nproc: int = 1,
-                  resume: bool = False) -> list[str]:
+                  resume: bool = False, nodes: int = 1) -> list[str]:
     """The command line of one training: ``python -m oelm_core.train`` for one process,
-    ``torchrun --standalone --nproc_per_node N -m oelm_core.train`` for several."""
-    if nproc < 1:
-        raise ConfigError(f"nproc must be at least 1, got {nproc}")
-    if nproc == 1:
+    ``torchrun --standalone --nproc_per_node N -m oelm_core.train`` for several on one host.
+    ``nodes`` > 1: the command each of that many hosts runs, ``torchrun --nnodes NODES
+    --nproc_per_node N ...``, which meets the others at the rendezvous that torchrun's PET_RDZV_*
+    environment variables name (oelm_core.slurm's job script sets them)."""
+    if nproc < 1 or nodes < 1:
+        raise ConfigError(f"nproc and nodes must be at least 1, got nproc={nproc}, nodes={nodes}")
+    if nproc == 1 and nodes == 1:
         cmd = [sys.executable, "-m", "oelm_core.train"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        where = ["--standalone"] if nodes == 1 else [f"--nnodes={nodes}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *where,
                f"--nproc_per_node={nproc}", "-m", "oelm_core.train"]
     cmd += ["--params", str(params)]
     for o in overrides:
@@ -398,6 +406,8 @@ class Plan:
     gpus_per_run: int
     keep_checkpoints: bool = True
     description: str = ""
+    launcher: str = "local"
+    slurm: Any = None             # the SLURM jobs' settings (slurm.SlurmSettings) where launcher is slurm
     key: str | None = None        # the sweep axis, and its points (those trained: --smoke's)
     points: list[dict] = field(default_factory=list)
     variants: list[str] = field(default_factory=list)
@@ -412,9 +422,10 @@ class Plan:
 
 SECTIONS = ("experiment", "study", "sweep")
 KEYS = {"experiment": {"name", "description", "runs", "variants", "key", "points", "smoke", "seeds", "overrides",
-                       "notebooks", "parameters", "runner", "gpus_per_run", "keep_checkpoints"},
-        "study": {"name", "description", "runs", "seeds", "overrides", "gpus_per_run", "notebooks", "parameters"},
-        "sweep": {"name", "key", "variants", "seeds", "points", "smoke"}}
+                       "notebooks", "parameters", "runner", "gpus_per_run", "keep_checkpoints", "launcher", "slurm"},
+        "study": {"name", "description", "runs", "seeds", "overrides", "gpus_per_run", "notebooks", "parameters",
+                  "launcher", "slurm"},
+        "sweep": {"name", "key", "variants", "seeds", "points", "smoke", "launcher", "slurm"}}
 DEFAULTS = {"experiment": {"notebooks": ["03_training"], "runner": "notebook"},
             "study": {"notebooks": list(ALL_NOTEBOOKS), "runner": "notebook"},
             "sweep": {"notebooks": ["03_training"], "runner": "inprocess", "variants": list(GROUPS), "seeds": [0]}}
@@ -619,14 +630,16 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
               smoke: bool = False, only: Sequence[str] | None = None,
               overrides: list[str] | dict | None = None, variants: Sequence[str] | None = None,
               seeds: Sequence[int] | None = None, runner: str | None = None,
-              out_root: str | Path | None = None) -> Plan:
+              out_root: str | Path | None = None, launcher: str | None = None,
+              cluster: dict | None = None, gpus_per_run: int | None = None) -> Plan:
     """Read and check a plan file; every run's parameters are validated before anything runs.
 
     ``sets``: --set strings; SECTION.KEY=VALUE (study.seeds=[1,2]) changes the plan section, any
     other goes to every run, after the plan's own settings. ``overrides`` (--set strings or
     {dotted key: value}) goes to every run too. ``smoke``: the section's smoke points and settings
     (a sweep without them: its first two points). ``only``: the names of the variants (or runs)
-    to train. ``variants``, ``seeds``, ``runner``: replace the section's. ``out``: the plan's
+    to train. ``variants``, ``seeds``, ``runner``, ``launcher``, ``gpus_per_run``: replace the
+    section's; ``cluster``: SLURM settings laid over its slurm section. ``out``: the plan's
     folder (default runs/<name>, runs/<name>_smoke for --smoke; a sweep's runs/sweeps/<name>);
     or ``out_root``: the folder that holds it."""
     path = Path(path)
@@ -638,7 +651,10 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
     section_sets = [s for s in sets if s.split("=", 1)[0].strip().split(".")[0] in SECTIONS]
     section, spec, base = _read_plan(path, section_sets)
     spec.update({k: list(v) for k, v in (("variants", variants), ("seeds", seeds)) if v is not None})
-    spec.update({"runner": runner} if runner is not None else {})
+    spec.update({k: v for k, v in (("runner", runner), ("launcher", launcher), ("gpus_per_run", gpus_per_run))
+                 if v is not None})
+    if cluster:
+        spec["slurm"] = {**(spec.get("slurm") or {}), **cluster}
     plan = _plan_settings(section, spec, path)
     axes = _axes(section, spec, path, smoke, only)
     axes.last = [s for s in sets if s not in section_sets] + _set_strings(overrides or [], "overrides", path)
@@ -675,13 +691,21 @@ def _plan_settings(section: str, spec: dict, path: Path) -> Plan:
     keep = spec.get("keep_checkpoints", True)
     if not isinstance(keep, bool):
         raise ConfigError(f"{path}: {section}.keep_checkpoints must be true or false, got {keep!r}")
+    launcher = spec.get("launcher", "local")
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"{path}: {section}.launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
+    # Checked under either launcher: a typo there fails now, not when the plan reaches the cluster.
+    settings = slurm.SlurmSettings.from_dict(spec.get("slurm") or {}, f"{path}: {section}.slurm")
+    if launcher == "slurm":
+        runner = "subprocess"   # each job runs the training command itself: no notebook, no thread here
     return Plan(name=spec.get("name") or (path.stem.removeprefix("study_") if section == "study" else path.stem),
                 kind=section, path=path.resolve(), out=Path(), runs=[],
                 notebooks=_check_notebooks(spec.get("notebooks", defaults["notebooks"]), f"{section}.notebooks",
                                            path, defaults["notebooks"]),
                 parameters=_check_parameters(spec.get("parameters", {}), section, path, gpus_per_run),
                 runner=runner, gpus_per_run=gpus_per_run, keep_checkpoints=keep,
-                description=spec.get("description", ""))
+                description=spec.get("description", ""), launcher=launcher,
+                slurm=settings if launcher == "slurm" else None)
 
 
 def _axes(section: str, spec: dict, path: Path, smoke: bool, only: Sequence[str] | None) -> _Axes:
@@ -990,7 +1014,9 @@ def run_plan(plan: Plan, *, skip_done: bool = True, budget_s: float = 0.0,
         for k, name in enumerate(plan.notebooks, 1):
             log(f"[{plan.kind}] step {k}/{len(plan.notebooks)}: {name}")
             if name == "03_training":
-                rows = run_trainings(plan, skip_done=skip_done, budget_s=budget_s, log=log)
+                rows = (slurm.run_trainings(plan, plan.slurm, skip_done=skip_done, log=log)
+                        if plan.launcher == "slurm" else
+                        run_trainings(plan, skip_done=skip_done, budget_s=budget_s, log=log))
                 failed = [r for r in rows if r["status"] in ("failed", "not started")]
                 if failed:
                     raise ExperimentError(f"{len(failed)} of {len(rows)} training(s) did not finish: " + "; ".join(
@@ -1038,11 +1064,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m oelm_core.experim
     p.add_argument("--only", nargs="+", metavar="NAME", help="the variants (or runs) to train (default: all)")
     p.add_argument("--runner", choices=RUNNERS, help="how each training runs (default: the plan's)")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no training after this many seconds")
+    p.add_argument("--launcher", choices=LAUNCHERS, help="where the trainings run: local (default) or slurm, "
+                                                         "a batch job each (docs/cluster.md)")
+    p.add_argument("--gpus-per-run", type=int, help="GPUs per training (default: the plan's gpus_per_run)")
+    cluster = p.add_argument_group("SLURM jobs (--launcher slurm; default: the plan's slurm section)")
+    cluster.add_argument("--partition")
+    cluster.add_argument("--time", help="each job's time limit, e.g. 4:00:00")
+    cluster.add_argument("--account")
+    cluster.add_argument("--nodes", type=int, help="nodes per training (gpus-per-run GPUs on each)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each finished run's ckpt/ folder")
     args = p.parse_args(argv)
     tag = f"[{prog.split('.')[-1]}]"
     try:
-        plan = load_plan(args.plan, args.out, args.sets, smoke=args.smoke, only=args.only, runner=args.runner)
+        cluster = {k: getattr(args, k) for k in ("partition", "time", "account", "nodes") if getattr(args, k) is not None}
+        plan = load_plan(args.plan, args.out, args.sets, smoke=args.smoke, only=args.only, runner=args.runner,
+                         launcher=args.launcher, cluster=cluster, gpus_per_run=args.gpus_per_run)
+        if plan.launcher == "slurm" and args.budget_s:
+            raise ConfigError("--budget-s starts no local training after that many seconds; under --launcher "
+                              "slurm each job has its own time limit: use --time instead")
         plan.keep_checkpoints = plan.keep_checkpoints or args.keep_checkpoints
         _say(f"[{plan.kind}] {plan.name}: {len(plan.runs)} run(s), steps {', '.join(plan.notebooks)} -> {plan.out}")
         run_plan(plan, budget_s=args.budget_s)

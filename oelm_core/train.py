@@ -44,6 +44,7 @@ from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta,
 from oelm_core.distributed import Dist, mean_across_ranks, on_rank_0, setup_distributed
 from oelm_core.export import RUN_EXPORT, ExportError, export_run
 from oelm_core.model import build_model
+from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
 from oelm_core.run_folder import (append_metrics, check_folders, checkpoints, hold_run_folder, json_safe,
                                   read_summary, start_files, write_summary)
@@ -131,6 +132,7 @@ class Trainer:
         self.last_eval: dict = {}
         self.throughput: list[float] = []  # tokens/s of each log window of this session
         self.mfus: list[float] = []
+        self.stop = StopRequest()      # set by fit(): a signal asks the loop to checkpoint and stop
 
     # --- the session ----------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -156,7 +158,7 @@ class Trainer:
         bar = tqdm(total=self.tc.steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (self.d.is_main and self.tc.progress))
         try:
-            with logging_redirect_tqdm():
+            with logging_redirect_tqdm(), stop_on_signals() as self.stop:
                 status = self.loop(end, bar, status)
         except TrainingDiverged as exc:
             self.write_summary("diverged", time.perf_counter() - self.t_start, error=str(exc))
@@ -164,7 +166,9 @@ class Trainer:
         finally:
             bar.close()
         summary = self.write_summary(status, time.perf_counter() - self.t_start)
-        if self.d.is_main and (self.out / "best.pt").is_file():
+        # Not when preempted: the scheduler's grace time is for the checkpoint; the session that
+        # ends the run exports it.
+        if self.d.is_main and status != "preempted" and (self.out / "best.pt").is_file():
             # The best weights as safetensors + JSON: what leaves the run folder (no pickle to load).
             try:
                 export_run(self.out)
@@ -189,9 +193,11 @@ class Trainer:
             # away from those of the uninterrupted run.
             evaluate = self.step % tc.eval_every == 0 or self.step == tc.steps
             save = self.step % tc.ckpt_every == 0 or self.step == end
-            if not (evaluate or save or self.step % tc.log_every == 0 or self.step == 1):
+            logged = evaluate or save or self.step % tc.log_every == 0 or self.step == 1
+            preempted = self.stop.agreed(self.d, sync=logged)   # a stop signal (oelm_core.preemption)
+            if not (logged or preempted):
                 continue  # step 1 is logged too: the curve's starting point
-            # Every checkpoint step is a logged step: the divergence check runs before any save.
+            # The figures of every step that saves: the divergence check runs before any save.
             row = self.train_figures(loss, grad_norm, lr, *window)
             bar.set_postfix(loss=f"{row['train_loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             improved = stop = False
@@ -208,14 +214,19 @@ class Trainer:
                 log.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f, %.4f bits/byte)%s",
                          self.step, row["train_loss"], figures["val_loss"], figures["val_ppl"],
                          figures["val_bpb"], " *" if improved else "")
-            if self.d.is_main:
+            # A row only where the uninterrupted run writes one: a resumed run's metrics are its.
+            if self.d.is_main and logged:
                 append_metrics(self.out, row)
-            if save or stop or improved:
-                self.save(step_ckpt=save or stop, best=improved)
+            if save or stop or improved or preempted:
+                self.save(step_ckpt=save or stop or preempted, best=improved)
             if stop:
                 log.info("early stop at step %d: no better val loss in %d evaluations",
                          self.step, self.bad_evals)
                 return "stopped_early"
+            if preempted:
+                log.info("step %d: %s received: checkpoint saved, stopping; --resume continues from it",
+                         self.step, self.stop.signal or "a stop signal (on another rank)")
+                return "preempted"
             # The next window starts after eval and saving: tokens/s measures training only.
             window = (self.step, time.perf_counter())
         return status
@@ -401,7 +412,8 @@ def check_vocabulary(cfg: RunConfig, model_cfg: ModelConfig, meta: dict) -> None
 # --------------------------------------------------------------------------------------------
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The CLI; returns the exit code: 0 done, 2 unusable parameters/data/checkpoint, 3 diverged."""
+    """The CLI; returns the exit code: 0 done, 2 unusable parameters/data/checkpoint, 3 diverged,
+    75 (EXIT_PREEMPTED) stopped by a signal with its checkpoint saved (resume with --resume)."""
     p = argparse.ArgumentParser(prog="python -m oelm_core.train",
                                 description="Train a GPT / OELM model (also under torchrun).")
     p.add_argument("--params", required=True, help="YAML parameter file (see parameters/)")
@@ -420,7 +432,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 3 if isinstance(exc, TrainingDiverged) else 2
     if rank == 0:
         print(json.dumps(summary, indent=2))
-    return 0
+    return EXIT_PREEMPTED if summary.get("status") == "preempted" else 0
 
 
 if __name__ == "__main__":

@@ -529,7 +529,7 @@ def _sweep_file(tmp_path: Path, **sweep) -> Path:
 
 
 @pytest.mark.parametrize("sweep,message", [
-    ({"variant": ["oelm_freeze"]}, r"unknown key\(s\) sweep.variant; valid keys of sweep: key, name, points"),
+    ({"variant": ["oelm_freeze"]}, r"unknown key\(s\) sweep.variant; valid keys of sweep: key, launcher, name, points"),
     ({"points": [{"value": 1, "set": {"model.n_layer": 1}}, {"value": 2, "sett": {"model.n_layer": 2}}]},
      r"unknown key\(s\) sweep.points\[1\].sett; valid keys of sweep.points\[1\]: set, value"),
     ({"points": [{"value": 2, "set": "model.n_layer=2"}]}, r"sweep.points\[0\].set must map dotted keys"),

@@ -4,7 +4,9 @@ would continue another curve are refused with what to change; ended runs say how
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from conftest import STORIES
 from oelm_core.checkpoint import load_checkpoint, model_from_state, save_checkpoint
 from oelm_core.config import ConfigError, DataConfig
 from oelm_core.data import prepare
+from oelm_core.preemption import EXIT_PREEMPTED
 from oelm_core.train import Trainer, main
 from train_helpers import kill_at, losses, metric_rows, outputs, params, run, torchrun_train, write_params
 
@@ -502,3 +505,45 @@ def test_every_session_ends_on_a_checkpoint(tmp_path, folded):
     names = sorted(p.name for p in (Path(values["out_dir"]) / "ckpt").iterdir())
     assert names == ["step_0000004.pt", "step_0000005.pt", "step_0000007.pt"]
 
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_ends_the_session_on_a_checkpoint_that_resumes_exactly(tmp_path, folded, monkeypatch, signum):
+    """SLURM's warning (SIGUSR1, forwarded by the job script) or SIGTERM at step 7, between the
+    checkpoints of steps 4 and 8 and off the logged steps: the CLI saves step 7, says "preempted"
+    and exits 75; --resume gives the figures, best.pt and metrics rows of the run never stopped."""
+    common = dict(steps=12, ckpt_every=4, eval_every=3, log_every=2)
+    full = params(tmp_path, folded, out="full", **common)
+    full["model"]["dropout"] = 0.1
+    run(full)
+    stopped = params(tmp_path, folded, out="stopped", **common)
+    stopped["model"]["dropout"] = 0.1
+    file = write_params(tmp_path / "stopped.yaml", stopped)
+
+    from oelm_core.step import TrainStep
+    real_call = TrainStep.__call__
+
+    def signalled_at_step_7(self, batches, lr, step):
+        if step == 7:
+            os.kill(os.getpid(), signum)   # the real signal, to this process's handler
+        return real_call(self, batches, lr, step)
+
+    monkeypatch.setattr(TrainStep, "__call__", signalled_at_step_7)
+    assert main(["--params", str(file)]) == EXIT_PREEMPTED
+    monkeypatch.setattr(TrainStep, "__call__", real_call)
+    assert signal.getsignal(signum) is signal.SIG_DFL   # the handler is gone after the session
+    summary = json.loads((Path(stopped["out_dir"]) / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["steps"] == 7
+    assert (Path(stopped["out_dir"]) / "ckpt" / "step_0000007.pt").is_file()
+    assert not (Path(stopped["out_dir"]) / "export").exists()   # the grace time is for the checkpoint
+    done = run(stopped, resume=True)
+
+    assert done["status"] == "completed"
+    a, b = metric_rows(full["out_dir"]), metric_rows(stopped["out_dir"])
+    assert a.keys() == b.keys()
+    for step in a:
+        for key in ("train_loss", "val_loss", "tokens_seen"):
+            assert a[step].get(key) == pytest.approx(b[step].get(key), abs=1e-6), (step, key)
+    first = json.loads((Path(full["out_dir"]) / "summary.json").read_text())
+    assert done["best_val_loss"] == pytest.approx(first["best_val_loss"], abs=1e-6)
+    assert done["final_train_loss"] == pytest.approx(first["final_train_loss"], abs=1e-6)

@@ -1,0 +1,403 @@
+"""The SLURM launcher: each training of a plan as a batch job, written as a plain sbatch script.
+
+    python -m oelm_core.study parameters/study_smoke.yaml --launcher slurm --partition gpu --time 4:00:00
+
+The runner (oelm_core.experiment) prepares the data, writes each run folder's ``job.sbatch`` and
+submits it with ``sbatch``, waits for the jobs (``squeue``; ``sacct`` for a job gone from the
+queue, where the cluster keeps accounting), then goes on with the plan's next steps (the analysis
+notebook) as it does after local trainings. Why scripts and not submitit: a script is what a
+cluster user reads and re-submits by hand (``sbatch RUN/job.sbatch`` resumes the run), and the
+cluster needs nothing beyond this package; docs/cluster.md has the details.
+
+In each run folder:
+
+    job.sbatch         the job script: #SBATCH lines, the environment, the training command
+    slurm.json         the job id (and earlier ones): a runner started again follows the job
+                       instead of submitting a second one
+    slurm-<id>.out     the job's log (appended to when the job is requeued)
+
+The job: ``python -m oelm_core.train`` (``torchrun`` for several processes, under ``srun`` on
+several nodes) with ``--resume``, in the background. SLURM's warning signal
+(``--signal=B:USR1@signal_s``) reaches the script, which forwards it to the training; the training
+checkpoints and stops with the status "preempted" (oelm_core.preemption), and the script requeues
+the job (``scontrol requeue``), which resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+from oelm_core.config import ConfigError
+from oelm_core.files import write_text_atomic
+
+if TYPE_CHECKING:   # experiment imports this module; its names are imported where they are used
+    from oelm_core.experiment import Plan, PlannedRun
+
+SCRIPT, RECORD = "job.sbatch", "slurm.json"
+# squeue's and sacct's job states, as the runner reports them; any other state has ended the job.
+QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD",
+          "SUSPENDED", "RESIZING"}
+RUNNING = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT"}
+# The environment a training reads that the job script writes down (when set here), so that a
+# script re-submitted from another shell trains on the same data.
+CARRIED_ENV = ("OELM_DATA", "TIKTOKEN_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# Seconds a job must look ended, its run unfinished, before it counts as failed: a requeue passes
+# through an ended state (much longer where the run was preempted and the requeue is on its way).
+ENDED_WAIT_S, REQUEUE_WAIT_S = 10.0, 60.0
+RDZV_PORT = 29500   # the port torchrun's rendezvous listens on, on a multi-node job's first node
+
+
+@dataclass
+class SlurmSettings:
+    """A plan's ``slurm:`` section (or the CLI's --partition, --time, ...): how each run's job asks
+    for its resources. None: the cluster's default. GPUs per run: the plan's gpus_per_run."""
+
+    partition: Optional[str] = None
+    time: Optional[str] = None            # the time limit, in SLURM's format: "30", "4:00:00", "1-00:00:00"
+    account: Optional[str] = None
+    nodes: int = 1                        # > 1: gpus_per_run GPUs on each of them, one torchrun each
+    cpus_per_task: Optional[int] = None   # CPU cores of each node's torchrun (or training)
+    mem: Optional[str] = None             # memory per node, e.g. "64G"
+    signal_s: int = 120                   # seconds before the time limit that USR1 warns the job
+    sbatch_args: list[str] = field(default_factory=list)   # further options, e.g. ["--qos=high"]
+    poll_s: float = 15.0                  # seconds between two looks at the queue
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str) -> "SlurmSettings":
+        """The settings of ``values``, checked; ``where`` names them in messages ("FILE: study.slurm")."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where} must be a mapping, e.g. {{partition: gpu, time: '4:00:00'}}; got {values!r}")
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(map(str, set(values) - valid))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(valid))}")
+        for key in ("partition", "time", "account", "mem"):
+            if values.get(key) is not None and not isinstance(values[key], (str, int)):
+                raise ConfigError(f"{where}.{key} must be a string, got {values[key]!r}")
+        for key, least in (("nodes", 1), ("cpus_per_task", 1), ("signal_s", 1)):
+            value = values.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ConfigError(f"{where}.{key} must be a whole number of at least {least}, got {value!r}")
+        poll = values.get("poll_s", cls.poll_s)
+        if not isinstance(poll, (int, float)) or isinstance(poll, bool) or poll <= 0:
+            raise ConfigError(f"{where}.poll_s must be a positive number of seconds, got {poll!r}")
+        extra = values.get("sbatch_args", [])
+        if not isinstance(extra, list) or not all(isinstance(a, str) and a.startswith("--") for a in extra):
+            raise ConfigError(f"{where}.sbatch_args must be a list of sbatch options, e.g. ['--qos=high'], "
+                              f"got {extra!r}")
+        cleaned = {k: (str(v) if k in ("partition", "time", "account", "mem") and v is not None else v)
+                   for k, v in values.items() if v is not None}
+        return cls(**cleaned)
+
+
+# --------------------------------------------------------------------------------------------
+# The job script
+# --------------------------------------------------------------------------------------------
+
+def _nproc(plan: "Plan") -> int:
+    """Training processes per node: one per GPU, or on CPU the 03_training nproc (1 by default)."""
+    return plan.gpus_per_run or int((plan.parameters.get("03_training") or {}).get("nproc", 1))
+
+
+def job_script(plan: "Plan", run: "PlannedRun", settings: SlurmSettings) -> str:
+    """The sbatch script that trains ``run`` (its params.yaml, into its run folder) with --resume."""
+    from oelm_core.experiment import REPO, _env, train_command
+
+    run_dir = run.run_dir.resolve()
+    nodes, nproc = settings.nodes, _nproc(plan)
+    overrides = ["train.progress=false",   # a log file, not a terminal: no progress bar redraws
+                 f"out_dir={json.dumps(str(run_dir), ensure_ascii=False)}"]
+    cmd = shlex.join(train_command(run_dir / "params.yaml", overrides, nproc, resume=True, nodes=nodes))
+    options = [f"--job-name=oelm-{plan.name}-{run.name.replace('/', '-')}",
+               f"--output={run_dir}/slurm-%j.out",
+               "--open-mode=append",            # a requeued job adds to its log instead of replacing it
+               f"--chdir={Path.cwd()}",         # relative paths in the parameters mean what they mean here
+               f"--nodes={nodes}", "--ntasks-per-node=1"]
+    options += [f"--cpus-per-task={settings.cpus_per_task}"] if settings.cpus_per_task else []
+    options += [f"--gpus-per-node={plan.gpus_per_run}"] if plan.gpus_per_run else []
+    options += [f"--{key}={getattr(settings, key)}" for key in ("partition", "time", "account", "mem")
+                if getattr(settings, key) is not None]
+    options += ["--requeue", f"--signal=B:USR1@{settings.signal_s}", *settings.sbatch_args]
+    env = {"PYTHONPATH": _env()["PYTHONPATH"], "PYTHONUNBUFFERED": "1",
+           **{k: os.environ[k] for k in CARRIED_ENV if k in os.environ},
+           # torch would start a thread per core of the node, the other jobs' cores too
+           **({"OMP_NUM_THREADS": str(settings.cpus_per_task)} if settings.cpus_per_task and nproc == 1 else {}),
+           # torchrun passes these on to its workers; SIGUSR1 is not among its defaults
+           "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+    lines = ["#!/bin/bash",
+             f"# OELM Lab: run {run.name} of the {plan.kind} {plan.name} ({plan.path}),",
+             "# written by the runner's SLURM launcher (oelm_core/slurm.py, docs/cluster.md).",
+             f"# Re-submit by hand with: sbatch {run_dir / SCRIPT}   (it resumes from the newest checkpoint)",
+             *(f"#SBATCH {o}" for o in options),
+             "set -uo pipefail",
+             *(f"export {k}={shlex.quote(v)}" for k, v in env.items())]
+    if nodes > 1:
+        lines += ["# torchrun on every node (srun starts one per node), meeting on the first node",
+                  'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                  f'export PET_RDZV_BACKEND=c10d PET_RDZV_ENDPOINT="$head:{RDZV_PORT}" PET_RDZV_ID="$SLURM_JOB_ID"',
+                  f"cmd=(srun --kill-on-bad-exit=1 {cmd})"]
+    else:
+        lines += [f"cmd=({cmd})"]
+    lines += [f"run={shlex.quote(str(run_dir))}",
+              'echo "[slurm] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname), $(date -Is)"',
+              "# SLURM's warning before the time limit (or a preemption): the training saves a checkpoint",
+              "# and stops with the status \"preempted\"; the job then requeues itself and resumes from it.",
+              "warned=0",
+              "trap 'warned=1; echo \"[slurm] USR1: asking the training to checkpoint and stop\"; "
+              "kill -USR1 \"$pid\" 2>/dev/null' USR1",
+              '"${cmd[@]}" &',
+              "pid=$!",
+              "# wait returns when the trap runs: wait again until the training has ended",
+              'while :; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done',
+              'if [ "$warned" = 1 ] && grep -q \'"status": "preempted"\' "$run/summary.json" 2>/dev/null; then',
+              '  echo "[slurm] checkpoint saved: requeueing job $SLURM_JOB_ID"',
+              '  scontrol requeue "$SLURM_JOB_ID"',
+              "  exit 0",
+              "fi",
+              'echo "[slurm] the training exited with status $rc, $(date -Is)"',
+              'exit "$rc"']
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Talking to SLURM: sbatch, squeue, sacct
+# --------------------------------------------------------------------------------------------
+
+def require_sbatch() -> None:
+    """ConfigError unless SLURM's commands are on PATH."""
+    missing = [c for c in ("sbatch", "squeue", "scontrol") if shutil.which(c) is None]
+    if missing:
+        raise ConfigError(f"--launcher slurm needs SLURM's {', '.join(missing)}, which this machine does not have "
+                          f"on PATH: run the plan on the cluster's login node (where `sbatch --version` works; "
+                          f"some clusters need `module load slurm` first), or train here with --launcher local")
+
+
+def _slurm(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def partitions() -> list[str]:
+    """The cluster's partitions (sinfo), [] where sinfo cannot say."""
+    try:
+        out = _slurm(["sinfo", "-h", "-o", "%P"])
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [p.strip().rstrip("*") for p in out.stdout.split()] if out.returncode == 0 else []
+
+
+def check_submission(script: Path, settings: SlurmSettings) -> None:
+    """``sbatch --test-only``: ConfigError, before any job is submitted, where SLURM would refuse
+    the script (a partition, account, time limit or GPU count it does not have), with the fix."""
+    out = _slurm(["sbatch", "--test-only", str(script)])
+    if out.returncode == 0:
+        return
+    why = out.stderr.strip() or out.stdout.strip()
+    if "partition" in why.lower():
+        have = partitions()
+        fix = (f"set slurm.partition (or --partition) to one of this cluster's partitions: "
+               f"{', '.join(have) or '(sinfo lists none)'}")
+    else:
+        fix = ("change the slurm section's settings (partition, time, account, nodes, mem, sbatch_args) "
+               "or --partition/--time/--account/--nodes/--gpus-per-run to what the cluster offers (`sinfo`)")
+    raise ConfigError(f"SLURM refuses the job script {script} (sbatch --test-only: {why}); {fix}")
+
+
+def submit(script: Path) -> str:
+    """Submit ``script``; its job id."""
+    out = _slurm(["sbatch", "--parsable", str(script)])
+    if out.returncode != 0:
+        raise ConfigError(f"sbatch {script} failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]   # --parsable: "ID" or "ID;CLUSTER"
+
+
+def queue_states() -> dict[str, tuple[str, str]]:
+    """Job id -> (state, reason) of this user's jobs that squeue still lists (ended ones for
+    MinJobAge, 5 minutes by default)."""
+    out = _slurm(["squeue", "-h", "-t", "all", "-u", getpass.getuser(), "-o", "%i|%T|%r"])
+    if out.returncode != 0:
+        raise RuntimeError(f"squeue failed: {out.stderr.strip()}")
+    states = {}
+    for line in out.stdout.splitlines():
+        job, state, reason = (line.split("|") + ["", ""])[:3]
+        states[job.strip()] = (state.strip(), reason.strip())
+    return states
+
+
+def accounting_state(job_id: str) -> Optional[tuple[str, str]]:
+    """(state, exit code) of a job from sacct; None where sacct does not know it or the cluster
+    keeps no accounting ("Slurm accounting storage is disabled")."""
+    try:
+        out = _slurm(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    if not line:
+        return None
+    state, code = (line.split("|") + [""])[:2]
+    return state.split()[0], code   # "CANCELLED by 0" -> CANCELLED
+
+
+# --------------------------------------------------------------------------------------------
+# The runner's part: submit, follow, report
+# --------------------------------------------------------------------------------------------
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def read_record(run_dir: Path) -> dict:
+    try:
+        record = json.loads((run_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _log_tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log yet)"
+
+
+def _step(run_dir: Path) -> Optional[int]:
+    """The last logged step of a run (metrics.jsonl's last row), None before the first."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            last = f.read().decode(errors="replace").strip().splitlines()[-1]
+        return int(json.loads(last)["step"])
+    except (OSError, IndexError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Job:
+    """One run's job as the runner follows it."""
+
+    def __init__(self, run: "PlannedRun", job_id: str, submitted: float):
+        self.run, self.id, self.t0 = run, job_id, submitted
+        self.state = "queued"     # queued, running, done, failed
+        self.error: Optional[str] = None
+        self.ended_s = 0.0
+        self.ended_at: Optional[float] = None   # when a look first found it ended, its run unfinished
+
+    @property
+    def log(self) -> Path:
+        return self.run.run_dir.resolve() / f"slurm-{self.id}.out"
+
+
+def run_trainings(plan: "Plan", settings: SlurmSettings, *, skip_done: bool = True,
+                  log: Callable[[str], None]) -> list[dict]:
+    """Train every run of ``plan`` as a SLURM job and wait for them; one row per run, as
+    experiment.run_trainings returns (its sweep_point.json items, status, wall_s, out_dir, error)
+    plus job_id. A run whose job (slurm.json) is still queued or running is followed, not
+    submitted again; one that ended is skipped; any other is submitted (and resumes)."""
+    from oelm_core.experiment import FINISHED, _prepare_data, _status, check_run_folder
+
+    import yaml
+
+    require_sbatch()
+    for run in plan.runs:
+        check_run_folder(run)
+    _prepare_data(plan, log)   # here, once: jobs starting side by side must not tokenise the same files
+    tag = f"[{plan.kind}]"
+    rows: dict[int, dict] = {}
+    jobs: dict[int, Job] = {}
+    queue = queue_states()
+    checked = False
+    for i, run in enumerate(plan.runs):
+        row = {**run.info, "status": "not started", "wall_s": 0.0, "out_dir": str(run.run_dir)}
+        summary = _status(run.run_dir)
+        if skip_done and summary.get("status") in FINISHED:
+            log(f"{tag} {run.name} already ended ({summary['status']} at step {summary.get('steps')}): "
+                f"nothing to train; {run.run_dir}")
+            rows[i] = {**row, "status": "skipped"}
+            continue
+        earlier = read_record(run.run_dir).get("job_id")
+        if earlier is not None and queue.get(str(earlier), ("",))[0] in QUEUED | RUNNING:
+            log(f"{tag} {run.name}: job {earlier} submitted earlier is {queue[str(earlier)][0].lower()}; following it")
+            jobs[i] = Job(run, str(earlier), time.time())
+            continue
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run.run_dir / "params.yaml", yaml.safe_dump(run.config, sort_keys=False))
+        write_text_atomic(run.run_dir / "sweep_point.json", json.dumps(run.info, indent=2) + "\n")
+        script = run.run_dir / SCRIPT
+        write_text_atomic(script, job_script(plan, run, settings))
+        if not checked:   # the settings are the same for every job: SLURM's verdict on one stands for all
+            check_submission(script, settings)
+            checked = True
+        job_id = submit(script)
+        record = read_record(run.run_dir)
+        write_text_atomic(run.run_dir / RECORD, json.dumps(
+            {"job_id": job_id, "submitted": _now(), "script": SCRIPT, "log": f"slurm-{job_id}.out",
+             "earlier_jobs": record.get("earlier_jobs", []) + ([record["job_id"]] if "job_id" in record else [])},
+            indent=2) + "\n")
+        log(f"{tag} submitted {run.name} as job {job_id}: {script}")
+        jobs[i] = Job(run, job_id, time.time())
+    _follow(plan, jobs, settings, log)
+    for i, job in jobs.items():
+        row = {**job.run.info, "status": "failed", "wall_s": job.ended_s, "out_dir": str(job.run.run_dir),
+               "job_id": job.id}
+        if job.state == "done":
+            row["status"] = _status(job.run.run_dir).get("status")
+        else:
+            row["error"] = job.error
+        rows[i] = row
+    ordered = [rows[i] for i in range(len(plan.runs))]
+    log(f"{tag} {sum(r['status'] in FINISHED + ('skipped',) for r in ordered)}/{len(ordered)} run(s) done on SLURM")
+    return ordered
+
+
+def _follow(plan: "Plan", jobs: dict[int, Job], settings: SlurmSettings, log: Callable[[str], None]) -> None:
+    """Poll the queue until every job has ended; a line for each change of state and an overview."""
+    from oelm_core.experiment import FINISHED, _status
+
+    tag = f"[{plan.kind}]"
+    while any(j.state in ("queued", "running") for j in jobs.values()):
+        queue = queue_states()
+        changed = False
+        for job in jobs.values():
+            if job.state not in ("queued", "running"):
+                continue
+            state, reason = queue.get(job.id) or accounting_state(job.id) or ("", "")
+            summary = _status(job.run.run_dir).get("status")
+            if state in QUEUED | RUNNING:
+                new, job.ended_at = ("queued" if state in QUEUED else "running"), None
+            elif summary in FINISHED:
+                new = "done"
+            else:
+                # A job that requeues itself looks ended for a moment (CANCELLED "due to job requeue"),
+                # longer on a busy controller; one whose run says "preempted" has its requeue coming.
+                job.ended_at = job.ended_at or time.time()
+                if time.time() - job.ended_at < (REQUEUE_WAIT_S if summary == "preempted" else ENDED_WAIT_S):
+                    continue
+                new = "failed"
+                summary = summary or "no summary.json"
+                job.error = (f"SLURM job {job.id} ended {state or '(gone from the queue)'}"
+                             f"{f' ({reason})' if reason and reason != 'None' else ''} before the run finished "
+                             f"({summary}); log: {job.log}\n  last lines:\n    "
+                             + _log_tail(job.log).replace("\n", "\n    "))
+            if new != job.state:
+                changed = True
+                if new in ("done", "failed"):
+                    job.ended_s = time.time() - job.t0
+                step = _step(job.run.run_dir)
+                where = f", step {step}/{job.run.config.get('train', {}).get('steps', '?')}" if step else ""
+                log(f"{tag} job {job.id} {job.run.name}: {job.state} -> {new}{where}"
+                    + (f"\n  {job.error}" if new == "failed" else ""))
+                job.state = new
+        if changed:
+            counts = {s: sum(j.state == s for j in jobs.values()) for s in ("queued", "running", "done", "failed")}
+            log(f"{tag} SLURM jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        if any(j.state in ("queued", "running") for j in jobs.values()):
+            time.sleep(settings.poll_s)
