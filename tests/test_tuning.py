@@ -1,0 +1,99 @@
+"""oelm_core.tuning: each group's setting chosen from a tuning sweep, and the study written at it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oelm_core.config import ConfigError
+from oelm_core.experiment import load_plan
+from oelm_core.tuning import main, tuned_study, tuning_table
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(root: Path, variant: str, lr: float, dropout: float, seed: int, losses: list[float],
+         status: str = "completed") -> Path:
+    """A run folder as the trainer leaves it: config.yaml, metrics.jsonl (one evaluation per
+    100 steps, ``losses``) and summary.json (its best validation loss)."""
+    folder = root / f"lr={lr}" / f"{variant}_drop{dropout}" / f"seed{seed}"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump({
+        "variant": variant, "preset": "mini", "model": {"dropout": dropout},
+        "train": {"seed": seed, "lr": lr, "min_lr": lr / 10}}))
+    rows = [{"step": 100 * (k + 1), "train_loss": v + 0.5, "val_loss": v} for k, v in enumerate(losses)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "summary.json").write_text(json.dumps({
+        "name": folder.name, "variant": variant, "preset": "mini", "status": status,
+        "steps": rows[-1]["step"], "best_val_loss": min(losses), "final_val_loss": losses[-1]}))
+    return folder
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """GPT-Base best at lr 1e-3 without dropout (mean 2.0 over two seeds), though lr 2e-3's
+    seed 0 alone is lower: the choice is the mean's. OELM-Freeze best at lr 2e-3, dropout 0.1,
+    reached at step 200 (it rises after: the best evaluation counts, not the last)."""
+    root = tmp_path / "tune"
+    _run(root, "gpt_base", 0.001, 0.0, 0, [2.5, 2.1, 2.0])
+    _run(root, "gpt_base", 0.001, 0.0, 1, [2.4, 2.2, 2.0])
+    _run(root, "gpt_base", 0.002, 0.0, 0, [2.3, 1.9, 1.95])
+    _run(root, "gpt_base", 0.002, 0.0, 1, [2.6, 2.3, 2.2])
+    _run(root, "oelm_freeze", 0.001, 0.1, 0, [2.9, 2.7, 2.6])
+    _run(root, "oelm_freeze", 0.002, 0.1, 0, [2.8, 2.5, 2.55])
+    # lower still, but a seed did not finish: not a candidate
+    _run(root, "oelm_freeze", 0.002, 0.0, 0, [2.4, 2.3, 2.2])
+    _run(root, "oelm_freeze", 0.002, 0.0, 1, [2.4, 2.3, 2.2], status="failed")
+    return root
+
+
+def test_each_group_gets_the_setting_with_the_lowest_mean_best_loss(sweep):
+    table = tuning_table(sweep)
+    base, freeze = table["chosen"]["gpt_base"], table["chosen"]["oelm_freeze"]
+    assert (base["lr"], base["dropout"]) == (0.001, 0.0)
+    assert base["best_val_loss"] == pytest.approx(2.0) and base["best_val_loss_std"] == pytest.approx(0.0)
+    other = next(r for r in table["rows"] if r["variant"] == "gpt_base" and r["lr"] == 0.002)
+    assert other["best_val_loss"] == pytest.approx((1.9 + 2.2) / 2) and not other["chosen"]
+    assert (freeze["lr"], freeze["dropout"]) == (0.002, 0.1)
+    assert freeze["best_val_loss"] == pytest.approx(2.5) and freeze["best_step"] == 200
+    unfinished = next(r for r in table["rows"] if r["variant"] == "oelm_freeze" and r["dropout"] == 0.0)
+    assert (unfinished["finished"], unfinished["candidate"]) == (1, False)
+    assert freeze["settings"] == {"train.lr": 0.002, "train.min_lr": 0.0002, "model.dropout": 0.1}
+
+
+def test_the_study_is_written_at_each_groups_choice_and_trains_it(sweep, tmp_path):
+    template = tmp_path / "study.yaml"
+    template.write_text("# a study\n# of two groups\nstudy:\n  name: tuned\n  runs:\n"
+                        f"  - {{params: {REPO}/parameters/medium512/gpt_base.yaml, overrides: [train.lr=0.1, train.steps=7]}}\n"
+                        f"  - {REPO}/parameters/medium512/oelm_freeze.yaml\n"
+                        "  seeds: [0, 1]\n  notebooks: [03_training]\n")
+    out = tmp_path / "elsewhere" / "tuned.yaml"
+    out.parent.mkdir()
+    out.write_text(tuned_study(template, tuning_table(sweep)["chosen"], "tune", out))
+    text = out.read_text()
+    assert text.startswith("# a study\n# of two groups\n# Learning rate and dropout per group")
+    plan = load_plan(out)
+    got = {(r.variant, r.seed): (r.config["train"]["lr"], r.config["train"]["min_lr"], r.config["model"]["dropout"],
+                                 r.config["train"]["steps"]) for r in plan.runs}
+    assert got[("gpt_base", 1)] == (0.001, 0.0001, 0.0, 7)          # the template's other override stays
+    assert got[("oelm_freeze", 0)] == (0.002, 0.0002, 0.1, 100000)
+
+
+def test_a_group_the_sweep_did_not_tune_is_named(sweep, tmp_path):
+    template = tmp_path / "study.yaml"
+    template.write_text(f"study:\n  runs: [{REPO}/parameters/medium512/oelm_nofreeze.yaml]\n")
+    with pytest.raises(ConfigError, match="no finished setting of oelm_nofreeze"):
+        tuned_study(template, tuning_table(sweep)["chosen"])
+
+
+def test_the_cli_prints_the_choice_and_refuses_an_empty_folder(sweep, tmp_path, capsys):
+    assert main([str(sweep), "--markdown", str(tmp_path / "t.md")]) == 0
+    out = capsys.readouterr().out
+    assert "chosen for GPT-Base: lr 0.001, dropout 0.0 (best_val_loss 2.0000 over 2 seed(s))" in out
+    assert "| GPT-Base | 0.001 | 0 | 2 | 2 |" in (tmp_path / "t.md").read_text()
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "train the tuning sweep first" in capsys.readouterr().err
