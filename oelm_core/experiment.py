@@ -553,10 +553,13 @@ def _check_notebooks(notebooks: Any, where: str, path: Path, default: list[str])
     return notebooks
 
 
-def _check_parameters(parameters: Any, section: str, path: Path, gpus_per_run: int) -> dict[str, dict]:
+def _check_parameters(parameters: Any, section: str, path: Path, gpus_per_run: int,
+                      notebooks: Sequence[str]) -> dict[str, dict]:
     """The plan's notebook parameters, checked against the notebooks (``check_notebook_parameters``)
     when the plan is read: a wrong value would otherwise surface only when its notebook runs,
-    after every training. Those the plan sets itself are refused."""
+    after every training. Those the plan sets itself are refused. Only the ``notebooks`` the plan
+    runs are opened: a plan narrowed to its trainings (--set study.notebooks=[03_training], on a
+    GPU image without nbformat) keeps the others' parameters for a later call."""
     if not isinstance(parameters, dict):
         raise ConfigError(f"{path}: {section}.parameters must map notebook names to parameters, e.g. "
                           f"{{01_theory: {{d: 256}}}}; got {parameters!r}")
@@ -576,7 +579,8 @@ def _check_parameters(parameters: Any, section: str, path: Path, gpus_per_run: i
                 why = GPU_SET_PARAMETERS[nb][key].format(section=section)
                 raise ConfigError(f"{where} is set by the {section} itself where {section}.gpus_per_run > 0 "
                                   f"({why}); leave it out of {section}.parameters.{nb}")
-        check_notebook_parameters(nb, values or {}, where=f"{path}: {section}.parameters.{nb}.")
+        if nb in notebooks:
+            check_notebook_parameters(nb, values or {}, where=f"{path}: {section}.parameters.{nb}.")
     return {nb: dict(values or {}) for nb, values in parameters.items()}
 
 
@@ -698,11 +702,11 @@ def _plan_settings(section: str, spec: dict, path: Path) -> Plan:
     settings = slurm.SlurmSettings.from_dict(spec.get("slurm") or {}, f"{path}: {section}.slurm")
     if launcher == "slurm":
         runner = "subprocess"   # each job runs the training command itself: no notebook, no thread here
+    notebooks = _check_notebooks(spec.get("notebooks", defaults["notebooks"]), f"{section}.notebooks", path,
+                                 defaults["notebooks"])
     return Plan(name=spec.get("name") or (path.stem.removeprefix("study_") if section == "study" else path.stem),
-                kind=section, path=path.resolve(), out=Path(), runs=[],
-                notebooks=_check_notebooks(spec.get("notebooks", defaults["notebooks"]), f"{section}.notebooks",
-                                           path, defaults["notebooks"]),
-                parameters=_check_parameters(spec.get("parameters", {}), section, path, gpus_per_run),
+                kind=section, path=path.resolve(), out=Path(), runs=[], notebooks=notebooks,
+                parameters=_check_parameters(spec.get("parameters", {}), section, path, gpus_per_run, notebooks),
                 runner=runner, gpus_per_run=gpus_per_run, keep_checkpoints=keep,
                 description=spec.get("description", ""), launcher=launcher,
                 slurm=settings if launcher == "slurm" else None)

@@ -329,9 +329,10 @@ def test_parameter_files_load():
     from oelm_core.data import HUB_NAME
 
     files = sorted((REPO / "parameters").rglob("*.yaml"))
-    assert {p.parent.name for p in files} == {"smoke", "medium512", "shapes", "sweeps", "parameters"}
-    plans = [p for p in files if p.parent.name == "sweeps" or p.name == "ablations.yaml" or p.stem.startswith("study_")]
-    assert len(plans) == 4 + 1 + 4
+    assert {p.parent.name for p in files} == {"smoke", "medium512", "shapes", "sweeps", "tuning", "parameters"}
+    plans = [p for p in files if p.parent.name in ("sweeps", "tuning") or p.name.startswith("ablations")
+             or p.stem.startswith("study_")]
+    assert len(plans) == 4 + 1 + 2 + 5
     for path in files:
         if path in plans:
             cfgs = [run_config_from_dict(r.config) for smoke in (False, True) if path.parent.name == "sweeps" or not smoke
@@ -864,3 +865,16 @@ def test_notebook_output_reaches_the_log_as_whole_prefixed_lines():
         sink.write(chunk)
     sink.close()
     assert lines == ["  [run] step 1: loss 3.2", "  [run] step 2: loss 3.1", "  [run] 100%", "  [run] last"]
+
+
+def test_a_plan_narrowed_to_its_trainings_does_not_open_the_other_notebooks(monkeypatch):
+    """On a GPU image without nbformat, --set 'study.notebooks=[03_training]' failed on
+    04_analysis's parameters, which the narrowed plan never runs; they are still checked when
+    their notebook is in the plan."""
+    opened = []
+    monkeypatch.setattr(E, "check_notebook_parameters", lambda name, values, where=None: opened.append(name))
+    plan = load_plan(REPO / "parameters/study_tuned_medium512.yaml", sets=["study.notebooks=[03_training]"])
+    assert plan.parameters["04_analysis"] == {"which": "best", "max_new_tokens": 60} and opened == ["03_training"]
+    opened.clear()
+    load_plan(REPO / "parameters/study_tuned_medium512.yaml")
+    assert opened == ["03_training", "04_analysis"]
