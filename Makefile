@@ -1,7 +1,8 @@
 # OELM Lab. On a fresh machine, two commands:
 #   make study   # the main job: the smoke study (notebooks, three trainings, analysis) -> runs/smoke
 #   make test    # the test suite, exactly what CI runs (.ci/run)
-# Each creates .venv and installs what it needs. Other targets: make lab, make demo, make bench, and
+# Each creates .venv and installs what it needs. Other targets: make lab, make demo, make bench,
+# make results (every committed table and figure regenerated from the committed run files), and
 # on a GPU machine make test-gpu (the GPU tests CI cannot run; PYTHON_BIN=python3 uses that Python).
 
 PYTHON ?= python3
@@ -26,7 +27,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tokenizer/tiktoken_cache
 endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study test test-gpu lab demo bench browser slurm clean
+.PHONY: study results test test-gpu lab demo bench browser slurm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,18 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 study: $(VENV)/.installed
 	$(BIN)/python -m oelm_core.study $(STUDY)
+
+# Every table and figure of results/ from the committed run files (no GPU, no checkpoints): the tuned
+# Medium-512 study through notebooks/04_analysis (results.md, results.json, figures/, the executed
+# notebook), its ablations against that study's OELM-Freeze and GPT-Base, and the tuning sweep.
+TUNED    := results/tuned_medium512
+TUNED_ACROSS := [train.lr, train.min_lr, model.dropout]
+results: $(VENV)/.installed
+	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(TUNED)/04_analysis.ipynb --log-level WARNING \
+	  -y '{run_dirs: [$(TUNED)/runs], out_dir: $(TUNED), which: best, compare_across: $(TUNED_ACROSS)}'
+	$(BIN)/python -m oelm_core.sweep gaps results/ablations_medium512 --comparators $(TUNED)/runs --which best --tuned
+	$(BIN)/python -m oelm_core.tuning results/tune_medium512 --markdown results/tune_medium512/tuning.md \
+	  --figure results/tune_medium512/tuning.png
 
 # The browser test drives Debian's Chromium (a test tool's own browser download is not
 # reachable from CI); installed here when missing and we may use apt.

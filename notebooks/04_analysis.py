@@ -1,17 +1,23 @@
 # %% [markdown]
 # # 04 · Analysis: results, hypotheses, attention
 #
-# Loads any number of run folders (several seeds per group give means, standard deviations and
-# Welch t-tests; a group is the runs of one variant trained with the same settings apart from the
-# seed), draws the curves, builds the results table in the original study's form, judges
-# hypotheses H1–H4 from the data, compares attention maps and samples, and writes `results.md` /
-# `results.json` to `out_dir`.
+# Loads any number of run folders (several seeds per group give means, sample standard deviations,
+# 95% intervals of the gaps and Welch t-tests; a group is the runs of one variant trained with the
+# same settings apart from the seed), draws each group's mean curves with a band, builds the
+# results table in the original study's form, judges hypotheses H1–H4 from the data, compares
+# attention maps and samples, and writes `results.md` / `results.json` to `out_dir`.
+#
+# `compare_across`: the settings the groups compared may differ in, for a study whose groups each
+# trained at its own tuned setting (`["train.lr", "train.min_lr", "model.dropout"]`, what
+# `make results` passes for results/tuned_medium512); empty, groups are compared only where they
+# differ in the variant alone.
 
 # %% tags=["parameters"]
 run_dirs = []                  # run folders, or folders that hold them (a study folder)
 out_dir = "runs/notebooks/analysis"   # a relative path is taken from the repository root
 fig_dir = None                 # None: <out_dir>/figures
 which = "final"                # 'final' or 'best' validation figures
+compare_across = []            # settings the compared groups may differ in (tuned groups: lr, min_lr, dropout)
 attention_text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
 layer = 0
 head = 0
@@ -35,7 +41,8 @@ from IPython.display import Markdown, display
 
 from oelm_core.experiment import check_notebook_parameters
 check_notebook_parameters("04_analysis", {
-    "run_dirs": run_dirs, "out_dir": out_dir, "fig_dir": fig_dir, "which": which, "attention_text": attention_text,
+    "run_dirs": run_dirs, "out_dir": out_dir, "fig_dir": fig_dir, "which": which, "compare_across": compare_across,
+    "attention_text": attention_text,
     "layer": layer, "head": head, "max_tokens": max_tokens, "sample_prompt": sample_prompt,
     "max_new_tokens": max_new_tokens})
 from oelm_core import analysis as A
@@ -48,9 +55,13 @@ display(Markdown(A.markdown_table([{'run': r.name, 'variant': r.variant, 'preset
 
 # %% [markdown]
 # ## Training and validation curves
+#
+# Each group's mean over its seeds, with a band of +-1 sample standard deviation (n-1); epochs on
+# the top axis; the last third of the steps enlarged; and the validation loss against training
+# seconds (evaluation excluded), the compute-matched view: every run trained alone on one GPU.
 
 # %%
-display(A.plot_curves(runs, fig_dir / 'curves.png'))
+display(A.plot_study_curves(runs, fig_dir / 'curves.png'))
 
 # %% [markdown]
 # ## Results table
@@ -61,27 +72,53 @@ display(A.plot_curves(runs, fig_dir / 'curves.png'))
 # own, named after their runs.
 
 # %%
-table = A.results_table(runs, which)
+table = A.results_table(runs, which, compare_across=compare_across)
 display(Markdown(table['markdown']))
+
+# %% [markdown]
+# ## Gaps with 95% intervals
+#
+# Per group the mean and sample standard deviation (n-1) of the validation loss and PPL; per pair
+# the PPL gap exp(mean loss A - mean loss B) - 1 (of the geometric-mean PPLs) with its 95% Welch
+# and bootstrap intervals (of the loss difference, mapped through exp(.) - 1), Hedges' g and
+# Cohen's d of the losses.
+
+# %%
+gaps = A.gap_table(runs, which, compare_across)
+display(Markdown(gaps['markdown']))
 
 # %% [markdown]
 # ## Hypotheses
 #
 # * **H1** freezing cuts trainable parameters by ~15% (the original report's claim; the exact
-#   figure at medium512 is 7.0%)
+#   figure at medium512 is 7.0% of all parameters, 16.6% of the non-embedding ones)
 # * **H2** OELM-Freeze perplexity within 5% of OELM-NoFreeze
-# * **H3** OELM-Freeze trains at least as fast as GPT-Base
+# * **H3** OELM-Freeze trains at least as fast as GPT-Base: tokens/s, and training seconds to a
+#   target validation loss
 # * **H4** OELM-Freeze perplexity within 10% of GPT-Base
 #
-# Each compares two groups trained with the same settings apart from the variant; where the runs
-# hold no such pair, or several, the hypothesis is not judged and its evidence says why.
+# H2 and H4 are judged on the gap's 95% Welch interval: "not decided at this n" where it spans
+# the threshold. Each compares two groups trained with the same settings apart from the variant
+# (and `compare_across`); where the runs hold no such pair, or several, the hypothesis is not
+# judged and its evidence says why.
 
 # %%
-hyps = A.hypotheses(runs, which)
+hyps = A.hypotheses(runs, which, compare_across=compare_across)
 display(Markdown(A.hypotheses_markdown(hyps)))
 assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H4']
-if A.hypotheses_judgeable(runs):
-    assert all(h['holds'] is not None for h in hyps), hyps
+if A.hypotheses_judgeable(runs, compare_across):
+    assert all(h['verdict'] != A.NOT_JUDGED for h in hyps), hyps
+
+# %% [markdown]
+# ## Steps and training time to a target validation loss
+#
+# The target is the highest validation loss of any run, so that every run reaches it; training
+# seconds are summed over the log windows (tokens / tokens_per_s), evaluation excluded.
+
+# %%
+groups = A.group_runs(runs)
+target = A.loss_target(groups, which)
+display(Markdown(A.time_to_target_table(groups, target)['markdown'] if target is not None else '(no evaluations)'))
 
 # %% [markdown]
 # ## Significance across seeds
@@ -90,7 +127,7 @@ if A.hypotheses_judgeable(runs):
 # seeds.
 
 # %%
-sig = A.significance_tests(runs, f'{which}_val_ppl')
+sig = A.significance_tests(runs, f'{which}_val_ppl', compare_across=compare_across)
 columns = ['a', 'b', 'preset', 'n_a', 'n_b', 'mean_a', 'mean_b', 't', 'p', 'cohen_d']
 display(Markdown(A.markdown_table(sig, columns) if sig else '(no groups to compare)'))
 
@@ -117,6 +154,7 @@ display(Markdown(A.markdown_table(samples) if samples else '(no checkpoints)'))
 # ## Written results
 
 # %%
-result = A.write_results(runs, out_dir, which, extra_markdown=A.samples_markdown(samples, which))
+result = A.write_results(runs, out_dir, which, extra_markdown=A.samples_markdown(samples, which),
+                         compare_across=compare_across)
 assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()
 print((out_dir / 'results.md').read_text())

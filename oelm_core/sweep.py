@@ -8,6 +8,7 @@ listing the variants) are plans of oelm_core.experiment, which trains them:
     python -m oelm_core.sweep ablations --out runs/ablations [--seeds 0 1] [--only oelm_poet]
     python -m oelm_core.sweep table runs/ablations [--figure F.png] [--markdown T.md]
     python -m oelm_core.sweep table runs/sweeps --sweep [--name a6_layers] [--smoke | --full] [--figure F.png]
+    python -m oelm_core.sweep gaps results/ablations_medium512 --comparators results/tuned_medium512/runs --tuned
 
 ``run`` trains a sweep into OUT/<sweep>/<key>=<value>/<variant>/seed<S> (--smoke: OUT/<sweep>_smoke/...),
 then tabulates and plots it; ``ablations`` trains every ablation x seed into OUT/<name>/seed<S>
@@ -16,7 +17,8 @@ writes the table (ablations.md, .json, .png). Each run folder holds the trainer'
 ``params.yaml`` and ``sweep_point.json`` (which point, variant and seed it is); runs that ended
 are skipped and runs cut short resume. ``ablation_table`` / ``sweep_results`` and their figures
 read run folders back, the committed results/ablations (older runs without sweep_point.json)
-included.
+included. ``gaps`` (``ablation_gaps``) sets each ablation against comparator runs trained
+elsewhere (a study's OELM-Freeze and GPT-Base): gaps with 95% intervals, ablations.md/.json/.png.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Optional, Sequence
 
 import yaml
 
-from oelm_core.analysis import (BASELINE, GROUP_LABELS, assumed_settings, evaluated_seeds, seed_groups,
-                                settings_apart)
+from oelm_core.analysis import (BASELINE, GROUP_LABELS, TUNED_SETTINGS, Group, assumed_settings, evaluated_seeds,
+                                seed_groups, settings_apart)
 from oelm_core.config import ConfigError
 from oelm_core.experiment import REPO, RUNNERS, Plan, load_plan, run_trainings
 from oelm_core.files import write_text_atomic
@@ -238,6 +240,143 @@ def ablation_figure(table: dict, path: str | Path | None = None):
     return save_figure(fig, path)
 
 
+# An ablation's comparator: OELM-Freeze, which each ablation changes in one respect (its variant, or
+# an unfreeze schedule), and GPT-Base. Each ablation is set against both.
+ABLATION_COMPARATORS = ("oelm_freeze", BASELINE)
+# What an ablation may change of OELM-Freeze beyond the variant: progressive's unfreeze schedule.
+ABLATION_SETTINGS = ("train.unfreeze_schedule",)
+
+
+def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best",
+                  compare_across: Sequence[str] = ()) -> dict:
+    """Each ablation under ``root`` against the comparator runs under ``comparators`` (a study's
+    run folders: its OELM-Freeze and GPT-Base groups): {"rows", "markdown", "comparators"}.
+
+    A row per group of seeds (ablations, then the comparators): {label, source, seeds, val_loss,
+    val_loss_std, val_ppl, val_ppl_std} (``which`` validation figures; sample std, n - 1) and,
+    per comparator c of ABLATION_COMPARATORS, c_gap_pct, c_welch_low/high_pct,
+    c_boot_low/high_pct, c_hedges_g (analysis.ppl_gap: the geometric-mean PPL gap, 95% Welch and
+    bootstrap intervals). A gap is left out (None) unless the two groups were trained alike apart
+    from the variant and ABLATION_SETTINGS, and for GPT-Base also ``compare_across`` (e.g.
+    TUNED_SETTINGS: GPT-Base at its own tuned setting). ConfigError without a comparator group,
+    or with several of one variant.
+    """
+    from oelm_core import analysis
+
+    analysis.check_which(which)
+    ablations = _load(root)
+    others = analysis.load_runs(comparators)
+    runs = ablations + others
+    labels = [r.point.get("label") or r.name for r in ablations] + [r.variant for r in others]
+    groups = [Group(label, runs[at[0]].variant, runs[at[0]].preset, settings, [runs[i] for i in at],
+                    [runs[i].seed for i in at]) for label, settings, at in seed_groups(runs, labels)]
+    sources = ["comparator" if g.runs[0] in others else "ablation" for g in groups]
+    bases = {}
+    for variant in ABLATION_COMPARATORS:
+        found = [g for g, src in zip(groups, sources) if src == "comparator" and g.variant == variant]
+        if len(found) != 1:
+            raise ConfigError(f"{comparators} holds {len(found)} groups of {variant}; the ablations need exactly "
+                              f"one to compare with")
+        bases[variant] = found[0]
+    rows = []
+    for g, src in sorted(zip(groups, sources), key=lambda gs: (gs[1] == "comparator", _order(gs[0].label))):
+        row = {"label": g.label, "source": src, **_figures(g, which)}
+        for variant, base in bases.items():
+            across = ABLATION_SETTINGS + (tuple(compare_across) if variant == BASELINE else ())
+            alike = g is not base and analysis.variant_alone(g, base, across)
+            res = analysis.ppl_gap([r.value(f"{which}_val_loss") for r in g.runs],
+                                   [r.value(f"{which}_val_loss") for r in base.runs]) if alike else {}
+            welch, boot = res.get("welch") or (None, None), res.get("bootstrap") or (None, None)
+            row.update({f"{variant}_gap_pct": _pct(res.get("gap")),
+                        f"{variant}_welch_low_pct": _pct(welch[0]), f"{variant}_welch_high_pct": _pct(welch[1]),
+                        f"{variant}_boot_low_pct": _pct(boot[0]), f"{variant}_boot_high_pct": _pct(boot[1]),
+                        f"{variant}_hedges_g": res.get("hedges_g")})
+        rows.append(row)
+    cols = ["label", "source", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"]
+    heads = ["Ablation", "Runs", "Seeds", f"{which.capitalize()} val loss (mean)", "Loss std (n-1)",
+             "Val PPL (mean)", "PPL std (n-1)"]
+    for variant in bases:
+        name = GROUP_LABELS[variant]
+        cols += [f"{variant}_gap_pct", f"{variant}_welch_low_pct", f"{variant}_welch_high_pct",
+                 f"{variant}_boot_low_pct", f"{variant}_boot_high_pct"]
+        heads += [f"PPL gap vs {name} (%)", "Welch 95% low", "Welch 95% high", "Bootstrap 95% low",
+                  "Bootstrap 95% high"]
+    return {"rows": rows, "markdown": analysis.markdown_table(rows, cols, heads),
+            "comparators": str(comparators), "which": which, "compare_across": list(compare_across)}
+
+
+def _figures(group, which: str) -> dict:
+    from oelm_core.analysis import mean_std
+
+    losses = [r.value(f"{which}_val_loss") for r in group.runs]
+    loss, loss_std = mean_std(losses)
+    ppl, ppl_std = mean_std(r.value(f"{which}_val_ppl") for r in group.runs)
+    return {"seeds": evaluated_seeds(group.label, [str(r.path) for r in group.runs], losses),
+            "val_loss": loss, "val_loss_std": loss_std, "val_ppl": ppl, "val_ppl_std": ppl_std}
+
+
+def _pct(x: Optional[float]) -> Optional[float]:
+    return None if x is None else 100 * x
+
+
+def ablation_gaps_figure(table: dict, path: str | Path | None = None):
+    """``ablation_gaps``' PPL gaps as horizontal bars, one panel per comparator: a bar at each
+    group's gap (%), the 95% Welch interval as a black error bar, the 95% bootstrap interval as
+    a thick grey line; groups without a gap to that comparator are left out of its panel."""
+    from oelm_core.analysis import _plt, save_figure
+
+    plt = _plt()
+    variants = [v for v in ABLATION_COMPARATORS if any(r.get(f"{v}_gap_pct") is not None for r in table["rows"])]
+    fig, axes = plt.subplots(1, max(1, len(variants)), figsize=(6 * max(1, len(variants)), 0.5 * len(table["rows"]) + 2),
+                             squeeze=False)
+    for ax, variant in zip(axes[0], variants):
+        rows = [r for r in table["rows"] if r.get(f"{variant}_gap_pct") is not None]
+        ys = list(range(len(rows)))[::-1]
+        gaps = [r[f"{variant}_gap_pct"] for r in rows]
+        ax.barh(ys, gaps, color=["tab:gray" if r["source"] == "comparator" else "tab:blue" for r in rows],
+                alpha=0.6)
+        welch = [(g - (r[f"{variant}_welch_low_pct"] or g), (r[f"{variant}_welch_high_pct"] or g) - g)
+                 for g, r in zip(gaps, rows)]
+        ax.errorbar(gaps, ys, xerr=list(zip(*welch)) if welch else None, fmt="none", ecolor="black",
+                    capsize=4, label="95% Welch interval")
+        for y, r in zip(ys, rows):
+            if r[f"{variant}_boot_low_pct"] is not None:
+                ax.plot([r[f"{variant}_boot_low_pct"], r[f"{variant}_boot_high_pct"]], [y, y], color="tab:orange",
+                        lw=4, alpha=0.8, solid_capstyle="butt",
+                        label="95% bootstrap interval" if y == ys[0] else None)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(ys)
+        ax.set_yticklabels([f"{r['label']} (n={r['seeds']})" for r in rows])
+        ax.set_xlabel(f"{table['which']} validation PPL gap vs {GROUP_LABELS[variant]} (%)")
+        ax.set_title(f"vs {GROUP_LABELS[variant]}")
+        ax.grid(axis="x", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color="tab:blue", alpha=0.6, label="ablation: gap = exp(mean loss difference) - 1"),
+               Patch(color="tab:gray", alpha=0.6, label="comparator group (the study's runs)"),
+               *axes[0][0].get_legend_handles_labels()[0]]
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8)
+    return save_figure(fig, path)
+
+
+def write_ablation_gaps(table: dict, out: str | Path) -> list[Path]:
+    """``ablation_gaps``' table into ``out``: ablations.md, ablations.json, ablations.png."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    across = f", GPT-Base at its own {', '.join(table['compare_across'])}" if table["compare_across"] else ""
+    note = (f"Ablations against the comparator runs under {table['comparators']} ({table['which']} validation "
+            f"figures; means and sample std, n-1, over seeds). PPL gap: exp(mean loss A - mean loss B) - 1, the "
+            f"gap of the geometric-mean PPLs; both 95% intervals are of the loss difference mapped through "
+            f"exp(.) - 1 (Welch's t; percentile bootstrap, 9,999 resamples). A gap is shown only between groups "
+            f"trained alike apart from the variant and the unfreeze schedule{across}.")
+    md, js, png = out / "ablations.md", out / "ablations.json", out / "ablations.png"
+    md.write_text(f"## Ablations\n\n{note}\n\n{table['markdown']}\n")
+    js.write_text(json.dumps({k: v for k, v in table.items() if k != "markdown"}, indent=2) + "\n")
+    ablation_gaps_figure(table, png)
+    return [md, js, png]
+
+
 def sweep_results(root: str | Path, sweep_name: Optional[str] = None, smoke: Optional[bool] = None) -> dict:
     """Per (value, variant): mean/std final val loss over seeds, from the run folders under root.
 
@@ -355,6 +494,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                                     "none for --sweep)")
     t.add_argument("--markdown", help="where to write the markdown table (default: ROOT/ablations.md for "
                                       "ablations; none for --sweep, which prints it)")
+    g = sub.add_parser("gaps", help="each ablation's PPL gap to comparator runs, with 95%% intervals")
+    g.add_argument("root", help="folder of the ablations' run folders, e.g. results/ablations_medium512")
+    g.add_argument("--comparators", required=True,
+                   help="folder of the comparator runs (OELM-Freeze and GPT-Base), e.g. results/tuned_medium512/runs")
+    g.add_argument("--which", choices=("final", "best"), default="best", help="validation figures (default: best)")
+    g.add_argument("--tuned", action="store_true",
+                   help=f"GPT-Base at its own tuned setting: {', '.join(TUNED_SETTINGS)} may differ from the ablations'")
+    g.add_argument("--out", help="where to write ablations.md, .json, .png (default: ROOT)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
@@ -372,6 +519,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows = run_trainings(plan, budget_s=args.budget_s, log=print)
             _write_table(ablation_table(args.out), args.out, None, None)
             return 1 if any(r["status"] == "failed" for r in rows) else 0
+        if args.cmd == "gaps":
+            table = ablation_gaps(args.root, args.comparators, args.which, TUNED_SETTINGS if args.tuned else ())
+            print(table["markdown"])
+            print("wrote " + ", ".join(map(str, write_ablation_gaps(table, args.out or args.root))))
+            return 0
         if args.sweep:
             res = sweep_results(args.root, args.name, smoke=args.smoke)
             print(res["markdown"])

@@ -65,6 +65,11 @@ def verdicts(hyps):
     return {h["id"]: h["holds"] for h in hyps}
 
 
+def geometric_gap(ppl_a, ppl_b) -> float:
+    """The gap H2 and H4 judge: of the seeds' geometric-mean PPLs, exp(mean log a - mean log b) - 1."""
+    return math.exp(sum(map(math.log, ppl_a)) / len(ppl_a) - sum(map(math.log, ppl_b)) / len(ppl_b)) - 1
+
+
 # --- reading runs -----------------------------------------------------------------------------
 
 def test_load_run_reads_summary_metrics_and_config(tmp_path):
@@ -254,7 +259,8 @@ def test_the_same_setup_twice_is_refused_and_a_folder_read_twice_is_one_run(tmp_
 def test_committed_ablations_keep_progressive_runs_apart_from_oelm_freeze():
     """The ablation folder's progressive runs record variant oelm_freeze: averaged with the
     OELM-Freeze runs as six "seeds" (29.46 PPL), they turned H4 from "does not hold" (+12.8%)
-    into "holds" (+9.7%)."""
+    into "holds" (+9.7%). With two seeds a side the 95% interval of +12.8% spans 10%: not
+    decided at this n."""
     runs = A.load_runs(Path(__file__).resolve().parents[1] / "results" / "ablations")
     by_name = {}
     for r in runs:
@@ -264,10 +270,11 @@ def test_committed_ablations_keep_progressive_runs_apart_from_oelm_freeze():
         row = rows[f"OELM-Freeze ({name})"]
         assert row["seeds"] == 2 and row["val_ppl"] == pytest.approx(sum(by_name[name]) / 2)
     assert rows["GPT-Base"]["seeds"] == 2 and "OELM-Freeze" not in rows
-    freeze, base = (sum(by_name[n]) / 2 for n in ("oelm_freeze", "gpt_base"))
     hyps = {h["id"]: h for h in A.hypotheses(runs)}
-    assert hyps["H4"]["value"] == pytest.approx(freeze / base - 1) == pytest.approx(0.1282, abs=1e-4)
-    assert hyps["H4"]["holds"] is False
+    assert hyps["H4"]["value"] == pytest.approx(geometric_gap(by_name["oelm_freeze"], by_name["gpt_base"])) \
+        == pytest.approx(0.1283, abs=1e-4)
+    low, high = hyps["H4"]["interval"]
+    assert low < 0.10 < high and hyps["H4"]["verdict"] == A.UNDECIDED and hyps["H4"]["holds"] is None
     assert "trains 15,529,728 of GPT-Base's 16,054,016 parameters" in hyps["H1"]["evidence"]
     sig = A.significance_tests(runs)
     assert [(t["a"], t["b"], t["n_a"]) for t in sig] == [("OELM-Freeze (oelm_freeze)", "GPT-Base", 2),
@@ -384,7 +391,7 @@ def test_a_run_of_unknown_seed_is_a_seed_of_the_setup_it_trained(tmp_path):
     runs = A.load_runs(tmp_path)
     assert [(g.label, g.seeds) for g in A.group_runs(runs)] == [("GPT-Base", [1, 2]), ("OELM-Freeze", [1, None])]
     h4 = A.hypotheses(runs)[3]
-    assert h4["value"] == pytest.approx(10.7 / 10.2 - 1) and h4["holds"] is True
+    assert h4["value"] == pytest.approx(geometric_gap([10.5, 10.9], [10.0, 10.4]))
 
 
 def test_the_global_batch_is_grad_accum_times_the_processes(tmp_path):
@@ -515,8 +522,8 @@ def test_best_and_final_figures_are_told_apart(tmp_path):
             assert rows[v]["val_loss"] == pytest.approx(sum(map(math.log, ppl[v])) / 2), (which, v)
             assert rows[v]["val_bpb"] == pytest.approx(sum(map(math.log, ppl[v])) / 6), (which, v)
         hyps = {h["id"]: h for h in A.hypotheses(runs, which)}
-        assert hyps["H4"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["gpt_base"] - 1)
-        assert hyps["H2"]["value"] == pytest.approx(mean["oelm_freeze"] / mean["oelm_nofreeze"] - 1)
+        assert hyps["H4"]["value"] == pytest.approx(geometric_gap(ppl["oelm_freeze"], ppl["gpt_base"]))
+        assert hyps["H2"]["value"] == pytest.approx(geometric_gap(ppl["oelm_freeze"], ppl["oelm_nofreeze"]))
         sig = A.significance_tests(runs, f"{which}_val_ppl")
         assert [(t["a"], t["mean_a"], t["mean_b"]) for t in sig][0] == (
             "OELM-Freeze", pytest.approx(mean["oelm_freeze"]), pytest.approx(mean["gpt_base"]))
@@ -525,9 +532,13 @@ def test_best_and_final_figures_are_told_apart(tmp_path):
         assert written["significance"][0]["metric"] == f"{which}_val_ppl"
         assert written["significance"][0]["mean_a"] == pytest.approx(mean["oelm_freeze"])
         assert verdicts(written["hypotheses"]) == verdicts(hyps.values())
-    # +14.7% and +12.5% at the last evaluation, +5.5% and +4.3% at the best: the verdicts differ
-    assert verdicts(A.hypotheses(runs, "final")) == {"H1": False, "H2": False, "H3": True, "H4": False}
-    assert verdicts(A.hypotheses(runs, "best")) == {"H1": False, "H2": True, "H3": True, "H4": True}
+    # +14.7% and +12.5% at the last evaluation, +5.5% and +4.3% at the best: at two seeds a side
+    # the 95% intervals of either span the thresholds, and of final's lie higher
+    final, best = ({h["id"]: h for h in A.hypotheses(runs, w)} for w in ("final", "best"))
+    for hyps in (final, best):
+        assert {k: h["verdict"] for k, h in hyps.items()} == {"H1": A.FAILS, "H2": A.UNDECIDED, "H3": A.HOLDS,
+                                                              "H4": A.UNDECIDED}
+    assert final["H4"]["interval"][1] > best["H4"]["interval"][1] > 0.10
 
 
 # --- hypotheses -------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ here, tested here and reusable by the app. One module per concept:
     runs         a run folder read back (Run, load_runs) and its figures
     groups       the study's groups, the seeds of one setup, what differs in the variant alone
     stats        mean and spread, Welch's test, intervals of a gap, Cohen's d and Hedges' g
+    gaps         the PPL gaps between groups with 95% intervals, the three verdicts of a claim
+    timing       training seconds from the metrics, steps and seconds to a target loss
     tables       the results table and the tests between groups
     hypotheses   H1-H4 judged from the runs
-    curves       training and validation curves
+    curves       training and validation curves, per run or as a group's mean and band
     samples      each group's best.pt and samples from it
     attention    attention maps, per-head entropy and distance, the notebook's figure
     report       results.md and results.json
@@ -28,10 +30,12 @@ from oelm_core.analysis.accounts import (analytic_parameters, flops_table, gradi
                                          shape_account, shape_explorer)
 from oelm_core.analysis.attention import (attention_figure, attention_maps, attention_summary, summarise_attention,
                                           uniform_reference)
-from oelm_core.analysis.curves import plot_curves
+from oelm_core.analysis.curves import BANDS, curve_band, plot_curves, plot_study_curves
 from oelm_core.analysis.figures import pyplot, save_figure
-from oelm_core.analysis.groups import (BASELINE, GROUP_LABELS, Group, assumed_settings, evaluated_seeds, group_runs,
-                                       seed_groups, settings_apart, variant_alone)
+from oelm_core.analysis.gaps import (FAILS, GAP_PAIRS, HOLDS, NOT_JUDGED, UNDECIDED, gap_table, group_figures,
+                                     ppl_gap, within_verdict)
+from oelm_core.analysis.groups import (BASELINE, GROUP_LABELS, TUNED_SETTINGS, Group, assumed_settings, evaluated_seeds,
+                                       group_runs, seed_groups, settings_apart, variant_alone)
 from oelm_core.analysis.hypotheses import hypotheses, hypotheses_judgeable, hypotheses_markdown
 from oelm_core.analysis.markdown import markdown_table
 from oelm_core.analysis.report import samples_markdown, write_results
@@ -42,6 +46,7 @@ from oelm_core.analysis.stats import (bootstrap_interval, cohen_d, hedges_g, mea
 from oelm_core.analysis.tables import RESULT_COLUMNS, results_table, significance_tests
 from oelm_core.analysis.theory import (JL_MIN_POINTS, JL_MIN_SAMPLES, construction_table, isometry_table,
                                        jl_checks, jl_curve, jl_dimensions, jl_figure, logit_stats_table)
+from oelm_core.analysis.timing import loss_target, seconds_at, time_to_target, time_to_target_table, training_seconds
 
 # The repository root: the notebooks take relative output folders from here, so that their
 # defaults (under the git-ignored runs/) land in one place whether the kernel runs in notebooks/
@@ -61,15 +66,18 @@ __all__ = [
     "shape_explorer",
     # runs and groups
     "WHICH", "Run", "check_which", "find_run_dirs", "load_run", "load_runs",
-    "BASELINE", "GROUP_LABELS", "Group", "assumed_settings", "evaluated_seeds", "group_runs", "seed_groups",
+    "BASELINE", "GROUP_LABELS", "TUNED_SETTINGS", "Group", "assumed_settings", "evaluated_seeds", "group_runs", "seed_groups",
     "settings_apart", "variant_alone",
     # stats, tables, hypotheses, report
     "bootstrap_interval", "cohen_d", "hedges_g", "mean_std", "significance", "welch_interval",
     "RESULT_COLUMNS", "results_table", "significance_tests",
+    "FAILS", "GAP_PAIRS", "HOLDS", "NOT_JUDGED", "UNDECIDED", "gap_table", "group_figures", "ppl_gap",
+    "within_verdict",
+    "loss_target", "seconds_at", "time_to_target", "time_to_target_table", "training_seconds",
     "hypotheses", "hypotheses_judgeable", "hypotheses_markdown",
     "samples_markdown", "write_results",
     # figures, samples, attention
-    "markdown_table", "plot_curves", "pyplot", "save_figure",
+    "BANDS", "curve_band", "markdown_table", "plot_curves", "plot_study_curves", "pyplot", "save_figure",
     "SAMPLE_TOP_K", "checkpoint_note", "load_models", "sample_generations",
     "attention_figure", "attention_maps", "attention_summary", "summarise_attention", "uniform_reference",
 ]

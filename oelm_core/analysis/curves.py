@@ -1,4 +1,5 @@
-"""Training curves: the losses of every run of a study against steps or tokens."""
+"""Training curves: the losses of every run against steps or tokens (``plot_curves``), and a
+study's groups as the mean over their seeds with a band (``curve_band``, ``plot_study_curves``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ from typing import Sequence
 from oelm_core.analysis.figures import pyplot, save_figure
 from oelm_core.analysis.groups import group_runs
 from oelm_core.analysis.runs import Run
+from oelm_core.analysis.stats import mean_std
+from oelm_core.analysis.timing import seconds_at, training_seconds
+
+# What a band around a group's mean curve spans: +-1 sample standard deviation (n - 1) over the
+# seeds, or the seeds' lowest to highest value.
+BANDS = ("std", "minmax")
 
 
 def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "step"):
@@ -34,3 +41,85 @@ def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "s
     fig.tight_layout()
     return save_figure(fig, path)
 
+
+
+def curve_band(runs: Sequence[Run], key: str = "val_loss", band: str = "std") -> dict:
+    """A group's curve of ``key`` (a metrics.jsonl figure: "val_loss", "train_loss", ...) over its
+    seeds ``runs``, at the steps every run logged it: {step, mean, low, high, seconds, epochs},
+    lists of one value per such step, and n (the runs). low/high: mean -+ the sample standard
+    deviation (``band`` "std"; the mean itself with one run) or the seeds' min and max
+    ("minmax"). seconds: the mean training seconds at the step (timing.training_seconds;
+    evaluation excluded; None where a run has no tokens/s); epochs: the mean epochs seen."""
+    if band not in BANDS:
+        raise ValueError(f"band={band!r} is not a band curve_band draws; pass one of {', '.join(map(repr, BANDS))}")
+    by_run = [{r["step"]: r for r in run.metrics if r.get(key) is not None} for run in runs]
+    steps = sorted(set.intersection(*(set(rows) for rows in by_run))) if by_run else []
+    clocks = [training_seconds(run) for run in runs]
+    out = {"step": steps, "mean": [], "low": [], "high": [], "seconds": [], "epochs": [], "n": len(runs)}
+    for step in steps:
+        values = [rows[step][key] for rows in by_run]
+        mean, std = mean_std(values)
+        low, high = (min(values), max(values)) if band == "minmax" else (mean - (std or 0), mean + (std or 0))
+        secs = [seconds_at(clock, step) for clock in clocks]
+        epochs = [rows[step].get("epochs") for rows in by_run]
+        out["mean"].append(mean)
+        out["low"].append(low)
+        out["high"].append(high)
+        out["seconds"].append(None if None in secs else mean_std(secs)[0])
+        out["epochs"].append(None if None in epochs else mean_std(epochs)[0])
+    return out
+
+
+def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band: str = "std",
+                      zoom: float = 1 / 3):
+    """The study's curves, one colour per group of seeds (group_runs): its mean over the seeds,
+    and a shaded band (``curve_band``'s ``band``). Four panels: training loss and validation loss
+    against steps (epochs on the top axis), the validation loss over the last ``zoom`` of the
+    steps, and the validation loss against training seconds (the compute-matched view: every run
+    trained on one GPU of one kind; evaluation time excluded)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    (ax_t, ax_v), (ax_z, ax_s) = axes
+    spread = "+-1 sample std (n-1)" if band == "std" else "min-max"
+    last = max((r["step"] for run in runs for r in run.eval_rows()), default=0)
+    for i, group in enumerate(group_runs(runs)):
+        color, label = f"C{i}", f"{group.label} (n={len(group.runs)})"
+        train, val = curve_band(group.runs, "train_loss", band), curve_band(group.runs, "val_loss", band)
+        zoomed = [j for j, s in enumerate(val["step"]) if s >= (1 - zoom) * last]
+        timed = [j for j, s in enumerate(val["seconds"]) if s is not None]
+        for ax, curve, at, x in ((ax_t, train, range(len(train["step"])), "step"),
+                                 (ax_v, val, range(len(val["step"])), "step"),
+                                 (ax_z, val, zoomed, "step"), (ax_s, val, timed, "seconds")):
+            xs = [curve[x][j] for j in at]
+            ax.plot(xs, [curve["mean"][j] for j in at], color=color, lw=1.4, label=label)
+            ax.fill_between(xs, [curve["low"][j] for j in at], [curve["high"][j] for j in at],
+                            color=color, alpha=0.25, lw=0)
+    for ax, title, xlabel in ((ax_t, "training loss", "step"), (ax_v, "validation loss", "step"),
+                              (ax_z, f"validation loss, last {zoom:.0%} of steps", "step"),
+                              (ax_s, "validation loss vs training time (compute-matched)",
+                               "training seconds (evaluation excluded)")):
+        ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title=title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8, title=f"mean, band {spread}", title_fontsize=8)
+    per_step = _epochs_per_step(runs)
+    if per_step:
+        for ax in (ax_t, ax_v, ax_z):
+            top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda e: e / per_step))
+            top.set_xlabel("epochs", fontsize=8)
+    # log scale: the first steps' loss (~11) would flatten the rest; plain tick labels on it
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax_t.set_yscale("log")
+    ax_t.yaxis.set_major_formatter(ScalarFormatter())
+    ax_t.yaxis.set_minor_formatter(NullFormatter())
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def _epochs_per_step(runs: Sequence[Run]) -> float | None:
+    """Epochs per step of the runs' last train rows (equal steps of tokens: a constant), None
+    without epochs in the metrics or where the runs disagree (the top axis would mislabel one)."""
+    rates = {round(rows[-1]["epochs"] / rows[-1]["step"], 12) for run in runs
+             if (rows := run.train_rows()) and rows[-1].get("epochs") and rows[-1]["step"]}
+    return rates.pop() if len(rates) == 1 else None

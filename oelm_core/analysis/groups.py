@@ -4,6 +4,12 @@ A results table averages the seeds of one setup: runs of one variant and preset 
 same settings apart from train.seed. Runs of one variant trained otherwise (another learning
 rate, an unfreeze schedule) are a group of their own, never averaged as if they were seeds; and
 two groups are compared (gaps, hypotheses, tests) only where they differ in the variant alone.
+
+A study of tuned groups is the one deliberate exception: each group trained at its own best
+learning rate and dropout (oelm_core.tuning's sweep), so their gap is the variants' gap at each
+one's tuned setting, not at a shared one. Its analysis passes ``compare_across=TUNED_SETTINGS``:
+those settings may then differ between the groups compared, and every other (steps, batch, data,
+schedule, ...) must still match. Every other study keeps the strict default, ``compare_across=()``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ if TYPE_CHECKING:
 # definition the notebooks and the app read.
 GROUP_LABELS = {"gpt_base": "GPT-Base", "oelm_nofreeze": "OELM-NoFreeze", "oelm_freeze": "OELM-Freeze"}
 BASELINE = "gpt_base"
+# The settings that oelm_core.tuning tunes per group: what a study of tuned groups compares across
+# (``variant_alone``'s compare_across). min_lr is tied to lr (a tenth of it) and so tuned with it.
+TUNED_SETTINGS = ("train.lr", "train.min_lr", "model.dropout")
 
 
 @dataclass
@@ -114,10 +123,18 @@ def settings_apart(settings: dict, siblings: Sequence[dict]) -> str:
     return ", ".join(f"{k}={settings[k]}" for k in settings if len({repr(s[k]) for s in siblings}) > 1)
 
 
-def variant_alone(a: Group, b: Group) -> bool:
+def variant_alone(a: Group, b: Group, compare_across: Iterable[str] = ()) -> bool:
     """Whether groups ``a`` and ``b`` were trained with the same settings apart from the variant:
     every setting equal, except the model keys either variant sets, which must hold each
-    variant's own value (an OELM-Freeze whose freezing an override changed is not OELM-Freeze)."""
+    variant's own value (an OELM-Freeze whose freezing an override changed is not OELM-Freeze),
+    and the settings named in ``compare_across`` (dotted keys, e.g. TUNED_SETTINGS for groups
+    each at its own tuned learning rate and dropout), which may differ. ConfigError for a key
+    of ``compare_across`` that is no setting: a misspelt one would silently compare nothing."""
+    across = set(compare_across)
+    unknown = sorted(across - set(a.settings))
+    if unknown:
+        raise ConfigError(f"compare_across names {', '.join(unknown)}, which are no trained settings; "
+                          f"pass dotted keys such as {', '.join(TUNED_SETTINGS)}")
     if a.preset != b.preset:
         return False
     keys = {f"model.{k}" for g in (a, b) for k in variant_overrides(g.variant)}
@@ -125,7 +142,7 @@ def variant_alone(a: Group, b: Group) -> bool:
         own = _variant_model(g.preset, g.variant, variant_definition(g.preset, g.variant))
         if any(g.settings[k] != own[k] for k in keys):
             return False
-    return all(a.settings[k] == b.settings[k] for k in a.settings if k not in keys)
+    return all(a.settings[k] == b.settings[k] for k in a.settings if k not in keys | across)
 
 
 def variant_definition(preset: str, variant: str) -> str:

@@ -1,12 +1,13 @@
 """The study's results: one row per group of seeds, and Welch tests between groups.
 
 Each row and each test compares groups that differ in the variant alone (``variant_alone``):
-a gap to a baseline trained with another learning rate would measure the learning rate too.
+a gap to a baseline trained with another learning rate would measure the learning rate too,
+unless the study compares groups each at its own tuned settings (``compare_across``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from oelm_core.analysis.groups import (BASELINE, GROUP_LABELS, assumed_settings, evaluated_seeds, group_runs,
                                        variant_alone)
@@ -26,17 +27,20 @@ RESULT_COLUMNS = [
 ]
 
 
-def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BASELINE) -> dict:
+def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BASELINE,
+                  compare_across: Iterable[str] = ()) -> dict:
     """The study's results table: one row per group of seeds (group_runs), averaged over them.
 
     ``which``: "final" or "best" validation figures. Gaps are relative to the group of the
     ``baseline`` variant of the same preset, in %; where the preset has several, to the one
-    trained with the row's settings apart from the variant (none: no gap). The gap columns are
-    headed with the baseline's label. Returns {"rows": [...], "markdown": str}.
+    trained with the row's settings apart from the variant and ``compare_across`` (none: no
+    gap). The gap columns are headed with the baseline's label. Returns {"rows": [...],
+    "markdown": str}.
     """
     from oelm_core import VARIANTS
 
     check_which(which)
+    compare_across = tuple(compare_across)
     if baseline not in VARIANTS:
         raise ConfigError(f"baseline={baseline!r} is not a variant; pass one of {', '.join(VARIANTS)}")
     groups = group_runs(runs)
@@ -57,7 +61,7 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
     for group, row in zip(groups, rows):
         bases = [(g, r) for g, r in zip(groups, rows) if g.variant == baseline and g.preset == group.preset]
         base = (bases[0][1] if len(bases) == 1 else
-                next((r for g, r in bases if variant_alone(g, group)), None))
+                next((r for g, r in bases if variant_alone(g, group, compare_across)), None))
         for key, gap in (("val_loss", "loss_gap_pct"), ("val_ppl", "ppl_gap_pct")):
             ok = base is not None and row[key] is not None and base[key]
             row[gap] = 100 * (row[key] / base[key] - 1) if ok else None
@@ -72,17 +76,20 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
 def significance_tests(runs: Sequence[Run], metric: str = "final_val_ppl",
                        pairs: Sequence[tuple[str, str]] = (("oelm_freeze", "gpt_base"),
                                                            ("oelm_freeze", "oelm_nofreeze"),
-                                                           ("oelm_nofreeze", "gpt_base"))) -> list[dict]:
+                                                           ("oelm_nofreeze", "gpt_base")),
+                       compare_across: Iterable[str] = ()) -> list[dict]:
     """Welch tests (``significance``) of ``metric`` between the groups of each pair of variants
-    that were trained with the same settings apart from the variant (``variant_alone``); t, p
-    and d need at least two seeds on each side. Rows: {a, b, preset, metric, n_a, n_b, mean_a,
-    mean_b, t, p, df, cohen_d}."""
+    that were trained with the same settings apart from the variant (``variant_alone``, with
+    ``compare_across``); t, p and d need at least two seeds on each side. Rows: {a, b, preset,
+    metric, n_a, n_b, mean_a, mean_b, t, p, df, cohen_d}."""
+    compare_across = tuple(compare_across)
     groups = group_runs(runs)
     out = []
     for preset in dict.fromkeys(g.preset for g in groups):
         for va, vb in pairs:
             for ga in (g for g in groups if (g.variant, g.preset) == (va, preset)):
-                for gb in (g for g in groups if (g.variant, g.preset) == (vb, preset) and variant_alone(ga, g)):
+                for gb in (g for g in groups
+                           if (g.variant, g.preset) == (vb, preset) and variant_alone(ga, g, compare_across)):
                     res = significance([r.value(metric) for r in ga.runs], [r.value(metric) for r in gb.runs])
                     out.append({"a": ga.label, "b": gb.label, "preset": preset, "metric": metric, **res})
     return out
