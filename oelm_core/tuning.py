@@ -26,14 +26,10 @@ from typing import Optional, Sequence
 
 import yaml
 
-from oelm_core.analysis import GROUP_LABELS, find_run_dirs, load_run, markdown_table, mean_std
+from oelm_core.analysis import GROUP_LABELS, TUNED_SETTINGS, find_run_dirs, load_run, markdown_table, mean_std
 from oelm_core.config import ConfigError, read_yaml
 from oelm_core.experiment import FINISHED
 from oelm_core.files import write_text_atomic
-
-# The settings a tuning sweep varies, as run config keys; what --write sets in the study.
-TUNED = ("train.lr", "train.min_lr", "model.dropout")
-
 
 def _get(config: dict, dotted: str):
     section, key = dotted.split(".")
@@ -52,7 +48,7 @@ def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_v
     for root in roots:
         for d in find_run_dirs(root):
             run = load_run(d)
-            settings = {k: _get(run.config, k) for k in TUNED}
+            settings = {k: _get(run.config, k) for k in TUNED_SETTINGS}
             key = (run.variant, settings["train.lr"], settings["model.dropout"] or 0.0)
             cell = cells.setdefault(key, {"settings": settings, "runs": []})
             cell["runs"].append(run)
@@ -111,7 +107,7 @@ def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str |
             raise ConfigError(f"the tuning runs hold no finished setting of {variant} (for {entry['params']} in "
                               f"{template}); tune it first, or leave it out of the study")
         entry["params"] = os.path.relpath(params.resolve(), out_dir)
-        kept = [s for s in entry.get("overrides") or [] if s.split("=", 1)[0].strip() not in TUNED]
+        kept = [s for s in entry.get("overrides") or [] if s.split("=", 1)[0].strip() not in TUNED_SETTINGS]
         entry["overrides"] = kept + [f"{k}={v}" for k, v in chosen[variant]["settings"].items()]
         runs.append(entry)
     section["runs"] = runs
