@@ -34,6 +34,7 @@ import yaml
 
 from oelm_core.analysis import (BASELINE, GROUP_LABELS, TUNED_SETTINGS, Group, assumed_settings, evaluated_seeds,
                                 seed_groups, settings_apart)
+from oelm_core.analysis.gaps import gap_fields, group_figures
 from oelm_core.config import ConfigError
 from oelm_core.experiment import REPO, RUNNERS, Plan, load_plan, run_trainings
 from oelm_core.files import write_text_atomic
@@ -286,11 +287,7 @@ def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best"
             alike = g is not base and analysis.variant_alone(g, base, across)
             res = analysis.ppl_gap([r.value(f"{which}_val_loss") for r in g.runs],
                                    [r.value(f"{which}_val_loss") for r in base.runs]) if alike else {}
-            welch, boot = res.get("welch") or (None, None), res.get("bootstrap") or (None, None)
-            row.update({f"{variant}_gap_pct": _pct(res.get("gap")),
-                        f"{variant}_welch_low_pct": _pct(welch[0]), f"{variant}_welch_high_pct": _pct(welch[1]),
-                        f"{variant}_boot_low_pct": _pct(boot[0]), f"{variant}_boot_high_pct": _pct(boot[1]),
-                        f"{variant}_hedges_g": res.get("hedges_g")})
+            row.update(gap_fields(res, f"{variant}_"))
         rows.append(row)
     cols = ["label", "source", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"]
     heads = ["Ablation", "Runs", "Seeds", f"{which.capitalize()} val loss (mean)", "Loss std (n-1)",
@@ -306,17 +303,11 @@ def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best"
 
 
 def _figures(group, which: str) -> dict:
-    from oelm_core.analysis import mean_std
-
+    """gaps.group_figures' means and sample stds, its seeds counted by evaluated_seeds (which
+    names the runs that ended before an evaluation)."""
+    figures = {k: v for k, v in group_figures(group, which).items() if k not in ("model", "preset")}
     losses = [r.value(f"{which}_val_loss") for r in group.runs]
-    loss, loss_std = mean_std(losses)
-    ppl, ppl_std = mean_std(r.value(f"{which}_val_ppl") for r in group.runs)
-    return {"seeds": evaluated_seeds(group.label, [str(r.path) for r in group.runs], losses),
-            "val_loss": loss, "val_loss_std": loss_std, "val_ppl": ppl, "val_ppl_std": ppl_std}
-
-
-def _pct(x: Optional[float]) -> Optional[float]:
-    return None if x is None else 100 * x
+    return {**figures, "seeds": evaluated_seeds(group.label, [str(r.path) for r in group.runs], losses)}
 
 
 def ablation_gaps_figure(table: dict, path: str | Path | None = None):

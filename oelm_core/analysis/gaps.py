@@ -105,9 +105,7 @@ def gap_table(runs: Sequence[Run], which: str = "best", compare_across: Iterable
                 res = ppl_gap([r.value(f"{which}_val_loss") for r in ga.runs],
                               [r.value(f"{which}_val_loss") for r in gb.runs])
                 rows.append({"a": ga.label, "b": gb.label, "preset": ga.preset, "n_a": res["n_a"],
-                             "n_b": res["n_b"], "gap_pct": _pct(res["gap"]),
-                             **_interval_pct("welch", res["welch"]), **_interval_pct("boot", res["bootstrap"]),
-                             "hedges_g": res["hedges_g"], "cohen_d": res["cohen_d"]})
+                             "n_b": res["n_b"], **gap_fields(res), "cohen_d": res["cohen_d"]})
     figures = [group_figures(g, which) for g in groups]
     md = (markdown_table(figures, ["model", "preset", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"],
                          ["Model", "Preset", "Seeds", f"{which.capitalize()} val loss (mean)", "Loss std (n-1)",
@@ -129,10 +127,16 @@ def _number(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
+def gap_fields(res: dict, prefix: str = "") -> dict:
+    """``ppl_gap``'s result as a table row's fields, in %: {PREFIX}gap_pct, the Welch and bootstrap
+    bounds ({PREFIX}welch_low_pct, ..._high_pct, {PREFIX}boot_low_pct, ..._high_pct) and
+    {PREFIX}hedges_g; None where ``res`` has no such figure."""
+    out = {f"{prefix}gap_pct": _pct(res.get("gap"))}
+    for name, key in (("welch", "welch"), ("boot", "bootstrap")):
+        low, high = res.get(key) or (None, None)
+        out.update({f"{prefix}{name}_low_pct": _pct(low), f"{prefix}{name}_high_pct": _pct(high)})
+    return {**out, f"{prefix}hedges_g": res.get("hedges_g")}
+
+
 def _pct(x: float | None) -> float | None:
     return None if x is None else 100 * x
-
-
-def _interval_pct(name: str, interval: tuple[float, float] | None) -> dict:
-    low, high = interval if interval is not None else (None, None)
-    return {f"{name}_low_pct": _pct(low), f"{name}_high_pct": _pct(high)}
