@@ -97,3 +97,17 @@ def test_the_cli_prints_the_choice_and_refuses_an_empty_folder(sweep, tmp_path, 
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 2
     assert "train the tuning sweep first" in capsys.readouterr().err
+
+
+def test_the_figure_has_a_panel_per_dropout_and_rings_the_choice(sweep, tmp_path):
+    from oelm_core.tuning import tuning_figure
+
+    fig = tuning_figure(tuning_table(sweep), tmp_path / "tuning.png")
+    assert (tmp_path / "tuning.png").stat().st_size > 0
+    (no_dropout, dropout) = fig.axes
+    assert (no_dropout.get_title(), dropout.get_title()) == ("dropout 0.0", "dropout 0.1")
+    # GPT-Base's line without dropout: mean best losses at lr 1e-3 and 2e-3, then its ring at the choice
+    line, ring = no_dropout.lines[0], next(l for l in no_dropout.lines if l.get_marker() == "o" and l.get_markersize() == 13)
+    assert list(line.get_xdata()) == [0.001, 0.002]
+    assert list(line.get_ydata()) == pytest.approx([2.0, 2.05])
+    assert (list(ring.get_xdata()), list(ring.get_ydata())) == ([0.001], [pytest.approx(2.0)])
