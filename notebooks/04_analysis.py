@@ -10,7 +10,9 @@
 # `compare_across`: the settings the groups compared may differ in, for a study whose groups each
 # trained at its own tuned setting (`["train.lr", "train.min_lr", "model.dropout"]`, what
 # `make results` passes for results/tuned_medium512); empty, groups are compared only where they
-# differ in the variant alone.
+# differ in the variant alone. `timed_alone`: False for runs that shared their GPUs (several trainings
+# on one card): their tokens/s and seconds are then shares of a GPU, so H3 is not judged and the
+# time-based views are left out.
 
 # %% tags=["parameters"]
 run_dirs = []                  # run folders, or folders that hold them (a study folder)
@@ -18,6 +20,7 @@ out_dir = "runs/notebooks/analysis"   # a relative path is taken from the reposi
 fig_dir = None                 # None: <out_dir>/figures
 which = "final"                # 'final' or 'best' validation figures
 compare_across = []            # settings the compared groups may differ in (tuned groups: lr, min_lr, dropout)
+timed_alone = True             # every run trained alone on its GPU (False: their tokens/s are not compared)
 attention_text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
 layer = 0
 head = 0
@@ -42,7 +45,7 @@ from IPython.display import Markdown, display
 from oelm_core.experiment import check_notebook_parameters
 check_notebook_parameters("04_analysis", {
     "run_dirs": run_dirs, "out_dir": out_dir, "fig_dir": fig_dir, "which": which, "compare_across": compare_across,
-    "attention_text": attention_text,
+    "timed_alone": timed_alone, "attention_text": attention_text,
     "layer": layer, "head": head, "max_tokens": max_tokens, "sample_prompt": sample_prompt,
     "max_new_tokens": max_new_tokens})
 from oelm_core import analysis as A
@@ -58,10 +61,11 @@ display(Markdown(A.markdown_table([{'run': r.name, 'variant': r.variant, 'preset
 #
 # Each group's mean over its seeds, with a band of +-1 sample standard deviation (n-1); epochs on
 # the top axis; the last third of the steps enlarged; and the validation loss against training
-# seconds (evaluation excluded), the compute-matched view: every run trained alone on one GPU.
+# seconds (evaluation excluded), the compute-matched view: every run trained alone on one GPU
+# (with `timed_alone` False that panel is left empty).
 
 # %%
-display(A.plot_study_curves(runs, fig_dir / 'curves.png'))
+display(A.plot_study_curves(runs, fig_dir / 'curves.png', timed_alone=timed_alone))
 
 # %% [markdown]
 # ## Results table
@@ -103,11 +107,12 @@ display(Markdown(gaps['markdown']))
 # judged and its evidence says why.
 
 # %%
-hyps = A.hypotheses(runs, which, compare_across=compare_across)
+hyps = A.hypotheses(runs, which, compare_across=compare_across, timed_alone=timed_alone)
 display(Markdown(A.hypotheses_markdown(hyps)))
 assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H4']
 if A.hypotheses_judgeable(runs, compare_across):
-    assert all(h['verdict'] != A.NOT_JUDGED for h in hyps), hyps
+    judged = [h for h in hyps if timed_alone or h['id'] != 'H3']   # H3 needs runs timed alone
+    assert all(h['verdict'] != A.NOT_JUDGED for h in judged), hyps
 
 # %% [markdown]
 # ## Steps and training time to a target validation loss
@@ -118,7 +123,12 @@ if A.hypotheses_judgeable(runs, compare_across):
 # %%
 groups = A.group_runs(runs)
 target = A.loss_target(groups, which)
-display(Markdown(A.time_to_target_table(groups, target)['markdown'] if target is not None else '(no evaluations)'))
+if not timed_alone:
+    display(Markdown('(not compared: the runs shared their GPUs)'))
+elif target is None:
+    display(Markdown('(no evaluations)'))
+else:
+    display(Markdown(A.time_to_target_table(groups, target)['markdown']))
 
 # %% [markdown]
 # ## Significance across seeds
@@ -155,6 +165,6 @@ display(Markdown(A.markdown_table(samples) if samples else '(no checkpoints)'))
 
 # %%
 result = A.write_results(runs, out_dir, which, extra_markdown=A.samples_markdown(samples, which),
-                         compare_across=compare_across)
+                         compare_across=compare_across, timed_alone=timed_alone)
 assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()
 print((out_dir / 'results.md').read_text())

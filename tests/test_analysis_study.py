@@ -181,6 +181,29 @@ def test_time_to_target_is_the_highest_best_loss_which_every_run_reaches(tmp_pat
     assert h3["verdict"] == A.FAILS and "evaluation excluded" in h3["evidence"]
 
 
+
+def test_runs_that_shared_their_gpus_leave_speed_unjudged_and_undrawn(tmp_path):
+    """timed_alone=False (several runs on one GPU: their tokens/s are shares): H3 is not judged, the
+    time to the target and the wall-clock panel are left out; the losses are judged as before."""
+    windows = [(10, 1000.0), (20, 1000.0), (30, 1000.0)]
+    for seed, (base, freeze) in enumerate([(2.20, 2.30), (2.25, 2.37)]):
+        timed_run(tmp_path / "runs", "gpt_base", windows, {10: 2.6, 20: 2.4, 30: base}, seed=seed)
+        timed_run(tmp_path / "runs", "oelm_freeze", [(s, 500.0) for s, _ in windows], {10: 2.7, 20: 2.5, 30: freeze},
+                  seed=seed)
+    runs = A.load_runs(tmp_path / "runs")
+    alone, shared = A.hypotheses(runs, "best"), A.hypotheses(runs, "best", timed_alone=False)
+    assert alone[2]["verdict"] == A.FAILS and alone[2]["time_ratio"] == pytest.approx(2.0)
+    assert shared[2]["verdict"] == A.NOT_JUDGED and "shared their GPUs" in shared[2]["evidence"]
+    assert [h["verdict"] for h in shared[:2] + shared[3:]] == [h["verdict"] for h in alone[:2] + alone[3:]]
+    result = A.write_results(runs, tmp_path / "out", "best", timed_alone=False)
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert result["timed_alone"] is False and result["time_to_target"] == []
+    assert "## Steps and training time" not in md and "not compared here (H3 is not judged)" in md
+    assert A.write_results(runs, tmp_path / "out2", "best")["time_to_target"]   # timed alone: reported
+    timed = A.plot_study_curves(runs, timed_alone=False).axes[3]
+    assert len(timed.lines) == 0 and "shared their GPUs" in timed.texts[0].get_text()
+
+
 # --- curves ----------------------------------------------------------------------------------
 
 def test_curve_band_is_the_mean_with_the_sample_std_or_the_range(tmp_path):

@@ -71,12 +71,13 @@ def curve_band(runs: Sequence[Run], key: str = "val_loss", band: str = "std") ->
 
 
 def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band: str = "std",
-                      zoom: float = 1 / 3):
+                      zoom: float = 1 / 3, timed_alone: bool = True):
     """The study's curves, one colour per group of seeds (group_runs): its mean over the seeds,
     and a shaded band (``curve_band``'s ``band``). Four panels: training loss and validation loss
     against steps (epochs on the top axis), the validation loss over the last ``zoom`` of the
     steps, and the validation loss against training seconds (the compute-matched view: every run
-    trained on one GPU of one kind; evaluation time excluded)."""
+    trained on one GPU of one kind; evaluation time excluded). ``timed_alone`` False (the runs
+    shared GPUs, so their seconds depend on what ran beside them): that panel says so instead."""
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     (ax_t, ax_v), (ax_z, ax_s) = axes
@@ -87,9 +88,9 @@ def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band:
         train, val = curve_band(group.runs, "train_loss", band), curve_band(group.runs, "val_loss", band)
         zoomed = [j for j, s in enumerate(val["step"]) if s >= (1 - zoom) * last]
         timed = [j for j, s in enumerate(val["seconds"]) if s is not None]
-        for ax, curve, at, x in ((ax_t, train, range(len(train["step"])), "step"),
-                                 (ax_v, val, range(len(val["step"])), "step"),
-                                 (ax_z, val, zoomed, "step"), (ax_s, val, timed, "seconds")):
+        panels = [(ax_t, train, range(len(train["step"])), "step"), (ax_v, val, range(len(val["step"])), "step"),
+                  (ax_z, val, zoomed, "step")] + ([(ax_s, val, timed, "seconds")] if timed_alone else [])
+        for ax, curve, at, x in panels:
             xs = [curve[x][j] for j in at]
             ax.plot(xs, [curve["mean"][j] for j in at], color=color, lw=1.4, label=label)
             ax.fill_between(xs, [curve["low"][j] for j in at], [curve["high"][j] for j in at],
@@ -102,6 +103,9 @@ def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8, title=f"mean, band {spread}", title_fontsize=8)
+    if not timed_alone:
+        ax_s.text(0.5, 0.5, "not drawn: the runs shared their GPUs,\nso their training seconds are not comparable",
+                  ha="center", va="center", transform=ax_s.transAxes)
     per_step = _epochs_per_step(runs)
     if per_step:
         for ax in (ax_t, ax_v, ax_z):

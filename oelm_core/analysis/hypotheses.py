@@ -27,6 +27,7 @@ from oelm_core.analysis.stats import mean_std
 from oelm_core.analysis.timing import loss_target, time_to_target
 
 FREEZE = "oelm_freeze"
+H3_CLAIM = f"{GROUP_LABELS[FREEZE]} trains at least as fast as {GROUP_LABELS[BASELINE]}"
 # summary.json's params.by_component entries that are embeddings (token, position): what the
 # non-embedding count of H1 leaves out (the convention of scaling-law parameter counts).
 EMBEDDINGS = ("embedding", "position")
@@ -35,13 +36,15 @@ EMBEDDINGS = ("embedding", "position")
 def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = None,
                h1_claim: float = 0.15, h1_tolerance: float = 0.02, h2_max_gap: float = 0.05,
                h3_min_ratio: float = 0.98, h4_max_gap: float = 0.10,
-               compare_across: Iterable[str] = ()) -> list[dict]:
+               compare_across: Iterable[str] = (), timed_alone: bool = True) -> list[dict]:
     """The four hypotheses judged from the runs of one preset (default: the first with an
     OELM-Freeze run, which every hypothesis needs; without one, the first preset). Each: {id,
     claim, value, threshold, verdict, holds, evidence, preset} and, per hypothesis, its other
     figures; verdict is one of "holds", "does not hold", "not decided at this n", "not judged";
     holds is True, False, or None for the last two. ``compare_across``: the settings that may
     differ between the groups compared (``variant_alone``; TUNED_SETTINGS for tuned groups).
+    ``timed_alone``: whether every run trained alone on its GPU; False (runs that shared GPUs,
+    whose tokens/s are shares that depend on what ran beside them) leaves H3 not judged.
 
     H1  holds within +-h1_tolerance of h1_claim: the share of the baseline's parameters that
         freezing leaves untrained (value), also stated against the non-embedding parameters
@@ -64,7 +67,10 @@ def hypotheses(runs: Sequence[Run], which: str = "final", preset: str | None = N
     out = [_h1_parameters(*to_base, h1_claim, h1_tolerance),
            _ppl_gap("H2", *_freeze_pair(here, preset, "oelm_nofreeze", compare_across), "oelm_nofreeze", which,
                     h2_max_gap, strict=True),
-           _h3_speed(*to_base, h3_min_ratio, which),
+           _h3_speed(*to_base, h3_min_ratio, which) if timed_alone else _missing(
+               "H3", H3_CLAIM, h3_min_ratio, "the runs shared their GPUs (timed_alone=False), so their tokens/s "
+               "and training seconds are shares of a GPU that depend on what ran beside them; time each "
+               "group alone on a GPU to judge it"),
            _ppl_gap("H4", *to_base, BASELINE, which, h4_max_gap, strict=False)]
     for h in out:
         h["preset"] = preset
@@ -179,10 +185,9 @@ def _ppl_gap(hid: str, freeze: Group | None, other: Group | None, why: str, othe
 def _h3_speed(freeze: Group | None, base: Group | None, why: str, min_ratio: float, which: str) -> dict:
     """H3: OELM-Freeze's tokens/s over the baseline's, and its training seconds to the target
     validation loss over the baseline's, with the steps to it."""
-    text = f"{GROUP_LABELS[FREEZE]} trains at least as fast as {GROUP_LABELS[BASELINE]}"
     sf, sb = (freeze.mean("tokens_per_s"), base.mean("tokens_per_s")) if base else (None, None)
     if not (sf and sb):
-        return _missing("H3", text, min_ratio, why or f"needs the tokens/s of {freeze.label} and {base.label}")
+        return _missing("H3", H3_CLAIM, min_ratio, why or f"needs the tokens/s of {freeze.label} and {base.label}")
     ratio = sf / sb
     fast = ratio >= min_ratio
     ev = f"{sf:,.0f} vs {sb:,.0f} tokens/s (ratio {ratio:.3f}, needs >= {min_ratio})"
@@ -204,7 +209,7 @@ def _h3_speed(freeze: Group | None, base: Group | None, why: str, min_ratio: flo
     if time_ratio is not None and fast != (time_ratio <= 1 / min_ratio):
         ev += (f". Both must hold: {_short(freeze)} is {'as fast or faster' if fast else 'slower'} per token, "
                f"{'slower' if fast else 'no slower'} to the target")
-    return dict(id="H3", claim=text, value=ratio, time_ratio=time_ratio, target_loss=target, threshold=min_ratio,
+    return dict(id="H3", claim=H3_CLAIM, value=ratio, time_ratio=time_ratio, target_loss=target, threshold=min_ratio,
                 verdict=HOLDS if holds else FAILS, holds=holds, evidence=ev)
 
 

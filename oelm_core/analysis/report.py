@@ -23,31 +23,36 @@ RUN_FIGURES = ("final_val_loss", "final_val_ppl", "final_val_bpb", "best_val_los
 
 
 def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final",
-                  extra_markdown: str = "", compare_across: Iterable[str] = ()) -> dict:
+                  extra_markdown: str = "", compare_across: Iterable[str] = (), timed_alone: bool = True) -> dict:
     """Write results.md and results.json to ``out_dir``: the results table, the gaps with their
     intervals and effect sizes (gaps.gap_table), the hypotheses, the steps and training seconds
     to a target loss, the Welch tests and the per-run figures; ``extra_markdown`` (e.g.
     ``samples_markdown``) ends results.md. ``compare_across``: the settings that may differ
     between the groups compared (groups.TUNED_SETTINGS for a study of tuned groups; recorded
-    in both files). Returns what results.json holds."""
+    in both files). ``timed_alone``: whether every run trained alone on its GPU; False (runs that
+    shared GPUs) leaves H3 not judged and the time to the target out (hypotheses). Returns what
+    results.json holds."""
     compare_across = tuple(compare_across)
     table = results_table(runs, which, compare_across=compare_across)
     gaps = gap_table(runs, which, compare_across)
-    hyps = hypotheses(runs, which, compare_across=compare_across)
+    hyps = hypotheses(runs, which, compare_across=compare_across, timed_alone=timed_alone)
     groups = group_runs(runs)
     target = loss_target(groups, which)
-    timing = time_to_target_table(groups, target) if target is not None else None
+    timing = time_to_target_table(groups, target) if target is not None and timed_alone else None
     sig = significance_tests(runs, f"{which}_val_ppl", compare_across=compare_across)
     per_run = [{"name": r.name, "variant": r.variant, "preset": r.preset, "seed": r.seed,
                 "run_dir": str(r.path), **{k: r.value(k) for k in RUN_FIGURES}}
                for r in runs]
-    result = {"which": which, "compare_across": list(compare_across), "table": table["rows"],
+    result = {"which": which, "compare_across": list(compare_across), "timed_alone": timed_alone,
+              "table": table["rows"],
               "gaps": {"groups": gaps["groups"], "pairs": gaps["pairs"]}, "hypotheses": hyps,
               "time_to_target": timing["rows"] if timing else [], "significance": sig, "runs": per_run}
     compared = (f"Groups are compared each at its own {', '.join(compare_across)} (tuned per group); every "
                 f"other setting is shared." if compare_across else
                 "Groups are compared where they were trained with the same settings apart from the variant.")
-    md = ["# Results\n", f"Validation figures: {which} evaluation; groups averaged over seeds. {compared}\n",
+    shared = ("" if timed_alone else " The runs shared their GPUs, several at a time: their tokens/s, MFU and "
+              "seconds are shares of a GPU, not compared here (H3 is not judged).")
+    md = ["# Results\n", f"Validation figures: {which} evaluation; groups averaged over seeds. {compared}{shared}\n",
           table["markdown"], "\n## Gaps with 95% intervals\n", GAPS_NOTE, "", gaps["markdown"],
           "\n## Hypotheses\n", hypotheses_markdown(hyps)]
     if timing:
