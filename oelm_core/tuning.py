@@ -145,6 +145,10 @@ def tuning_figure(table: dict, path: str | Path | None = None):
                 if r["chosen"]:
                     ax.plot(r["lr"], r[metric], "o", ms=13, mfc="none", mec=color, mew=2)
         ax.set_xscale("log")
+        # the swept rates as the ticks: the log axis' own minor labels (3e-4, 4e-4, ...) overlap
+        rates = sorted({r["lr"] for r in table["rows"]})
+        ax.set_xticks(rates, [f"{lr:g}" for lr in rates], minor=False)
+        ax.set_xticks([], minor=True)
         ax.set_xlabel("peak learning rate")
         ax.set_title(f"dropout {dropout}")
         ax.grid(alpha=0.3)
