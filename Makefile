@@ -46,16 +46,20 @@ study: $(VENV)/.installed
 	$(BIN)/python -m oelm_core.study $(STUDY)
 
 # Every table and figure of results/ from the committed run files (no GPU, no checkpoints): the tuned
-# Medium-512 study through notebooks/04_analysis (results.md, results.json, figures/, the executed
-# notebook), its ablations against that study's OELM-Freeze and GPT-Base, and the tuning sweep.
+# Medium-512 and mini studies through notebooks/04_analysis (results.md, results.json, figures/, the
+# executed notebook), the ablations against the Medium-512 study's OELM-Freeze and GPT-Base, and the
+# two tuning sweeps. The mini runs shared one GPU five at a time, so their speed is not compared.
 TUNED    := results/tuned_medium512
+MINI     := results/tuned_mini
 TUNED_ACROSS := [train.lr, train.min_lr, model.dropout]
 results: $(VENV)/.installed
 	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(TUNED)/04_analysis.ipynb --log-level WARNING \
 	  -y '{run_dirs: [$(TUNED)/runs], out_dir: $(TUNED), which: best, compare_across: $(TUNED_ACROSS)}'
+	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(MINI)/04_analysis.ipynb --log-level WARNING \
+	  -y '{run_dirs: [$(MINI)/runs], out_dir: $(MINI), which: best, compare_across: $(TUNED_ACROSS), timed_alone: false}'
 	$(BIN)/python -m oelm_core.sweep gaps results/ablations_medium512 --comparators $(TUNED)/runs --which best --tuned
-	$(BIN)/python -m oelm_core.tuning results/tune_medium512 --markdown results/tune_medium512/tuning.md \
-	  --figure results/tune_medium512/tuning.png
+	for s in medium512 mini; do $(BIN)/python -m oelm_core.tuning results/tune_$$s \
+	  --markdown results/tune_$$s/tuning.md --figure results/tune_$$s/tuning.png || exit 1; done
 
 # The browser test drives Debian's Chromium (a test tool's own browser download is not
 # reachable from CI); installed here when missing and we may use apt.
