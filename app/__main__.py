@@ -24,7 +24,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs-root", default="runs", help="where to look for the newest study (default: runs)")
     p.add_argument("--train-mini", action="store_true",
                    help="without --study/--ckpt: serve the newest trained study; with none and a GPU, "
-                        "train one seed of the mini study first (about a minute)")
+                        "train one seed of the mini study first (about two minutes)")
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=7860)

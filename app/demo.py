@@ -59,12 +59,12 @@ DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She"
 MEAN_HEAD = "mean"
 
 # When models are worth comparing: trained on TinyStories they reach a validation perplexity near
-# 20 (results/); the smoke study's models stop in the hundreds after 150 steps and write gibberish,
+# 10 (results/tuned_mini); the smoke study's models stop in the hundreds after 150 steps and write gibberish,
 # which a newcomer would otherwise take for what OELM does.
 WORTH_STEPS, WORTH_PPL, WORTH_D_MODEL = 1000, 40.0, 128
-MINI_STUDY = "parameters/study_tinystories_mini.yaml"
-MINI_STUDY_OUT = "runs/tinystories_mini"
-# One seed of the mini study: the three groups, about a minute on one GPU. The arguments after
+MINI_STUDY = "parameters/study_tuned_mini.yaml"
+MINI_STUDY_OUT = "runs/tuned_mini"
+# One seed of the tuned mini study: the three groups, about two minutes on one GPU. The arguments after
 # `python`, as make demo runs them and the page shows them.
 MINI_ARGS = ["-m", "oelm_core.study", MINI_STUDY, "--set", "study.seeds=[0]"]
 MINI_COMMAND = shlex.join(["python", *MINI_ARGS])
@@ -584,7 +584,7 @@ def undertrained_notice(lab: Lab) -> str | None:
     return ("**These models are barely trained: expect gibberish.** "
             + "; ".join(figures(m) for m in weak)
             + f". Models trained on TinyStories reach a perplexity near 20. To compare models worth "
-              f"comparing, train the mini study on a GPU (about a minute): `{MINI_COMMAND}`, then "
+              f"comparing, train the mini study on a GPU (about two minutes): `{MINI_COMMAND}`, then "
               f"`python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which does both).")
 
 

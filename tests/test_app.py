@@ -452,7 +452,7 @@ def write_study(folder: Path, summaries: dict[str, dict], age_s: float = 0.0) ->
 def test_make_demo_serves_the_newest_trained_study_or_trains_the_mini_one(tmp_path, monkeypatch):
     """`make demo` (--train-mini): the newest study whose runs are trained, though a smoke study is
     newer; with none, on the CPU the newest study (its page carries the notice), on a GPU one seed
-    of the mini study trained first, by the command the notice shows, into runs/tinystories_mini.
+    of the mini study trained first, by the command the notice shows, into runs/tuned_mini.
     (Training the mini study is GPU work: here the command is recorded, not run.)"""
     import torch
 
@@ -469,9 +469,9 @@ def test_make_demo_serves_the_newest_trained_study_or_trains_the_mini_one(tmp_pa
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
-    assert trained_or_mini_study(str(runs)) == (str(runs / "tinystories_mini"), 0)
+    assert trained_or_mini_study(str(runs)) == (str(runs / "tuned_mini"), 0)
     (cmd,) = calls
-    assert cmd[1:] == [*MINI_COMMAND.split()[1:4], "--set", "study.seeds=[0]", "--out", str(runs / "tinystories_mini")]
+    assert cmd[1:] == [*MINI_COMMAND.split()[1:4], "--set", "study.seeds=[0]", "--out", str(runs / "tuned_mini")]
 
     mini = write_study(runs / "mini", {g: {"steps": 1500, "best_val_ppl": 18.2} for g in GROUPS}, age_s=100)
     assert trained_study(runs) == mini / "study.json"

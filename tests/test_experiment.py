@@ -332,7 +332,7 @@ def test_parameter_files_load():
     assert {p.parent.name for p in files} == {"smoke", "medium512", "shapes", "sweeps", "tuning", "parameters"}
     plans = [p for p in files if p.parent.name in ("sweeps", "tuning") or p.name.startswith("ablations")
              or p.stem.startswith("study_")]
-    assert len(plans) == 4 + 2 + 2 + 6
+    assert len(plans) == 4 + 2 + 2 + 4
     for path in files:
         if path in plans:
             cfgs = [run_config_from_dict(r.config) for smoke in (False, True) if path.parent.name == "sweeps" or not smoke
