@@ -111,3 +111,6 @@ def test_the_figure_has_a_panel_per_dropout_and_rings_the_choice(sweep, tmp_path
     assert list(line.get_xdata()) == [0.001, 0.002]
     assert list(line.get_ydata()) == pytest.approx([2.0, 2.05])
     assert (list(ring.get_xdata()), list(ring.get_ydata())) == ([0.001], [pytest.approx(2.0)])
+    # the swept rates label the log axis, nothing between them (its minor labels overlapped)
+    assert [t.get_text() for t in no_dropout.get_xticklabels()] == ["0.001", "0.002"]
+    assert list(no_dropout.get_xticks(minor=True)) == []
