@@ -77,7 +77,33 @@ def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_v
     for row in rows:
         row["chosen"] = chosen.get(row["variant"]) is row
     cols = ["group", "lr", "dropout", "seeds", metric, f"{metric}_std", "best_step", "stopped_early", "chosen"]
-    return {"rows": rows, "chosen": chosen, "metric": metric, "markdown": markdown_table(rows, cols)}
+    return {"rows": rows, "chosen": chosen, "metric": metric, "markdown": markdown_table(rows, cols),
+            "cautions": {v: cautions(rows, row, metric) for v, row in chosen.items()}}
+
+
+def cautions(rows: Sequence[dict], chosen: dict, metric: str = "best_val_loss") -> list[str]:
+    """What makes ``chosen`` (a row of ``rows``) a weaker choice than it looks: a learning rate at
+    the edge of what its group swept at that dropout (the best may lie beyond), no seed that
+    stopped early (the loss was still falling when the budget ended), and a runner-up within the
+    seeds' spread (the larger sample std of the two; a tie)."""
+    out = []
+    group = [r for r in rows if r["variant"] == chosen["variant"]]
+    rates = sorted(r["lr"] for r in group if r["dropout"] == chosen["dropout"])
+    if len(rates) > 1 and chosen["lr"] in (rates[0], rates[-1]):
+        edge = "largest" if chosen["lr"] == rates[-1] else "smallest"
+        out.append(f"lr {chosen['lr']:g} is the {edge} swept at dropout {chosen['dropout']:g}: the best may lie "
+                   f"{'above' if edge == 'largest' else 'below'} it; widen the sweep")
+    if chosen["stopped_early"] == 0:
+        out.append("no seed stopped early: the validation loss was still falling when the budget ended; a longer "
+                   "budget may lower it")
+    others = [r for r in group if r is not chosen and r["candidate"]]
+    if others:
+        second = min(others, key=lambda r: r[metric])
+        spread = max(r[f"{metric}_std"] or 0.0 for r in (chosen, second))
+        if second[metric] - chosen[metric] < spread:
+            out.append(f"a tie: lr {second['lr']:g}, dropout {second['dropout']:g} is {second[metric] - chosen[metric]:.4f} "
+                       f"behind, within the seeds' spread ({spread:.4f}); more seeds decide it")
+    return out
 
 
 def _best_step(run) -> Optional[int]:
@@ -174,11 +200,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         table = tuning_table(args.roots, args.metric)
         print(table["markdown"])
+        notes = []
         for variant, row in table["chosen"].items():
             print(f"chosen for {row['group']}: lr {row['lr']}, dropout {row['dropout']} "
                   f"({args.metric} {row[args.metric]:.4f} over {row['finished']} seed(s))")
+            notes += [f"- {row['group']}: {c}" for c in table["cautions"][variant]]
+        if notes:
+            print("cautions:\n" + "\n".join(notes))
         if args.markdown:
-            write_text_atomic(args.markdown, table["markdown"] + "\n")
+            text = table["markdown"] + ("\n\nCautions about the choice:\n\n" + "\n".join(notes) if notes else "")
+            write_text_atomic(args.markdown, text + "\n")
         if args.figure:
             tuning_figure(table, args.figure)
         if args.study:

@@ -114,3 +114,24 @@ def test_the_figure_has_a_panel_per_dropout_and_rings_the_choice(sweep, tmp_path
     # the swept rates label the log axis, nothing between them (its minor labels overlapped)
     assert [t.get_text() for t in no_dropout.get_xticklabels()] == ["0.001", "0.002"]
     assert list(no_dropout.get_xticks(minor=True)) == []
+
+
+def test_cautions_name_an_edge_rate_a_budget_that_ended_too_soon_and_a_tie(sweep, tmp_path, capsys):
+    table = tuning_table(sweep)
+    base, freeze = table["cautions"]["gpt_base"], table["cautions"]["oelm_freeze"]
+    # GPT-Base: lr 1e-3 is the smallest it swept without dropout; lr 2e-3 (best losses 1.9 and 2.2,
+    # mean 2.05) is 0.05 behind, within its seeds' std (0.212): a tie
+    assert "lr 0.001 is the smallest swept at dropout 0: the best may lie below it" in base[0]
+    assert "still falling" in base[1]
+    assert base[2].startswith("a tie: lr 0.002, dropout 0 is 0.0500 behind, within the seeds' spread (0.2121)")
+    # OELM-Freeze: lr 2e-3 the largest at dropout 0.1; its runner-up has one seed each: no spread, no tie
+    assert len(freeze) == 2 and "largest swept at dropout 0.1: the best may lie above it" in freeze[0]
+    # a setting whose seeds stopped early, inside its grid and well ahead: nothing to caution
+    root = tmp_path / "clear"
+    for lr, losses in ((0.001, [2.5, 2.4]), (0.002, [2.2, 2.1, 2.15]), (0.004, [2.6, 2.5])):
+        for seed in (0, 1):
+            _run(root, "gpt_base", lr, 0.0, seed, [v + 0.001 * seed for v in losses], status="stopped_early")
+    assert tuning_table(root)["cautions"]["gpt_base"] == []
+    assert main([str(sweep), "--markdown", str(tmp_path / "t.md")]) == 0
+    assert "cautions:\n- GPT-Base: lr 0.001 is the smallest" in capsys.readouterr().out
+    assert "Cautions about the choice:\n\n- GPT-Base: lr 0.001" in (tmp_path / "t.md").read_text()
