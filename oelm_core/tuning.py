@@ -10,6 +10,9 @@ GPT-Base's learning rate would measure the learning rate as much as the model. T
 (``best_val_loss``, the checkpoint the study keeps), averaged over the seeds; a setting with a
 seed that did not finish is not a candidate.
 
+Beside each choice it lists the cautions that weaken it (``cautions``): a learning rate at the
+grid's edge, no seed that stopped early, a runner-up within the seeds' spread.
+
 ``--study TEMPLATE --write OUT`` copies a study file (its comment header too) with each run
 entry's ``train.lr``, ``train.min_lr`` and ``model.dropout`` set to its group's choice, read from
 the chosen runs' config.yaml: the study then trains exactly the setting that won.
@@ -100,9 +103,10 @@ def cautions(rows: Sequence[dict], chosen: dict, metric: str = "best_val_loss") 
     if others:
         second = min(others, key=lambda r: r[metric])
         spread = max(r[f"{metric}_std"] or 0.0 for r in (chosen, second))
-        if second[metric] - chosen[metric] < spread:
-            out.append(f"a tie: lr {second['lr']:g}, dropout {second['dropout']:g} is {second[metric] - chosen[metric]:.4f} "
-                       f"behind, within the seeds' spread ({spread:.4f}); more seeds decide it")
+        behind = second[metric] - chosen[metric]
+        if behind < spread:
+            out.append(f"a tie: lr {second['lr']:g}, dropout {second['dropout']:g} is {behind:.4f} behind, within "
+                       f"the seeds' spread ({spread:.4f}); more seeds decide it")
     return out
 
 
