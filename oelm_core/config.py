@@ -276,6 +276,11 @@ class TrainConfig:
     grad_clip: float = 1.0       # 0 disables clipping
     eval_every: int = 1000
     eval_batches: int = 20       # validation batches per evaluation
+    # The validation tokens in two halves, so that no choice is reported on the data that made
+    # it: every evaluation during training (early stopping, best.pt, and the sweeps that choose a
+    # learning rate by it) reads the first half; the second is read only at each new best, for
+    # the summary's report_val_* figures, which studies report. false: one set for both.
+    report_holdout: bool = True
     ckpt_every: int = 5000
     keep_last: int = 3           # rolling checkpoints kept besides best.pt
     log_every: int = 50
@@ -310,6 +315,11 @@ class TrainConfig:
     loss_chunk_tokens: int = 8192
     fused_logits: bool = True    # Hopper, bf16: the logits GEMM computes the loss's exp() itself
     cpu_heap: bool = True        # CPU: glibc keeps freed large blocks for the next step (mallopt)
+    # Bit-identical runs of one configuration on one kind of device: deterministic kernels only
+    # (torch.use_deterministic_algorithms; on CUDA, SDPA's backward without atomics and a fixed
+    # cuBLAS workspace). Without it a GPU run at context 512 differs from its re-run by about as
+    # much as one seed from another; its cost on the card: benchmarks/README.md.
+    deterministic: bool = False
     progress: bool = True        # tqdm bar on rank 0
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
     # follows `steps`, so a later --resume continues the same curve (time-boxed jobs, tests).
@@ -565,7 +575,7 @@ RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
-              "loss_chunk_tokens", "fused_logits", "cpu_heap"},
+              "loss_chunk_tokens", "fused_logits", "cpu_heap", "deterministic"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
 

@@ -635,22 +635,35 @@ class TokenSampler:
         self.batches_drawn = int(state["batches_drawn"])
 
 
+HALVES = {"all": None, "selection": 0, "report": 1}  # eval_batches' parts of the validation file
+
+
 def eval_batches(bin_path: str | Path, block_size: int, batch_size: int, n_batches: int,
-                 seed: int = 1234, vocab_size: int = VOCAB_SIZE) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 seed: int = 1234, vocab_size: int = VOCAB_SIZE,
+                 part: str = "all") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation batches on every call: (x, y) int64 CPU tensors (<= batch_size, block_size).
 
     Windows are non-overlapping slots of block_size + 1 tokens; a fixed-seed draw picks
     batch_size * n_batches of them spread over the whole file, so val losses compare across steps
     and runs. A file with fewer slots gives all of them (the last batch may then be smaller).
-    ``vocab_size`` as TokenSampler's.
+    ``part``: "all" the file's slots; "selection" the first half of them, "report" the second
+    (train.report_holdout): no window of one half overlaps the other. ``vocab_size`` as
+    TokenSampler's.
     """
     data = _open_tokens(bin_path, block_size, vocab_size)
     slots = (len(data) - 1) // block_size  # window k covers tokens [k*T, k*T + T] (T+1 tokens)
+    first, end = 0, slots
+    if HALVES[part] is not None:
+        if slots < 2:
+            raise ConfigError(f"{bin_path} holds {len(data)} tokens, one window of block_size + 1 = "
+                              f"{block_size + 1}: too few to hold out half of them for reporting. Prepare "
+                              f"more validation stories (data.max_val_stories) or set train.report_holdout: false")
+        first, end = (0, slots // 2) if HALVES[part] == 0 else (slots // 2, slots)
     want = batch_size * n_batches
-    if slots >= want:
-        chosen = np.sort(np.random.default_rng(seed).choice(slots, size=want, replace=False))
+    if end - first >= want:
+        chosen = first + np.sort(np.random.default_rng(seed).choice(end - first, size=want, replace=False))
     else:
-        chosen = np.arange(slots)
+        chosen = np.arange(first, end)
     starts = chosen * block_size
     return [_windows(data, starts[i:i + batch_size], block_size)
             for i in range(0, len(starts), batch_size)]

@@ -67,6 +67,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     # Before any process group exists: fail fast, everywhere.
     schedule = cfg.validate().train.unfreeze_plan(cfg.model_config().n_layer)
     check_folders(cfg)
+    use_deterministic_kernels(cfg.train.deterministic)  # before CUDA starts: cuBLAS reads its setting once
     d = setup_distributed(cfg.train)
     try:
         preflight.check(cfg, d.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), report=d.is_main)
@@ -81,6 +82,23 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     finally:
         if d.owns_group:
             dist.destroy_process_group()
+
+
+def use_deterministic_kernels(on: bool) -> None:
+    """``train.deterministic``: only kernels whose result does not depend on thread timing, so that
+    a configuration trained twice on one kind of device gives the same bits. On CUDA that is
+    SDPA's backward without atomic adds (flash and memory-efficient attention have such a path;
+    cuDNN's is skipped) and cuBLAS with a fixed workspace; an op with no deterministic kernel
+    raises rather than run nondeterministically. Set for the whole process, both ways: runs
+    trained one after another in one process (the in-process runner) each get their own."""
+    if on:
+        # cuBLAS reads this when its first handle is made: before any CUDA matmul of the process.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    # Under deterministic algorithms torch also fills every new tensor with NaN, a debugging aid
+    # that costs a kernel per allocation and is no part of the result: every kernel here writes
+    # what it later reads (two runs agreeing bit for bit is the test: tests/test_gpu_determinism.py).
+    torch.utils.deterministic.fill_uninitialized_memory = not on
 
 
 class Trainer:
@@ -117,8 +135,15 @@ class Trainer:
         self.samplers = [TokenSampler(data / "train.bin", block, batch, self.tc.seed,
                                       rank=d.rank * accum + m, world_size=d.world_size * accum, vocab_size=vocab)
                          for m in range(accum)]
-        self.val = [(x.to(self.device), y.to(self.device))
-                    for x, y in eval_batches(data / "val.bin", block, batch, self.tc.eval_batches, vocab_size=vocab)]
+        # Evaluations read the selection half of the validation windows; each new best is also
+        # measured on the held-out half, which nothing chooses by (train.report_holdout).
+        parts = ("selection", "report") if self.tc.report_holdout else ("all", None)
+        self.val, self.report_val = (
+            None if part is None else
+            [(x.to(self.device), y.to(self.device))
+             for x, y in eval_batches(data / "val.bin", block, batch, self.tc.eval_batches, vocab_size=vocab,
+                                      part=part)]
+            for part in parts)
         self.tokens_per_step = batch * block * accum * d.world_size
         self.peak = peak_flops(self.device)
         self.flops_per_token = flops_per_token(self.model_cfg)["total"]
@@ -127,6 +152,8 @@ class Trainer:
         self.step = 0
         self.wall_before = 0.0         # earlier sessions' seconds
         self.best_val_loss = float("inf")
+        self.best_step = 0
+        self.report_loss = float("nan")  # the held-out half's loss at the best evaluation
         self.bad_evals = 0             # evaluations since the best one (early stopping)
         self.train_loss = float("nan")
         self.last_eval: dict = {}
@@ -207,7 +234,9 @@ class Trainer:
                 self.last_eval = figures
                 improved = figures["val_loss"] < self.best_val_loss
                 if improved:
-                    self.best_val_loss, self.bad_evals = figures["val_loss"], 0
+                    self.best_val_loss, self.best_step, self.bad_evals = figures["val_loss"], self.step, 0
+                    if self.report_val is not None:
+                        self.report_loss = self.mean_loss(self.report_val)
                 else:
                     self.bad_evals += 1
                 stop = 0 < tc.early_stop_patience <= self.bad_evals
@@ -281,13 +310,20 @@ class Trainer:
     def peak_mem_mb(self) -> Optional[float]:
         return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean loss over the fixed validation batches (shared out round-robin across ranks, weighted
-        by tokens), as val_loss (nats/token), val_ppl and val_bpb (bits per UTF-8 byte)."""
+        """The validation figures of the model now: val_loss (nats/token), val_ppl and val_bpb (bits
+        per UTF-8 byte), over the selection half of the validation windows (all of them without
+        train.report_holdout)."""
+        val_loss = self.mean_loss(self.val)
+        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss), "val_bpb": self.bpb(val_loss)}
+
+    @torch.no_grad()
+    def mean_loss(self, batches: list) -> float:
+        """Mean loss (nats/token) over ``batches``, shared out round-robin across ranks and weighted
+        by tokens."""
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of loss x tokens, tokens)
-        for x, y in self.val[self.d.rank::self.d.world_size]:
+        for x, y in batches[self.d.rank::self.d.world_size]:
             with self.autocast:
                 loss = self.model(x, y)
             total[0] += loss.double() * y.numel()
@@ -295,9 +331,10 @@ class Trainer:
         self.model.train()
         if self.d.enabled:
             dist.all_reduce(total)
-        val_loss = (total[0] / total[1]).item()
-        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss),
-                "val_bpb": bits_per_byte(val_loss, self.meta["val_tokens"], self.meta["val_bytes"])}
+        return (total[0] / total[1]).item()
+
+    def bpb(self, loss: float) -> float:
+        return bits_per_byte(loss, self.meta["val_tokens"], self.meta["val_bytes"])
 
     # --- checkpoints ----------------------------------------------------------------------------
     def state(self) -> Optional[dict]:
@@ -313,6 +350,7 @@ class Trainer:
         # Every sampler slot draws exactly one batch per step, so one slot's state describes all.
         sampler = {**self.samplers[0].state_dict(), "virtual_world": self.d.world_size * self.tc.grad_accum}
         metrics = {**self.last_eval, "best_val_loss": json_safe(self.best_val_loss),
+                   "best_step": self.best_step, "report_loss": json_safe(self.report_loss),
                    "bad_evals": self.bad_evals, "train_loss": json_safe(self.train_loss),
                    "tokens_seen": self.tokens_seen(),
                    "epochs": self.tokens_seen() / self.meta["train_tokens"],
@@ -351,6 +389,8 @@ class Trainer:
         m = state["metrics"]
         self.best_val_loss = m["best_val_loss"] if m.get("best_val_loss") is not None else float("inf")
         self.bad_evals = m.get("bad_evals", 0)
+        self.best_step = m.get("best_step", 0)
+        self.report_loss = m["report_loss"] if m.get("report_loss") is not None else float("nan")
         self.train_loss = m["train_loss"] if m.get("train_loss") is not None else float("nan")
         self.last_eval = {k: m[k] for k in ("val_loss", "val_ppl", "val_bpb") if m.get(k) is not None}
         self.wall_before = float(m.get("wall_time_s") or 0.0)
@@ -368,8 +408,13 @@ class Trainer:
             "final_val_loss": self.last_eval.get("val_loss"),
             "final_val_ppl": self.last_eval.get("val_ppl"),
             "final_val_bpb": self.last_eval.get("val_bpb"),
-            "best_val_loss": best, "best_val_ppl": perplexity(best),
-            "best_val_bpb": bits_per_byte(best, self.meta["val_tokens"], self.meta["val_bytes"]),
+            "best_val_loss": best, "best_val_ppl": perplexity(best), "best_val_bpb": self.bpb(best),
+            "best_step": self.best_step,
+            # The best weights on the validation half no evaluation chose by: what studies report.
+            "report_val_loss": self.report_loss, "report_val_ppl": perplexity(self.report_loss),
+            "report_val_bpb": self.bpb(self.report_loss),
+            "val_windows": {"selection": sum(len(y) for _, y in self.val),
+                            "report": sum(len(y) for _, y in self.report_val or [])},
             "final_train_loss": self.train_loss,
             "tokens_per_s": statistics.median(self.throughput) if self.throughput else None,
             "mfu": statistics.median(self.mfus) if self.mfus else None,

@@ -78,17 +78,46 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
     assert (card["variant"], card["seed"], card["run_status"], card["run_steps"]) == ("gpt_base", 42, "completed", 30)
 
 
+def _mean_loss(model, batches) -> float:
+    with torch.no_grad():
+        return sum(model(x, y).item() * y.numel() for x, y in batches) / sum(y.numel() for _, y in batches)
+
+
 def test_validation_loss_is_the_models_without_dropout(tmp_path, folded):
     """With dropout 0.5 the training forward is noisy; the reported val_loss must be the eval-mode
-    loss of the checkpointed weights over the validation batches."""
+    loss of the checkpointed weights over the validation batches (the selection half)."""
     values = params(tmp_path, folded, steps=2, eval_every=2, ckpt_every=2)
     values["model"]["dropout"] = 0.5
     summary = run(values)
     model = model_from_state(load_checkpoint(tmp_path / "run" / "ckpt" / "step_0000002.pt")).eval()
-    batches = eval_batches(tmp_path / "data" / "val.bin", 32, 4, 2)
-    with torch.no_grad():
-        expected = sum(model(x, y).item() * y.numel() for x, y in batches) / sum(y.numel() for _, y in batches)
+    batches = eval_batches(tmp_path / "data" / "val.bin", 32, 4, 2, part="selection")
+    expected = _mean_loss(model, batches)
     assert abs(summary["final_val_loss"] - expected) < 1e-6, (summary["final_val_loss"], expected)
+
+
+def test_the_reported_loss_is_the_best_weights_on_the_held_out_half(tmp_path, folded):
+    """train.report_holdout: evaluations (early stopping, best.pt) read the first half of the
+    validation windows; the summary's report_val_loss is best.pt's loss on the second half, whose
+    windows no evaluation read; without it both are one set."""
+    values = params(tmp_path, folded, steps=8, eval_every=2, ckpt_every=8)
+    summary = run(values)
+    best = load_checkpoint(tmp_path / "run" / "best.pt")
+    assert summary["best_step"] == best["step"] and summary["best_val_loss"] == best["metrics"]["val_loss"]
+    model = model_from_state(best).eval()
+    val = tmp_path / "data" / "val.bin"
+    selection, report = (eval_batches(val, 32, 4, 2, part=p) for p in ("selection", "report"))
+    rows = lambda batches: {tuple(r.tolist()) for x, _ in batches for r in x}
+    assert not rows(selection) & rows(report)
+    assert abs(summary["best_val_loss"] - _mean_loss(model, selection)) < 1e-6
+    assert abs(summary["report_val_loss"] - _mean_loss(model, report)) < 1e-6
+    assert abs(summary["report_val_loss"] - summary["best_val_loss"]) > 1e-4  # other windows, another loss
+    assert summary["val_windows"] == {"selection": 8, "report": 8}
+
+    values = params(tmp_path, folded, out="one_set", steps=2, eval_every=2, ckpt_every=2, report_holdout=False)
+    summary = run(values)
+    model = model_from_state(load_checkpoint(tmp_path / "one_set" / "best.pt")).eval()
+    assert abs(summary["best_val_loss"] - _mean_loss(model, eval_batches(val, 32, 4, 2))) < 1e-6
+    assert summary["report_val_loss"] is None and summary["val_windows"]["report"] == 0
 
 
 def test_frozen_qk_stay_fixed(tmp_path, folded):
