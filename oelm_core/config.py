@@ -189,6 +189,8 @@ register_variant("oelm_freeze", "OELM-Freeze: Q/K Haar-orthogonal (QR) and froze
 # Ablations (parameters/ablations/). A1: the non-orthogonal control; A7: other orthogonal constructions.
 register_variant("oelm_freeze_gaussian", "A1: frozen Gaussian Q/K, N(0, 1/d), same logit scale as orthogonal",
                  qk_init="gaussian", qk_gain=1.0, freeze_qk="all")
+register_variant("oelm_freeze_illcond", "frozen ill-conditioned Q/K: condition number 100 at the orthogonal's "
+                 "Frobenius norm (does orthogonality itself matter?)", qk_init="illcond", freeze_qk="all")
 register_variant("oelm_freeze_svd", "A7: frozen orthogonal Q/K from the SVD polar factor (Haar)",
                  qk_init="svd", freeze_qk="all")
 register_variant("oelm_freeze_householder", "A7: frozen orthogonal Q/K from d random Householder reflections",

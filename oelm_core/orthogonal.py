@@ -26,7 +26,12 @@ QK_INITS: dict[str, str] = {
     "householder": "product of n reflections I - 2vv^T with uniform random unit v; not exactly Haar",
     "cayley": "(I - A)(I + A)^-1 of a random skew-symmetric A; orthogonal but not Haar (det +1, no angle pi)",
     "gaussian": "non-orthogonal control: i.i.d. N(0, gain^2/fan_in), the same expected row norm as orthogonal",
+    "illcond": "non-orthogonal control: U diag(s) V^T with Haar U, V and singular values log-spaced over a "
+               "100:1 range, scaled to the orthogonal's Frobenius norm",
 }
+# The condition number of "illcond": as far from an isometry as a fixed spectrum goes, at the
+# orthogonal's scale, where a square Gaussian's (about 2,400 at d = 512) mixes scale and spectrum.
+ILL_CONDITION = 100.0
 
 
 def _randn(*shape: int, generator: torch.Generator | None) -> Tensor:
@@ -94,6 +99,18 @@ def gaussian(rows: int, cols: int, gain: float = 1.0, generator: torch.Generator
     return (_randn(rows, cols, generator=generator) * (gain / math.sqrt(cols))).to(dtype)
 
 
+def ill_conditioned(rows: int, cols: int, gain: float = 1.0, generator: torch.Generator | None = None,
+                    dtype: torch.dtype = torch.float32, condition: float = ILL_CONDITION) -> Tensor:
+    """(rows, cols) = U diag(s) V^T with U, V Haar (orthonormal columns) and min(rows, cols) singular
+    values log-spaced from 1 down to 1 / ``condition``, scaled so that ||W||_F equals an orthogonal
+    matrix's of the same gain, gain * sqrt(min(rows, cols)): the same scale, another spectrum."""
+    k = min(rows, cols)
+    u, v = _qr(rows, k, generator), _qr(cols, k, generator)
+    s = torch.logspace(0, -math.log10(condition), k, dtype=torch.float64)
+    s *= gain * math.sqrt(k) / s.norm()
+    return ((u * s) @ v.T).to(dtype).contiguous()
+
+
 def init_qk(rows: int, cols: int, method: str, gain: float = 1.0,
             generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
     """A (rows, cols) W_q or W_k initialised by one of QK_INITS ("normal" ignores gain)."""
@@ -101,6 +118,8 @@ def init_qk(rows: int, cols: int, method: str, gain: float = 1.0,
         return (_randn(rows, cols, generator=generator) * GPT2_STD).to(dtype)
     if method == "gaussian":
         return gaussian(rows, cols, gain, generator, dtype)
+    if method == "illcond":
+        return ill_conditioned(rows, cols, gain, generator, dtype)
     if method in _BUILDERS:
         return orthogonal(rows, cols, method, gain, generator, dtype)
     raise ValueError(f"unknown qk_init {method!r}; valid: {', '.join(QK_INITS)}")

@@ -23,7 +23,7 @@ def gen(seed: int = 0) -> torch.Generator:
 
 
 def test_qk_inits_cover_every_construction():
-    assert set(QK_INITS) == {"normal", "qr", "svd", "householder", "cayley", "gaussian"}
+    assert set(QK_INITS) == {"normal", "qr", "svd", "householder", "cayley", "gaussian", "illcond"}
     assert set(ORTHOGONAL_METHODS) == {"qr", "svd", "householder", "cayley"}
 
 
@@ -181,3 +181,24 @@ def test_cayley_eigen_angles_stay_below_pi():
     W = orthogonal(64, 64, "cayley", generator=gen(0), dtype=torch.float64)
     ang = torch.linalg.eigvals(W).angle().abs()
     assert 100 < math.degrees(ang.max().item()) < 135 and 55 < math.degrees(ang.mean().item()) < 85
+
+
+def test_the_ill_conditioned_control_has_the_orthogonal_scale_and_a_100_to_1_spectrum():
+    """The orthogonality ablation's control (issue 42): frozen Q/K at the orthogonal's Frobenius
+    norm whose singular values span 100:1, against the Gaussian control, whose row norm matches
+    the orthogonal's too but whose spectrum spans thousands to one at d = 512."""
+    from oelm_core.orthogonal import ILL_CONDITION, gaussian, ill_conditioned
+
+    g = torch.Generator().manual_seed(3)
+    for rows, cols in ((512, 512), (128, 512), (512, 128)):
+        w = ill_conditioned(rows, cols, generator=g, dtype=torch.float64)
+        s = torch.linalg.svdvals(w)
+        assert s.max() / s.min() == pytest.approx(ILL_CONDITION, rel=1e-9)
+        o = orthogonal(rows, cols, generator=g, dtype=torch.float64)
+        assert w.norm().item() == pytest.approx(o.norm().item(), rel=1e-12)
+        # log-spaced: each singular value a fixed ratio from the next
+        ratios = (s[:-1] / s[1:]).numpy()
+        assert ratios.max() == pytest.approx(ratios.min(), rel=1e-6)
+    gs = torch.linalg.svdvals(gaussian(512, 512, generator=g, dtype=torch.float64))
+    assert gaussian(512, 512, generator=g).norm(dim=1).mean().item() == pytest.approx(1.0, abs=0.01)
+    assert (gs.max() / gs.min()).item() > 10 * ILL_CONDITION
