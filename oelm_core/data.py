@@ -280,26 +280,31 @@ def _folder_splits(root: Path, cfg: DataConfig) -> dict[str, Callable[[], Iterat
 
 
 def _hub_stories(name: str, split: str, cap: int, text_field: str) -> Iterator[str]:
-    """Stories of one hub split; streams only the first `cap` when cap > 0."""
+    """Stories of one hub split; streams only the first `cap` when cap > 0. Whether the hub
+    answers is asked here, on the call, before any worker process starts: offline, datasets
+    would retry for half a minute before failing (an offline flag makes it read its own cache
+    instead, without the network)."""
     from oelm_core.offline import OFFLINE_HINT, hub_unreachable, offline_flag
 
-    datasets = _import_datasets()
     # "owner/name" may have been meant as a relative path: say that no such folder exists.
     folder = "" if name == HUB_NAME else f"As a local folder, {Path(name).resolve()} does not exist. "
-    # Asked first: offline, datasets retries for half a minute before it fails (an offline flag
-    # makes it read its own cache instead, without the network).
     unreachable = None if offline_flag() else hub_unreachable()
     if unreachable:
         raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub ({unreachable}). "
                           f"{folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}")
-    try:
-        ds = datasets.load_dataset(name, split=split, streaming=cap > 0)
-        yield from _clean(_rows(ds, text_field, f"{name} [{split}]"), cap)
-    except ConfigError:
-        raise
-    except Exception as e:  # no network, unknown name, hub outage: all fixed the same way
-        raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub "
-                          f"({type(e).__name__}: {e}). {folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}") from e
+    datasets = _import_datasets()
+
+    def stories() -> Iterator[str]:
+        try:
+            ds = datasets.load_dataset(name, split=split, streaming=cap > 0)
+            yield from _clean(_rows(ds, text_field, f"{name} [{split}]"), cap)
+        except ConfigError:
+            raise
+        except Exception as e:  # no network, unknown name, hub outage: all fixed the same way
+            raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub "
+                              f"({type(e).__name__}: {e}). {folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}") from e
+
+    return stories()
 
 
 def real_source(source: str) -> str:
