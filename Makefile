@@ -1,8 +1,8 @@
 # OELM Lab. On a fresh machine, two commands:
 #   make study   # the main job: the smoke study (notebooks, three trainings, analysis) -> runs/smoke
 #   make test    # the test suite, exactly what CI runs (.ci/run)
-# Each creates .venv and installs what it needs. Other targets: make lab, make demo, make bench,
-# make results (every committed table and figure regenerated from the committed run files), and
+# Each creates .venv and installs what it needs. Other targets: make lab, make tensorboard, make demo,
+# make bench, make results (every committed table and figure regenerated from the committed run files), and
 # on a GPU machine make test-gpu (the GPU tests CI cannot run; PYTHON_BIN=python3 uses that Python).
 
 PYTHON ?= python3
@@ -16,8 +16,10 @@ PYTEST_ARGS ?=
 # test-gpu: a Python that already has torch, Triton and pytest (no venv is made); empty: the venv.
 PYTHON_BIN ?=
 
-# Offline machines: the TinyStories text and GPT-2 BPE files beside the checkout, when present.
-# Online, nothing is set and the data comes from the Hugging Face hub.
+# Offline: oelm.env (`python -m oelm_core.offline ../shared/data`), which the package itself reads
+# for every command, make's and plain ones alike. Without it (CI), the TinyStories text and GPT-2
+# BPE files beside the checkout when present; online, nothing is set and the data comes from the hub.
+ifeq ($(wildcard oelm.env),)
 SHARED := $(abspath ../shared/data)
 ifneq ($(wildcard $(SHARED)/tinystories),)
 export OELM_DATA ?= $(SHARED)/tinystories
@@ -25,9 +27,10 @@ endif
 ifneq ($(wildcard $(SHARED)/tokenizer/tiktoken_cache),)
 export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tokenizer/tiktoken_cache
 endif
+endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study results test test-gpu lab demo bench browser slurm clean
+.PHONY: study results test test-gpu lab tensorboard demo bench browser slurm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +87,14 @@ test: $(VENV)/.installed browser slurm
 LAB_ARGS ?=
 lab: $(VENV)/.installed
 	$(BIN)/python -m jupyterlab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+# TensorBoard over every run below RUNS (each run writes RUN/tb/ as it trains: live curves), e.g.
+# make tensorboard RUNS=runs/smoke TB_PORT=6007; TB_ARGS, e.g. --bind_all to serve other machines.
+RUNS   ?= runs
+TB_PORT ?= 6006
+TB_ARGS ?=
+tensorboard: $(VENV)/.installed
+	$(BIN)/python -m tensorboard.main --logdir "$(RUNS)" --port $(TB_PORT) $(TB_ARGS)
 
 # The tests marked `gpu` (Triton kernels on CUDA, CUDA graphs, two GPUs), and a summary:
 # card, torch, date, commit, passed/failed/skipped (scripts/test_gpu.sh).

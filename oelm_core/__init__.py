@@ -16,6 +16,12 @@ The stable public API (notebooks, the app, benchmarks and outside scripts rely o
 
 from collections.abc import Iterator, Mapping
 
+from oelm_core import envfile as _envfile
+
+# oelm.env (`python -m oelm_core.offline`) before anything reads the environment: the Hugging
+# Face libraries read HF_HUB_OFFLINE once, when they are imported.
+_envfile.load()
+
 from oelm_core import config as _config
 from oelm_core.accounting import count_parameters, flops_per_token, memory_account
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, model_config, variants

@@ -323,6 +323,7 @@ class TrainConfig:
     # much as one seed from another; its cost on the card: benchmarks/README.md.
     deterministic: bool = False
     progress: bool = True        # tqdm bar on rank 0
+    tensorboard: bool = True     # live curves: TensorBoard event files in out_dir/tb (oelm_core/live_metrics.py)
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
     # follows `steps`, so a later --resume continues the same curve (time-boxed jobs, tests).
     stop_after: int = 0
@@ -577,7 +578,7 @@ RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
-              "loss_chunk_tokens", "fused_logits", "cpu_heap", "deterministic"},
+              "loss_chunk_tokens", "fused_logits", "cpu_heap", "deterministic", "tensorboard"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
 

@@ -280,18 +280,45 @@ def _folder_splits(root: Path, cfg: DataConfig) -> dict[str, Callable[[], Iterat
 
 
 def _hub_stories(name: str, split: str, cap: int, text_field: str) -> Iterator[str]:
-    """Stories of one hub split; streams only the first `cap` when cap > 0."""
+    """Stories of one hub split; streams only the first `cap` when cap > 0. Whether the hub
+    answers is asked here, on the call, before any worker process starts: offline, datasets
+    would retry for half a minute before failing (an offline flag makes it read its own cache
+    instead, without the network)."""
+    from oelm_core.offline import OFFLINE_HINT, hub_unreachable, offline_flag
+
+    # "owner/name" may have been meant as a relative path: say that no such folder exists.
+    folder = "" if name == HUB_NAME else f"As a local folder, {Path(name).resolve()} does not exist. "
+    unreachable = None if offline_flag() else hub_unreachable()
+    if unreachable:
+        raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub ({unreachable}). "
+                          f"{folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}")
     datasets = _import_datasets()
-    try:
-        ds = datasets.load_dataset(name, split=split, streaming=cap > 0)
-        yield from _clean(_rows(ds, text_field, f"{name} [{split}]"), cap)
-    except ConfigError:
-        raise
-    except Exception as e:  # no network, unknown name, hub outage: all fixed the same way
-        # "owner/name" may have been meant as a relative path: say that no such folder exists.
-        folder = "" if name == HUB_NAME else f"As a local folder, {Path(name).resolve()} does not exist. "
-        raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub "
-                          f"({type(e).__name__}: {e}). {folder}Offline? {_LOCAL_HINT}") from e
+
+    def stories() -> Iterator[str]:
+        try:
+            ds = datasets.load_dataset(name, split=split, streaming=cap > 0)
+            yield from _clean(_rows(ds, text_field, f"{name} [{split}]"), cap)
+        except ConfigError:
+            raise
+        except Exception as e:  # no network, unknown name, hub outage: all fixed the same way
+            raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub "
+                              f"({type(e).__name__}: {e}). {folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}") from e
+
+    return stories()
+
+
+def real_source(source: str) -> str:
+    """What a run whose data.source is ``source`` reads: $OELM_DATA when set, else ``source``; a
+    local folder as its absolute path, a hub dataset id as it is. config.yaml, params.yaml and
+    summary.json record this, not the parameter file's hub id that OELM_DATA replaced."""
+    chosen = os.environ.get("OELM_DATA") or source
+    return chosen if _is_hub(chosen) else str(Path(chosen).expanduser().resolve())
+
+
+def with_real_source(params: dict) -> dict:
+    """A parameter mapping with its data.source as ``real_source`` gives it (a run's params.yaml)."""
+    data = dict(params.get("data") or {})
+    return {**params, "data": {**data, "source": real_source(data.get("source", DataConfig.source))}}
 
 
 def resolve_source(cfg: DataConfig) -> str:
@@ -358,19 +385,25 @@ def _new_text_hash():
 
 def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | None,
                  progress: bool) -> dict:
+    """Tokens, stories and bytes written to ``path``, and the file's fingerprint: the sha256 of
+    its bytes, hashed as they are written, and its mtime (oelm_core.provenance trusts the hash
+    while the file keeps that mtime)."""
     counts = {"tokens": 0, "stories": 0, "bytes": 0}
+    digest = hashlib.sha256()
 
     def write(f) -> None:
         with tqdm(total=total, unit="stories", desc=f"tokenising {path.name}", disable=not progress) as bar:
             for ids, n_bytes, n in _encode_stream(stories, procs):
-                f.write(ids.tobytes())
+                raw = ids.tobytes()
+                f.write(raw)
+                digest.update(raw)
                 counts["tokens"] += len(ids)
                 counts["bytes"] += n_bytes
                 counts["stories"] += n
                 bar.update(n)
 
     atomic_write(path, write)
-    return counts
+    return {**counts, "sha256": digest.hexdigest(), "mtime_ns": path.stat().st_mtime_ns}
 
 
 def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> dict:

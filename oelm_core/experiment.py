@@ -909,6 +909,7 @@ def run_trainings(plan: Plan, *, skip_done: bool = True, budget_s: float = 0.0,
     for run in plan.runs:
         check_run_folder(run)
     _prepare_data(plan, log)
+    from oelm_core.data import with_real_source  # as _prepare_data: reading a plan needs no torch
     slots = _slots(plan, log)
     free: queue.Queue = queue.Queue()
     for s in slots:
@@ -930,7 +931,8 @@ def run_trainings(plan: Plan, *, skip_done: bool = True, budget_s: float = 0.0,
             log(f"[{plan.kind}] training {i + 1}/{len(plan.runs)}, {elapsed:.0f}s: {run.name} ({run.variant}, "
                 f"seed {run.seed})" + (f" on GPUs {gpus}" if gpus is not None else ""))
             run.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(run.run_dir / "params.yaml", yaml.safe_dump(run.config, sort_keys=False))
+            # the folder OELM_DATA names, not the plan's hub id: what the run reads
+            write_text_atomic(run.run_dir / "params.yaml", yaml.safe_dump(with_real_source(run.config), sort_keys=False))
             write_text_atomic(run.run_dir / "sweep_point.json", json.dumps(run.info, indent=2) + "\n")
             try:
                 status = _train(plan, run, gpus, log) or "failed"

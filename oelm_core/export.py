@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from importlib import metadata
@@ -142,30 +141,26 @@ def run_card(state: dict, run_dir: Optional[Path] = None, weights: str = "best.p
     run = run or {}
     metrics = state.get("metrics") or {}
     summary = read_summary(run_dir) if run_dir is not None else {}
+    # summary.json's provenance (oelm_core.provenance): the code, software, device and token files
+    prov = summary.get("provenance") or {}
+    code, data, device = prov.get("code") or {}, prov.get("data") or {}, prov.get("device") or {}
+    software = prov.get("software") or {}
     card = {
         "name": run.get("name"), "preset": run.get("preset"), "variant": run.get("variant"),
         "weights": weights, "step": state.get("step"),
         "tokens_seen": metrics.get("tokens_seen"), "epochs": metrics.get("epochs"),
         "val_loss": metrics.get("val_loss"), "val_ppl": metrics.get("val_ppl"),
         "val_bpb": metrics.get("val_bpb"),
-        "seed": (run.get("train") or {}).get("seed"), "data": (run.get("data") or {}).get("source"),
+        "seed": (run.get("train") or {}).get("seed"),
+        "data": data.get("source") or (run.get("data") or {}).get("source"),
         "train_tokens": (state.get("data") or {}).get("train_tokens"),
+        "train_sha256": data.get("train_sha256"), "val_sha256": data.get("val_sha256"),
+        "commit": code.get("commit"), "dirty": code.get("dirty"),
+        "trained_on": (f"{device['name']} x{device.get('count', 1)}, torch {software.get('torch')}"
+                       + (f", CUDA {software['cuda']}" if software.get("cuda") else "")) if device else None,
         "run_status": summary.get("status"), "run_steps": summary.get("steps"),
     }
     return {k: v for k, v in card.items() if v is not None}
-
-
-def source_commit() -> Optional[str]:
-    """The git commit of the oelm_core source running now ("-dirty" with uncommitted changes), or
-    None outside a git checkout: what the trainer records of the code that trained."""
-    try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
-                              cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout.strip() or None
 
 
 def model_card(info: dict, fmt: str) -> str:
@@ -201,6 +196,9 @@ def model_card(info: dict, fmt: str) -> str:
     if "data" in run:
         rows.append(("data", f"{run['data']}" + (f" ({run['train_tokens']:,} training tokens)"
                                                   if "train_tokens" in run else "")))
+    if "train_sha256" in run:
+        rows.append(("token files", f"sha256 train.bin `{run['train_sha256'][:16]}`, val.bin "
+                                    f"`{run.get('val_sha256', '?')[:16]}` (config.json: in full)"))
     if "step" in run:
         seen = f", {run['tokens_seen']:,} tokens seen" if "tokens_seen" in run else ""
         epochs = f" ({run['epochs']:.2f} epochs)" if "epochs" in run else ""
@@ -213,9 +211,12 @@ def model_card(info: dict, fmt: str) -> str:
                  else "the run's latest evaluation up to these weights")
         rows.append(("validation", f"loss {run['val_loss']:.4f} nats/token, PPL {run['val_ppl']:.2f}, "
                                    f"{run['val_bpb']:.4f} bits/byte ({which})"))
-    for key in ("seed", "commit"):
-        if key in run:
-            rows.append((key, f"`{run[key]}`"))
+    if "seed" in run:
+        rows.append(("seed", f"`{run['seed']}`"))
+    if "commit" in run:
+        rows.append(("code", f"commit `{run['commit']}`" + (" with uncommitted changes" if run.get("dirty") else "")))
+    if "trained_on" in run:
+        rows.append(("trained on", run["trained_on"]))
     rows.append(("format", f"{fmt} export, oelm_core {info['oelm_core_version']}"))
     if fmt == "transformers":
         load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
@@ -553,11 +554,10 @@ def load_for_export(source: str | Path) -> tuple[GPT, dict]:
 
 def export_run(run_dir: str | Path) -> Path:
     """run_dir/export/: the run's best.pt as ``to_safetensors`` writes it, its card naming the
-    commit of the code running now (the trainer calls this as a session ends)."""
+    code, software and token files summary.json records (the trainer calls this as a session ends)."""
     run_dir = Path(run_dir)
     model, card = load_for_export(run_dir)
-    commit = source_commit()
-    return to_safetensors(model, run_dir / RUN_EXPORT, card={**card, "commit": commit} if commit else card)
+    return to_safetensors(model, run_dir / RUN_EXPORT, card=card)
 
 
 def export(source: str | Path, out: str | Path, fmt: str = "safetensors",

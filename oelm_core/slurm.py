@@ -302,6 +302,7 @@ def run_trainings(plan: "Plan", settings: SlurmSettings, *, skip_done: bool = Tr
     experiment.run_trainings returns (its sweep_point.json items, status, wall_s, out_dir, error)
     plus job_id. A run whose job (slurm.json) is still queued or running is followed, not
     submitted again; one that ended is skipped; any other is submitted (and resumes)."""
+    from oelm_core.data import with_real_source
     from oelm_core.experiment import FINISHED, _prepare_data, _status, check_run_folder
 
     import yaml
@@ -329,7 +330,8 @@ def run_trainings(plan: "Plan", settings: SlurmSettings, *, skip_done: bool = Tr
             jobs[i] = Job(run, str(earlier), time.time())
             continue
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run.run_dir / "params.yaml", yaml.safe_dump(run.config, sort_keys=False))
+        # the folder OELM_DATA names, not the plan's hub id: what the run reads
+        write_text_atomic(run.run_dir / "params.yaml", yaml.safe_dump(with_real_source(run.config), sort_keys=False))
         write_text_atomic(run.run_dir / "sweep_point.json", json.dumps(run.info, indent=2) + "\n")
         script = run.run_dir / SCRIPT
         write_text_atomic(script, job_script(plan, run, settings))

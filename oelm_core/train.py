@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -36,13 +37,14 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from oelm_core import fast, preflight
+from oelm_core import fast, occupancy, preflight, provenance
 from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.checkpoint import RESUME_KEYS, CheckpointError, save_checkpoint
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_run_config
-from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
-from oelm_core.distributed import Dist, mean_across_ranks, on_rank_0, setup_distributed
+from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare, real_source
+from oelm_core.distributed import Dist, every_rank, mean_across_ranks, on_rank_0, setup_distributed
 from oelm_core.export import RUN_EXPORT, ExportError, export_run
+from oelm_core.live_metrics import LiveMetrics
 from oelm_core.model import build_model
 from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
@@ -113,6 +115,13 @@ class Trainer:
         self.meta = load_meta(cfg.data.out_dir)
         if self.resume_from is not None:  # the stories' hashes are known once they are prepared
             check_same_data(cfg, self.resume_from[1], self.resume_from[0], self.meta)
+        # config.yaml, checkpoints and the card name what was read: the folder OELM_DATA gave,
+        # not the parameter file's hub id.
+        self.cfg = cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=real_source(cfg.data.source)))
+        peers = every_rank((socket.gethostname(), os.getpid()), d)
+        self.occupancy = occupancy.Occupancy(d.device, {pid for host, pid in peers if host == peers[d.rank][0]})
+        self.provenance = (provenance.of_run(cfg.data.source, cfg.data.out_dir, self.meta, d.device, d.world_size,
+                                             hosts=len({host for host, _ in peers})) if d.is_main else None)
         self.model_cfg: ModelConfig = cfg.model_config()
         check_vocabulary(cfg, self.model_cfg, self.meta)
 
@@ -160,6 +169,7 @@ class Trainer:
         self.throughput: list[float] = []  # tokens/s of each log window of this session
         self.mfus: list[float] = []
         self.stop = StopRequest()      # set by fit(): a signal asks the loop to checkpoint and stop
+        self.earlier: Optional[dict] = None  # a resumed run's earlier sessions: did they run alone?
 
     # --- the session ----------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -177,6 +187,9 @@ class Trainer:
             return self.write_summary(status, 0.0)
         if self.d.is_main:
             start_files(self.cfg, self.step)
+        self.live = LiveMetrics(self.out, self.tc.tensorboard and self.d.is_main, first_step=self.step)
+        self.earlier = occupancy.earlier_sessions(read_summary(self.out), self.step) if self.step else None
+        self.occupancy.sample()  # the first window starts here
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -192,6 +205,7 @@ class Trainer:
             raise
         finally:
             bar.close()
+            self.live.close()
         summary = self.write_summary(status, time.perf_counter() - self.t_start)
         # Not when preempted: the scheduler's grace time is for the checkpoint; the session that
         # ends the run exports it.
@@ -246,6 +260,8 @@ class Trainer:
             # A row only where the uninterrupted run writes one: a resumed run's metrics are its.
             if self.d.is_main and logged:
                 append_metrics(self.out, row)
+                self.live.write(row)
+            self.occupancy.sample()  # at most every few seconds, from figures already read back
             if save or stop or improved or preempted:
                 self.save(step_ckpt=save or stop or preempted, best=improved)
             if stop:
@@ -401,6 +417,7 @@ class Trainer:
         sessions' are added)."""
         best = self.best_val_loss
         ckpts = checkpoints(self.out)
+        shared = occupancy.verdict(every_rank(self.occupancy.result(), self.d), self.earlier)
         summary = {
             "name": self.cfg.name, "variant": self.cfg.variant, "preset": self.cfg.preset,
             "status": status, "params": count_parameters(self.model),
@@ -425,6 +442,8 @@ class Trainer:
             "tokens_seen": self.tokens_seen(), "epochs": self.tokens_seen() / self.meta["train_tokens"],
             "global_batch_tokens": self.tokens_per_step,
             "checkpoint_bytes": ckpts[-1].stat().st_size if ckpts else None,
+            "timed_alone": shared["timed_alone"],
+            "provenance": self.provenance and {**self.provenance, "occupancy": shared},
         }
         if error is not None:
             summary["error"] = error

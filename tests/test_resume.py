@@ -278,6 +278,7 @@ def hub_params(tmp_path: Path, story_folder: Path, datasets, monkeypatch) -> Pat
     rows = {"train": STORIES * 20, "validation": STORIES[:3] * 10}  # story_folder's, see conftest
     monkeypatch.setattr(datasets, "load_dataset",
                         lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]]))
+    monkeypatch.setattr("oelm_core.offline.hub_unreachable", lambda: None)   # and it answers
     values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=1,
                     eval_every=2)
     values["data"] = {"source": "roneneldan/TinyStories", "out_dir": str(tmp_path / "hub_data"), "num_proc": 1}

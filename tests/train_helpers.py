@@ -59,8 +59,10 @@ def qk_weights(model: GPT) -> list[torch.Tensor]:
 
 
 def outputs(out: Path) -> dict[str, int]:
-    """The run folder's files and their mtimes (ns), without .lock: each session writes its pid there."""
-    return {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    """The run folder's files and their mtimes (ns), without .lock (each session writes its pid
+    there) and tb/ (TensorBoard names its event files by time, host and pid)."""
+    return {p.name: p.stat().st_mtime_ns for p in out.rglob("*")
+            if p.is_file() and p.name != ".lock" and p.parent.name != "tb"}
 
 
 def write_params(path: Path, values: dict) -> Path:
