@@ -54,10 +54,16 @@ def code_version(where: Path = PACKAGE) -> dict:
     """The code of the package folder ``where``: {"commit": sha, "dirty": bool, "changed":
     [paths], "n_changed": int, "version": str}; dirty means a tracked file differs from the
     commit (untracked files, such as run folders, do not count: ``git describe --dirty``'s
-    rule). Without git, or where ``where`` is not tracked by a git checkout (an installed
-    package, even inside another repository), commit and dirty are None and "git" says why."""
+    rule). Every record has "source_sha256" (``source_sha256``). OELM_COMMIT, where set, names
+    the commit instead of git (dirty is then None). Without either, or where ``where`` is not
+    tracked by a git checkout (an installed package, even inside another repository), commit and
+    dirty are None and "git" says why."""
     version = package_version()
     record = _code_without_git(where, version)
+    if record["commit"] is not None:
+        # Named by whoever copied the tree: a copy may carry a .git of another state (a GPU
+        # machine's copy of a working tree, say), so git's answer there is not the code's.
+        return record
     if shutil.which("git") is None:
         return {**record, "git": "no git: the git command is not installed"}
     try:
@@ -91,8 +97,8 @@ def source_sha256(where: Path = PACKAGE) -> str:
 
 def _code_without_git(where: Path, version: str) -> dict:
     """What can be said of the code without git: the package's source hash, and the commit the
-    environment names (OELM_COMMIT: a copy of a checkout carried to a machine without its .git,
-    as scripts/test_gpu.sh takes it), which the hash then lets anyone check."""
+    environment names (OELM_COMMIT: a copy of a checkout carried to another machine, as
+    scripts/test_gpu.sh takes it; it wins over git there), which the hash lets anyone check."""
     named = os.environ.get("OELM_COMMIT") or None
     return {"commit": named, "dirty": None, "version": version, "source_sha256": source_sha256(where),
             **({"commit_from": "OELM_COMMIT"} if named else {})}

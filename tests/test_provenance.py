@@ -41,7 +41,8 @@ def clone(tmp_path) -> Path:
     return tmp_path / "clone"
 
 
-def test_the_commit_is_the_checkouts_and_dirty_flips_with_a_tracked_file(clone, tmp_path):
+def test_the_commit_is_the_checkouts_and_dirty_flips_with_a_tracked_file(clone, tmp_path, monkeypatch):
+    monkeypatch.delenv("OELM_COMMIT", raising=False)  # it would name the commit instead of git
     clean = provenance.code_version(clone / "oelm_core")
     assert clean["commit"] == git(clone, "rev-parse", "HEAD") and len(clean["commit"]) == 40
     assert clean["dirty"] is False and clean["changed"] == [] and clean["version"]
@@ -241,6 +242,7 @@ def test_a_copy_without_git_names_the_commit_it_was_given_and_hashes_its_source(
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setenv("OELM_COMMIT", "0123abc")
     record = code_version(copy)
+    assert code_version()["commit"] == "0123abc"  # it wins over the git of the checkout too
     assert record["commit"] == "0123abc" and record["commit_from"] == "OELM_COMMIT" and record["dirty"] is None
     assert record["source_sha256"] == source_sha256(PACKAGE) == code_version()["source_sha256"]
     (copy / "model.py").write_text((copy / "model.py").read_text() + "\n# changed\n")
