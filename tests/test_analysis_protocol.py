@@ -315,7 +315,8 @@ def test_scaling_figure_draws_both_gaps_against_non_embedding_parameters(tmp_pat
     fig.canvas.draw()
     assert ax.get_xscale() == "log" and ax.get_xlabel() == "non-embedding parameters (log scale)"
     assert ax.get_ylabel() == "report validation PPL gap vs GPT-Base (%)"
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["393k", "3.15M", "10.6M", "25.2M"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["393k\nd128 L2", "3.15M\nd256 L4", "10.6M\nd384 L6",
+                                                            "25.2M\nd512 L8"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["OELM-Freeze (95% Welch interval)",
                                                                   "OELM-NoFreeze (95% Welch interval)"]
     freeze, nofreeze = ax.containers                                  # errorbar's: (line, caps, bars)
@@ -327,7 +328,7 @@ def test_scaling_figure_draws_both_gaps_against_non_embedding_parameters(tmp_pat
     assert [tuple(s[:, 1]) for s in bars] == [pytest.approx((r["oelm_freeze_welch_low_pct"], r["oelm_freeze_welch_high_pct"]))
                                               for r in table["rows"]]
     assert len(nofreeze.lines[0].get_xdata()) == 4
-    assert [t.get_text() for t in ax.texts] == ["d128 L2", "d256 L4", "d384 L6", "d512 L8"]
+    assert freeze.lines[0].get_color() == "C2" and nofreeze.lines[0].get_color() == "C1"   # the curves' colours
 
 
 def test_scaling_counts_the_shape_without_params_by_component_and_refuses_a_study_short_of_a_group(tmp_path):
@@ -386,6 +387,7 @@ def test_an_empty_wall_clock_panel_says_why(tmp_path):
         make_run(tmp_path / "old", variant, 10.0, timed_alone=None)       # before the record
     wall = A.plot_study_curves(A.load_runs(tmp_path / "old")).axes[3]
     text = wall.texts[0].get_text().replace("\n", " ")
-    assert len(wall.lines) == 0 and text.startswith("not drawn: gpt_base_s42 and oelm_freeze_s42 do not record whether")
+    assert len(wall.lines) == 0 and text.startswith("not drawn: 2 of 2 runs do not record whether they had their "
+                                                    "device alone")
     forced = A.plot_study_curves(A.load_runs(tmp_path / "old"), timed_alone=False).axes[3]
     assert "timed_alone=False" in forced.texts[0].get_text().replace("\n", " ")

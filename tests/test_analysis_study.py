@@ -244,8 +244,8 @@ def test_speed_is_judged_only_where_every_run_records_it_had_its_device_alone(tm
     shared = {h["id"]: h for h in A.hypotheses(runs, "best", timed_alone=True)}
     for h in ("H3", "H3t"):
         assert shared[h]["verdict"] == A.NOT_JUDGED and shared[h]["holds"] is None
-        assert "oelm_freeze_s1 shared their device while timed" in shared[h]["evidence"]
-        assert "oelm_nofreeze_s0 do not record whether they had their device alone" in shared[h]["evidence"]
+        assert "the run oelm_freeze_s1 shared its device while timed" in shared[h]["evidence"]
+        assert "the run oelm_nofreeze_s0 does not record whether it had its device alone" in shared[h]["evidence"]
     assert A.unjudged(list(shared.values()), runs) == []   # two groups: nothing must be judged
     result = A.write_results(runs, tmp_path / "out", "best")
     md = (tmp_path / "out" / "results.md").read_text()
@@ -254,7 +254,8 @@ def test_speed_is_judged_only_where_every_run_records_it_had_its_device_alone(tm
     assert A.write_results(A.load_runs(tmp_path / "runs"), tmp_path / "out2", "best", timed_alone=None)["timed_alone"] \
         is False
     timed = A.plot_study_curves(runs).axes[3]
-    assert len(timed.lines) == 0 and "oelm_freeze_s1 shared their device" in timed.texts[0].get_text().replace("\n", " ")
+    assert len(timed.lines) == 0 and "not drawn: 1 of 4 runs shared their device while timed; 1 of 4 runs do not " \
+        "record" in timed.texts[0].get_text().replace("\n", " ")
     assert timed.get_title() == "validation loss vs wall-clock training time"
 
 

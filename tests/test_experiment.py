@@ -54,15 +54,20 @@ def test_smoke_study_writes_study_json_and_runs(smoke_study):
 
 
 @pytest.mark.slow
-def test_smoke_study_results_judge_h1_to_h4(smoke_study):
+def test_smoke_study_results_judge_h1_to_h4_and_say_they_are_no_evidence(smoke_study):
     out, _ = smoke_study
     md = (out / "results.md").read_text()
     assert "OELM-Freeze" in md and "GPT-Base" in md and "Bits/byte" in md
     results = json.loads((out / "results.json").read_text())
     hyps = {h["id"]: h for h in results["hypotheses"]}
-    assert sorted(hyps) == ["H1", "H2", "H3", "H4"]
-    assert all(h["holds"] in (True, False) for h in hyps.values())
+    assert sorted(hyps) == ["H1", "H2", "H3", "H3t", "H4"]
+    assert all(hyps[h]["holds"] in (True, False) for h in ("H1", "H2", "H4"))
+    # speed only where every run's summary.json records that it had its device alone
+    assert all((hyps[h]["holds"] is not None) == (results["timed_alone"] is True) for h in ("H3", "H3t"))
     assert hyps["H1"]["holds"] is False  # 16,384 of 3.3M trainable: nowhere near 15%
+    # 150 steps of the smoke preset: its verdicts are no evidence, and results.md says so first
+    assert results["smoke_budget"] and all(h["note"] for h in hyps.values())
+    assert md.splitlines()[2].startswith("**A smoke budget (a preset made for tests")
     assert len(results["table"]) == 3
     # which: final, but the samples are best.pt's: results.md says so
     assert ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "

@@ -118,14 +118,15 @@ def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band:
         if ax.lines:
             ax.legend(fontsize=8, title=f"mean, band {spread}", title_fontsize=8)
     if wall_clock:
-        ax_s.text(0.5, 0.5, "\n".join(textwrap.wrap(f"not drawn: {wall_clock}", 60)), ha="center", va="center",
+        ax_s.text(0.5, 0.5, "\n".join(textwrap.wrap(f"not drawn: {wall_clock}", 60, break_on_hyphens=False)), ha="center", va="center",
                   fontsize=8, transform=ax_s.transAxes)
     dropouts = _dropouts(groups)
     if len(set(dropouts.values())) > 1:
         note = (f"groups differ in dropout ({', '.join(f'{k} {v:g}' for k, v in dropouts.items())}): training "
                 f"loss is measured with dropout on, so it does not compare across them; the validation panels do")
-        ax_t.text(0.02, 0.03, "\n".join(textwrap.wrap(note, 60)), fontsize=7, transform=ax_t.transAxes,
-                  va="bottom", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+        # top left of the panel, between the first steps' fall and the legend: nothing is drawn there
+        ax_t.text(0.14, 0.96, "\n".join(textwrap.wrap(note, 48, break_on_hyphens=False)), fontsize=7, transform=ax_t.transAxes,
+                  va="top", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
     per_step = _epochs_per_step(runs)
     if per_step:
         for ax in (ax_t, ax_v, ax_z):
@@ -177,7 +178,11 @@ def _wall_clock_missing(runs: Sequence[Run], record: dict, timed_alone: bool | N
     if timed_alone is False:
         return "the runs are taken to have shared their devices (timed_alone=False), so their seconds do not compare"
     if record["alone"] is not True:
-        return f"{record['why']}; wall-clock seconds compare only runs that each had a device alone"
+        n = len(runs)
+        parts = ([f"{len(record['not_alone'])} of {n} runs shared their device while timed"] if record["not_alone"]
+                 else []) + ([f"{len(record['unrecorded'])} of {n} runs do not record whether they had their device "
+                              f"alone (summary.json's timed_alone)"] if record["unrecorded"] else [])
+        return f"{'; '.join(parts)}; wall-clock seconds compare only runs that each had a device alone"
     if not any(training_seconds(run) for run in runs):
         return "no run's metrics hold tokens/s and tokens seen, from which training seconds are summed"
     return None

@@ -46,6 +46,7 @@ def scaling_table(studies: Iterable[str | Path], which: str = "report", compare_
     the three variants, naming what it holds."""
     rows = []
     for study in studies:
+        study = Path(study)
         runs, _ = split_reruns(load_runs(study))
         if dropout is not None:
             runs = [r for r in runs if float(r.settings()[DROPOUT] or 0.0) == dropout]
@@ -61,7 +62,8 @@ def scaling_table(studies: Iterable[str | Path], which: str = "report", compare_
         settings = base.settings
         non_embedding = base.runs[0].value("non_embedding") or _analytic_non_embedding(base.runs[0])
         tokens, epochs = base.mean("tokens_seen"), base.mean("epochs")
-        row = {"study": Path(study).name, "preset": base.preset, "d_model": settings["model.d_model"],
+        # a study's run folders sit in its runs/: name it by the study's folder
+        row = {"study": (study.parent if study.name == "runs" else study).name, "preset": base.preset, "d_model": settings["model.d_model"],
                "n_layer": settings["model.n_layer"], "n_head": settings["model.n_head"],
                "non_embedding": non_embedding, "tokens_seen": tokens,
                "tokens_per_parameter": tokens / non_embedding if tokens and non_embedding else None, "epochs": epochs,
@@ -90,10 +92,10 @@ def scaling_table(studies: Iterable[str | Path], which: str = "report", compare_
 def scaling_figure(table: dict, path: str | Path | None = None):
     """``scaling_table``'s gaps against the non-embedding parameters (log axis): a point per shape
     for OELM-Freeze and OELM-NoFreeze each (slightly apart sideways so their bars do not cover each
-    other), the 95% Welch interval as its error bar, a line at 0 (GPT-Base), each shape named
-    beside its points."""
+    other), the 95% Welch interval as its error bar, a line at 0 (GPT-Base); each shape's tick
+    gives its parameters and its d_model and layers."""
     plt = pyplot()
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rows = table["rows"]
@@ -104,17 +106,16 @@ def scaling_figure(table: dict, path: str | Path | None = None):
         ys = [r[f"{v}_gap_pct"] for r in shown]
         err = [[y - (r[f"{v}_welch_low_pct"] if r[f"{v}_welch_low_pct"] is not None else y) for y, r in zip(ys, shown)],
                [(r[f"{v}_welch_high_pct"] if r[f"{v}_welch_high_pct"] is not None else y) - y for y, r in zip(ys, shown)]]
-        ax.errorbar(xs, ys, yerr=err, fmt="o-", color=f"C{i + 1}", capsize=4, lw=1.2, ms=5,
+        # the study curves' colours: GROUP_LABELS' order
+        ax.errorbar(xs, ys, yerr=err, fmt="o-", color=f"C{list(GROUP_LABELS).index(v)}", capsize=4, lw=1.2, ms=5,
                     label=f"{GROUP_LABELS[v]} (95% Welch interval)")
-    for r in rows:
-        ax.annotate(f"d{r['d_model']} L{r['n_layer']}", (r["non_embedding"], 0), textcoords="offset points",
-                    xytext=(0, -14), ha="center", fontsize=7, color="0.35")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
     if rows:
         ax.xaxis.set_major_locator(FixedLocator([r["non_embedding"] for r in rows]))
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _millions(x)))
+        ax.xaxis.set_major_formatter(FixedFormatter([f"{_millions(r['non_embedding'])}\nd{r['d_model']} L{r['n_layer']}"
+                                                     for r in rows]))
         low, high = rows[0]["non_embedding"], rows[-1]["non_embedding"]
         ax.set_xlim(low / 1.3, high * 1.3)
     ax.set_xlabel("non-embedding parameters (log scale)")

@@ -96,15 +96,21 @@ def alone_record(runs) -> dict:
     unrecorded = [r.name for r in runs if r.summary.get("timed_alone") is not True and r.name not in not_alone]
     parts = []
     if not_alone:
-        parts.append(f"{_names(not_alone)} shared their device while timed (summary.json: timed_alone false), so "
-                     f"their tokens/s and seconds are shares of a device that depend on what ran beside them")
+        parts.append(f"{_names(not_alone)} shared {_their(not_alone)} device while timed (summary.json: timed_alone "
+                     f"false), so {_their(not_alone)} tokens/s and seconds are shares of a device that depend on what "
+                     f"ran beside {'it' if len(not_alone) == 1 else 'them'}")
     if unrecorded:
-        parts.append(f"{_names(unrecorded)} do not record whether they had their device alone (no timed_alone "
-                     f"in summary.json, or null: trained before the record, or the trainer could not tell)")
+        parts.append(f"{_names(unrecorded)} {'does' if len(unrecorded) == 1 else 'do'} not record whether "
+                     f"{'it' if len(unrecorded) == 1 else 'they'} had {_their(unrecorded)} device alone (no "
+                     f"timed_alone in summary.json, or null: trained before the record, or the trainer could not tell)")
     alone = False if not_alone else (None if unrecorded or not runs else True)
     return {"alone": alone, "not_alone": not_alone, "unrecorded": unrecorded,
             "why": "; ".join(parts) or (None if runs else "no runs")}
 
 
 def _names(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"the run {names[0]}" if len(names) == 1 else f"the runs {', '.join(names[:-1])} and {names[-1]}"
+
+
+def _their(names: list[str]) -> str:
+    return "its" if len(names) == 1 else "their"
