@@ -259,7 +259,8 @@ def _h3_time(freeze: Group | None, other: Group | None, why: str, min_ratio: flo
 def _log_ratio(a: Sequence[float | None], b: Sequence[float | None]) -> dict:
     """The ratio of the geometric means of ``a`` and ``b`` (positive values), exp(mean log a - mean
     log b), and its 95% Welch interval (of the log difference, mapped through exp; None with
-    fewer than two values on a side): {ratio, interval, mean_a, mean_b, n_a, n_b}."""
+    fewer than two values on a side; the ratio itself where no value varies, which only
+    identical copies of runs give): {ratio, interval, mean_a, mean_b, n_a, n_b}."""
     la, lb = ([math.log(x) for x in present(v)] for v in (a, b))
     ma, mb = mean_std(la)[0], mean_std(lb)[0]
     interval = None
