@@ -584,6 +584,22 @@ def test_hypotheses_judgeable_only_for_the_three_groups_trained_alike(tmp_path):
     assert all(h["holds"] is None for h in A.hypotheses(runs))
 
 
+def test_unjudged_names_what_the_04_notebook_must_not_leave_unjudged(tmp_path):
+    """Three groups trained alike: every hypothesis needs a verdict, H3 and H3t only where every
+    run records that it had its device alone."""
+    runs = study_runs(tmp_path / "alone")
+    hyps = A.hypotheses(runs)
+    assert A.unjudged(hyps, runs) == []
+    dropped = [dict(h, verdict=A.NOT_JUDGED) if h["id"] in ("H2", "H3t") else h for h in hyps]
+    assert [h["id"] for h in A.unjudged(dropped, runs)] == ["H2", "H3t"]
+    assert [h["id"] for h in A.unjudged(dropped, runs, timed_alone=False)] == ["H2"]
+    for variant, ppl in (("gpt_base", 10.0), ("oelm_nofreeze", 10.2), ("oelm_freeze", 10.5)):
+        make_run(tmp_path / "old", variant, ppl, timed_alone=None)      # trained before the record
+    old = A.load_runs(tmp_path / "old")
+    hyps = A.hypotheses(old)
+    assert [h["id"] for h in hyps if h["verdict"] == A.NOT_JUDGED] == ["H3", "H3t"] and A.unjudged(hyps, old) == []
+
+
 def test_hypotheses_without_the_runs_they_need_are_not_judged(tmp_path):
     make_run(tmp_path, "gpt_base", 10.0)
     hyps = A.hypotheses(A.load_runs(tmp_path))

@@ -50,7 +50,8 @@ def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final"
     per_run = [{"name": r.name, "variant": r.variant, "preset": r.preset, "seed": r.seed,
                 "run_dir": str(r.path), **{k: r.value(k) for k in RUN_FIGURES}}
                for r in runs]
-    result = {"which": which, "compare_across": list(compare_across), "timed_alone": False if timed_alone is False else record["alone"], "smoke_budget": smoke,
+    result = {"which": which, "compare_across": list(compare_across),
+              "timed_alone": False if timed_alone is False else record["alone"], "smoke_budget": smoke,
               "equivalence_margin": gaps["margin"], "table": table["rows"],
               "gaps": {"groups": gaps["groups"], "pairs": gaps["pairs"]}, "hypotheses": hyps,
               "time_to_target": timing["rows"] if timing else [], "significance": sig, "runs": per_run}
@@ -69,8 +70,8 @@ def write_results(runs: Sequence[Run], out_dir: str | Path, which: str = "final"
                   "the curves it is looked up on are measured on the selection half" if which == "report" else "")
         md += ["\n## Steps and training time to a target validation loss\n",
                f"Target: validation loss {target:.4f}, the highest {'best' if which == 'report' else which} "
-               f"validation loss of any run, so "
-               f"that every run reaches it{curves}. Per run, the first evaluation at or below it; training "
+               f"validation loss of any run, so that every run reaches it{curves}. Per run, the first "
+               f"evaluation at or below it; training "
                f"seconds summed over the log windows (tokens / tokens_per_s), evaluation excluded. Means and "
                f"sample std (n-1) over the seeds; every run records that it had its device alone.\n",
                timing["markdown"]]
