@@ -118,15 +118,15 @@ def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band:
         if ax.lines:
             ax.legend(fontsize=8, title=f"mean, band {spread}", title_fontsize=8)
     if wall_clock:
-        ax_s.text(0.5, 0.5, "\n".join(textwrap.wrap(f"not drawn: {wall_clock}", 60, break_on_hyphens=False)), ha="center", va="center",
-                  fontsize=8, transform=ax_s.transAxes)
+        ax_s.text(0.5, 0.5, _wrapped(f"not drawn: {wall_clock}", 60), ha="center", va="center", fontsize=8,
+                  transform=ax_s.transAxes)
     dropouts = _dropouts(groups)
     if len(set(dropouts.values())) > 1:
         note = (f"groups differ in dropout ({', '.join(f'{k} {v:g}' for k, v in dropouts.items())}): training "
                 f"loss is measured with dropout on, so it does not compare across them; the validation panels do")
         # top left of the panel, between the first steps' fall and the legend: nothing is drawn there
-        ax_t.text(0.14, 0.96, "\n".join(textwrap.wrap(note, 48, break_on_hyphens=False)), fontsize=7, transform=ax_t.transAxes,
-                  va="top", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+        ax_t.text(0.14, 0.96, _wrapped(note, 48), fontsize=7, transform=ax_t.transAxes, va="top",
+                  bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
     per_step = _epochs_per_step(runs)
     if per_step:
         for ax in (ax_t, ax_v, ax_z):
@@ -166,6 +166,11 @@ def log_ticks(low: float, high: float, fewest: int = 4, most: int = 9) -> list[f
         if len(ticks) >= fewest:
             break
     return chosen
+
+
+def _wrapped(text: str, width: int) -> str:
+    """``text`` in lines of at most ``width`` characters, never broken inside a name (OELM-NoFreeze)."""
+    return "\n".join(textwrap.wrap(text, width, break_on_hyphens=False))
 
 
 def _dropouts(groups) -> dict[str, float]:

@@ -282,7 +282,8 @@ def _at_least(value: float, interval: tuple[float, float] | None, threshold: flo
 def _ratio_evidence(interval: tuple[float, float] | None, needs: str, verdict: str, good: str, bad: str) -> str:
     if interval is None:
         return f" (needs {needs}); one run a side: no interval, the point estimate decides"
-    where = {HOLDS: f"the interval lies {good} it", FAILS: f"the interval lies {bad} it"}.get(verdict, "the interval spans it")
+    where = {HOLDS: f"the interval lies {good} it", FAILS: f"the interval lies {bad} it"}.get(
+        verdict, "the interval spans it")
     return f", 95% Welch [{interval[0]:.3f}, {interval[1]:.3f}] (of the log ratio over seeds); needs {needs}: {where}"
 
 

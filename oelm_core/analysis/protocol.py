@@ -83,7 +83,8 @@ def protocol_report(runs: Sequence[Run], out_dir: str | Path, tuning_choice: Map
         result["views"][name] = {"runs": [r.name for r in view_runs], "compare_across": list(across),
                                  "table": table["rows"], "gaps": {"groups": gaps["groups"], "pairs": gaps["pairs"]},
                                  "hypotheses": hyps}
-        md += [f"\n## ({letter}) {_view_title(name)}\n", f"Compared across {', '.join(across)}; every other setting shared.\n",
+        md += [f"\n## ({letter}) {_view_title(name)}\n",
+               f"Compared across {', '.join(across)}; every other setting shared.\n",
                table["markdown"], "", gaps["markdown"], "", hypotheses_markdown(hyps)]
     md += ["\n## Re-run spread\n", result["reruns"]["markdown"]]
     out = Path(out_dir)

@@ -63,7 +63,8 @@ def scaling_table(studies: Iterable[str | Path], which: str = "report", compare_
         non_embedding = base.runs[0].value("non_embedding") or _analytic_non_embedding(base.runs[0])
         tokens, epochs = base.mean("tokens_seen"), base.mean("epochs")
         # a study's run folders sit in its runs/: name it by the study's folder
-        row = {"study": (study.parent if study.name == "runs" else study).name, "preset": base.preset, "d_model": settings["model.d_model"],
+        row = {"study": (study.parent if study.name == "runs" else study).name, "preset": base.preset,
+               "d_model": settings["model.d_model"],
                "n_layer": settings["model.n_layer"], "n_head": settings["model.n_head"],
                "non_embedding": non_embedding, "tokens_seen": tokens,
                "tokens_per_parameter": tokens / non_embedding if tokens and non_embedding else None, "epochs": epochs,
@@ -104,8 +105,10 @@ def scaling_figure(table: dict, path: str | Path | None = None):
         shift = 1.04 ** (i - (len(SCALING_GAPS) - 1) / 2)
         xs = [r["non_embedding"] * shift for r in shown]
         ys = [r[f"{v}_gap_pct"] for r in shown]
-        err = [[y - (r[f"{v}_welch_low_pct"] if r[f"{v}_welch_low_pct"] is not None else y) for y, r in zip(ys, shown)],
-               [(r[f"{v}_welch_high_pct"] if r[f"{v}_welch_high_pct"] is not None else y) - y for y, r in zip(ys, shown)]]
+        # one seed a side: no interval, no bar
+        lows = [y if r[f"{v}_welch_low_pct"] is None else r[f"{v}_welch_low_pct"] for y, r in zip(ys, shown)]
+        highs = [y if r[f"{v}_welch_high_pct"] is None else r[f"{v}_welch_high_pct"] for y, r in zip(ys, shown)]
+        err = [[y - low for y, low in zip(ys, lows)], [high - y for y, high in zip(ys, highs)]]
         # the study curves' colours: GROUP_LABELS' order
         ax.errorbar(xs, ys, yerr=err, fmt="o-", color=f"C{list(GROUP_LABELS).index(v)}", capsize=4, lw=1.2, ms=5,
                     label=f"{GROUP_LABELS[v]} (95% Welch interval)")
