@@ -37,7 +37,7 @@ WHICH = ("final", "best", "report")
 # non-embedding parameter count leaves out.
 EMBEDDINGS = ("embedding", "position")
 # What each ``which`` is, in the words results.md uses.
-WHICH_WORDS = {"final": "the last evaluation (on the windows early stopping read)",
+WHICH_WORDS = {"final": "the last evaluation, on the windows the evaluations read",
                "best": "the best evaluation, on the windows that chose it",
                "report": "the best checkpoint on the held-out half of the validation windows, which no "
                          "evaluation chose by"}

@@ -93,7 +93,7 @@ def alone_record(runs) -> dict:
     tell); why: a sentence naming them, for a speed figure left out (None where alone)."""
     runs = list(runs)
     not_alone = [r.name for r in runs if r.summary.get("timed_alone") is False]
-    unrecorded = [r.name for r in runs if r.summary.get("timed_alone") is not True and r.name not in not_alone]
+    unrecorded = [r.name for r in runs if r.summary.get("timed_alone") not in (True, False)]
     parts = []
     if not_alone:
         parts.append(f"{_names(not_alone)} shared {_their(not_alone)} device while timed (summary.json: timed_alone "
