@@ -146,7 +146,7 @@ def test_load_study_errors_are_clear(tmp_path):
     # notebook parameters of the wrong type or value: they used to pass, train every run, and
     # fail in the notebook (04_analysis.which) or name no parameter at all (01_theory.d)
     (["study.parameters.04_analysis.which=bestt"],
-     r"study.parameters.04_analysis.which must be one of final, best; got 'bestt'"),
+     r"study.parameters.04_analysis.which must be one of final, best, report; got 'bestt'"),
     (["study.parameters.01_theory.d=abc"],
      r"study.parameters.01_theory.d must be a whole number \(int\) \(the notebook's default is 512\); got 'abc'"),
     (["study.parameters.01_theory.d=2.5"], r"01_theory.d must be a whole number \(int\).*got 2.5"),
@@ -407,7 +407,7 @@ def test_launch_training_sets_the_progress_bar_only_when_asked(monkeypatch, prog
     ("05_sweep", {"seeds": 3}, r"parameter seeds must be None or a list \(the notebook's default is None\); got 3"),
     ("05_sweep", {"runner": "in-process"},
      r"parameter runner must be one of inprocess, subprocess, notebook; got 'in-process'"),
-    ("04_analysis", {"which": "last"}, r"parameter which must be one of final, best; got 'last'"),
+    ("04_analysis", {"which": "last"}, r"parameter which must be one of final, best, report; got 'last'"),
     # values of the right type that leave 01's checks nothing to measure, or to chance
     ("01_theory", {"d": 16}, r"^notebook 01_theory: parameter d must be at least 32 \(the JL curve needs the target "
                              r"dimensions 8 and d/2 >= 16\); got 16$"),
