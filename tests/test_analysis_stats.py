@@ -135,3 +135,44 @@ def test_hedges_g_removes_the_small_sample_bias_of_cohens_d():
 def test_mean_std_is_the_sample_standard_deviation_of_the_values_that_exist():
     assert A.mean_std([10.0, 10.2, 9.8, None, math.nan]) == (pytest.approx(10.0), pytest.approx(0.2))
     assert A.mean_std([3]) == (3.0, None) and A.mean_std([None]) == (None, None)
+
+
+# --- equivalence: two one-sided tests --------------------------------------------------------
+
+@pytest.mark.parametrize("a, b, margin", [
+    ([2.170, 2.181, 2.162, 2.175, 2.168], [2.176, 2.183, 2.171, 2.181, 2.177], math.log(1.02)),   # near: equivalent
+    ([2.170, 2.181, 2.162, 2.175, 2.168], [2.310, 2.335, 2.322, 2.351, 2.327], math.log(1.02)),   # far apart
+    ([2.17, 2.23, 2.12], [2.18, 2.26, 2.14], math.log(1.02)),                                       # spread
+    (SLEEP_1, SLEEP_2, 1.0),
+])
+def test_tost_is_two_one_sided_welch_tests_at_the_margin(a, b, margin):
+    """Each one-sided p is scipy's Welch test of a shifted by the margin; equivalence is p < alpha,
+    which is the 90% Welch interval lying within the margin."""
+    res = A.tost(a, b, margin)
+    shifted = np.asarray(a, dtype=float)
+    lower = stats.ttest_ind(shifted + margin, b, equal_var=False, alternative="greater").pvalue
+    upper = stats.ttest_ind(shifted - margin, b, equal_var=False, alternative="less").pvalue
+    assert res["p_lower"] == pytest.approx(lower, rel=1e-9) and res["p_upper"] == pytest.approx(upper, rel=1e-9)
+    assert res["p"] == pytest.approx(max(lower, upper), rel=1e-9)
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.90)
+    assert res["interval90"] == (pytest.approx(ci.low, rel=1e-9), pytest.approx(ci.high, rel=1e-9))
+    assert res["equivalent"] == (res["p"] < 0.05) == (-margin < ci.low and ci.high < margin)
+    assert res["df"] == pytest.approx(A.significance(a, b)["df"])
+
+
+def test_tost_decides_equivalence_only_where_the_data_show_it():
+    near = [2.170, 2.181, 2.162, 2.175, 2.168], [2.176, 2.183, 2.171, 2.181, 2.177]
+    assert A.tost(*near, math.log(1.02))["equivalent"] is True     # 0.0064 nats apart, 5 tight seeds
+    assert A.tost(*near, 0.003)["equivalent"] is False            # a margin below the difference
+    spread = [2.17, 2.23, 2.12], [2.18, 2.26, 2.14]
+    res = A.tost(*spread, math.log(1.02))
+    assert res["equivalent"] is False and res["p"] > 0.05           # 0.02 apart, but 3 spread seeds cannot show it
+    # a group that does not vary: the difference itself decides
+    assert A.tost([1.0, 1.0], [1.01, 1.01], 0.02)["p"] == 0.0
+    assert A.tost([1.0, 1.0], [1.05, 1.05], 0.02)["p"] == 1.0
+    with pytest.raises(ValueError, match="margin=0"):
+        A.tost(*near, 0)
+    with pytest.raises(ValueError, match="at least two values in each group"):
+        A.tost([1.0], [1.0, 2.0], 0.1)
+    with pytest.raises(ValueError, match="alpha=0.5"):
+        A.tost(*near, 0.02, alpha=0.5)

@@ -6,8 +6,10 @@ import json
 import math
 import statistics
 
+import numpy as np
 import pytest
 import yaml
+from scipy import stats
 
 from oelm_core import analysis as A
 from oelm_core.config import ConfigError
@@ -68,7 +70,8 @@ def test_h2_and_h4_follow_the_interval(tmp_path):
     hyps = {h["id"]: h for h in A.hypotheses(spread, compare_across=A.TUNED_SETTINGS)}
     assert hyps["H4"]["value"] == pytest.approx(0.08) and hyps["H4"]["verdict"] == A.UNDECIDED
     assert hyps["H4"]["holds"] is None and "the interval spans it" in hyps["H4"]["evidence"]
-    assert A.hypotheses_markdown(hyps.values()).count("| not decided at this n |") == 2
+    # 40 steps of 512 tokens: a smoke budget, which each verdict says
+    assert A.hypotheses_markdown(hyps.values()).count("| not decided at this n (smoke budget: not evidence) |") == 2
 
 
 # --- groups each at its own tuned settings ---------------------------------------------------
@@ -92,7 +95,7 @@ def test_tuned_groups_are_compared_only_when_asked_and_only_across_the_tuned_set
     make_run(tmp_path / "steps", "gpt_base", 10.0, model={"dropout": 0.1}, train=TUNED_LR["gpt_base"])
     make_run(tmp_path / "steps", "oelm_freeze", 11.0, model={"dropout": 0.0},
              train={**TUNED_LR["oelm_freeze"], "steps": 5000})
-    h4 = A.hypotheses(A.load_runs(tmp_path / "steps"), compare_across=A.TUNED_SETTINGS)[3]
+    h4 = A.hypotheses(A.load_runs(tmp_path / "steps"), compare_across=A.TUNED_SETTINGS)[4]
     assert h4["verdict"] == A.NOT_JUDGED and "apart from the variant and train.lr, train.min_lr, model.dropout" \
         in h4["evidence"]
     with pytest.raises(ConfigError, match="train.learning_rate"):
@@ -145,7 +148,8 @@ def timed_run(root, variant: str, windows: list[tuple[int, float]], evals: dict[
         rows.append(row)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = json.loads((d / "summary.json").read_text())
-    summary.update(best_val_loss=min(evals.values()), final_val_loss=evals[max(evals)])
+    summary.update(best_val_loss=min(evals.values()), final_val_loss=evals[max(evals)],
+                   tokens_per_s=statistics.median(rate for _, rate in windows))
     (d / "summary.json").write_text(json.dumps(summary))
     return A.load_run(d)
 
@@ -164,44 +168,95 @@ def test_training_seconds_sum_the_log_windows_and_leave_evaluation_out(tmp_path)
 
 def test_time_to_target_is_the_highest_best_loss_which_every_run_reaches(tmp_path):
     windows = [(10, 1000.0), (20, 1000.0), (30, 1000.0)]
-    timed_run(tmp_path, "gpt_base", windows, {10: 2.6, 20: 2.3, 30: 2.2}, seed=0)
-    timed_run(tmp_path, "gpt_base", windows, {10: 2.6, 20: 2.4, 30: 2.25}, seed=1)
+    timed_run(tmp_path, "oelm_nofreeze", windows, {10: 2.6, 20: 2.3, 30: 2.2}, seed=0)
+    timed_run(tmp_path, "oelm_nofreeze", windows, {10: 2.6, 20: 2.4, 30: 2.25}, seed=1)
     slow = [(10, 500.0), (20, 500.0), (30, 500.0)]
     timed_run(tmp_path, "oelm_freeze", slow, {10: 2.7, 20: 2.5, 30: 2.3}, seed=0)
     timed_run(tmp_path, "oelm_freeze", slow, {10: 2.7, 20: 2.45, 30: 2.35}, seed=1)
     groups = A.group_runs(A.load_runs(tmp_path))
     target = A.loss_target(groups, "best")
     assert target == pytest.approx(2.35)
-    base, freeze = A.time_to_target_table(groups, target)["rows"]
-    # GPT-Base's seeds reach 2.35 at steps 20 and 30 (2 s and 3 s), OELM-Freeze's both at 30 (6 s)
-    assert (base["reached"], base["steps"], base["seconds"]) == (2, pytest.approx(25), pytest.approx(2.5))
+    nofreeze, freeze = A.time_to_target_table(groups, target)["rows"]
+    # OELM-NoFreeze's seeds reach 2.35 at steps 20 and 30 (2 s and 3 s), OELM-Freeze's both at 30 (6 s)
+    assert (nofreeze["reached"], nofreeze["steps"], nofreeze["seconds"]) == (2, pytest.approx(25), pytest.approx(2.5))
     assert (freeze["steps"], freeze["seconds"]) == (pytest.approx(30), pytest.approx(6.0))
-    h3 = A.hypotheses(A.load_runs(tmp_path), "best")[2]
-    assert h3["target_loss"] == pytest.approx(2.35) and h3["time_ratio"] == pytest.approx(6.0 / 2.5)
-    assert h3["verdict"] == A.FAILS and "evaluation excluded" in h3["evidence"]
+    h3t = {h["id"]: h for h in A.hypotheses(A.load_runs(tmp_path), "best")}["H3t"]
+    # geometric means, 6 s against sqrt(2 x 3) s; the 95% Welch interval of the log ratio, computed by scipy
+    assert h3t["target_loss"] == pytest.approx(2.35) and h3t["value"] == pytest.approx(6.0 / math.sqrt(6.0))
+    ci = stats.ttest_ind(np.log([6.0, 6.0]), np.log([2.0, 3.0]), equal_var=False).confidence_interval(0.95)
+    assert h3t["interval"] == pytest.approx((math.exp(ci.low), math.exp(ci.high)))
+    # 2.45 times the time, but one degree of freedom: the interval spans the 1/0.98 the claim allows
+    assert h3t["verdict"] == A.UNDECIDED and "evaluation excluded" in h3t["evidence"]
+    assert h3t["steps"] == pytest.approx([30, 25])
 
 
+def test_h3_is_freeze_against_nofreeze_on_the_welch_interval_of_the_log_ratio(tmp_path):
+    """The seeds state H3 against OELM-NoFreeze: tokens/s ratio >= 0.98 on the 95% Welch interval of
+    the log ratio over seeds; GPT-Base's speed does not enter it."""
+    def study(root, freeze_rates, nofreeze_rates, base_rate=5000.0):
+        for variant, rates in (("oelm_freeze", freeze_rates), ("oelm_nofreeze", nofreeze_rates),
+                               ("gpt_base", [base_rate] * len(freeze_rates))):
+            for seed, rate in enumerate(rates):
+                make_run(root, variant, 10.0, tok_s=rate, seed=seed)
+        return {h["id"]: h for h in A.hypotheses(A.load_runs(root))}
 
-def test_runs_that_shared_their_gpus_leave_speed_unjudged_and_undrawn(tmp_path):
-    """timed_alone=False (several runs on one GPU: their tokens/s are shares): H3 is not judged, the
-    time to the target and the wall-clock panel are left out; the losses are judged as before."""
+    fast, slow = [1050.0, 1060.0, 1040.0], [1000.0, 1010.0, 990.0]
+    held = study(tmp_path / "holds", fast, slow)["H3"]
+    ci = stats.ttest_ind(np.log(fast), np.log(slow), equal_var=False).confidence_interval(0.95)
+    assert held["value"] == pytest.approx(math.exp(np.log(fast).mean() - np.log(slow).mean()))
+    assert held["interval"] == pytest.approx((math.exp(ci.low), math.exp(ci.high)))
+    assert held["interval"][0] >= 0.98 and held["verdict"] == A.HOLDS and "OELM-NoFreeze" in held["claim"]
+    assert "the interval lies above it" in held["evidence"]
+    assert study(tmp_path / "fails", [900.0, 905.0, 895.0], slow)["H3"]["verdict"] == A.FAILS
+    # 2% slower on average with seeds that spread: the interval spans 0.98
+    spread = study(tmp_path / "spread", [900.0, 980.0, 1060.0], slow)["H3"]
+    assert spread["interval"][0] < 0.98 < spread["interval"][1] and spread["verdict"] == A.UNDECIDED
+
+
+def test_speed_is_judged_only_where_every_run_records_it_had_its_device_alone(tmp_path):
+    """timed_alone comes from summary.json's record: a run that shared its GPU (false) or has no
+    record leaves H3 and H3t not judged, naming it; timed_alone=False forces that, True asserts
+    nothing; the losses are judged as before."""
     windows = [(10, 1000.0), (20, 1000.0), (30, 1000.0)]
-    for seed, (base, freeze) in enumerate([(2.20, 2.30), (2.25, 2.37)]):
-        timed_run(tmp_path / "runs", "gpt_base", windows, {10: 2.6, 20: 2.4, 30: base}, seed=seed)
-        timed_run(tmp_path / "runs", "oelm_freeze", [(s, 500.0) for s, _ in windows], {10: 2.7, 20: 2.5, 30: freeze},
-                  seed=seed)
+    for seed, (nofreeze, freeze) in enumerate([(2.20, 2.30), (2.25, 2.37)]):
+        timed_run(tmp_path / "runs", "oelm_nofreeze", windows, {10: 2.6, 20: 2.4, 30: nofreeze}, seed=seed)
+        timed_run(tmp_path / "runs", "oelm_freeze", [(s, 500.0) for s, _ in windows],
+                  {10: 2.7, 20: 2.5, 30: freeze}, seed=seed)
     runs = A.load_runs(tmp_path / "runs")
-    alone, shared = A.hypotheses(runs, "best"), A.hypotheses(runs, "best", timed_alone=False)
-    assert alone[2]["verdict"] == A.FAILS and alone[2]["time_ratio"] == pytest.approx(2.0)
-    assert shared[2]["verdict"] == A.NOT_JUDGED and "shared their GPUs" in shared[2]["evidence"]
-    assert [h["verdict"] for h in shared[:2] + shared[3:]] == [h["verdict"] for h in alone[:2] + alone[3:]]
-    result = A.write_results(runs, tmp_path / "out", "best", timed_alone=False)
+    alone = {h["id"]: h for h in A.hypotheses(runs, "best")}
+    assert alone["H3"]["verdict"] == A.FAILS and alone["H3"]["value"] == pytest.approx(0.5)
+    assert alone["H3t"]["value"] == pytest.approx(2.0)
+    forced = {h["id"]: h for h in A.hypotheses(runs, "best", timed_alone=False)}
+    assert forced["H3"]["verdict"] == forced["H3t"]["verdict"] == A.NOT_JUDGED
+    assert "timed_alone=False was passed" in forced["H3"]["evidence"]
+    assert [forced[k]["verdict"] for k in ("H1", "H2", "H4")] == [alone[k]["verdict"] for k in ("H1", "H2", "H4")]
+    assert {h["id"]: h["verdict"] for h in A.hypotheses(runs, "best", timed_alone=True)} == \
+        {k: h["verdict"] for k, h in alone.items()}
+    # one run records that it shared its GPU, another records nothing
+    for name, record in (("oelm_freeze_s1", False), ("oelm_nofreeze_s0", None)):
+        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+        summary["timed_alone"] = record
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(summary))
+    runs = A.load_runs(tmp_path / "runs")
+    record = A.alone_record(runs)
+    assert (record["alone"], record["not_alone"], record["unrecorded"]) == (False, ["oelm_freeze_s1"],
+                                                                             ["oelm_nofreeze_s0"])
+    shared = {h["id"]: h for h in A.hypotheses(runs, "best", timed_alone=True)}
+    for h in ("H3", "H3t"):
+        assert shared[h]["verdict"] == A.NOT_JUDGED and shared[h]["holds"] is None
+        assert "the run oelm_freeze_s1 shared its device while timed" in shared[h]["evidence"]
+        assert "the run oelm_nofreeze_s0 does not record whether it had its device alone" in shared[h]["evidence"]
+    assert A.unjudged(list(shared.values()), runs) == []   # two groups: nothing must be judged
+    result = A.write_results(runs, tmp_path / "out", "best")
     md = (tmp_path / "out" / "results.md").read_text()
     assert result["timed_alone"] is False and result["time_to_target"] == []
-    assert "## Steps and training time" not in md and "not compared here (H3 is not judged)" in md
-    assert A.write_results(runs, tmp_path / "out2", "best")["time_to_target"]   # timed alone: reported
-    timed = A.plot_study_curves(runs, timed_alone=False).axes[3]
-    assert len(timed.lines) == 0 and "shared their GPUs" in timed.texts[0].get_text()
+    assert "## Steps and training time" not in md and "Speed is not compared (H3 and H3t are not judged)" in md
+    assert A.write_results(A.load_runs(tmp_path / "runs"), tmp_path / "out2", "best", timed_alone=None)["timed_alone"] \
+        is False
+    timed = A.plot_study_curves(runs).axes[3]
+    assert len(timed.lines) == 0 and "not drawn: 1 of 4 runs shared their device while timed; 1 of 4 runs do not " \
+        "record" in timed.texts[0].get_text().replace("\n", " ")
+    assert timed.get_title() == "validation loss vs wall-clock training time"
 
 
 # --- curves ----------------------------------------------------------------------------------
@@ -235,7 +290,7 @@ def test_study_curves_draw_one_mean_and_band_per_group(tmp_path):
     assert val.lines[0].get_ydata() == pytest.approx([(math.log(10.0) + 1 + math.log(10.1) + 1) / 2,
                                                       (math.log(10.0) + math.log(10.1)) / 2])
     assert list(zoom.lines[0].get_xdata()) == [40]              # the last third of 40 steps: from 26.7
-    assert timed.get_xlabel() == "training seconds (evaluation excluded)"
+    assert timed.get_xlabel() == "wall-clock training seconds (evaluation excluded)"
     # epochs on top of the three panels against steps (make_run: 100 steps an epoch)
     assert [len(ax.child_axes) for ax in (train, val, zoom, timed)] == [1, 1, 1, 0]
     assert train.child_axes[0].get_xlabel() == "epochs"

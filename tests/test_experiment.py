@@ -54,15 +54,20 @@ def test_smoke_study_writes_study_json_and_runs(smoke_study):
 
 
 @pytest.mark.slow
-def test_smoke_study_results_judge_h1_to_h4(smoke_study):
+def test_smoke_study_results_judge_h1_to_h4_and_say_they_are_no_evidence(smoke_study):
     out, _ = smoke_study
     md = (out / "results.md").read_text()
     assert "OELM-Freeze" in md and "GPT-Base" in md and "Bits/byte" in md
     results = json.loads((out / "results.json").read_text())
     hyps = {h["id"]: h for h in results["hypotheses"]}
-    assert sorted(hyps) == ["H1", "H2", "H3", "H4"]
-    assert all(h["holds"] in (True, False) for h in hyps.values())
+    assert sorted(hyps) == ["H1", "H2", "H3", "H3t", "H4"]
+    assert all(hyps[h]["holds"] in (True, False) for h in ("H1", "H2", "H4"))
+    # speed only where every run's summary.json records that it had its device alone
+    assert all((hyps[h]["holds"] is not None) == (results["timed_alone"] is True) for h in ("H3", "H3t"))
     assert hyps["H1"]["holds"] is False  # 16,384 of 3.3M trainable: nowhere near 15%
+    # 150 steps of the smoke preset: its verdicts are no evidence, and results.md says so first
+    assert results["smoke_budget"] and all(h["note"] for h in hyps.values())
+    assert md.splitlines()[2].startswith("**A smoke budget (a preset made for tests")
     assert len(results["table"]) == 3
     # which: final, but the samples are best.pt's: results.md says so
     assert ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
@@ -141,7 +146,7 @@ def test_load_study_errors_are_clear(tmp_path):
     # notebook parameters of the wrong type or value: they used to pass, train every run, and
     # fail in the notebook (04_analysis.which) or name no parameter at all (01_theory.d)
     (["study.parameters.04_analysis.which=bestt"],
-     r"study.parameters.04_analysis.which must be one of final, best; got 'bestt'"),
+     r"study.parameters.04_analysis.which must be one of final, best, report; got 'bestt'"),
     (["study.parameters.01_theory.d=abc"],
      r"study.parameters.01_theory.d must be a whole number \(int\) \(the notebook's default is 512\); got 'abc'"),
     (["study.parameters.01_theory.d=2.5"], r"01_theory.d must be a whole number \(int\).*got 2.5"),
@@ -402,7 +407,7 @@ def test_launch_training_sets_the_progress_bar_only_when_asked(monkeypatch, prog
     ("05_sweep", {"seeds": 3}, r"parameter seeds must be None or a list \(the notebook's default is None\); got 3"),
     ("05_sweep", {"runner": "in-process"},
      r"parameter runner must be one of inprocess, subprocess, notebook; got 'in-process'"),
-    ("04_analysis", {"which": "last"}, r"parameter which must be one of final, best; got 'last'"),
+    ("04_analysis", {"which": "last"}, r"parameter which must be one of final, best, report; got 'last'"),
     # values of the right type that leave 01's checks nothing to measure, or to chance
     ("01_theory", {"d": 16}, r"^notebook 01_theory: parameter d must be at least 32 \(the JL curve needs the target "
                              r"dimensions 8 and d/2 >= 16\); got 16$"),

@@ -17,6 +17,9 @@ here, tested here and reusable by the app. One module per concept:
     samples      each group's best.pt and samples from it
     attention    attention maps, per-head entropy and distance, the notebook's figure
     report       results.md and results.json
+    budget       whether a study's budget is a smoke budget, whose verdicts are no evidence
+    protocol     a tuned study at both dropouts: own-best and equal-dropout views, re-run spread
+    scaling      the gaps across model shapes: table and figure
     markdown     markdown tables; figures: lazy matplotlib, saving figures
     heatmaps     the app's attention figures (imports matplotlib: not imported here)
 
@@ -47,6 +50,16 @@ from oelm_core.analysis.tables import RESULT_COLUMNS, results_table, significanc
 from oelm_core.analysis.theory import (JL_MIN_POINTS, JL_MIN_SAMPLES, construction_table, isometry_table,
                                        jl_checks, jl_curve, jl_dimensions, jl_figure, logit_stats_table)
 from oelm_core.analysis.timing import loss_target, seconds_at, time_to_target, time_to_target_table, training_seconds
+
+from oelm_core.analysis.budget import SMOKE_NOTE, smoke_budget
+from oelm_core.analysis.curves import log_ticks
+from oelm_core.analysis.gaps import EQUIVALENCE_MARGIN, EQUIVALENT, NOT_EQUIVALENT, equivalence, equivalence_columns
+from oelm_core.analysis.hypotheses import unjudged
+from oelm_core.analysis.protocol import protocol_report, rerun_spread, split_reruns
+from oelm_core.analysis.runs import WHICH_WORDS, check_figures
+from oelm_core.analysis.scaling import scaling_figure, scaling_table, write_scaling
+from oelm_core.analysis.stats import tost
+from oelm_core.analysis.timing import alone_record
 
 # The repository root: the notebooks take relative output folders from here, so that their
 # defaults (under the git-ignored runs/) land in one place whether the kernel runs in notebooks/
@@ -80,4 +93,8 @@ __all__ = [
     "BANDS", "curve_band", "markdown_table", "plot_curves", "plot_study_curves", "pyplot", "save_figure",
     "SAMPLE_TOP_K", "checkpoint_note", "load_models", "sample_generations",
     "attention_figure", "attention_maps", "attention_summary", "summarise_attention", "uniform_reference",
+    # the protocol: held-out figures, equivalence, smoke budgets, timed-alone records, scaling
+    "WHICH_WORDS", "check_figures", "tost", "EQUIVALENCE_MARGIN", "EQUIVALENT", "NOT_EQUIVALENT", "equivalence",
+    "equivalence_columns", "SMOKE_NOTE", "smoke_budget", "alone_record", "unjudged", "log_ticks",
+    "protocol_report", "rerun_spread", "split_reruns", "scaling_figure", "scaling_table", "write_scaling",
 ]

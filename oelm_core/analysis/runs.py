@@ -6,7 +6,10 @@ A run folder follows the trainer's contract (``oelm_core.train``):
     metrics.jsonl   one JSON row per log step (step, train_loss, lr, grad_norm, tokens_per_s, mfu,
                     peak_mem_mb, tokens_seen, epochs); evaluation rows add val_loss, val_ppl, val_bpb
     summary.json    name, variant, preset, params {trainable, frozen, total}, final/best validation
-                    loss/ppl/bpb, final train loss, tokens_per_s, wall time, epochs
+                    loss/ppl/bpb, final train loss, tokens_per_s, wall time, epochs; from
+                    train.report_holdout on, best_step and report_val_loss/ppl/bpb (the best
+                    weights on the held-out half of the validation windows; the evaluations and
+                    best_* read the other half); with the occupancy record, timed_alone
     best.pt         the best checkpoint (oelm_core.checkpoint.load_model): its size is the
                     "Checkpoint (MB)" of the results, in MB of 10^6 bytes
 
@@ -17,6 +20,7 @@ then derives the same figures from the metrics, so that a study can be read whil
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +29,18 @@ from typing import Iterable
 from oelm_core.analysis.groups import GROUP_LABELS
 from oelm_core.config import ConfigError, RunConfig, read_yaml, trained_settings
 
-# The validation figures a results table or hypothesis reads: the last evaluation's or the best's.
-WHICH = ("final", "best")
+# The validation figures a results table or hypothesis reads: the last evaluation's, the best's
+# (both on the evaluations' windows, which chose the best), or "report": the best checkpoint on the
+# held-out half of the validation windows that no evaluation chose by (train.report_holdout).
+WHICH = ("final", "best", "report")
+# summary.json's params.by_component entries that are embeddings (token, position): what a
+# non-embedding parameter count leaves out.
+EMBEDDINGS = ("embedding", "position")
+# What each ``which`` is, in the words results.md uses.
+WHICH_WORDS = {"final": "the last evaluation, on the windows the evaluations read",
+               "best": "the best evaluation, on the windows that chose it",
+               "report": "the best checkpoint on the held-out half of the validation windows, which no "
+                         "evaluation chose by"}
 
 
 def check_which(which: str) -> None:
@@ -34,6 +48,20 @@ def check_which(which: str) -> None:
     if which not in WHICH:
         raise ConfigError(f"which={which!r} names no validation figures; pass one of "
                           f"{', '.join(map(repr, WHICH))}")
+
+
+def check_figures(runs: Iterable[Run], which: str) -> None:
+    """``check_which``, and for which="report" a ConfigError naming the runs whose summary.json has
+    no held-out figures (report_val_loss): trained before train.report_holdout, with it off, or
+    not finished (the trainer writes them with the summary)."""
+    check_which(which)
+    if which != "report":
+        return
+    missing = [r.name for r in runs if r.value("report_val_loss") is None]
+    if missing:
+        raise ConfigError(f"which='report' reads summary.json's report_val_loss, which {', '.join(missing)} "
+                          f"lack(s): trained before report_holdout (or with train.report_holdout false, or not "
+                          f"finished): use which=best, and say the figures were chosen on the data they report")
 
 
 @dataclass
@@ -78,7 +106,9 @@ class Run:
 
     def value(self, key: str) -> float | None:
         """A result figure: ``key`` of summary.json (oelm_core.train's keys), else the same figure
-        derived from metrics.jsonl; None where neither has it."""
+        derived from metrics.jsonl; None where neither has it. Besides summary.json's keys:
+        checkpoint_mb (best.pt's size), trainable / frozen / total, and non_embedding (all
+        parameters but EMBEDDINGS', from params.by_component)."""
         s = self.summary
         if key == "checkpoint_mb":
             # best.pt, the weights the app and load_models read; summary.json's checkpoint_bytes is
@@ -87,8 +117,13 @@ class Run:
             return ckpt.stat().st_size / 1e6 if ckpt.is_file() else None
         if key in ("trainable", "frozen", "total"):
             return (s.get("params") or {}).get(key)
+        if key == "non_embedding":
+            # the convention of scaling-law parameter counts: token and position embeddings left out
+            parts = (s.get("params") or {}).get("by_component")
+            return sum(c.get("trainable", 0) + c.get("frozen", 0) for name, c in parts.items()
+                       if name not in EMBEDDINGS) if parts else None
         if s.get(key) is not None:
-            return s[key]
+            return None if isinstance(s[key], float) and math.isnan(s[key]) else s[key]
         evals, trains = self.eval_rows(), self.train_rows()
         if key in ("final_val_loss", "final_val_ppl", "final_val_bpb"):
             return evals[-1].get(key.removeprefix("final_")) if evals else None
@@ -106,6 +141,8 @@ class Run:
             return trains[-1].get("epochs") if trains else None
         if key == "steps":
             return self.metrics[-1].get("step") if self.metrics else None
+        if key == "tokens_seen":
+            return trains[-1].get("tokens_seen") if trains else None
         return None
 
 

@@ -36,8 +36,9 @@ def checkpoint_note(which: str) -> str:
     validation figures the tables read."""
     check_which(which)
     return ("Attention maps and samples: each group's best.pt, the weights of its lowest validation loss "
-            f"(its first seed that has one). The table reads the {which} evaluation"
-            + (", which may be a later step." if which == "final" else "."))
+            "(its first seed that has one). The table reads "
+            + {"final": "the final evaluation, which may be a later step.", "best": "the best evaluation.",
+               "report": "the same weights on the held-out half of the validation windows."}[which])
 
 
 def sample_generations(models: dict, prompt: str, max_new_tokens: int = 40, seed: int = 0,

@@ -1,4 +1,5 @@
-"""Statistics over seeds: mean and spread, Welch's test, intervals of a gap, effect sizes.
+"""Statistics over seeds: mean and spread, Welch's test, intervals of a gap, equivalence (TOST),
+effect sizes.
 
 Each function takes plain values, one figure per run (e.g. the validation perplexity of each
 seed of a group), and leaves out the values that do not exist (None, NaN: a run cut short before
@@ -96,6 +97,45 @@ def bootstrap_interval(a: Sequence[float], b: Sequence[float], gap: str = "diffe
     res = stats.bootstrap((a, b), GAPS[gap], n_resamples=n_resamples, confidence_level=confidence,
                           method="percentile", vectorized=True, random_state=np.random.default_rng(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def tost(a: Sequence[float], b: Sequence[float], margin: float, alpha: float = 0.05) -> dict:
+    """Equivalence of two groups: Schuirmann's two one-sided tests (TOST) with Welch's standard
+    error and degrees of freedom. The null hypothesis is a difference of at least ``margin`` (in
+    the values' units, > 0) either way, |mean(a) - mean(b)| >= margin; it is rejected, and the
+    groups called equivalent, where both one-sided tests reject at ``alpha``:
+
+        p_lower: H0 mean(a) - mean(b) <= -margin    t = (diff + margin) / se, upper tail
+        p_upper: H0 mean(a) - mean(b) >= +margin    t = (diff - margin) / se, lower tail
+
+    Returns {equivalent: p < alpha, p: max(p_lower, p_upper), p_lower, p_upper, interval90, df,
+    margin, alpha}. interval90 is the (1 - 2 alpha) Welch interval of the difference (90% at the
+    default alpha): equivalent exactly where it lies inside (-margin, margin). Where neither group
+    varies, the difference itself decides (p 0 or 1). ValueError with fewer than two values on a
+    side, or a margin that is not positive.
+
+    Not rejecting equivalence is not evidence of a difference: at three to five seeds a real
+    equivalence within a margin near the seeds' spread is often "not shown"."""
+    from scipy import stats
+
+    if not margin > 0:
+        raise ValueError(f"margin={margin!r}: an equivalence margin must be positive (the largest "
+                         f"difference that counts as none, in the values' units)")
+    if not 0 < alpha < 0.5:
+        raise ValueError(f"alpha={alpha!r} is not a one-sided test level between 0 and 0.5; pass e.g. 0.05")
+    a, b = _two_groups(a, b, "tost")
+    se, df = _welch(a, b)
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if se == 0:
+        p_lower, p_upper = float(diff <= -margin), float(diff >= margin)
+        interval = (diff, diff)
+    else:
+        p_lower = float(stats.t.sf((diff + margin) / se, df))
+        p_upper = float(stats.t.cdf((diff - margin) / se, df))
+        interval = welch_interval(a, b, 1 - 2 * alpha)
+    p = max(p_lower, p_upper)
+    return {"equivalent": p < alpha, "p": p, "p_lower": p_lower, "p_upper": p_upper, "interval90": interval,
+            "df": df, "margin": margin, "alpha": alpha}
 
 
 def cohen_d(a: Sequence[float], b: Sequence[float]) -> float:

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 from oelm_core.analysis.groups import (BASELINE, GROUP_LABELS, assumed_settings, evaluated_seeds, group_runs,
                                        variant_alone)
 from oelm_core.analysis.markdown import markdown_table
-from oelm_core.analysis.runs import Run, check_which
+from oelm_core.analysis.runs import Run, check_figures
 from oelm_core.analysis.stats import mean_std, significance
 from oelm_core.config import ConfigError
 
@@ -31,7 +31,7 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
                   compare_across: Iterable[str] = ()) -> dict:
     """The study's results table: one row per group of seeds (group_runs), averaged over them.
 
-    ``which``: "final" or "best" validation figures. Gaps are relative to the group of the
+    ``which``: "final", "best" or "report" validation figures (runs.WHICH). Gaps are relative to the group of the
     ``baseline`` variant of the same preset, in %; where the preset has several, to the one
     trained with the row's settings apart from the variant and ``compare_across`` (none: no
     gap). The gap columns are headed with the baseline's label. Returns {"rows": [...],
@@ -39,7 +39,7 @@ def results_table(runs: Sequence[Run], which: str = "final", baseline: str = BAS
     """
     from oelm_core import VARIANTS
 
-    check_which(which)
+    check_figures(runs, which)
     compare_across = tuple(compare_across)
     if baseline not in VARIANTS:
         raise ConfigError(f"baseline={baseline!r} is not a variant; pass one of {', '.join(VARIANTS)}")
