@@ -229,3 +229,19 @@ def test_gpu_occupancy_sees_another_process_and_the_device_is_recorded():
     assert result["timed_alone"] is False, (before, result)
     if result["method"].startswith("GPU processes"):
         assert f"pid {holder.pid}" in result["evidence"]
+
+
+@pytest.mark.slow
+def test_a_studys_runs_record_the_folder_they_read(smoke_study):
+    """The smoke study under OELM_DATA (the runner's params.yaml, the trainer's config.yaml and
+    summary.json, each through notebook 03's subprocess): the folder, never the hub's id."""
+    out, _ = smoke_study
+    folder = str((out.parent / "stories").resolve())
+    runs = sorted(p for p in (out / "runs").iterdir() if p.is_dir())
+    assert len(runs) == 3
+    for run_dir in runs:
+        assert yaml.safe_load((run_dir / "params.yaml").read_text())["data"]["source"] == folder
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["source"] == folder
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["provenance"]["data"]["source"] == folder
+        assert summary["timed_alone"] in (True, False) and summary["provenance"]["occupancy"]["samples"] >= 1
