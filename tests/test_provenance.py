@@ -225,7 +225,7 @@ def test_gpu_occupancy_sees_another_process_and_the_device_is_recorded():
     finally:
         holder.kill()
         holder.wait()
-    assert before["samples"] == 1 and result["samples"] == 1
+    assert before["samples"] >= 1 and result["samples"] >= 1
     assert result["timed_alone"] is False, (before, result)
     if result["method"].startswith("GPU processes"):
         assert f"pid {holder.pid}" in result["evidence"]
