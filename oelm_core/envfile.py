@@ -30,7 +30,11 @@ def path() -> Optional[Path]:
     if VARIABLE in os.environ:
         named = os.environ[VARIABLE]
         return Path(named) if named and Path(named).is_file() else None
-    return next((p for p in (Path.cwd() / NAME, CHECKOUT / NAME) if p.is_file()), None)
+    try:
+        here = [Path.cwd() / NAME]
+    except OSError:  # the working directory was deleted: only the checkout's file
+        here = []
+    return next((p for p in (*here, CHECKOUT / NAME) if p.is_file()), None)
 
 
 def default_target() -> Path:

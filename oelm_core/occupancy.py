@@ -9,16 +9,18 @@ steps, whose figures are already read back (nothing waits on the device for it),
   process may run on: those cores' busy time (/proc/stat: user, nice, system, irq, softirq
   and steal, the last being other virtual machines) less the CPU time of this run's own
   processes (/proc/PID/stat). Alone when, in every window, the others averaged at most
-  ``OTHERS_MAX_CORES`` of a core (a machine's own daemons stay well below it). Linux only:
+  ``OTHERS_MAX_CORES`` of a core (room for a machine's daemons, not for a second training or a
+  build beside it). Linux only:
   elsewhere the answer is None, with the reason.
 - **CUDA**: the compute processes on the run's GPU, from NVML (pynvml) or nvidia-smi, in a
   background thread (a listing can take a second; NVML and nvidia-smi make no CUDA call that
   could disturb the training thread's graph capture). Alone when no process but this run's is
   listed at any sample. Where the listing cannot name this run's own processes (a container
   whose PID namespace hides the host's PIDs), the GPU's used memory is compared instead with
-  what this process's allocator holds: more than ``MEMORY_SLACK_GIB`` beyond it (this process's
-  CUDA context, NCCL and library buffers stay well below) means another process holds memory
-  there. That comparison misses a process holding less; the record says which method answered.
+  what this process's allocator holds: more than ``MEMORY_SLACK_GIB`` beyond it (room for this
+  process's CUDA context and the NCCL and library buffers the allocator does not count) means
+  another process holds memory there. That comparison misses a process holding less; the
+  record says which method answered.
 
 A resumed run is alone only if every session was: ``combine`` joins this session's answer with
 the one the earlier session's summary.json recorded.

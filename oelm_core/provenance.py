@@ -12,7 +12,7 @@
               token folder, and the sha256 of train.bin and val.bin with where it came from
 
 A result that cannot say which code, software and tokens produced it cannot be checked or
-explained: a run that differs from its re-runs (issue 42) can then be traced to one of them.
+explained: a run that differs from its re-runs can then be traced to one of them.
 Nothing here runs inside the training loop.
 """
 

@@ -226,7 +226,7 @@ def test_gpu_occupancy_sees_another_process_and_the_device_is_recorded():
     finally:
         holder.kill()
         holder.wait()
-    assert before["samples"] == 1 and result["samples"] == 1
+    assert before["samples"] >= 1 and result["samples"] >= 1
     assert result["timed_alone"] is False, (before, result)
     if result["method"].startswith("GPU processes"):
         assert f"pid {holder.pid}" in result["evidence"]
@@ -247,3 +247,19 @@ def test_a_copy_without_git_names_the_commit_it_was_given_and_hashes_its_source(
     assert record["source_sha256"] == source_sha256(PACKAGE) == code_version()["source_sha256"]
     (copy / "model.py").write_text((copy / "model.py").read_text() + "\n# changed\n")
     assert code_version(copy)["source_sha256"] != record["source_sha256"]
+
+
+@pytest.mark.slow
+def test_a_studys_runs_record_the_folder_they_read(smoke_study):
+    """The smoke study under OELM_DATA (the runner's params.yaml, the trainer's config.yaml and
+    summary.json, each through notebook 03's subprocess): the folder, never the hub's id."""
+    out, _ = smoke_study
+    folder = str((out.parent / "stories").resolve())
+    runs = sorted(p for p in (out / "runs").iterdir() if p.is_dir())
+    assert len(runs) == 3
+    for run_dir in runs:
+        assert yaml.safe_load((run_dir / "params.yaml").read_text())["data"]["source"] == folder
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["source"] == folder
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["provenance"]["data"]["source"] == folder
+        assert summary["timed_alone"] in (True, False) and summary["provenance"]["occupancy"]["samples"] >= 1
