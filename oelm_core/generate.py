@@ -11,9 +11,11 @@ counter-based hash of (seed, step, token id) (``gumbel_noise``), not a generator
 gives the same noise on every device, the cached and uncached paths draw the k-th token with the
 same noise, and so does the fast decoder, whose steps can then run inside a CUDA graph.
 
-With ``SamplingConfig.fast`` (the default) and the KV cache, ``stream_tokens`` hands the
-decoding to ``oelm_core.fast.decode``: the same tokens (tested), fewer kernel launches and host
-round trips. This file is the path it is tested against.
+This file is the reference and imports no fast path. ``stream_tokens`` decodes with the
+``decoder`` it is given, this loop (``reference_tokens``) by default; ``oelm_core.fast.decoder``
+answers with the fast decoder (``oelm_core.fast.decode``) where ``SamplingConfig.fast`` (the
+default) and the KV cache allow it, and ``oelm_core.fast.stream_tokens`` decodes with what it
+answers: the same tokens (tested against this loop), fewer kernel launches and host round trips.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numbers
 import secrets
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -59,7 +61,7 @@ class SamplingConfig:
     seed: Optional[int] = None   # None: a fresh random seed per call
     stop_at_eot: bool = True
     use_cache: bool = True
-    fast: bool = True            # the fast decoder (oelm_core.fast.decode) where it runs; same tokens
+    fast: bool = True            # oelm_core.fast.decoder: the fast decoder where it runs; same tokens
 
     def validate(self) -> "SamplingConfig":
         # Types first: a float max_new_tokens (2.5) is never equal to a count of tokens, and a
@@ -229,20 +231,18 @@ def reference_tokens(model: GPT, ids: list[int], cfg: SamplingConfig, seed: int)
         yield token
 
 
-@torch.no_grad()
-def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Iterator[int]:
-    """Yield new token ids one by one (at most ``cfg.max_new_tokens``; none past <|endoftext|>
-    with ``cfg.stop_at_eot``). With ``cfg.use_cache`` and ``cfg.fast``, through the fast
-    decoder where it supports the model (``oelm_core.fast.decode.supports``); else
-    ``reference_tokens``. Same tokens either way."""
-    ids, seed = prepare(model, prompt_ids, cfg)
-    if cfg.use_cache and cfg.fast:
-        from oelm_core.fast import decode  # here, not above: the reference imports no fast path
+Decoder = Callable[[GPT, list, SamplingConfig, int], Iterator[int]]
 
-        if decode.supports(model):
-            yield from decode.decode_tokens(model, ids, cfg, seed)
-            return
-    yield from reference_tokens(model, ids, cfg, seed)
+
+@torch.no_grad()
+def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig,
+                  decoder: Decoder = reference_tokens) -> Iterator[int]:
+    """Yield new token ids one by one (at most ``cfg.max_new_tokens``; none past <|endoftext|>
+    with ``cfg.stop_at_eot``), as ``decoder(model, ids, cfg, seed)`` draws them after the checked
+    prompt: ``reference_tokens``, or what ``oelm_core.fast.decoder(model, cfg)`` answers. Same
+    tokens either way."""
+    ids, seed = prepare(model, prompt_ids, cfg)
+    yield from decoder(model, ids, cfg, seed)
 
 
 def detokenize(tokens: Iterable[int], tokenizer) -> Iterator[str]:

@@ -7,10 +7,12 @@ From Python: ``summary = train(load_run_config("parameters/X.yaml"))``.
 
 Like minGPT's trainer it knows nothing about the model beyond ``build_model``, ``model(x, y)`` ->
 mean loss, ``model.unfreeze_qk(layers)`` -> new parameters and, duck-typed, the modules'
-``after_optimizer_step(step)`` hooks. Beside it: the step (``oelm_core.step``; its CUDA-graph
-version in ``oelm_core.fast.graph_step``), processes and DDP (``oelm_core.distributed``), what a
-resume checks and restores (``oelm_core.resume``), the run folder's files and lock
-(``oelm_core.run_folder``), and the fast paths it installs (``oelm_core.fast.apply``).
+``after_optimizer_step(step)`` hooks. Beside it: the step (``oelm_core.step``), processes and DDP
+(``oelm_core.distributed``), what a resume checks and restores (``oelm_core.resume``), the run
+folder's files and lock (``oelm_core.run_folder``). Its speed it asks of ``oelm_core.fast``, the
+one door to the fast paths: the model's (``fast.apply``), the process's
+(``fast.prepare_process``) and the step's (``fast.make_step``: the CUDA-graph step, the NVLink
+gradient exchange), each the reference where its switch is off.
 
 Data parallelism is exact: rank r's micro-step m draws its windows as virtual rank r*A + m of
 W*A (A = grad_accum, W = world size), so W ranks with grad_accum A see the very batches one
@@ -48,7 +50,7 @@ from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
 from oelm_core.run_folder import (append_metrics, check_folders, checkpoints, hold_run_folder, json_safe,
                                   read_summary, start_files, write_summary)
-from oelm_core.step import autocast_context, configure_optimizer, lr_at, make_step
+from oelm_core.step import autocast_context, configure_optimizer, lr_at
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +73,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     try:
         preflight.check(cfg, d.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), report=d.is_main)
         with hold_run_folder(Path(cfg.out_dir), d):
-            if d.device.type == "cpu" and cfg.train.cpu_heap:
-                from oelm_core.fast.heap import keep_large_blocks_in_heap
-
-                keep_large_blocks_in_heap()
+            fast.prepare_process(cfg.train, d.device)  # the process-wide fast paths tc switches on
             # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
             # process group is destroyed below (destroying it under them can hang at exit).
             return Trainer(cfg, d, schedule, resume).fit()
@@ -107,7 +106,7 @@ class Trainer:
         self.model = fast.apply(model, self.tc)  # the fast paths tc switches on
         torch.manual_seed(self.tc.seed + d.rank)
         self.optimizer = configure_optimizer(self.model, self.tc, self.device)
-        self.step_fn = make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)
+        self.step_fn = fast.make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)
         self.autocast = autocast_context(self.tc.dtype, self.device)
 
         # --- the data: this rank's training windows, the validation batches ---

@@ -1,5 +1,7 @@
 """The reference generation (oelm_core.generate): the KV cache changes speed, not results;
-seeds, filters, limits and streaming. The fast decoder against it: tests/test_fast_decode.py."""
+seeds, filters, limits and streaming, through ``oelm_core.fast.stream_tokens`` with each of the
+decoders it may pick (the switches in PATHS). The fast decoder's parts against the reference:
+tests/test_fast_decode.py."""
 
 import functools
 import itertools
@@ -14,16 +16,17 @@ import torch
 
 from oelm_core import build_model
 from oelm_core.data import get_tokenizer
+from oelm_core.fast import stream_tokens
 from oelm_core.generate import (EOT, SamplingConfig, _uniform, detokenize, generate, gumbel_noise, sample,
-                                sample_from_noise, seed_tensor, stream, stream_tokens)
+                                sample_from_noise, seed_tensor, stream)
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Small CPU tensors: one thread (conftest), or a busy machine's oversubscription slows them down.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# The three ways stream_tokens decodes: the fast decoder (the default), the reference KV-cached
-# loop, the uncached reference.
+# The three ways fast.stream_tokens decodes: the fast decoder (the default), the reference
+# KV-cached loop, the uncached reference.
 PATHS = {"fast": dict(use_cache=True), "cached": dict(use_cache=True, fast=False), "uncached": dict(use_cache=False)}
 
 
@@ -362,19 +365,24 @@ def test_greedy_text_past_the_context_follows_the_window(variant, one_thread):
 
 
 def test_the_reference_imports_no_fast_path():
-    """Generation without SamplingConfig.fast imports nothing of oelm_core.fast (no Triton, no
-    optimizer-step hook); with it, on the CPU, the fast decoder but still no Triton."""
+    """The reference generation imports nothing of oelm_core.fast, whatever SamplingConfig.fast
+    says, nor does the fast door without it (no Triton, no optimizer-step hook); with it, on the
+    CPU, the door loads the fast decoder but still no Triton."""
     code = (
         "import sys, torch\n"
         "torch.set_num_threads(1)\n"
         "from oelm_core import build_model\n"
         "from oelm_core.generate import SamplingConfig, stream_tokens\n"
         "m = build_model('tiny', 'gpt_base').eval()\n"
-        "cfg = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_at_eot=False, fast=False)\n"
-        "list(stream_tokens(m, [1], cfg)); list(stream_tokens(m, [1], SamplingConfig(use_cache=False)))\n"
+        "cfg = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_at_eot=False)\n"
+        "list(stream_tokens(m, [1], cfg))\n"
+        "assert not [n for n in sys.modules if n.startswith('oelm_core.fast') or n == 'triton'], sys.modules\n"
+        "from oelm_core import fast\n"
+        "cfg.fast = False\n"
+        "list(fast.stream_tokens(m, [1], cfg)); list(fast.stream_tokens(m, [1], SamplingConfig(use_cache=False)))\n"
         "assert not [n for n in sys.modules if n.startswith('oelm_core.fast.') or n == 'triton'], sys.modules\n"
         "cfg.fast = True\n"
-        "list(stream_tokens(m, [1], cfg))\n"
+        "list(fast.stream_tokens(m, [1], cfg))\n"
         "assert 'oelm_core.fast.decode' in sys.modules and 'oelm_core.fast.cpu_decode' in sys.modules\n"
         "assert 'triton' not in sys.modules and 'oelm_core.fast.decode_kernels' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

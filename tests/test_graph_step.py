@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from oelm_core import fast
 from oelm_core.config import TrainConfig
 from oelm_core.fast.graph_step import GraphStep
 from oelm_core.model import build_model
-from oelm_core.step import TrainStep, configure_optimizer, make_step
+from oelm_core.step import TrainStep, configure_optimizer
 from train_helpers import losses, params, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_data_override"),
@@ -23,7 +24,7 @@ def test_make_step_captures_where_the_switch_says():
     for graph in (True, False):
         model = build_model("smoke", "oelm_nofreeze", block_size=32, vocab_size=256).to(cuda)
         tc = TrainConfig(cuda_graph=graph, dtype="float32", lr=1e-3)
-        step = make_step(model, configure_optimizer(model, tc, cuda), tc, cuda)
+        step = fast.make_step(model, configure_optimizer(model, tc, cuda), tc, cuda)
         assert type(step) is (GraphStep if graph else TrainStep)
         curves[graph] = [float(step(batches, tc.lr, n)[0]) for n in range(1, 7)]
         if graph:
@@ -31,7 +32,7 @@ def test_make_step_captures_where_the_switch_says():
     assert curves[True] == pytest.approx(curves[False], rel=1e-4)
     tc = TrainConfig(cuda_graph=True)
     model = build_model("smoke", "gpt_base", block_size=32, vocab_size=256)
-    assert type(make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc,
+    assert type(fast.make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc,
                           torch.device("cpu"))) is TrainStep  # the CPU: no graphs
 
 

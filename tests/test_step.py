@@ -1,5 +1,6 @@
-"""The training step (oelm_core.step): the schedule, make_step, re-wrapping, the compile
-fallback, the clip, gradients that hold a sum over ranks. The CUDA-graph step: test_graph_step.py."""
+"""The training step (oelm_core.step): the schedule, the step fast.make_step gives on the CPU,
+re-wrapping, the compile fallback, the clip, gradients that hold a sum over ranks. The CUDA-graph
+step: test_graph_step.py."""
 
 import dataclasses
 import re
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from conftest import FOLDED_VOCAB
+from oelm_core import fast
 from oelm_core.config import TrainConfig
 from oelm_core.model import build_model
-from oelm_core.step import TrainStep, configure_optimizer, lr_at, make_step
+from oelm_core.step import TrainStep, configure_optimizer, lr_at
 
 
 def test_lr_schedule():
@@ -21,12 +23,12 @@ def test_lr_schedule():
 
 
 def test_step_hook_and_make_step():
-    """make_step is the loop's step; modules with after_optimizer_step(step) are called after it."""
+    """fast.make_step is the loop's step; modules with after_optimizer_step(step) are called after it."""
     model = build_model("smoke", "gpt_base", block_size=16, vocab_size=FOLDED_VOCAB)
     calls = []
     model.blocks[0].mlp.after_optimizer_step = calls.append
     tc = TrainConfig(grad_clip=1.0, lr=1e-3)
-    step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
+    step = fast.make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
     x = torch.randint(0, FOLDED_VOCAB, (2, 17))
     batches = [(x[:, :-1], x[:, 1:])]
     assert type(step) is TrainStep  # train.cuda_graph is on, but this is the CPU: the plain step
@@ -46,7 +48,7 @@ def test_a_step_after_rewrapping_takes_only_its_own_gradients():
     batches = [(x[:, :-1], x[:, 1:])]
     models = [build_model("smoke", "oelm_freeze", block_size=16, vocab_size=FOLDED_VOCAB) for _ in range(2)]
     for planted, model in enumerate(models):
-        step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
+        step = TrainStep(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
         step(batches, 1e-3, 1)
         if planted:
             for p in model.parameters():
@@ -79,7 +81,7 @@ def test_a_failed_compile_falls_back_to_eager_with_only_its_own_gradients(monkey
         step_tc = dataclasses.replace(tc, compile=bool(fails))
         if fails:
             monkeypatch.setattr(torch, "compile", failing_compile)
-        step = make_step(model, configure_optimizer(model, step_tc, torch.device("cpu")), step_tc, torch.device("cpu"))
+        step = TrainStep(model, configure_optimizer(model, step_tc, torch.device("cpu")), step_tc, torch.device("cpu"))
         step(batches, 1e-3, 1)
         assert not step.compile  # the failed one fell back to eager
     for a, b in zip(*(m.state_dict().values() for m in models)):
@@ -98,7 +100,7 @@ def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
     tc = TrainConfig(grad_clip=grad_clip, lr=1e-2)
     opt = configure_optimizer(models[0], tc, torch.device("cpu"))
     assert all(group["fused"] for group in opt.param_groups)
-    step = make_step(models[0], opt, tc, torch.device("cpu"))
+    step = TrainStep(models[0], opt, tc, torch.device("cpu"))
     norms = [float(step(batches, tc.lr, n)[1]) for n in range(1, 5)]
     opt = configure_optimizer(models[1], tc, torch.device("cpu"))
     by_hand = []
@@ -116,7 +118,7 @@ def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
     if grad_clip:  # and the clip did move the weights: unclipped steps end elsewhere
         unclipped = build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
         tc = TrainConfig(grad_clip=0.0, lr=1e-2)
-        step = make_step(unclipped, configure_optimizer(unclipped, tc, torch.device("cpu")), tc, torch.device("cpu"))
+        step = TrainStep(unclipped, configure_optimizer(unclipped, tc, torch.device("cpu")), tc, torch.device("cpu"))
         for n in range(1, 5):
             step(batches, tc.lr, n)
         assert max((a - b).abs().max() for a, b in zip(unclipped.parameters(), models[0].parameters())) > 1e-3
