@@ -6,7 +6,8 @@
 From Python: ``summary = train(load_run_config("parameters/X.yaml"))``.
 
 Like minGPT's trainer it knows nothing about the model beyond ``build_model``, ``model(x, y)`` ->
-mean loss, ``model.unfreeze_qk(layers)`` -> new parameters and, duck-typed, the modules'
+mean loss, ``model.unfreeze_qk(layers)`` -> new parameters, ``model.live_config()`` -> its
+configuration as it is now (which Q/K are still frozen) and, duck-typed, the modules'
 ``after_optimizer_step(step)`` hooks. Beside it: the step (``oelm_core.step``), processes and DDP
 (``oelm_core.distributed``), what a resume checks and restores (``oelm_core.resume``), the run
 folder's files and lock (``oelm_core.run_folder``). Its speed it asks of ``oelm_core.fast``, the
@@ -100,7 +101,6 @@ class Trainer:
         # --- the model, its optimiser and step ---
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls outside autocast
-        self.frozen = self.model_cfg.frozen_layers()  # layers whose Q/K are still buffers
         # The seed makes the weights identical on every rank; the offset gives ranks own dropout.
         model = build_model(self.model_cfg, seed=self.tc.seed).to(self.device)
         self.model = fast.apply(model, self.tc)  # the fast paths tc switches on
@@ -120,7 +120,7 @@ class Trainer:
                     for x, y in eval_batches(data / "val.bin", block, batch, self.tc.eval_batches, vocab_size=vocab)]
         self.tokens_per_step = batch * block * accum * d.world_size
         self.peak = peak_flops(self.device)
-        self.flops_per_token = flops_per_token(self.model_cfg)["total"]
+        self.flops_per_token = flops_per_token(self.model.live_config())["total"]
 
         # --- the run's progress (what a checkpoint's "metrics" restore) ---
         self.step = 0
@@ -231,19 +231,15 @@ class Trainer:
         return status
 
     def unfreeze(self, layers) -> None:
+        """Progressive unfreezing: the model makes Q/K of ``layers`` trainable, the optimizer takes
+        the new parameters as a group of their own. The model keeps which layers are frozen now
+        (``live_config``): the FLOPs, the checkpoints and the export read it there."""
         new = self.model.unfreeze_qk(layers)
-        self.frozen = [] if layers == "all" else [i for i in self.frozen if i not in layers]
         if new:
             self.optimizer.add_param_group({"params": new, "weight_decay": self.tc.weight_decay})
             self.step_fn.wrap()  # DDP (and compile) must see the new parameter set
-        self.flops_per_token = flops_per_token(self.model_config_now())["total"]
+        self.flops_per_token = flops_per_token(self.model.live_config())["total"]
         log.info("step %d: unfroze Q/K of layers %s (%d new tensors)", self.step, layers, len(new))
-
-    def model_config_now(self) -> ModelConfig:
-        """The model as it is now: freeze_qk lists the layers still frozen after unfreezing."""
-        all_layers = list(range(self.model_cfg.n_layer))
-        frozen = "none" if not self.frozen else "all" if self.frozen == all_layers else list(self.frozen)
-        return dataclasses.replace(self.model_cfg, freeze_qk=frozen)
 
     # --- measuring ------------------------------------------------------------------------------
     def train_figures(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
@@ -317,7 +313,7 @@ class Trainer:
                    "epochs": self.tokens_seen() / self.meta["train_tokens"],
                    "wall_time_s": self.wall_before + time.perf_counter() - self.t_start}
         return {"model": self.model.state_dict(),
-                "model_config": dataclasses.asdict(self.model_config_now()),
+                "model_config": dataclasses.asdict(self.model.live_config()),
                 "run_config": self.cfg.to_dict(), "step": self.step,
                 "data": {key: self.meta.get(key) for key in DATA_IDENTITY},
                 "optimizer": self.optimizer.state_dict(),
