@@ -7,6 +7,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from oelm_core import build_model
+from oelm_core.config import ConfigError
 from oelm_core.data import get_tokenizer
 from oelm_core.fast import stream_tokens
 from oelm_core.generate import (EOT, SamplingConfig, _uniform, detokenize, generate, gumbel_noise, sample,
@@ -204,37 +206,45 @@ def test_generation_stops_at_end_of_text(path):
 
 
 def test_limits_give_clear_errors(smoke_model):
+    """Out of range: a ConfigError naming the setting, its value and the fix, as for every setting."""
     with pytest.raises(ValueError, match="shorten it to fewer than 64 tokens"):
         list(stream_tokens(smoke_model, list(range(64)), SamplingConfig()))
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ConfigError, match=r"^sampling\.top_p must be in \(0, 1\], got 0\.0; use e\.g\. 0\.9"):
         list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=0.0)))
-    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+    with pytest.raises(ConfigError, match=r"^sampling\.max_new_tokens must be at least 1, got 0; ask for 1 or more"):
         list(stream_tokens(smoke_model, [1], SamplingConfig(max_new_tokens=0)))
+    with pytest.raises(ConfigError, match=r"^sampling\.top_k must be >= 0 \(0 disables it\), got -1; use e\.g\. 50"):
+        list(stream_tokens(smoke_model, [1], SamplingConfig(top_k=-1)))
     for bad in (math.nan, math.inf, -math.inf, -0.5):  # NaN passed every comparison
-        with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0 \(0 is greedy\)"):
+        with pytest.raises(ConfigError, match=rf"^sampling\.temperature must be a finite number >= 0 \(0 is greedy\), "
+                                              rf"got {re.escape(repr(bad))}; use e\.g\. 0\.8"):
             list(stream_tokens(smoke_model, [1], SamplingConfig(temperature=bad)))
     for bad in (math.nan, math.inf):
-        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        with pytest.raises(ConfigError, match=r"^sampling\.top_p must be in \(0, 1\]"):
             list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=bad)))
 
 
 @pytest.mark.parametrize("name, value, kind", [
-    ("max_new_tokens", 2.5, "a whole number"),  # the cached path never stopped: no count equals 2.5
-    ("max_new_tokens", True, "a whole number"),
-    ("top_k", 2.5, "a whole number"),           # a bare TypeError from torch.topk
-    ("top_k", "50", "a whole number"),
-    ("temperature", "0.8", "a number"),
-    ("top_p", None, "a number"),
-    ("seed", 1.5, "a whole number"),
-    ("stop_at_eot", 1, "True or False"),
-    ("use_cache", "no", "True or False"),
-    ("fast", 0, "True or False"),
+    ("max_new_tokens", 2.5, "int"),   # the cached path never stopped: no count equals 2.5
+    ("max_new_tokens", True, "int"),
+    ("top_k", 2.5, "int"),            # a bare TypeError from torch.topk
+    ("top_k", "50", "int"),
+    ("temperature", "0.8", "float"),  # a string is no number here (a YAML file's 3e-4 is read as one)
+    ("top_p", None, "float"),
+    ("seed", 1.5, "int or None"),
+    ("stop_at_eot", 1, "bool"),
+    ("use_cache", "no", "bool"),
+    ("fast", 0, "bool"),
 ])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_sampling_settings_of_the_wrong_type_are_refused_by_name(smoke_model, name, value, kind, path):
+    """The schema's builder checks the sampling settings as it checks every other: a ConfigError
+    naming the setting, the value and the fix."""
     cfg = SamplingConfig(temperature=1.0, seed=1, stop_at_eot=False, **PATHS[path])
     setattr(cfg, name, value)
-    with pytest.raises(TypeError, match=f"^{name} must be {kind}"):
+    message = (f"sampling.{name} should be {kind}, got {type(value).__name__} {value!r}; "
+               f"pass one as SamplingConfig({name}=...)")
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         list(itertools.islice(stream_tokens(smoke_model, [1, 2], cfg), 50))
 
 

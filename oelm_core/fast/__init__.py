@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-from oelm_core.config import ConfigError, TrainConfig
-
-if TYPE_CHECKING:
-    from oelm_core.generate import SamplingConfig
+from oelm_core.config import ConfigError, SamplingConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
