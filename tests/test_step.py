@@ -124,6 +124,37 @@ def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
         assert max((a - b).abs().max() for a, b in zip(unclipped.parameters(), models[0].parameters())) > 1e-3
 
 
+def test_accumulated_micro_batches_step_as_one_batch_of_them_all():
+    """grad_accum k at batch b is a step of batch k*b: the micro-batches' gradients are averaged,
+    not summed. The gradients before clipping, the loss and the norm equal the whole batch's, and
+    so do the weights after a step whose clip binds (0.05 is far below this model's norm), to
+    float rounding."""
+    k, b, cpu = 3, 2, torch.device("cpu")
+    x = torch.randint(0, FOLDED_VOCAB, (k * b, 17), generator=torch.Generator().manual_seed(0))
+    ways = {"whole": [(x[:, :-1], x[:, 1:])],
+            "accumulated": [(x[i * b:(i + 1) * b, :-1], x[i * b:(i + 1) * b, 1:]) for i in range(k)]}
+    tc = TrainConfig(grad_clip=0.05, lr=1e-2)
+    seen = {}
+    for way, batches in ways.items():
+        model = build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
+        step = TrainStep(model, configure_optimizer(model, tc, cpu), tc, cpu)
+        loss = step.forward_backward(batches)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        step.optimizer.zero_grad(set_to_none=True)
+        _, norm = step(batches, tc.lr, 1)
+        seen[way] = loss, grads, norm, {n: p.detach().clone() for n, p in model.named_parameters()}
+    (loss, grads, norm, weights), (loss_k, grads_k, norm_k, weights_k) = seen["whole"], seen["accumulated"]
+    assert norm > 10 * tc.grad_clip  # the clip binds: the step is taken at norm 0.05 either way
+    torch.testing.assert_close(loss_k, loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(norm_k, norm, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_k[name], g, rtol=1e-4, atol=1e-7, msg=name)
+    # AdamW's first step moves each element by about lr g / (|g| + eps): where a gradient element
+    # is near eps (1e-8) the two orders of summation move it differently, by up to ~5e-4 lr.
+    for name, w in weights.items():
+        torch.testing.assert_close(weights_k[name], w, rtol=0, atol=1e-3 * tc.lr, msg=name)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_gradient_sum_over_two_ranks_steps_as_their_mean(fused):
     """The NVLink exchange leaves g0 + g1 in .grad and grad_divisor = 2; the clip and AdamW step
