@@ -27,6 +27,15 @@ from oelm_core.step import TrainStep, _first_line
 log = logging.getLogger(__name__)
 
 
+def capturable(optimizer: torch.optim.Optimizer, lr: float, device: torch.device) -> None:
+    """Make ``optimizer``'s step capturable: each param group's learning rate becomes a 0-dim
+    tensor on ``device`` holding ``lr`` (the step reads it there, and ``feed`` fills it in place),
+    and AdamW keeps its step counts on the device."""
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(lr), device=device)
+        group["capturable"] = True
+
+
 def feed(inputs: list, optimizer: torch.optim.Optimizer, batches: list, lr: float) -> None:
     """Give a captured step its next ``batches`` and learning rate ``lr``: copied into the
     tensors the graph was captured on, the static ``inputs`` ((x, y) pairs) and each param
@@ -106,9 +115,7 @@ class GraphStep(TrainStep):
         whether it worked. On failure on any rank every rank goes on eagerly."""
         device = batches[0][0].device
         self.inputs = [(x.clone(), y.clone()) for x, y in batches]
-        for group in self.optimizer.param_groups:
-            group["lr"] = torch.tensor(float(lr), device=device)
-            group["capturable"] = True
+        capturable(self.optimizer, lr, device)
         self.optimizer.zero_grad(set_to_none=True)
         graph, error = torch.cuda.CUDAGraph(), None
         try:
