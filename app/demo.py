@@ -41,7 +41,8 @@ from oelm_core.analysis.heatmaps import compare_figure, heatmap_figure, summary_
 from oelm_core.checkpoint import CheckpointError, load_model
 from oelm_core.config import ConfigError, ModelConfig, check_device, variant_overrides, variants
 from oelm_core.data import perplexity
-from oelm_core.generate import SamplingConfig, detokenize, stream_tokens
+from oelm_core.fast import stream_tokens
+from oelm_core.generate import SamplingConfig, detokenize
 
 GROUPS = tuple(GROUP_LABELS)
 

@@ -5,7 +5,7 @@
 
 Each rank runs --batch sequences of block_size tokens a micro-step (weak scaling: train.batch_size is
 per GPU; the batches already on the device) through the trainer's own step
-(``oelm_core.step.make_step(..., ddp=True)``; on CUDA the CUDA-graph step, captured after 11 eager
+(``oelm_core.fast.make_step(..., ddp=True)``; on CUDA the CUDA-graph step, captured after 11 eager
 steps) on the model as the trainer builds it (``oelm_core.fast.apply``), once for each --exchange:
 
     peer       train.grad_exchange: peer, the NVLink copies (oelm_core/fast/peer_grads.py): two
@@ -51,7 +51,7 @@ from oelm_core import fast  # noqa: E402
 from oelm_core.config import ConfigError, TrainConfig, model_config  # noqa: E402
 from oelm_core.distributed import init_process_group, resolve_device  # noqa: E402
 from oelm_core.model import build_model  # noqa: E402
-from oelm_core.step import configure_optimizer, make_step  # noqa: E402
+from oelm_core.step import configure_optimizer  # noqa: E402
 
 EXCHANGES = {"peer": {"grad_exchange": "peer"}, "ddp": {"grad_exchange": "ddp"}}
 
@@ -90,7 +90,7 @@ def time_step(args, tc: TrainConfig, group: str, batch: int, accum: int, device:
     base_mem = torch.cuda.memory_allocated(device) if cuda else 0  # held before this row: not its own
     cfg = model_config(args.preset, group)
     model = fast.apply(build_model(cfg, seed=0).to(device), tc)
-    step = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=ddp)
+    step = fast.make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=ddp)
     rank = dist.get_rank() if ddp else 0
     gen = torch.Generator().manual_seed(rank + 1)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(4)]

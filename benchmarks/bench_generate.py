@@ -11,7 +11,7 @@ the device are left out):
 
   uncached          the reference loop without the KV cache (--uncached-repeats runs)
   reference         the reference KV-cached loop (SamplingConfig(fast=False))
-  fast              the fast decoder, every part on (what stream_tokens uses by default)
+  fast              the fast decoder, every part on (what fast.stream_tokens uses by default)
   -graph            the fast decoder without CUDA graphs (CUDA)
   -decode_kernels   ... without the fused Triton decode step (CUDA)
   -sample_kernels   ... without the Triton sampler (CUDA)

@@ -7,7 +7,7 @@
         gpt_base:compile=max-autotune-no-cudagraphs
 
 The step is built as the trainer builds it: ``build_model`` -> ``oelm_core.fast.apply(model, tc,
-device)`` -> ``make_step(model, configure_optimizer(model, tc, device), tc, device)`` (forward,
+device)`` -> ``fast.make_step(model, configure_optimizer(model, tc, device), tc, device)`` (forward,
 backward, clip, fused AdamW; bf16 autocast on CUDA, float32 on the CPU), ``tc`` a TrainConfig with
 the variant's switches. ``reference`` is benchmarks/reference.py's nanoGPT-style GPT in that same
 step (no fast path applies to it), compiled plainly and without a CUDA graph unless asked (as the
@@ -59,7 +59,7 @@ from oelm_core import build_model, fast  # noqa: E402
 from oelm_core.accounting import flops_per_token, peak_flops  # noqa: E402
 from oelm_core.config import TrainConfig, model_config  # noqa: E402
 from oelm_core.fast.loss import ChunkedOutputLoss  # noqa: E402
-from oelm_core.step import configure_optimizer, make_step  # noqa: E402
+from oelm_core.step import configure_optimizer  # noqa: E402
 
 FAST_PATHS = ("fused_loss", "fused_logits", "cuda_graph")
 # A variant's options and, where the set is closed, their values (compile: 0, 1 or a torch.compile mode).
@@ -185,7 +185,7 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     tc = train_config(v)
     t0 = time.perf_counter()
     cfg, model = build(v, tc, args.preset, device)
-    step = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=False)
+    step = fast.make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=False)
     n_batches = 4
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen) for _ in range(n_batches)]

@@ -4,10 +4,11 @@ The CLI (`python -m oelm_core.train`), the notebooks (through papermill paramete
 runner and the Gradio app all read these dataclasses; nothing else holds a default. A YAML
 parameter file is a nested mapping with the sections ``model``, ``data`` and ``train`` and the
 top-level keys ``name``, ``out_dir``, ``preset`` and ``variant``; the keys of ``model`` override
-the values of the preset and the variant.
+the values of the preset and the variant. ``SamplingConfig`` holds the generation's settings.
 
-Errors name the problem and the fix: an unknown key lists the keys that exist, a wrong type
-says which type was expected.
+One builder (``_build``) checks every key and type, for parameter files and for settings given
+in Python alike. Errors are ConfigErrors that name the setting, its value and the fix: an
+unknown key lists the keys that exist, a wrong type says which type was expected.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import copy
 import dataclasses
 import logging
 import math
+import numbers
+import struct
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import yaml
@@ -437,19 +440,77 @@ class RunConfig:
 
 
 # --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
+
+# Temperatures below this draw the most likely token. For them the noise (< 17) vanished in the
+# float32 rounding of logits / T wherever |logit| > 1e-3 (the draw was greedy already, ties
+# aside), and logits / T overflowed to +inf for every logit above 3.4e38 * T, where argmax took
+# the first of those, not the largest.
+GREEDY_BELOW = 1e-12
+
+
+@dataclass
+class SamplingConfig:
+    """How ``oelm_core.generate`` draws new tokens (the demo's settings, and any caller's)."""
+
+    max_new_tokens: int = 200
+    temperature: float = 0.8     # 0 (or below GREEDY_BELOW) picks the most likely token (greedy)
+    top_k: int = 0               # 0: no top-k cut
+    top_p: float = 1.0           # 1.0: no nucleus cut
+    seed: Optional[int] = None   # None: a fresh random seed per call
+    stop_at_eot: bool = True
+    use_cache: bool = True
+    fast: bool = True            # oelm_core.fast.decoder: the fast decoder where it runs; same tokens
+
+    def validate(self) -> "SamplingConfig":
+        """Raise ConfigError for a setting of the wrong type (the schema's builder checks them, as
+        it checks every setting; a float max_new_tokens never equals a count of tokens, a float
+        top_k reached torch.topk as a bare TypeError) or out of its range; returns self."""
+        _build(SamplingConfig, dataclasses.asdict(self), "sampling", fix="pass one as SamplingConfig({key}=...)",
+               yaml_numbers=False)
+        for key, ok, must, fix in (
+                ("max_new_tokens", self.max_new_tokens >= 1, "be at least 1", "ask for 1 or more new tokens"),
+                ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+                 "be a finite number >= 0 (0 is greedy)", "use e.g. 0.8, or 0 for the most likely token"),
+                ("top_k", self.top_k >= 0, "be >= 0 (0 disables it)", "use e.g. 50, or 0 for no cut"),
+                ("top_p", 0.0 < self.top_p <= 1.0, "be in (0, 1]", "use e.g. 0.9, or 1.0 for no cut")):
+            if not ok:
+                raise ConfigError(f"sampling.{key} must {must}, got {getattr(self, key)!r}; {fix}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every draw is the most likely token: temperature 0 or below ``GREEDY_BELOW``."""
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def inv_temperature(self) -> float:
+        """1 / T rounded to float32: every path scales the logits by this one float32 multiply.
+        (struct, not a tensor: the uncached path asks once per token.)"""
+        return struct.unpack("f", struct.pack("f", 1.0 / self.temperature))[0]
+
+    def top_k_for(self, vocab: int) -> int:
+        """The top-k cut over ``vocab`` ids; 0 where there is none (off, or k >= vocab)."""
+        return self.top_k if 0 < self.top_k < vocab else 0
+
+
+# --------------------------------------------------------------------------------------------
 # Loading, checking and overriding
 # --------------------------------------------------------------------------------------------
 
 def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether ``value`` has the type ``hint`` asks for. A whole number of any integer type (a
+    NumPy one too) is an int, any real one a float; a bool is neither (True would pass as 1)."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         return any(_type_ok(value, h) for h in typing.get_args(hint))
     if hint is Any:
         return True
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if origin is not None:
         return isinstance(value, origin)
     return isinstance(value, hint)
@@ -458,6 +519,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) in (Union, types.UnionType):
         return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -470,8 +533,14 @@ def _yaml_float(text: str, where: str) -> float:
                           f"the parameter file or --set") from None
 
 
-def _build(cls: type, values: dict, where: str):
-    """Instantiate dataclass ``cls`` from ``values``, checking every key and type."""
+FILE_FIX = "fix the value in the parameter file or --set"
+
+
+def _build(cls: type, values: dict, where: str, *, fix: str = FILE_FIX, yaml_numbers: bool = True):
+    """Instantiate dataclass ``cls`` from ``values``, checking every key and type: the schema's
+    one builder. A ConfigError names the dotted key (``where``.key), the value and ``fix`` (its
+    ``{key}``: the key). ``yaml_numbers``: the values come from YAML, whose 1.1 reading leaves
+    3e-4 a string; a string where a float belongs is taken as the number meant."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
@@ -490,15 +559,17 @@ def _build(cls: type, values: dict, where: str):
         hint = hints[key]
         if value is None and (dataclasses.is_dataclass(hint) or hint is dict):
             value = {}  # a section whose keys are all commented out
-        if hint is float and isinstance(value, str):
+        if hint is float and isinstance(value, str) and yaml_numbers:
             value = _yaml_float(value, f"{where}.{key}")
         if dataclasses.is_dataclass(hint):
-            value = _build(hint, value, f"{where}.{key}")
+            value = _build(hint, value, f"{where}.{key}", fix=fix, yaml_numbers=yaml_numbers)
         elif not _type_ok(value, hint):
             raise ConfigError(f"{where}.{key} should be {_type_name(hint)}, got {type(value).__name__} "
-                              f"{value!r}; fix the value in the parameter file or --set")
+                              f"{value!r}; {fix.format(key=key)}")
         elif hint is float:
             value = float(value)
+        elif hint is int:
+            value = int(value)
         kwargs[key] = value
     return cls(**kwargs)
 

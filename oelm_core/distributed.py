@@ -1,15 +1,15 @@
 """Processes and devices: which rank this process is, on which device, and data parallelism.
 
 One process trains alone; under torchrun each process joins the process group that torchrun's
-environment describes (RANK, WORLD_SIZE, LOCAL_RANK) and trains on its own device. The step
-(``oelm_core.step``) wraps the model with ``data_parallel``: DDP, or on two GPUs of one host the
-NVLink exchange (``oelm_core.fast.peer_grads``).
+environment describes (RANK, WORLD_SIZE, LOCAL_RANK) and trains on its own device. The reference
+step (``oelm_core.step``) wraps the model with ``data_parallel``: DDP. The trainer's step takes
+``oelm_core.fast.data_parallel`` instead, which on two GPUs of one host may exchange the
+gradients by NVLink copies.
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -139,28 +139,11 @@ def wrap_ddp(module: nn.Module, device: torch.device, bucket_mb: float) -> DDP:
 
 
 def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: torch.device):
-    """``module`` (``model`` or its compiled wrapper) made data parallel as ``tc`` says:
-    (what the forward runs through, the exchange that reduces gradients instead of DDP, or None).
-
-    ``train.grad_exchange`` "auto"/"peer": on two CUDA GPUs of one host the NVLink exchange
-    replaces DDP ("peer": or a ConfigError); otherwise, or with "ddp", DDP. An exchange is an
-    object with ``begin(tokens)``, ``sync``, ``finish()``, ``remove()`` and ``grad_divisor``
-    (``oelm_core.step.TrainStep`` calls them).
-    """
-    if tc.grad_exchange != "ddp":
-        from oelm_core.fast.peer_grads import PeerGradExchange
-
-        exchange = PeerGradExchange.for_model(model, device)
-        if exchange is not None:
-            log.info("gradients exchanged by NVLink copies during the backward (PeerGradExchange)")
-            with torch.no_grad():  # what DDP's constructor does: every rank starts from rank 0's state
-                for t in itertools.chain(model.parameters(), model.buffers()):
-                    dist.broadcast(t, 0)
-            return module, exchange
-        if tc.grad_exchange == "peer":
-            why = PeerGradExchange.not_here(device) or "here they have no peer access"
-            raise ConfigError(f"train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
-                              f"access (NVLink) under NCCL ({why}); use auto to fall back to DDP")
+    """``module`` (``model`` or its compiled wrapper) made data parallel: (``module`` in DDP, None).
+    The second is the exchange that reduces the gradients where DDP does not: none here. An
+    exchange is an object with ``begin(tokens)``, ``sync``, ``finish()``, ``remove()`` and
+    ``grad_divisor`` (``oelm_core.step.TrainStep`` calls them; ``oelm_core.fast.data_parallel``
+    may return one)."""
     return wrap_ddp(module, device, tc.ddp_bucket_mb), None
 
 

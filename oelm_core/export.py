@@ -42,7 +42,7 @@ from oelm_core.config import (PRESETS, ConfigError, ModelConfig, model_config_fr
                               variant_overrides, variants)
 from oelm_core.data import EOT, EOT_TEXT
 from oelm_core.files import atomic_folder
-from oelm_core.model import GPT, QKProjection
+from oelm_core.model import GPT
 from oelm_core.orthogonal import QK_INITS
 from oelm_core.run_folder import read_summary
 
@@ -67,21 +67,6 @@ class ExportError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # What the model is: config.json and the model card
 # --------------------------------------------------------------------------------------------
-
-def frozen_layers(model: GPT) -> list[int]:
-    """The layers whose Q/K are buffers now: after progressive unfreezing, fewer than
-    ``model.cfg.freeze_qk`` names."""
-    return [i for i, block in enumerate(model.blocks)
-            if isinstance(block.attn.qk, QKProjection) and block.attn.qk.frozen]
-
-
-def config_now(model: GPT) -> ModelConfig:
-    """``model.cfg`` with ``freeze_qk`` as the modules are: what rebuilds this very model."""
-    frozen = frozen_layers(model)
-    if model.cfg.frozen_layers() == frozen:
-        return model.cfg
-    return dataclasses.replace(model.cfg, freeze_qk=frozen or "none")
-
 
 def _preset_and_variant(cfg: ModelConfig) -> tuple[Optional[str], Optional[str]]:
     """The preset whose shape ``cfg`` has and the variant whose settings it has, each None where
@@ -112,7 +97,7 @@ def describe(model: GPT, card: Optional[dict] = None) -> dict:
     variant, the ModelConfig that rebuilds the model, its Q/K construction and frozen layers,
     parameter counts, and ``card`` (what the run knows, ``run_card``) under "run"."""
     card = dict(card or {})
-    cfg = config_now(model)
+    cfg = model.live_config()  # freeze_qk as the model is now, after any unfreezing
     preset, variant = _preset_and_variant(cfg)
     preset, variant = card.get("preset", preset), card.get("variant", variant)
     counts = count_parameters(model)
@@ -123,7 +108,7 @@ def describe(model: GPT, card: Optional[dict] = None) -> dict:
         "model_config": dataclasses.asdict(cfg),
         "qk": None if cfg.attention != "dot" else {
             "construction": cfg.qk_init, "about": QK_INITS[cfg.qk_init], "gain": cfg.qk_gain,
-            "frozen_layers": frozen_layers(model), "poet_block_size": cfg.poet_block_size,
+            "frozen_layers": model.frozen_qk_layers(), "poet_block_size": cfg.poet_block_size,
             "logit_scale": "1/sqrt(d_head)"},
         "parameters": {k: counts[k] for k in ("trainable", "frozen", "total")},
         "run": card,

@@ -11,95 +11,23 @@ counter-based hash of (seed, step, token id) (``gumbel_noise``), not a generator
 gives the same noise on every device, the cached and uncached paths draw the k-th token with the
 same noise, and so does the fast decoder, whose steps can then run inside a CUDA graph.
 
-With ``SamplingConfig.fast`` (the default) and the KV cache, ``stream_tokens`` hands the
-decoding to ``oelm_core.fast.decode``: the same tokens (tested), fewer kernel launches and host
-round trips. This file is the path it is tested against.
+This file is the reference and imports no fast path. ``stream_tokens`` decodes with the
+``decoder`` it is given, this loop (``reference_tokens``) by default; ``oelm_core.fast.decoder``
+answers with the fast decoder (``oelm_core.fast.decode``) where ``SamplingConfig.fast`` (the
+default) and the KV cache allow it, and ``oelm_core.fast.stream_tokens`` decodes with what it
+answers: the same tokens (tested against this loop), fewer kernel launches and host round trips.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 import secrets
-import struct
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from oelm_core.config import SamplingConfig  # the settings, checked by the schema's builder
 from oelm_core.data import EOT, get_tokenizer  # EOT ends every story in the training data
 from oelm_core.model import GPT, KVCache
-
-# Temperatures below this draw the most likely token. For them the noise (< 17) vanished in the
-# float32 rounding of logits / T wherever |logit| > 1e-3 (the draw was greedy already, ties
-# aside), and logits / T overflowed to +inf for every logit above 3.4e38 * T, where argmax took
-# the first of those, not the largest.
-GREEDY_BELOW = 1e-12
-
-
-def _is_int(value) -> bool:
-    """int or a NumPy integer; not bool, which would pass as 0 or 1."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_bool(value) -> bool:
-    return isinstance(value, bool)
-
-
-@dataclass
-class SamplingConfig:
-    max_new_tokens: int = 200
-    temperature: float = 0.8     # 0 (or below GREEDY_BELOW) picks the most likely token (greedy)
-    top_k: int = 0               # 0: no top-k cut
-    top_p: float = 1.0           # 1.0: no nucleus cut
-    seed: Optional[int] = None   # None: a fresh random seed per call
-    stop_at_eot: bool = True
-    use_cache: bool = True
-    fast: bool = True            # the fast decoder (oelm_core.fast.decode) where it runs; same tokens
-
-    def validate(self) -> "SamplingConfig":
-        # Types first: a float max_new_tokens (2.5) is never equal to a count of tokens, and a
-        # float top_k reached torch.topk as a bare TypeError.
-        for name, ok, kind in (("max_new_tokens", _is_int, "a whole number (int)"),
-                               ("top_k", _is_int, "a whole number (int)"),
-                               ("temperature", _is_real, "a number"),
-                               ("top_p", _is_real, "a number"),
-                               ("seed", lambda v: v is None or _is_int(v), "a whole number (int) or None"),
-                               ("stop_at_eot", _is_bool, "True or False"),
-                               ("use_cache", _is_bool, "True or False"),
-                               ("fast", _is_bool, "True or False")):
-            value = getattr(self, name)
-            if not ok(value):
-                raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        return self
-
-    @property
-    def greedy(self) -> bool:
-        """Whether every draw is the most likely token: temperature 0 or below ``GREEDY_BELOW``."""
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def inv_temperature(self) -> float:
-        """1 / T rounded to float32: every path scales the logits by this one float32 multiply.
-        (struct, not a tensor: the uncached path asks once per token.)"""
-        return struct.unpack("f", struct.pack("f", 1.0 / self.temperature))[0]
-
-    def top_k_for(self, vocab: int) -> int:
-        """The top-k cut over ``vocab`` ids; 0 where there is none (off, or k >= vocab)."""
-        return self.top_k if 0 < self.top_k < vocab else 0
-
 
 # --------------------------------------------------------------------------------------------
 # The sampler: counter-based Gumbel noise, the same on every path and device
@@ -229,20 +157,18 @@ def reference_tokens(model: GPT, ids: list[int], cfg: SamplingConfig, seed: int)
         yield token
 
 
-@torch.no_grad()
-def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> Iterator[int]:
-    """Yield new token ids one by one (at most ``cfg.max_new_tokens``; none past <|endoftext|>
-    with ``cfg.stop_at_eot``). With ``cfg.use_cache`` and ``cfg.fast``, through the fast
-    decoder where it supports the model (``oelm_core.fast.decode.supports``); else
-    ``reference_tokens``. Same tokens either way."""
-    ids, seed = prepare(model, prompt_ids, cfg)
-    if cfg.use_cache and cfg.fast:
-        from oelm_core.fast import decode  # here, not above: the reference imports no fast path
+Decoder = Callable[[GPT, list, SamplingConfig, int], Iterator[int]]
 
-        if decode.supports(model):
-            yield from decode.decode_tokens(model, ids, cfg, seed)
-            return
-    yield from reference_tokens(model, ids, cfg, seed)
+
+@torch.no_grad()
+def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig,
+                  decoder: Decoder = reference_tokens) -> Iterator[int]:
+    """Yield new token ids one by one (at most ``cfg.max_new_tokens``; none past <|endoftext|>
+    with ``cfg.stop_at_eot``), as ``decoder(model, ids, cfg, seed)`` draws them after the checked
+    prompt: ``reference_tokens``, or what ``oelm_core.fast.decoder(model, cfg)`` answers. Same
+    tokens either way."""
+    ids, seed = prepare(model, prompt_ids, cfg)
+    yield from decoder(model, ids, cfg, seed)
 
 
 def detokenize(tokens: Iterable[int], tokenizer) -> Iterator[str]:

@@ -23,6 +23,7 @@ holds all logits, a CUDA-graph step and decoder, Triton kernels...) live in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -354,7 +355,8 @@ class GPT(nn.Module):
         return KVCache(self.cfg, batch, p.device, p.dtype)
 
     def unfreeze_qk(self, layers="all") -> list[nn.Parameter]:
-        """Make frozen Q/K of ``layers`` ("all" or indices) trainable; returns the new parameters."""
+        """Make frozen Q/K of ``layers`` ("all" or indices) trainable; returns the new parameters,
+        which an optimizer must be given. ``live_config`` says what is frozen afterwards."""
         chosen = range(self.cfg.n_layer) if layers == "all" else layers
         new = []
         for i in chosen:
@@ -362,6 +364,22 @@ class GPT(nn.Module):
             if isinstance(qk, QKProjection) and qk.frozen:
                 new.append(qk.unfreeze())
         return new
+
+    def frozen_qk_layers(self) -> list[int]:
+        """The layers whose Q/K are frozen now (buffers): ``cfg.frozen_layers()`` until
+        ``unfreeze_qk`` makes some of them trainable."""
+        return [i for i, block in enumerate(self.blocks)
+                if isinstance(block.attn.qk, QKProjection) and block.attn.qk.frozen]
+
+    def live_config(self) -> ModelConfig:
+        """The configuration of the model as it is now: ``cfg`` (what it was built with) with
+        ``freeze_qk`` naming the layers frozen now, ``cfg``'s own value while they are the ones it
+        names. What rebuilds this very model: checkpoints and exports store it, and the FLOPs of a
+        step are counted from it."""
+        frozen = self.frozen_qk_layers()
+        if frozen == self.cfg.frozen_layers():
+            return self.cfg
+        return dataclasses.replace(self.cfg, freeze_qk=frozen or "none")
 
 
 def build_model(preset: str | ModelConfig | None = None, variant: str | None = None, seed: int = 0,

@@ -1,10 +1,10 @@
 """The training step: forward and backward over the micro-batches, clip, AdamW.
 
-    step = make_step(model, configure_optimizer(model, tc, device), tc, device, ddp=False)
+    step = TrainStep(model, configure_optimizer(model, tc, device), tc, device, ddp=False)
     loss, grad_norm = step(batches, lr, step_number)
 
-``TrainStep`` is the plain step, the one the trainer's loop and the benchmarks run; with
-``train.cuda_graph`` on a GPU ``make_step`` returns its CUDA-graph subclass
+``TrainStep`` is the reference step. The trainer asks ``oelm_core.fast.make_step`` for its
+step: this one, or where ``train.cuda_graph`` lets it its CUDA-graph subclass
 (``oelm_core.fast.graph_step``), which captures this very step once and replays it.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -92,12 +93,16 @@ class TrainStep:
     ``model`` is the plain module (state_dict and hooks come from it); the forward runs through
     ``self.module``, its compiled and/or data-parallel wrapper, rebuilt by ``wrap()`` whenever the
     parameter set changes (progressive unfreezing). With ``ddp`` the gradients are averaged over
-    the ranks by DDP and/or ``self.exchange`` (``oelm_core.distributed.data_parallel``).
+    the ranks by DDP and/or ``self.exchange``, as ``data_parallel(model, module, tc, device)`` ->
+    (module, exchange or None) makes them: the reference's DDP
+    (``oelm_core.distributed.data_parallel``) unless the caller gives another
+    (``oelm_core.fast.data_parallel``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,
-                 device: torch.device, ddp: bool = False):
+                 device: torch.device, ddp: bool = False, data_parallel: Callable = data_parallel):
         self.model, self.optimizer, self.tc, self.device, self.ddp = model, optimizer, tc, device, ddp
+        self.make_data_parallel = data_parallel
         self.autocast = autocast_context(tc.dtype, device)
         self.compile = tc.compile
         self.exchange = None
@@ -120,7 +125,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def data_parallel(self, module: nn.Module):
-        return data_parallel(self.model, module, self.tc, self.device)
+        return self.make_data_parallel(self.model, module, self.tc, self.device)
 
     @property
     def gradients_by(self) -> str:
@@ -189,15 +194,3 @@ class TrainStep:
         self.optimizer.step()
         return norm
 
-
-def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,
-              device: torch.device, ddp: bool = False) -> TrainStep:
-    """The trainer's step for ``model`` (already on ``device``) as TrainConfig configures it: the
-    CUDA-graph step (``oelm_core.fast.graph_step``) with ``train.cuda_graph`` where it can run (a
-    CUDA device; under DDP only with NCCL, whose collectives can be captured), else the plain one."""
-    if tc.cuda_graph and device.type == "cuda" and torch.cuda.is_available():
-        from oelm_core.fast.graph_step import GraphStep
-
-        if GraphStep.can_run(ddp):
-            return GraphStep(model, optimizer, tc, device, ddp)
-    return TrainStep(model, optimizer, tc, device, ddp)

@@ -6,11 +6,14 @@
 From Python: ``summary = train(load_run_config("parameters/X.yaml"))``.
 
 Like minGPT's trainer it knows nothing about the model beyond ``build_model``, ``model(x, y)`` ->
-mean loss, ``model.unfreeze_qk(layers)`` -> new parameters and, duck-typed, the modules'
-``after_optimizer_step(step)`` hooks. Beside it: the step (``oelm_core.step``; its CUDA-graph
-version in ``oelm_core.fast.graph_step``), processes and DDP (``oelm_core.distributed``), what a
-resume checks and restores (``oelm_core.resume``), the run folder's files and lock
-(``oelm_core.run_folder``), and the fast paths it installs (``oelm_core.fast.apply``).
+mean loss, ``model.unfreeze_qk(layers)`` -> new parameters, ``model.live_config()`` -> its
+configuration as it is now (which Q/K are still frozen) and, duck-typed, the modules'
+``after_optimizer_step(step)`` hooks. Beside it: the step (``oelm_core.step``), processes and DDP
+(``oelm_core.distributed``), what a resume checks and restores (``oelm_core.resume``), the run
+folder's files and lock (``oelm_core.run_folder``). Its speed it asks of ``oelm_core.fast``, the
+one door to the fast paths: the model's (``fast.apply``), the process's
+(``fast.prepare_process``) and the step's (``fast.make_step``: the CUDA-graph step, the NVLink
+gradient exchange), each the reference where its switch is off.
 
 Data parallelism is exact: rank r's micro-step m draws its windows as virtual rank r*A + m of
 W*A (A = grad_accum, W = world size), so W ranks with grad_accum A see the very batches one
@@ -50,7 +53,7 @@ from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
 from oelm_core.run_folder import (append_metrics, check_folders, checkpoints, hold_run_folder, json_safe,
                                   read_summary, start_files, write_summary)
-from oelm_core.step import autocast_context, configure_optimizer, lr_at, make_step
+from oelm_core.step import autocast_context, configure_optimizer, lr_at
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +77,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     try:
         preflight.check(cfg, d.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), report=d.is_main)
         with hold_run_folder(Path(cfg.out_dir), d):
-            if d.device.type == "cpu" and cfg.train.cpu_heap:
-                from oelm_core.fast.heap import keep_large_blocks_in_heap
-
-                keep_large_blocks_in_heap()
+            fast.prepare_process(cfg.train, d.device)  # the process-wide fast paths tc switches on
             # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
             # process group is destroyed below (destroying it under them can hang at exit).
             return Trainer(cfg, d, schedule, resume).fit()
@@ -128,13 +128,12 @@ class Trainer:
         # --- the model, its optimiser and step ---
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls outside autocast
-        self.frozen = self.model_cfg.frozen_layers()  # layers whose Q/K are still buffers
         # The seed makes the weights identical on every rank; the offset gives ranks own dropout.
         model = build_model(self.model_cfg, seed=self.tc.seed).to(self.device)
         self.model = fast.apply(model, self.tc)  # the fast paths tc switches on
         torch.manual_seed(self.tc.seed + d.rank)
         self.optimizer = configure_optimizer(self.model, self.tc, self.device)
-        self.step_fn = make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)
+        self.step_fn = fast.make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)
         self.autocast = autocast_context(self.tc.dtype, self.device)
 
         # --- the data: this rank's training windows, the validation batches ---
@@ -155,7 +154,7 @@ class Trainer:
             for part in parts)
         self.tokens_per_step = batch * block * accum * d.world_size
         self.peak = peak_flops(self.device)
-        self.flops_per_token = flops_per_token(self.model_cfg)["total"]
+        self.flops_per_token = flops_per_token(self.model.live_config())["total"]
 
         # --- the run's progress (what a checkpoint's "metrics" restore) ---
         self.step = 0
@@ -277,19 +276,15 @@ class Trainer:
         return status
 
     def unfreeze(self, layers) -> None:
+        """Progressive unfreezing: the model makes Q/K of ``layers`` trainable, the optimizer takes
+        the new parameters as a group of their own. The model keeps which layers are frozen now
+        (``live_config``): the FLOPs, the checkpoints and the export read it there."""
         new = self.model.unfreeze_qk(layers)
-        self.frozen = [] if layers == "all" else [i for i in self.frozen if i not in layers]
         if new:
             self.optimizer.add_param_group({"params": new, "weight_decay": self.tc.weight_decay})
             self.step_fn.wrap()  # DDP (and compile) must see the new parameter set
-        self.flops_per_token = flops_per_token(self.model_config_now())["total"]
+        self.flops_per_token = flops_per_token(self.model.live_config())["total"]
         log.info("step %d: unfroze Q/K of layers %s (%d new tensors)", self.step, layers, len(new))
-
-    def model_config_now(self) -> ModelConfig:
-        """The model as it is now: freeze_qk lists the layers still frozen after unfreezing."""
-        all_layers = list(range(self.model_cfg.n_layer))
-        frozen = "none" if not self.frozen else "all" if self.frozen == all_layers else list(self.frozen)
-        return dataclasses.replace(self.model_cfg, freeze_qk=frozen)
 
     # --- measuring ------------------------------------------------------------------------------
     def train_figures(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
@@ -372,7 +367,7 @@ class Trainer:
                    "epochs": self.tokens_seen() / self.meta["train_tokens"],
                    "wall_time_s": self.wall_before + time.perf_counter() - self.t_start}
         return {"model": self.model.state_dict(),
-                "model_config": dataclasses.asdict(self.model_config_now()),
+                "model_config": dataclasses.asdict(self.model.live_config()),
                 "run_config": self.cfg.to_dict(), "step": self.step,
                 "data": {key: self.meta.get(key) for key in DATA_IDENTITY},
                 "optimizer": self.optimizer.state_dict(),

@@ -143,10 +143,9 @@ import torch
 from oelm_core import build_model
 from oelm_core.config import TrainConfig
 from oelm_core import fast
-from oelm_core.fast.heap import keep_large_blocks_in_heap
-from oelm_core.step import configure_optimizer, make_step
+from oelm_core.step import configure_optimizer
 torch.set_num_threads(1)
-keep_large_blocks_in_heap()  # as the trainer does on the CPU
+fast.prepare_process(TrainConfig(), torch.device("cpu"))  # the CPU heap, as the trainer keeps it
 
 def status(key):  # bytes; VmHWM is this process's own peak (ru_maxrss keeps its parent's across exec)
     with open("/proc/self/status") as f:
@@ -155,7 +154,7 @@ def status(key):  # bytes; VmHWM is this process's own peak (ru_maxrss keeps its
 variant, batch, block, vocab, chunk = json.loads(sys.argv[1])
 tc = TrainConfig(batch_size=batch, device="cpu", loss_chunk_tokens=chunk)
 model = fast.apply(build_model("smoke", variant, block_size=block, vocab_size=vocab), tc)
-step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
+step = fast.make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
 x, y = (torch.randint(0, vocab, (batch, block)) for _ in range(2))
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak starts again from the memory there is now
@@ -174,7 +173,7 @@ print(json.dumps({"added": status("VmHWM") - before}))
     ("oelm_freeze", 4, 256, 50257, 256, 0.4),
 ])
 def test_the_step_estimate_is_near_a_measured_steps_peak(variant, batch, block, vocab, chunk, lowest):
-    """One real training step (the trainer's make_step: forward, backward, fused AdamW) in a fresh
+    """One real training step (the trainer's fast.make_step: forward, backward, fused AdamW) in a fresh
     process (the trainer's heap keeps freed blocks resident: a second step there would reuse
     them): what its peak resident memory added to the memory before it (weights built) against
     step_memory less the weights."""

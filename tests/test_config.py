@@ -2,8 +2,8 @@
 
 import pytest
 
-from oelm_core.config import (REMOVED_TRAIN_KEYS, ConfigError, TrainConfig, apply_overrides, load_run_config,
-                              model_config, read_yaml, run_config_from_dict)
+from oelm_core.config import (REMOVED_TRAIN_KEYS, ConfigError, SamplingConfig, TrainConfig, apply_overrides,
+                              load_run_config, model_config, read_yaml, run_config_from_dict)
 
 
 def test_defaults_are_the_original_study():
@@ -36,6 +36,26 @@ def test_wrong_type_names_key_and_expected_type():
         run_config_from_dict({"train": {"steps": "abc"}})
     with pytest.raises(ConfigError, match=r"params\.train should be a mapping|must be a mapping"):
         run_config_from_dict({"train": 5})
+
+
+def test_the_sampling_settings_are_checked_by_the_same_builder():
+    """SamplingConfig is checked by the builder of every other section: the same wording (dotted
+    key, expected type, value, fix) and the same reading of numbers (a NumPy integer is a whole
+    number; a whole number is stored as a Python int, so the config dumps to YAML)."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ConfigError) as file_error:
+        run_config_from_dict({"train": {"steps": 2.5}})
+    with pytest.raises(ConfigError) as sampling_error:
+        SamplingConfig(max_new_tokens=2.5).validate()
+    assert str(file_error.value) == ("params.train.steps should be int, got float 2.5; fix the value in "
+                                     "the parameter file or --set")
+    assert str(sampling_error.value) == ("sampling.max_new_tokens should be int, got float 2.5; pass one as "
+                                         "SamplingConfig(max_new_tokens=...)")
+    cfg = run_config_from_dict({"train": {"steps": np.int64(7), "lr": np.float32(0.5)}})
+    assert type(cfg.train.steps) is int and cfg.train.steps == 7 and type(cfg.train.lr) is float
+    with pytest.raises(ConfigError, match=r"^sampling\.seed should be int or None, got str 'x'"):
+        SamplingConfig(seed="x").validate()
+    assert SamplingConfig(seed=np.int64(3), top_k=np.int32(5)).validate().top_k == 5
 
 
 def test_invalid_model_fails_at_load_time():

@@ -103,9 +103,9 @@ def check_decoder(device: str) -> None:
     or switched off."""
     import warnings
 
-    from oelm_core.fast import decode, decode_kernels
+    from oelm_core.fast import decode, decode_kernels, stream_tokens
     from oelm_core.fast.decode import acquire_decoder, release_decoder
-    from oelm_core.generate import SamplingConfig, stream_tokens
+    from oelm_core.generate import SamplingConfig
 
     model = _model("oelm_freeze", device)
     # Past the 32-position context (a restart, a prefill): on a GPU 3 + 40 tokens, 16-step graph

@@ -17,7 +17,7 @@ from oelm_core.accounting import flops_per_token
 from oelm_core.config import ConfigError, TrainConfig, run_config_from_dict
 from oelm_core.distributed import resolve_device
 from oelm_core.model import build_model
-from oelm_core.step import configure_optimizer, make_step
+from oelm_core.step import configure_optimizer
 from oelm_core.train import main
 from train_helpers import REPO, losses, metric_rows, outputs, params, run, torchrun_nodes, torchrun_train, write_params
 
@@ -114,14 +114,14 @@ def test_ddp_on_one_rank(tmp_path):
         model = fast.apply(build_model("tiny", "gpt_base"), tc)
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
-            step = make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
+            step = fast.make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
         assert step.exchange is None and model.output_loss.grad_hook is None and step.gradients_by == "ddp"
         assert step.module.bucket_bytes_cap == 12.5 * 2**20
         assert step.module.broadcast_buffers is False
         tc = TrainConfig(grad_exchange="peer")
         with pytest.raises(ConfigError, match=r"grad_exchange: peer needs two CUDA GPUs of one host with "
                                               r"peer access \(NVLink\) under NCCL \(here on cpu\)"):
-            make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
+            fast.make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
         fresh = fast.apply(build_model("tiny", "gpt_base"), tc)
         assert [type(m) for m in model.modules()] == [type(m) for m in fresh.modules()]
     finally:

@@ -1,9 +1,13 @@
-"""oelm_core.fast: what ``fast.apply`` installs for each training switch, and that neither the
-reference modules nor a CPU training step or generation load a fast path's Triton kernels."""
+"""oelm_core.fast: the one door to speed. The reference modules import nothing of it and no
+import cycle passes through it (read from their source); what ``fast.apply`` installs for each
+training switch; neither the reference modules nor a CPU training step or generation load a fast
+path's Triton kernels."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,12 +34,12 @@ loaded()
 import torch
 from oelm_core import build_model, fast
 from oelm_core.config import TrainConfig
-from oelm_core.generate import SamplingConfig, stream_tokens
+from oelm_core.generate import SamplingConfig
 model = fast.apply(build_model("tiny"), TrainConfig())
 x = torch.zeros(1, 8, dtype=torch.long)
 model(x, x).backward()
 loaded()
-tokens = list(stream_tokens(model.eval(), [1, 2, 3], SamplingConfig(max_new_tokens=4, seed=0, stop_at_eot=False)))
+tokens = list(fast.stream_tokens(model.eval(), [1, 2, 3], SamplingConfig(max_new_tokens=4, seed=0, stop_at_eot=False)))
 assert len(tokens) == 4, tokens
 loaded()
 """
@@ -79,3 +83,105 @@ def test_every_switch_off_leaves_the_reference_model():
     before = {name: type(m) for name, m in model.named_modules()}
     fast.apply(model, TrainConfig(fused_loss=False, fused_logits=False))
     assert {name: type(m) for name, m in model.named_modules()} == before
+
+
+# --------------------------------------------------------------------------------------------
+# The import graph, read from the source: every import statement, function-level ones included
+# --------------------------------------------------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parents[1] / "oelm_core"
+# The reference path: plain PyTorch, which the fast paths are tested against; it may not reach them.
+REFERENCE = ("model", "step", "generate", "distributed")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path, name: str = "") -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` (the module ``name``, by default the one the
+    path is), at any depth, absolute: ``from a import b`` names ``a.b`` where that is a module,
+    else ``a``; ``importlib.import_module("x")`` and ``__import__("x")`` with a constant name
+    count too."""
+    name = name or module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
+                      for a in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def is_fast(module: str) -> bool:
+    return module == "oelm_core.fast" or module.startswith("oelm_core.fast.")
+
+
+def test_the_import_reader_sees_imports_at_any_depth(tmp_path):
+    """The reader the rules below rely on: an import inside a function, a relative one and a
+    string one are each found (a reader that missed them would pass any module)."""
+    assert "oelm_core.fast.graph_step" in {m for _, m in imports(PACKAGE / "fast" / "__init__.py")}
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from . import decode\n    from .. import step\n"
+                     "    importlib.import_module('oelm_core.fast.heap')\n")
+    assert imports(probe, "oelm_core.fast.probe") == [
+        (2, "oelm_core.fast.decode"), (3, "oelm_core.step"), (4, "oelm_core.fast.heap")]
+
+
+@pytest.mark.parametrize("name", REFERENCE)
+def test_the_reference_modules_import_nothing_of_fast(name):
+    """model, step, generate and distributed reach no fast path, not even lazily: the trainer and
+    the generator ask ``oelm_core.fast`` for a step, a gradient exchange and a decoder."""
+    found = [(line, m) for line, m in imports(PACKAGE / f"{name}.py") if is_fast(m)]
+    assert found == [], f"oelm_core/{name}.py imports {found}"
+
+
+def test_the_trainer_reaches_fast_paths_through_the_door_alone():
+    """oelm_core/train.py, the composition root of a training (its CLI is what
+    ``python -m oelm_core.train`` runs), asks the package ``oelm_core.fast`` and no module inside
+    it: which fast path runs is decided there, from the switches."""
+    found = {m for _, m in imports(PACKAGE / "train.py") if is_fast(m)}
+    assert found == {"oelm_core.fast"}
+
+
+def test_no_import_cycle_passes_through_the_fast_paths_or_the_reference():
+    """Tarjan's strongly connected components of the package's import graph: none holds a fast
+    path or a reference module (step <-> fast.graph_step and generate <-> fast.decode did)."""
+    graph = {m: {i for _, i in imports(p) if i in MODULES and i != m} for m, p in MODULES.items()}
+    index, low, stack, cycles = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    checked = {f"oelm_core.{name}" for name in (*REFERENCE, "train")}
+    assert [c for c in cycles if any(is_fast(m) or m in checked for m in c)] == []

@@ -18,7 +18,8 @@ from oelm_core import build_model
 from oelm_core.fast import decode
 from oelm_core.fast.cpu_decode import CPUCopies
 from oelm_core.fast.decode import GraphDecoder, acquire_decoder, decode_step, forget_decoder, release_decoder
-from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor, stream_tokens
+from oelm_core.fast import stream_tokens
+from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor
 
 CUDA = torch.cuda.is_available()
 TRITON = importlib.util.find_spec("triton") is not None

@@ -1,10 +1,13 @@
 """The reference generation (oelm_core.generate): the KV cache changes speed, not results;
-seeds, filters, limits and streaming. The fast decoder against it: tests/test_fast_decode.py."""
+seeds, filters, limits and streaming, through ``oelm_core.fast.stream_tokens`` with each of the
+decoders it may pick (the switches in PATHS). The fast decoder's parts against the reference:
+tests/test_fast_decode.py."""
 
 import functools
 import itertools
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +16,19 @@ import pytest
 import torch
 
 from oelm_core import build_model
+from oelm_core.config import ConfigError
 from oelm_core.data import get_tokenizer
+from oelm_core.fast import stream_tokens
 from oelm_core.generate import (EOT, SamplingConfig, _uniform, detokenize, generate, gumbel_noise, sample,
-                                sample_from_noise, seed_tensor, stream, stream_tokens)
+                                sample_from_noise, seed_tensor, stream)
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Small CPU tensors: one thread (conftest), or a busy machine's oversubscription slows them down.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# The three ways stream_tokens decodes: the fast decoder (the default), the reference KV-cached
-# loop, the uncached reference.
+# The three ways fast.stream_tokens decodes: the fast decoder (the default), the reference
+# KV-cached loop, the uncached reference.
 PATHS = {"fast": dict(use_cache=True), "cached": dict(use_cache=True, fast=False), "uncached": dict(use_cache=False)}
 
 
@@ -201,37 +206,45 @@ def test_generation_stops_at_end_of_text(path):
 
 
 def test_limits_give_clear_errors(smoke_model):
+    """Out of range: a ConfigError naming the setting, its value and the fix, as for every setting."""
     with pytest.raises(ValueError, match="shorten it to fewer than 64 tokens"):
         list(stream_tokens(smoke_model, list(range(64)), SamplingConfig()))
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ConfigError, match=r"^sampling\.top_p must be in \(0, 1\], got 0\.0; use e\.g\. 0\.9"):
         list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=0.0)))
-    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+    with pytest.raises(ConfigError, match=r"^sampling\.max_new_tokens must be at least 1, got 0; ask for 1 or more"):
         list(stream_tokens(smoke_model, [1], SamplingConfig(max_new_tokens=0)))
+    with pytest.raises(ConfigError, match=r"^sampling\.top_k must be >= 0 \(0 disables it\), got -1; use e\.g\. 50"):
+        list(stream_tokens(smoke_model, [1], SamplingConfig(top_k=-1)))
     for bad in (math.nan, math.inf, -math.inf, -0.5):  # NaN passed every comparison
-        with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0 \(0 is greedy\)"):
+        with pytest.raises(ConfigError, match=rf"^sampling\.temperature must be a finite number >= 0 \(0 is greedy\), "
+                                              rf"got {re.escape(repr(bad))}; use e\.g\. 0\.8"):
             list(stream_tokens(smoke_model, [1], SamplingConfig(temperature=bad)))
     for bad in (math.nan, math.inf):
-        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        with pytest.raises(ConfigError, match=r"^sampling\.top_p must be in \(0, 1\]"):
             list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=bad)))
 
 
 @pytest.mark.parametrize("name, value, kind", [
-    ("max_new_tokens", 2.5, "a whole number"),  # the cached path never stopped: no count equals 2.5
-    ("max_new_tokens", True, "a whole number"),
-    ("top_k", 2.5, "a whole number"),           # a bare TypeError from torch.topk
-    ("top_k", "50", "a whole number"),
-    ("temperature", "0.8", "a number"),
-    ("top_p", None, "a number"),
-    ("seed", 1.5, "a whole number"),
-    ("stop_at_eot", 1, "True or False"),
-    ("use_cache", "no", "True or False"),
-    ("fast", 0, "True or False"),
+    ("max_new_tokens", 2.5, "int"),   # the cached path never stopped: no count equals 2.5
+    ("max_new_tokens", True, "int"),
+    ("top_k", 2.5, "int"),            # a bare TypeError from torch.topk
+    ("top_k", "50", "int"),
+    ("temperature", "0.8", "float"),  # a string is no number here (a YAML file's 3e-4 is read as one)
+    ("top_p", None, "float"),
+    ("seed", 1.5, "int or None"),
+    ("stop_at_eot", 1, "bool"),
+    ("use_cache", "no", "bool"),
+    ("fast", 0, "bool"),
 ])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_sampling_settings_of_the_wrong_type_are_refused_by_name(smoke_model, name, value, kind, path):
+    """The schema's builder checks the sampling settings as it checks every other: a ConfigError
+    naming the setting, the value and the fix."""
     cfg = SamplingConfig(temperature=1.0, seed=1, stop_at_eot=False, **PATHS[path])
     setattr(cfg, name, value)
-    with pytest.raises(TypeError, match=f"^{name} must be {kind}"):
+    message = (f"sampling.{name} should be {kind}, got {type(value).__name__} {value!r}; "
+               f"pass one as SamplingConfig({name}=...)")
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         list(itertools.islice(stream_tokens(smoke_model, [1, 2], cfg), 50))
 
 
@@ -362,19 +375,24 @@ def test_greedy_text_past_the_context_follows_the_window(variant, one_thread):
 
 
 def test_the_reference_imports_no_fast_path():
-    """Generation without SamplingConfig.fast imports nothing of oelm_core.fast (no Triton, no
-    optimizer-step hook); with it, on the CPU, the fast decoder but still no Triton."""
+    """The reference generation imports nothing of oelm_core.fast, whatever SamplingConfig.fast
+    says, nor does the fast door without it (no Triton, no optimizer-step hook); with it, on the
+    CPU, the door loads the fast decoder but still no Triton."""
     code = (
         "import sys, torch\n"
         "torch.set_num_threads(1)\n"
         "from oelm_core import build_model\n"
         "from oelm_core.generate import SamplingConfig, stream_tokens\n"
         "m = build_model('tiny', 'gpt_base').eval()\n"
-        "cfg = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_at_eot=False, fast=False)\n"
-        "list(stream_tokens(m, [1], cfg)); list(stream_tokens(m, [1], SamplingConfig(use_cache=False)))\n"
+        "cfg = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_at_eot=False)\n"
+        "list(stream_tokens(m, [1], cfg))\n"
+        "assert not [n for n in sys.modules if n.startswith('oelm_core.fast') or n == 'triton'], sys.modules\n"
+        "from oelm_core import fast\n"
+        "cfg.fast = False\n"
+        "list(fast.stream_tokens(m, [1], cfg)); list(fast.stream_tokens(m, [1], SamplingConfig(use_cache=False)))\n"
         "assert not [n for n in sys.modules if n.startswith('oelm_core.fast.') or n == 'triton'], sys.modules\n"
         "cfg.fast = True\n"
-        "list(stream_tokens(m, [1], cfg))\n"
+        "list(fast.stream_tokens(m, [1], cfg))\n"
         "assert 'oelm_core.fast.decode' in sys.modules and 'oelm_core.fast.cpu_decode' in sys.modules\n"
         "assert 'triton' not in sys.modules and 'oelm_core.fast.decode_kernels' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

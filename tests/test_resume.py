@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from oelm_core.config import ConfigError, DataConfig
 from oelm_core.data import prepare
 from oelm_core.preemption import EXIT_PREEMPTED
 from oelm_core.train import Trainer, main
-from train_helpers import kill_at, losses, metric_rows, outputs, params, run, torchrun_train, write_params
+from train_helpers import REPO, kill_at, losses, metric_rows, outputs, params, run, torchrun_train, write_params
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -548,3 +550,104 @@ def test_a_stop_signal_ends_the_session_on_a_checkpoint_that_resumes_exactly(tmp
     first = json.loads((Path(full["out_dir"]) / "summary.json").read_text())
     assert done["best_val_loss"] == pytest.approx(first["best_val_loss"], abs=1e-6)
     assert done["final_train_loss"] == pytest.approx(first["final_train_loss"], abs=1e-6)
+
+
+# The training CLI, recording the batches of every step (a JSON line [step, a hash of each micro-
+# batch] per step, in the file BATCHES.<rank>) and, at the step KILL_AT_STEP, killed as the step
+# begins: SIGKILL, which no handler sees and no clean-up follows.
+RECORDING_CLI = """import hashlib, json, os, signal, sys
+from oelm_core.step import TrainStep
+call = TrainStep.__call__
+def recorded(self, batches, lr, step):
+    if step == int(os.environ.get("KILL_AT_STEP", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    hashes = [hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest() for x, y in batches]
+    with open(os.environ["BATCHES"] + "." + os.environ.get("RANK", "0"), "a") as f:
+        f.write(json.dumps([step, hashes]) + "\\n")
+    return call(self, batches, lr, step)
+TrainStep.__call__ = recorded
+from oelm_core.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def recorded_batches(prefix: Path, rank: int = 0) -> dict[int, list[str]]:
+    """{step: the hashes of its micro-batches} as RECORDING_CLI wrote them for ``rank``."""
+    lines = Path(f"{prefix}.{rank}").read_text().splitlines()
+    steps = [json.loads(line) for line in lines]
+    assert len({s for s, _ in steps}) == len(steps), "a step recorded twice in one session"
+    return dict(steps)
+
+
+def recording_cli(tmp_path: Path, values: dict, batches: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "recording_cli.py"
+    script.write_text(RECORDING_CLI)
+    file = write_params(tmp_path / f"{Path(values['out_dir']).name}.yaml", values)
+    return subprocess.run([sys.executable, str(script), "--params", str(file), *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "BATCHES": str(batches), **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_same_figures(a_dir: str, b_dir: str, tolerance: float) -> None:
+    a, b = metric_rows(a_dir), metric_rows(b_dir)
+    assert a.keys() == b.keys()
+    losses(b_dir)  # no step's row written twice
+    for step in a:
+        for key in ("train_loss", "val_loss", "tokens_seen"):
+            assert (a[step].get(key) is None) == (b[step].get(key) is None), (step, key)
+            if a[step].get(key) is not None:
+                assert abs(a[step][key] - b[step][key]) <= tolerance, (step, key, a[step][key], b[step][key])
+
+
+def test_a_killed_process_accumulating_micro_batches_resumes_to_the_same_batches_and_losses(tmp_path, folded):
+    """grad_accum 2: a CLI process killed (SIGKILL) at step 8, two steps past its checkpoint of
+    step 6, and resumed draws at steps 7..10 the very micro-batches of the run never killed, and
+    ends with its losses, weights and samplers' places."""
+    common = dict(steps=10, ckpt_every=3, eval_every=5, batch_size=2, grad_accum=2)
+    full, killed = (params(tmp_path, folded, out=out, **common) for out in ("full", "killed"))
+    proc = recording_cli(tmp_path, full, tmp_path / "full")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = recording_cli(tmp_path, killed, tmp_path / "killed", KILL_AT_STEP="8")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "killed" / "ckpt").iterdir()) == ["step_0000003.pt", "step_0000006.pt"]
+    proc = recording_cli(tmp_path, killed, tmp_path / "resumed", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    uninterrupted = recorded_batches(tmp_path / "full")
+    before, after = recorded_batches(tmp_path / "killed"), recorded_batches(tmp_path / "resumed")
+    assert list(before) == list(range(1, 8)) and list(after) == list(range(7, 11))
+    assert all(len(hashes) == 2 for hashes in uninterrupted.values())
+    assert {**before, **after} == uninterrupted
+    assert_same_figures(full["out_dir"], killed["out_dir"], tolerance=1e-6)
+    ends = [load_checkpoint(Path(v["out_dir"]) / "ckpt" / "step_0000010.pt") for v in (full, killed)]
+    assert ends[0]["sampler"] == ends[1]["sampler"] == {"batches_drawn": 10, "virtual_world": 2}
+    for name, tensor in ends[0]["model"].items():
+        torch.testing.assert_close(ends[1]["model"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_two_killed_ranks_accumulating_micro_batches_resume_to_the_same_batches_and_losses(tmp_path, folded):
+    """2 gloo ranks x grad_accum 2, killed (SIGKILL on both) at step 5, past the checkpoint of
+    step 4, and resumed under torchrun: rank r's micro-batches m at every step are those of
+    virtual rank 2r + m of one process with grad_accum 4 that was never killed, and the figures
+    are its, to the rounding of another order of summation."""
+    common = dict(steps=8, ckpt_every=4, eval_every=4, batch_size=2)
+    single = params(tmp_path, folded, out="single", grad_accum=4, **common)
+    proc = recording_cli(tmp_path, single, tmp_path / "single")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp = params(tmp_path, folded, out="ddp", grad_accum=2, **common)
+    script = str(tmp_path / "recording_cli.py")
+    proc = torchrun_train(tmp_path, ddp, (script,), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+                          BATCHES=str(tmp_path / "killed"), KILL_AT_STEP="5")
+    assert proc.returncode != 0 and "Signal 9 (SIGKILL) received" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ddp" / "ckpt").iterdir()) == ["step_0000004.pt"]
+    proc = torchrun_train(tmp_path, ddp, (script, "--resume"), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+                          BATCHES=str(tmp_path / "resumed"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    uninterrupted = recorded_batches(tmp_path / "single")
+    for rank in (0, 1):
+        before, after = recorded_batches(tmp_path / "killed", rank), recorded_batches(tmp_path / "resumed", rank)
+        assert list(before) == list(range(1, 5)) and list(after) == list(range(5, 9))
+        assert {**before, **after} == {step: hashes[2 * rank:2 * rank + 2] for step, hashes in uninterrupted.items()}
+    assert_same_figures(single["out_dir"], ddp["out_dir"], tolerance=1e-5)

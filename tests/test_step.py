@@ -1,5 +1,6 @@
-"""The training step (oelm_core.step): the schedule, make_step, re-wrapping, the compile
-fallback, the clip, gradients that hold a sum over ranks. The CUDA-graph step: test_graph_step.py."""
+"""The training step (oelm_core.step): the schedule, the step fast.make_step gives on the CPU,
+re-wrapping, the compile fallback, the clip, gradients that hold a sum over ranks. The CUDA-graph
+step: test_graph_step.py."""
 
 import dataclasses
 import re
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from conftest import FOLDED_VOCAB
+from oelm_core import fast
 from oelm_core.config import TrainConfig
 from oelm_core.model import build_model
-from oelm_core.step import TrainStep, configure_optimizer, lr_at, make_step
+from oelm_core.step import TrainStep, configure_optimizer, lr_at
 
 
 def test_lr_schedule():
@@ -21,12 +23,12 @@ def test_lr_schedule():
 
 
 def test_step_hook_and_make_step():
-    """make_step is the loop's step; modules with after_optimizer_step(step) are called after it."""
+    """fast.make_step is the loop's step; modules with after_optimizer_step(step) are called after it."""
     model = build_model("smoke", "gpt_base", block_size=16, vocab_size=FOLDED_VOCAB)
     calls = []
     model.blocks[0].mlp.after_optimizer_step = calls.append
     tc = TrainConfig(grad_clip=1.0, lr=1e-3)
-    step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
+    step = fast.make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
     x = torch.randint(0, FOLDED_VOCAB, (2, 17))
     batches = [(x[:, :-1], x[:, 1:])]
     assert type(step) is TrainStep  # train.cuda_graph is on, but this is the CPU: the plain step
@@ -46,7 +48,7 @@ def test_a_step_after_rewrapping_takes_only_its_own_gradients():
     batches = [(x[:, :-1], x[:, 1:])]
     models = [build_model("smoke", "oelm_freeze", block_size=16, vocab_size=FOLDED_VOCAB) for _ in range(2)]
     for planted, model in enumerate(models):
-        step = make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
+        step = TrainStep(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu"))
         step(batches, 1e-3, 1)
         if planted:
             for p in model.parameters():
@@ -79,7 +81,7 @@ def test_a_failed_compile_falls_back_to_eager_with_only_its_own_gradients(monkey
         step_tc = dataclasses.replace(tc, compile=bool(fails))
         if fails:
             monkeypatch.setattr(torch, "compile", failing_compile)
-        step = make_step(model, configure_optimizer(model, step_tc, torch.device("cpu")), step_tc, torch.device("cpu"))
+        step = TrainStep(model, configure_optimizer(model, step_tc, torch.device("cpu")), step_tc, torch.device("cpu"))
         step(batches, 1e-3, 1)
         assert not step.compile  # the failed one fell back to eager
     for a, b in zip(*(m.state_dict().values() for m in models)):
@@ -98,7 +100,7 @@ def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
     tc = TrainConfig(grad_clip=grad_clip, lr=1e-2)
     opt = configure_optimizer(models[0], tc, torch.device("cpu"))
     assert all(group["fused"] for group in opt.param_groups)
-    step = make_step(models[0], opt, tc, torch.device("cpu"))
+    step = TrainStep(models[0], opt, tc, torch.device("cpu"))
     norms = [float(step(batches, tc.lr, n)[1]) for n in range(1, 5)]
     opt = configure_optimizer(models[1], tc, torch.device("cpu"))
     by_hand = []
@@ -116,10 +118,41 @@ def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
     if grad_clip:  # and the clip did move the weights: unclipped steps end elsewhere
         unclipped = build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
         tc = TrainConfig(grad_clip=0.0, lr=1e-2)
-        step = make_step(unclipped, configure_optimizer(unclipped, tc, torch.device("cpu")), tc, torch.device("cpu"))
+        step = TrainStep(unclipped, configure_optimizer(unclipped, tc, torch.device("cpu")), tc, torch.device("cpu"))
         for n in range(1, 5):
             step(batches, tc.lr, n)
         assert max((a - b).abs().max() for a, b in zip(unclipped.parameters(), models[0].parameters())) > 1e-3
+
+
+def test_accumulated_micro_batches_step_as_one_batch_of_them_all():
+    """grad_accum k at batch b is a step of batch k*b: the micro-batches' gradients are averaged,
+    not summed. The gradients before clipping, the loss and the norm equal the whole batch's, and
+    so do the weights after a step whose clip binds (0.05 is far below this model's norm), to
+    float rounding."""
+    k, b, cpu = 3, 2, torch.device("cpu")
+    x = torch.randint(0, FOLDED_VOCAB, (k * b, 17), generator=torch.Generator().manual_seed(0))
+    ways = {"whole": [(x[:, :-1], x[:, 1:])],
+            "accumulated": [(x[i * b:(i + 1) * b, :-1], x[i * b:(i + 1) * b, 1:]) for i in range(k)]}
+    tc = TrainConfig(grad_clip=0.05, lr=1e-2)
+    seen = {}
+    for way, batches in ways.items():
+        model = build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
+        step = TrainStep(model, configure_optimizer(model, tc, cpu), tc, cpu)
+        loss = step.forward_backward(batches)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        step.optimizer.zero_grad(set_to_none=True)
+        _, norm = step(batches, tc.lr, 1)
+        seen[way] = loss, grads, norm, {n: p.detach().clone() for n, p in model.named_parameters()}
+    (loss, grads, norm, weights), (loss_k, grads_k, norm_k, weights_k) = seen["whole"], seen["accumulated"]
+    assert norm > 10 * tc.grad_clip  # the clip binds: the step is taken at norm 0.05 either way
+    torch.testing.assert_close(loss_k, loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(norm_k, norm, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_k[name], g, rtol=1e-4, atol=1e-7, msg=name)
+    # AdamW's first step moves each element by about lr g / (|g| + eps): where a gradient element
+    # is near eps (1e-8) the two orders of summation move it differently, by up to ~5e-4 lr.
+    for name, w in weights.items():
+        torch.testing.assert_close(weights_k[name], w, rtol=0, atol=1e-3 * tc.lr, msg=name)
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import FOLDED_VOCAB
-from oelm_core.accounting import count_parameters
+from oelm_core.accounting import count_parameters, flops_per_token
 from oelm_core.checkpoint import load_checkpoint, model_from_state
-from oelm_core.config import ConfigError, run_config_from_dict
+from oelm_core.config import ConfigError, ModelConfig, run_config_from_dict
 from oelm_core.data import eval_batches
 from oelm_core.export import load_safetensors
 from oelm_core.model import GPT, build_model
@@ -162,6 +162,76 @@ def test_progressive_unfreezing_and_resume_across_it(tmp_path, folded):
         a, b = losses(values["out_dir"]), losses(split["out_dir"])
         assert a.keys() == b.keys()
         assert all(abs(a[s] - b[s]) <= 1e-6 for s in a), (stop, a, b)
+
+
+# Progressive unfreezing in two steps of a 3-layer OELM-Freeze: layer 1 before step 2, layer 2
+# before step 4; layer 0 stays frozen. The layers frozen during each step (and in its checkpoint):
+UNFREEZE_IN_STEPS = {1: [1], 3: [2]}
+FROZEN_AT = {1: [0, 1, 2], 2: [0, 2], 3: [0, 2], 4: [0], 5: [0]}
+PEAK = 1e9  # FLOP/s, through OELM_PEAK_FLOPS: the MFU of each row then gives the FLOPs it counted
+
+
+def assert_frozen_as_scheduled(out: Path) -> None:
+    """Every step's checkpoint, metrics row, the summary and the export of a run trained with
+    UNFREEZE_IN_STEPS agree with FROZEN_AT, each against an independent reading: the saved live
+    config; which Q/K weights the step moved; the optimizer's groups and the elements it keeps
+    moments for, against a model built with those layers frozen; the FLOPs behind the row's MFU
+    and the summary's parameter counts, against the accounting of that model."""
+    def built(frozen: list[int]) -> GPT:  # the model with exactly these layers frozen, from its config
+        return build_model("smoke", "oelm_freeze", block_size=32, vocab_size=FOLDED_VOCAB, n_layer=3,
+                           freeze_qk=frozen or "none", seed=42)
+
+    before = {f"blocks.{i}.attn.qk.weight": w for i, w in enumerate(qk_weights(built([0, 1, 2])))}
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    for step, frozen in FROZEN_AT.items():
+        state = load_checkpoint(out / "ckpt" / f"step_{step:07d}.pt")
+        assert model_from_state(state).live_config().frozen_layers() == frozen, step
+        assert ModelConfig(**state["model_config"]).frozen_layers() == frozen, step
+        moved = [i for i in range(3) if not torch.equal(state["model"][f"blocks.{i}.attn.qk.weight"],
+                                                        before[f"blocks.{i}.attn.qk.weight"])]
+        assert moved == [i for i in range(3) if i not in frozen], (step, moved)
+        before = {name: state["model"][name] for name in before}
+        model = built(frozen)
+        groups = state["optimizer"]["param_groups"]
+        unfrozen_so_far = [len(layers) for at, layers in UNFREEZE_IN_STEPS.items() if at < step]
+        assert [len(g["params"]) for g in groups[2:]] == unfrozen_so_far, step
+        assert all(g["weight_decay"] == 0.1 for g in groups[2:])
+        assert sum(len(g["params"]) for g in groups) == len(list(model.parameters())), step
+        moments = sum(s["exp_avg"].numel() for s in state["optimizer"]["state"].values())
+        assert moments == count_parameters(model)["trainable"], step
+        flops = rows[step]["mfu"] * PEAK / rows[step]["tokens_per_s"]
+        assert flops == pytest.approx(flops_per_token(model.cfg)["total"], rel=1e-9), step
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["params"] == json.loads(json.dumps(count_parameters(built(FROZEN_AT[5]))))
+    assert summary["params"]["frozen"] == 2 * 64 * 64
+    exported = json.loads((out / "export" / "config.json").read_text())
+    best = load_checkpoint(out / "best.pt")["step"]
+    assert exported["qk"]["frozen_layers"] == FROZEN_AT[best]
+    assert ModelConfig(**exported["model_config"]).frozen_layers() == FROZEN_AT[best]
+
+
+def test_progressive_unfreezing_in_steps_agrees_everywhere_and_after_a_resume(tmp_path, folded, monkeypatch):
+    """Unfrozen in two steps, the model's buffers and parameters, the optimizer's groups, the
+    saved live config, the accounting and the export agree after each unfreeze on which layers
+    are frozen; a run paused at the second unfreeze's step and resumed agrees too, with the
+    uninterrupted run's losses and weights."""
+    monkeypatch.setenv("OELM_PEAK_FLOPS", str(PEAK))
+    common = dict(steps=5, ckpt_every=1, eval_every=2, unfreeze_schedule=UNFREEZE_IN_STEPS)
+    runs = {}
+    for name, stop in (("full", 0), ("split", 3)):
+        values = params(tmp_path, folded, out=name, **common)
+        values["model"]["n_layer"] = 3
+        if stop:
+            assert run({**values, "train": {**values["train"], "stop_after": stop}})["status"] == "paused"
+        assert run(values, resume=bool(stop))["status"] == "completed"
+        runs[name] = Path(values["out_dir"])
+        assert_frozen_as_scheduled(runs[name])
+    a, b = losses(str(runs["full"])), losses(str(runs["split"]))
+    assert a.keys() == b.keys() == set(FROZEN_AT)
+    assert all(abs(a[s] - b[s]) <= 1e-6 for s in a), (a, b)
+    last = [load_checkpoint(out / "ckpt" / "step_0000005.pt")["model"] for out in runs.values()]
+    for name, tensor in last[0].items():
+        torch.testing.assert_close(last[1][name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def test_clear_errors(tmp_path, folded, capsys):

@@ -15,6 +15,7 @@ is chosen so that no two components coincide in size:
 """
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 from oelm_core import VARIANTS, ConfigError, build_model, count_parameters, model_config
 from oelm_core.config import run_config_from_dict
 from oelm_core.experiment import load_plan
-from oelm_core.model import QKProjection
+from oelm_core.model import GPT, QKProjection
 from oelm_core.orthogonal import attention_logit_stats
 from oelm_core.poet import POETProjection
 
@@ -206,6 +207,31 @@ def test_unfrozen_qk_start_training(variant, layers):
         assert not torch.equal(model.blocks[i].attn.qk.weight, before[i])  # was trainable all along
     for i in set(frozen_before) - set(expected):
         assert torch.equal(model.blocks[i].attn.qk.weight, before[i])      # still frozen
+
+
+@pytest.mark.parametrize("variant", ["oelm_freeze", "oelm_freeze_shallow", "oelm_freeze_deep"])
+def test_the_live_config_names_the_layers_frozen_now_and_rebuilds_the_model(variant):
+    """Unfrozen in steps, a model's live_config() names the layers whose Q/K are still buffers,
+    counted from the modules themselves; built from it, a model has the same parameters and
+    buffers (names and shapes) and takes its state_dict. Before any unfreezing it is cfg itself
+    ("first_half" stays "first_half")."""
+    model = small(variant)
+    assert model.live_config() is model.cfg
+    frozen = model.cfg.frozen_layers()
+    for layers in ([frozen[-1]], "all"):
+        model.unfreeze_qk(layers)
+        frozen = [] if layers == "all" else frozen[:-1]
+        live = model.live_config()
+        buffers = [i for i in range(4) if f"blocks.{i}.attn.qk.weight" in dict(model.named_buffers())]
+        assert live.frozen_layers() == model.frozen_qk_layers() == buffers == frozen
+        assert live.freeze_qk == (frozen or "none")
+        assert dataclasses.replace(live, freeze_qk=model.cfg.freeze_qk) == model.cfg
+        rebuilt = GPT(live)
+        for kind in ("named_parameters", "named_buffers"):
+            assert ({n: t.shape for n, t in getattr(rebuilt, kind)()}
+                    == {n: t.shape for n, t in getattr(model, kind)()}), kind
+        rebuilt.load_state_dict(model.state_dict())
+        assert count_parameters(rebuilt) == count_parameters(model)
 
 
 def test_fixed_synthesizer_stays_fixed_and_learned_one_trains():

@@ -1,7 +1,7 @@
 """The fast decoder: the reference generation loop's tokens with fewer launches and host waits.
 
-``oelm_core.generate.stream_tokens`` hands KV-cached decoding over to ``decode_tokens`` here when
-``SamplingConfig.fast`` is on and ``supports(model)``. After the prompt's prefill (the model's
+``oelm_core.fast.decoder`` answers with ``decode_tokens`` here when ``SamplingConfig.fast`` and
+the KV cache are on and ``supports(model)``. After the prompt's prefill (the model's
 own growing-cache path), tokens come from a ``GraphDecoder``: the fixed-shape one-token step
 (``decode_step``: keys and values written at a position held in a device tensor, attention over
 the whole block_size cache under a position mask), then the draw, ``CHUNK`` steps at a time with

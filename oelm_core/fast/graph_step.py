@@ -8,7 +8,7 @@ together; the next steps copy their batch into the graph's inputs, set the learn
 replay. Every rank captures or none does. A step that cannot be captured runs eagerly, correct
 either way.
 
-Switch: ``train.cuda_graph`` (``oelm_core.step.make_step`` picks this step on a CUDA device).
+Switch: ``train.cuda_graph`` (``oelm_core.fast.make_step`` picks this step on a CUDA device).
 Gain: benchmarks/README.md.
 """
 
@@ -27,6 +27,27 @@ from oelm_core.step import TrainStep, _first_line
 log = logging.getLogger(__name__)
 
 
+def capturable(optimizer: torch.optim.Optimizer, lr: float, device: torch.device) -> None:
+    """Make ``optimizer``'s step capturable: each param group's learning rate becomes a 0-dim
+    tensor on ``device`` holding ``lr`` (the step reads it there, and ``feed`` fills it in place),
+    and AdamW keeps its step counts on the device."""
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(lr), device=device)
+        group["capturable"] = True
+
+
+def feed(inputs: list, optimizer: torch.optim.Optimizer, batches: list, lr: float) -> None:
+    """Give a captured step its next ``batches`` and learning rate ``lr``: copied into the
+    tensors the graph was captured on, the static ``inputs`` ((x, y) pairs) and each param
+    group's 0-dim ``lr`` tensor. In place: a new tensor (or a Python float) in their stead would
+    leave the replays reading the captured ones, the learning rate frozen at its value at capture."""
+    for (x, y), (sx, sy) in zip(batches, inputs):
+        sx.copy_(x, non_blocking=True)
+        sy.copy_(y, non_blocking=True)
+    for group in optimizer.param_groups:
+        group["lr"].fill_(lr)
+
+
 class GraphStep(TrainStep):
     """``TrainStep`` whose ``run`` replays a CUDA graph of itself (see the module)."""
 
@@ -42,11 +63,12 @@ class GraphStep(TrainStep):
         return torch.cuda.is_available() and (not ddp or dist.get_backend() == "nccl")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,
-                 device: torch.device, ddp: bool = False):
+                 device: torch.device, ddp: bool = False, **options):
+        """``TrainStep``'s arguments (``options``: its ``data_parallel``)."""
         # DDP is built, warmed up and captured on this one stream: the default stream cannot
         # take part in a capture, and the reducer's hooks run on the stream DDP was built on.
         self.stream = torch.cuda.Stream(device)
-        super().__init__(model, optimizer, tc, device, ddp)
+        super().__init__(model, optimizer, tc, device, ddp, **options)
 
     def wrap(self) -> None:
         super().wrap()
@@ -76,11 +98,7 @@ class GraphStep(TrainStep):
             return super().run(batches, lr)
         shapes = [(tuple(x.shape), tuple(y.shape)) for x, y in batches]
         if self.graph is not None and shapes == self.shapes:
-            for (x, y), (sx, sy) in zip(batches, self.inputs):
-                sx.copy_(x, non_blocking=True)
-                sy.copy_(y, non_blocking=True)
-            for group in self.optimizer.param_groups:
-                group["lr"].fill_(lr)
+            feed(self.inputs, self.optimizer, batches, lr)
             self.graph.replay()
             return self.outputs[0].clone(), self.outputs[1].clone()
         if self.warm < (self.WARMUP_STEPS_DDP if self.ddp else self.WARMUP_STEPS):
@@ -97,9 +115,7 @@ class GraphStep(TrainStep):
         whether it worked. On failure on any rank every rank goes on eagerly."""
         device = batches[0][0].device
         self.inputs = [(x.clone(), y.clone()) for x, y in batches]
-        for group in self.optimizer.param_groups:
-            group["lr"] = torch.tensor(float(lr), device=device)
-            group["capturable"] = True
+        capturable(self.optimizer, lr, device)
         self.optimizer.zero_grad(set_to_none=True)
         graph, error = torch.cuda.CUDAGraph(), None
         try:
