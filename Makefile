@@ -43,7 +43,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 study: $(VENV)/.installed
-	$(BIN)/python -m oelm_core.study $(STUDY)
+	$(BIN)/python -m oelm_core run $(STUDY)
 
 # Every table and figure of results/ from the committed run files (no GPU, no checkpoints): the tuned
 # Medium-512 and mini studies through notebooks/04_analysis (results.md, results.json, figures/, the
@@ -57,8 +57,8 @@ results: $(VENV)/.installed
 	  -y '{run_dirs: [$(TUNED)/runs], out_dir: $(TUNED), which: best, compare_across: $(TUNED_ACROSS)}'
 	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(MINI)/04_analysis.ipynb --log-level WARNING \
 	  -y '{run_dirs: [$(MINI)/runs], out_dir: $(MINI), which: best, compare_across: $(TUNED_ACROSS), timed_alone: false}'
-	$(BIN)/python -m oelm_core.sweep gaps results/ablations_medium512 --comparators $(TUNED)/runs --which best --tuned
-	for s in medium512 mini; do $(BIN)/python -m oelm_core.tuning results/tune_$$s \
+	$(BIN)/python -m oelm_core report results/ablations_medium512 --comparators $(TUNED)/runs --which best --tuned
+	for s in medium512 mini; do $(BIN)/python -m oelm_core tune results/tune_$$s \
 	  --markdown results/tune_$$s/tuning.md --figure results/tune_$$s/tuning.png || exit 1; done
 
 # The browser test drives Debian's Chromium (a test tool's own browser download is not

@@ -490,6 +490,13 @@ def _build(cls: type, values: dict, where: str):
     return cls(**kwargs)
 
 
+def build_section(cls: type, values: dict, where: str):
+    """A dataclass ``cls`` from the mapping ``values``, every key and type checked by the one
+    builder of this schema (messages name ``where``.KEY): the runner's plan and SLURM sections
+    (oelm_core.runner.plan) are built by it too."""
+    return _build(cls, values, where)
+
+
 # Model keys that became train keys (execution switches, not the model's shape): old parameter
 # files and the run configs inside old checkpoints still load. old key -> (new key, new value).
 MOVED_MODEL_KEYS = {
@@ -684,11 +691,11 @@ EXAMPLE_PARAMETER_FILE = "parameters/smoke/oelm_freeze.yaml"
 def _check_parameter_file(path: Path, values: dict) -> None:
     """ConfigError where ``values`` (a parameter file with its overrides applied) do not say which
     model they train: without ``preset`` or ``variant`` an empty file trained the Medium-512
-    GPT-Base defaults. A study's or a sweep's file is named as one, with the command that runs it."""
-    for section, runner in (("study", "oelm_core.study"), ("sweep", "oelm_core.sweep")):
+    GPT-Base defaults. A plan file (a study, a sweep) is named as one, with the command that runs it."""
+    for section in ("experiment", "study", "sweep"):
         if section in values:
-            raise ConfigError(f"{path} is a {section} file (it has a `{section}:` section): run it with "
-                              f"python -m {runner} {path}; a training reads a parameter file of one run, "
+            raise ConfigError(f"{path} is a plan file (it has the `{section}:` section): run it with "
+                              f"python -m oelm_core run {path}; a training reads a parameter file of one run, "
                               f"e.g. {EXAMPLE_PARAMETER_FILE}")
     model = values.get("model") if isinstance(values.get("model"), dict) else {}
     # Written inside model:, they get RunConfig.model_config's message, which says where they go.

@@ -77,7 +77,7 @@ def test_each_notebook_is_its_py_source(name):
     every run that sets it)."""
     import papermill as pm
 
-    from oelm_core.experiment import notebook_defaults
+    from oelm_core.notebooks import notebook_defaults
 
     nb = nbformat.read(FOLDER / f"{name}.ipynb", as_version=4)
     committed = [("md" if c.cell_type == "markdown" else "params" if "parameters" in c.metadata.get("tags", [])
@@ -173,7 +173,7 @@ def test_default_output_folders_are_ignored_by_git(name):
     wrote figures and results.md into folders git tracks, the committed results/ among them.
     The defaults are taken from the repository root, whatever the working directory."""
     from oelm_core.analysis import REPO as ROOT
-    from oelm_core.experiment import notebook_defaults
+    from oelm_core.notebooks import notebook_defaults
 
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and the repository's .git")
@@ -234,7 +234,7 @@ def test_a_bad_papermill_parameter_is_named_before_anything_runs(tmp_path):
                                 "default is 512); got 'abc'")
     nb = nbformat.read(tmp_path / "01.ipynb", as_version=4)
     ran = [c for c in nb.cells if c.cell_type == "code" and c.execution_count]
-    assert "check_notebook_parameters" in ran[-1].source   # the first cell after the parameters
+    assert "check_kernel_parameters" in ran[-1].source   # the first cell after the parameters
 
 
 @pytest.mark.slow
@@ -288,7 +288,7 @@ def test_sweep_notebook_is_committed_without_outputs():
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(not c.outputs and c.execution_count is None for c in code)
     assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
-    # No library logic in the notebook: it only calls oelm_core.experiment and oelm_core.sweep.
+    # No library logic in the notebook: it only calls the runner and oelm_core.analysis.sweeps.
     assert not any(line.lstrip().startswith(("def ", "class ")) for c in code for line in c.source.splitlines())
 
 

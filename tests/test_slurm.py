@@ -1,4 +1,4 @@
-"""The SLURM launcher (oelm_core.slurm) against a real scheduler, not a mock.
+"""The SLURM scheduler (oelm_core.runner.slurm) against a real scheduler, not a mock.
 
 A throw-away single-node SLURM runs on localhost for the session (``slurm_cluster``): munged with
 its own key and socket, slurmctld and slurmd with a minimal slurm.conf, all in a temp dir, CPU
@@ -112,7 +112,7 @@ TINY = ["train.batch_size=2", "model.block_size=32", "train.eval_batches=1", "tr
 
 def _runner(plan: Path, out: Path, base: Path, *args: str, popen: bool = False):
     env = dict(os.environ, OELM_DATA=str(base / "stories"), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "oelm_core.experiment", str(plan), "--out", str(out),
+    cmd = [sys.executable, "-m", "oelm_core", "run", str(plan), "--out", str(out),
            "--set", f"data.out_dir={base / 'data'}", *args]
     if popen:
         return subprocess.Popen(cmd, cwd=base, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -139,11 +139,11 @@ def test_a_study_on_slurm_trains_as_jobs_and_tabulates_like_the_local_launcher(s
     sets = [s for t in TINY + ["train.steps=4", "train.eval_every=2", "train.ckpt_every=4"] for s in ("--set", t)]
     study = REPO / "parameters" / "study_smoke.yaml"
     on_slurm = _runner(study, stories / "slurm", stories, "--launcher", "slurm", *sets, "--set",
-                       "study.notebooks=[03_training,04_analysis]", "--set", "study.slurm.poll_s=0.5", "--set", "study.slurm.cpus_per_task=1",
-                       "--set", "study.parameters.04_analysis.max_new_tokens=4")
+                       "experiment.notebooks=[03_training,04_analysis]", "--set", "experiment.slurm.poll_s=0.5",
+                       "--set", "experiment.slurm.cpus_per_task=1", "--set", "experiment.parameters.04_analysis.max_new_tokens=4")
     assert on_slurm.returncode == 0, on_slurm.stdout[-4000:] + on_slurm.stderr[-4000:]
     local = _runner(study, stories / "local", stories, "--runner", "inprocess", *sets,
-                    "--set", "study.notebooks=[03_training]")
+                    "--set", "experiment.notebooks=[03_training]")
     assert local.returncode == 0, local.stdout[-4000:] + local.stderr[-4000:]
 
     out = on_slurm.stdout
@@ -211,7 +211,7 @@ def test_a_warned_job_checkpoints_requeues_and_ends_with_the_uninterrupted_losse
 
 def test_a_partition_slurm_does_not_have_is_named_with_the_ones_it_has(slurm_cluster, stories):
     proc = _runner(REPO / "parameters" / "study_smoke.yaml", stories / "bad", stories, "--launcher", "slurm",
-                   "--partition", "nosuch", "--set", "study.notebooks=[03_training]")
+                   "--partition", "nosuch", "--set", "experiment.notebooks=[03_training]")
     assert proc.returncode == 2
     assert "nosuch" in proc.stderr and "one of this cluster's partitions: debug" in proc.stderr, proc.stderr
     assert not list((stories / "bad").rglob("slurm.json"))   # nothing was submitted
@@ -220,8 +220,8 @@ def test_a_partition_slurm_does_not_have_is_named_with_the_ones_it_has(slurm_clu
 def test_without_sbatch_the_launcher_says_where_to_run(tmp_path):
     """No SLURM commands on PATH (a laptop): a clear error before anything is written."""
     env = dict(os.environ, PATH=str(Path(sys.executable).parent), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "oelm_core.study", str(REPO / "parameters" / "study_smoke.yaml"),
-                           "--out", str(tmp_path / "out"), "--launcher", "slurm", "--set", "study.notebooks=[03_training]"],
+    proc = subprocess.run([sys.executable, "-m", "oelm_core", "run", str(REPO / "parameters" / "study_smoke.yaml"),
+                           "--out", str(tmp_path / "out"), "--launcher", "slurm", "--set", "experiment.notebooks=[03_training]"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "needs SLURM's sbatch" in proc.stderr and "--launcher local" in proc.stderr, proc.stderr

@@ -22,7 +22,7 @@ import torch
 
 from oelm_core import VARIANTS, ConfigError, build_model, count_parameters, model_config
 from oelm_core.config import run_config_from_dict
-from oelm_core.experiment import load_plan
+from oelm_core.runner import load_plan
 from oelm_core.model import QKProjection
 from oelm_core.orthogonal import attention_logit_stats
 from oelm_core.poet import POETProjection

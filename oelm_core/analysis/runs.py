@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from oelm_core.analysis.groups import GROUP_LABELS
 from oelm_core.config import ConfigError, RunConfig, read_yaml, trained_settings
+from oelm_core.groups import GROUP_LABELS
 
 # The validation figures a results table or hypothesis reads: the last evaluation's or the best's.
 WHICH = ("final", "best")
+# The trainer's statuses (summary.json) of a run that has ended: nothing is left to train.
+FINISHED = ("completed", "stopped_early")
 
 
 def check_which(which: str) -> None:
