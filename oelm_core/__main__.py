@@ -31,7 +31,7 @@ def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core re
     intervals. 0 written, 2 unusable input."""
     from oelm_core.analysis.ablations import ablation_gaps, ablation_table, write_ablation_gaps, write_ablation_table
     from oelm_core.analysis.groups import TUNED_SETTINGS
-    from oelm_core.analysis.runs import WHICH
+    from oelm_core.analysis.runs import WHICH, find_run_dirs
     from oelm_core.analysis.sweeps import sweep_figure, sweep_results
     from oelm_core.config import ConfigError
 
@@ -58,6 +58,9 @@ def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core re
     gaps.add_argument("--out", help="where to write ablations.md, .json, .png (default: ROOT)")
     args = p.parse_args(argv)
     try:
+        if not Path(args.root).is_dir() or not find_run_dirs(args.root):
+            raise ConfigError(f"{args.root} holds no run folders (summary.json or metrics.jsonl); pass the folder of a "
+                              f"plan's runs, e.g. runs/ablations or runs/sweeps/a6_layers")
         if args.comparators:
             table = ablation_gaps(args.root, args.comparators, args.which, TUNED_SETTINGS if args.tuned else ())
             print(table["markdown"])

@@ -215,3 +215,10 @@ def test_an_unreadable_poet_checkpoint_leaves_its_cell_empty(tmp_path, capsys):
 
 
 
+
+
+def test_report_on_a_folder_without_runs_says_so(tmp_path, capsys):
+    """It wrote three empty tables into a folder it created."""
+    assert report([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nope'} holds no run folders")
+    assert not (tmp_path / "nope").exists()
