@@ -27,7 +27,7 @@ export TIKTOKEN_CACHE_DIR ?= $(SHARED)/tokenizer/tiktoken_cache
 endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study results test test-gpu lab demo bench browser slurm clean
+.PHONY: study results notebooks test test-gpu lab demo bench browser slurm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 study: $(VENV)/.installed
 	$(BIN)/python -m oelm_core run $(STUDY)
 
+# The notebooks' .ipynb, made from their committed .py sources and git-ignored: what JupyterLab
+# opens and papermill runs by hand (notebooks/jupytext.toml). --update keeps a session's outputs;
+# a notebook whose cells are those of its .py is left as it is.
+notebooks: $(VENV)/.installed
+	$(BIN)/python -m jupytext --quiet --to ipynb --update --set-kernel python3 $(wildcard notebooks/[0-9][0-9]_*.py)
+
 # Every table and figure of results/ from the committed run files (no GPU, no checkpoints): the tuned
 # Medium-512 and mini studies through notebooks/04_analysis (results.md, results.json, figures/, the
 # executed notebook), the ablations against the Medium-512 study's OELM-Freeze and GPT-Base, and the
@@ -52,7 +58,7 @@ study: $(VENV)/.installed
 TUNED    := results/tuned_medium512
 MINI     := results/tuned_mini
 TUNED_ACROSS := [train.lr, train.min_lr, model.dropout]
-results: $(VENV)/.installed
+results: $(VENV)/.installed notebooks
 	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(TUNED)/04_analysis.ipynb --log-level WARNING \
 	  -y '{run_dirs: [$(TUNED)/runs], out_dir: $(TUNED), which: best, compare_across: $(TUNED_ACROSS)}'
 	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(MINI)/04_analysis.ipynb --log-level WARNING \
@@ -80,9 +86,10 @@ test: $(VENV)/.installed browser slurm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # JupyterLab at the repository root, on the project's kernel (python3, installed above); jupytext
-# saves each notebook with its .py (notebooks/jupytext.toml). LAB_ARGS, e.g. --no-browser --port 8888
+# saves each notebook's cells to its .py and its outputs to the git-ignored .ipynb
+# (notebooks/jupytext.toml). LAB_ARGS, e.g. --no-browser --port 8888
 LAB_ARGS ?=
-lab: $(VENV)/.installed
+lab: $(VENV)/.installed notebooks
 	$(BIN)/python -m jupyterlab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # The tests marked `gpu` (Triton kernels on CUDA, CUDA graphs, two GPUs), and a summary:

@@ -11,8 +11,8 @@
 # * `runner`: `"inprocess"` (`oelm_core.train.train` in this kernel), `"subprocess"` (`python -m
 #   oelm_core.train` per run) or `"notebook"` (papermill runs `03_training.ipynb` per run).
 # * `smoke=True` uses the file's `smoke` section: two points of a tiny model, a few steps (~2 min
-#   on CPU). On a GPU: `papermill notebooks/05_sweep.ipynb out.ipynb -p smoke False -p sweep_file
-#   parameters/sweeps/a3_heads.yaml`.
+#   on CPU). On a GPU: `make notebooks`, then `papermill notebooks/05_sweep.ipynb out.ipynb -p smoke
+#   False -p sweep_file parameters/sweeps/a3_heads.yaml`.
 
 # %% tags=["parameters"]
 sweep_file = "parameters/sweeps/a6_layers.yaml"   # a3_heads, a4_head_dim, a5_context, a6_layers
