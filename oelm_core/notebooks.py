@@ -134,14 +134,21 @@ def check_notebook_parameters(name: str, values: dict[str, Any], where: str | No
 
     ``where``: what the message writes before a parameter's name (a plan:
     "experiment.parameters.NAME."); None: a notebook's own call."""
+    problem = next(_problems(name, values, where), None)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _problems(name: str, values: dict[str, Any], where: str | None):
+    """``check_notebook_parameters``' messages, one per problem, in the order of ``values``."""
     defaults = notebook_defaults(name)
     label = where if where is not None else f"notebook {name}: parameter "
     for key, value in values.items():
         if key not in defaults:
             close = difflib.get_close_matches(key, defaults, n=1)
-            raise ConfigError(f"{label}{key} is not a parameter of {name}"
-                              f"{f' (did you mean {close[0]}?)' if close else ''}; its parameters are "
-                              f"{', '.join(defaults)}")
+            yield (f"{label}{key} is not a parameter of {name}{f' (did you mean {close[0]}?)' if close else ''}; "
+                   f"its parameters are {', '.join(defaults)}")
+            continue
         default = defaults[key]
         kind = type(default) if default is not None else NONE_DEFAULT_TYPES.get(name, {}).get(key)
         if not (_fits(value, kind) or (value is None and default is None)):
@@ -151,23 +158,23 @@ def check_notebook_parameters(name: str, values: dict[str, Any], where: str | No
             hint = (f"; give a list or mapping to papermill as YAML with -y, e.g. -y '{key}: "
                     f"{'[...]' if kind is list else '{...}'}'"
                     if where is None and kind in (list, dict) and isinstance(value, str) else "")
-            raise ConfigError(f"{label}{key} must be {expected} (the notebook's default is {default!r}); "
-                              f"got {value!r}{hint}")
+            yield f"{label}{key} must be {expected} (the notebook's default is {default!r}); got {value!r}{hint}"
+            continue
         choices = PARAMETER_CHOICES.get(name, {}).get(key)
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{label}{key} must be one of {', '.join(choices)}; got {value!r}")
         minimum, why = PARAMETER_MINIMA.get(name, {}).get(key, (None, ""))
-        if minimum is not None and value < minimum:
-            raise ConfigError(f"{label}{key} must be at least {minimum} ({why}); got {value!r}")
         example = PARAMETER_FILES.get(name, {}).get(key)
-        if example is not None and not _is_file(value):
-            raise ConfigError(f"{label}{key} names no file: {value!r} is neither in {Path.cwd()} nor in {REPO}; "
-                              f"pass an existing file, e.g. {example}")
+        if choices is not None and value not in choices:
+            yield f"{label}{key} must be one of {', '.join(choices)}; got {value!r}"
+        elif minimum is not None and value < minimum:
+            yield f"{label}{key} must be at least {minimum} ({why}); got {value!r}"
+        elif example is not None and not _is_file(value):
+            yield (f"{label}{key} names no file: {value!r} is neither in {Path.cwd()} nor in {REPO}; "
+                   f"pass an existing file, e.g. {example}")
     for key, other in PARAMETER_DIVIDES.get(name, {}).items():
         value, total = values.get(key, defaults[key]), values.get(other, defaults[other])
-        if total % value:
-            raise ConfigError(f"{label}{key} must divide {other} ({other} = {total} is split into {key} "
-                              f"equal parts); got {key} = {value}")
+        if _fits(value, int) and _fits(total, int) and value > 0 and total % value:
+            yield (f"{label}{key} must divide {other} ({other} = {total} is split into {key} "
+                   f"equal parts); got {key} = {value}")
 
 
 def injected_names(namespace: dict) -> list[str]:
@@ -183,15 +190,16 @@ def injected_names(namespace: dict) -> list[str]:
 
 
 def check_kernel_parameters(name: str, namespace: dict) -> None:
-    """A notebook's first cell after its parameters: ``check_notebook_parameters`` on the
-    parameters' values in ``namespace`` (the kernel's globals()), and on what papermill
-    injected, so that a name the notebook does not declare (``-p param x`` for ``params``) is
-    refused before anything runs: papermill itself only warns and injects it."""
-    defaults = notebook_defaults(name)
-    injected = injected_names(namespace)
-    values = {k: namespace[k] for k in injected if k in namespace}
-    values.update({k: namespace[k] for k in defaults if k in namespace and k not in values})
-    check_notebook_parameters(name, values)
+    """A notebook's first cell after its parameters: ``check_notebook_parameters`` on what
+    papermill injected into ``namespace`` (the kernel's globals()) and on every parameter's value
+    there, so that a name the notebook does not declare (``-p param x`` for ``params``) is refused
+    before anything runs: papermill itself only warns and injects it. ConfigError naming every
+    problem, one per line."""
+    values = {k: namespace[k] for k in injected_names(namespace) if k in namespace}
+    values.update({k: namespace[k] for k in notebook_defaults(name) if k in namespace and k not in values})
+    problems = list(_problems(name, values, None))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 # --------------------------------------------------------------------------------------------

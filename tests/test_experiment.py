@@ -9,8 +9,13 @@ checks the notebooks it executed; tests/test_sweep.py the tables read back from 
 
 import copy
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -218,8 +223,9 @@ def test_an_older_plan_section_is_read_as_experiment_and_says_what_to_change(tmp
     that name an older section."""
     old = tmp_path / "study_old.yaml"
     text = "\n".join(line for line in STUDY_FILE.read_text().splitlines() if "layout:" not in line)
-    old.write_text(text.replace("experiment:", "study:").replace("    - smoke/", f"    - {REPO}/parameters/smoke/") + "\n")
-    plan, new = load_plan(old, tmp_path / "o", ["study.seeds=[3]"]), load_plan(STUDY_FILE, tmp_path / "o", ["experiment.seeds=[3]"])
+    old.write_text(text.replace("experiment:", "study:").replace("    - smoke/", f"    - {REPO}/parameters/smoke/"))
+    plan = load_plan(old, tmp_path / "o", ["study.seeds=[3]"])
+    new = load_plan(STUDY_FILE, tmp_path / "o", ["experiment.seeds=[3]"])
     assert [(r.name, r.run_dir, r.config) for r in plan.runs] == [(r.name, r.run_dir, r.config) for r in new.runs]
     assert (plan.notebooks, plan.layout, plan.section, plan.name) == (new.notebooks, "study", "study", "smoke")
     err = capsys.readouterr().err
@@ -1008,3 +1014,95 @@ def test_a_plan_narrowed_to_its_trainings_does_not_open_the_other_notebooks(monk
     opened.clear()
     load_plan(REPO / "parameters/study_tuned_medium512.yaml")
     assert opened == ["03_training", "04_analysis"]
+
+
+# --- nothing lost, nothing silent (issue 44) ---------------------------------------------------------
+
+def test_the_first_cell_names_what_papermill_injected_that_the_notebook_does_not_declare():
+    """The kernel's globals after papermill's injected cell (IPython keeps every executed cell in
+    In): a misspelt name is refused with the close match, and every problem is named at once."""
+    injected = '# Parameters\nparam = "parameters/smoke/gpt_base.yaml"\nnproc = 0\nparams = "missing.yaml"\n'
+    namespace = {**notebook_defaults("03_training"), "param": "parameters/smoke/gpt_base.yaml", "nproc": 0,
+                 "params": "missing.yaml", "In": ["", "params = 'x'", injected, "check_kernel_parameters(...)"]}
+    assert N.injected_names(namespace) == ["param", "nproc", "params"]
+    with pytest.raises(ConfigError) as err:
+        N.check_kernel_parameters("03_training", namespace)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("notebook 03_training: parameter param is not a parameter of 03_training (did you "
+                               "mean params?)")
+    assert lines[1] == "notebook 03_training: parameter nproc must be at least 1 (one training process at least); got 0"
+    assert lines[2].startswith("notebook 03_training: parameter params names no file: 'missing.yaml'")
+    # run in JupyterLab (nothing injected), the declared parameters alone are checked
+    N.check_kernel_parameters("03_training", {**notebook_defaults("03_training"), "In": ["", "x = 1"], "x": 1})
+
+
+def _tiny_plan(tmp_path: Path, story_folder: Path, steps: int = 3) -> Path:
+    """A plan of one tiny CPU training on the test corpus, in this process."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({
+        "experiment": {"name": "tiny", "runner": "inprocess"},
+        "name": "tiny", "preset": "smoke", "variant": "gpt_base", "model": {"n_layer": 1, "block_size": 16},
+        "data": {"source": str(story_folder), "out_dir": str(tmp_path / "data")},
+        "train": {"steps": steps, "batch_size": 2, "warmup_steps": 1, "eval_every": steps, "eval_batches": 1,
+                  "ckpt_every": steps, "log_every": 1, "progress": False, "device": "cpu"}}))
+    return plan
+
+
+def _run(*args: str, cwd: Path, env: dict | None = None, popen: bool = False):
+    cmd = [sys.executable, "-m", "oelm_core", "run", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    if popen:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_second_runner_into_a_plans_folder_is_refused_before_anything_runs(tmp_path, story_folder):
+    """Two studies started into one folder both trained, met each other's per-run locks and both
+    failed, the first without its analysis. The second now stops at once, naming the first."""
+    plan, out = _tiny_plan(tmp_path, story_folder, steps=6), tmp_path / "out"
+    first = _run(str(plan), "--out", str(out), cwd=tmp_path, popen=True)
+    lines = []
+    for line in first.stdout:   # the first holds the folder once it trains
+        lines.append(line)
+        if "training 1/1" in line:
+            break
+    os.kill(first.pid, signal.SIGSTOP)   # and keeps holding it while the second starts
+    try:
+        second = _run(str(plan), "--out", str(out), cwd=tmp_path)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    rest, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, "".join(lines) + rest
+    assert second.returncode == 2
+    assert second.stderr.startswith(f"[run] FAILED: another process is writing here (pid {first.pid}): "
+                                    f"{out.resolve()} is the folder of a plan"), second.stderr
+    assert "preparing data" not in second.stdout and "step 1/1" not in second.stdout
+    assert json.loads((out / "tiny" / "summary.json").read_text())["steps"] == 6   # the first's run, whole
+
+
+@pytest.mark.parametrize("budget", ["-1", "nan"])
+def test_a_budget_of_no_seconds_is_refused_before_anything_runs(tmp_path, capsys, budget):
+    """--budget-s -1 was taken: the study ran its notebooks, then reported its trainings "not started"."""
+    assert CLI.main([str(STUDY_FILE), "--out", str(tmp_path / "out"), "--budget-s", budget]) == 2
+    assert capsys.readouterr().err.startswith(f"[run] FAILED: --budget-s must be a number of seconds after which "
+                                              f"no training starts, or 0 for no budget; got {float(budget)}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_offline_without_data_a_plan_stops_before_its_first_notebook_naming_both_ways(tmp_path):
+    """make study offline without a data folder ran notebooks 01 and 02 (25-37 s) and then failed
+    with a message about the tokenizer alone. The data and the tokenizer are now checked before
+    the first notebook, and the message names the hub (online) and OELM_DATA (offline)."""
+    (tmp_path / "no_cache").mkdir()
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "no_cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    os_env = {k: v for k, v in os.environ.items() if k != "OELM_DATA"}
+    cmd = [sys.executable, "-m", "oelm_core", "run", str(STUDY_FILE), "--out", str(tmp_path / "out"),
+           "--set", f"data.out_dir={tmp_path / 'data'}"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os_env, **env, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "step 1/4" not in proc.stdout and not (tmp_path / "out" / "notebooks").exists()
+    assert "OELM_DATA" in proc.stderr and "Hugging Face hub" in proc.stderr and "TIKTOKEN_CACHE_DIR" in proc.stderr
+    assert time.monotonic() - t0 < 120
+

@@ -197,8 +197,8 @@ def ablation_gaps_figure(table: dict, path: str | Path | None = None):
     a thick grey line; groups without a gap to that comparator are left out of its panel."""
     plt = pyplot()
     variants = [v for v in ABLATION_COMPARATORS if any(r.get(f"{v}_gap_pct") is not None for r in table["rows"])]
-    fig, axes = plt.subplots(1, max(1, len(variants)), figsize=(6 * max(1, len(variants)), 0.5 * len(table["rows"]) + 2),
-                             squeeze=False)
+    panels = max(1, len(variants))
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 0.5 * len(table["rows"]) + 2), squeeze=False)
     for ax, variant in zip(axes[0], variants):
         rows = [r for r in table["rows"] if r.get(f"{variant}_gap_pct") is not None]
         ys = list(range(len(rows)))[::-1]

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m oelm_core run") -
     args = p.parse_args(argv)
     tag = f"[{prog.split()[-1].split('.')[-1]}]"
     try:
-        cluster = {k: getattr(args, k) for k in ("partition", "time", "account", "nodes") if getattr(args, k) is not None}
+        cluster = {k: getattr(args, k) for k in ("partition", "time", "account", "nodes")
+                   if getattr(args, k) is not None}
         plan = load_plan(args.plan, args.out, args.sets, smoke=args.smoke, only=args.only, runner=args.runner,
                          launcher=args.launcher, cluster=cluster, gpus_per_run=args.gpus_per_run)
         plan.keep_checkpoints = plan.keep_checkpoints or args.keep_checkpoints

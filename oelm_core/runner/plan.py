@@ -146,7 +146,7 @@ class ExperimentSection:
     overrides: Union[list, dict] = field(default_factory=list)   # --set strings (or {dotted key: value}) for every run
     notebooks: list = field(default_factory=lambda: [TRAININGS])
     parameters: dict = field(default_factory=dict)               # papermill parameters per notebook
-    runner: str = "notebook"              # how a training runs: papermill executes 03_training, which launches it; subprocess; inprocess
+    runner: str = "notebook"              # how a training runs: notebook (papermill runs 03_training), subprocess, inprocess
     gpus_per_run: int = 0                 # 0: CPU; g: g GPUs (torchrun) per run, side by side
     keep_checkpoints: bool = True         # false: a finished run keeps best.pt, not its ckpt/
     launcher: str = "local"               # slurm: each training a SLURM job (runner/slurm.py)

@@ -159,7 +159,8 @@ def check_scheduler(settings: SlurmSettings) -> None:
     try:
         ping = _slurm(["scontrol", "ping"])
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"the SLURM controller did not answer `scontrol ping` within 120 s; {_controller_hint()}") from None
+        raise ConfigError(f"the SLURM controller did not answer `scontrol ping` within 120 s; "
+                          f"{_controller_hint()}") from None
     said = " ".join((ping.stdout + " " + ping.stderr).split())
     if ping.returncode != 0 or "DOWN" in ping.stdout or "UP" not in ping.stdout:
         raise ConfigError(f"the SLURM controller does not answer (scontrol ping: {said[:400]}); {_controller_hint()}")
