@@ -588,8 +588,8 @@ def trained_settings(params: dict) -> dict:
     """Every setting that shapes what a run learns, as {dotted key: value}, from a parameter
     mapping (a parsed parameter file or a run folder's config.yaml): the model as the preset,
     variant and overrides resolve it, so equal models written differently compare equal; the
-    train and data sections without EXECUTION_KEYS. oelm_core.sweep tells a folder's run from
-    the planned one by it, oelm_core.analysis the seeds of one setup from other setups.
+    train and data sections without EXECUTION_KEYS. The runner tells a folder's run from the
+    planned one by it, oelm_core.analysis the seeds of one setup from other setups.
     ConfigError where ``params`` do not load."""
     cfg = run_config_from_dict(params)
     flat = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model_config()).items()}

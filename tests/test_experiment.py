@@ -1106,3 +1106,11 @@ def test_offline_without_data_a_plan_stops_before_its_first_notebook_naming_both
     assert "OELM_DATA" in proc.stderr and "Hugging Face hub" in proc.stderr and "TIKTOKEN_CACHE_DIR" in proc.stderr
     assert time.monotonic() - t0 < 120
 
+
+
+def test_a_runner_the_plan_does_not_know_is_named_with_the_choices():
+    """05_sweep's `runner` parameter is checked by the plan it loads (the notebook's own table no
+    longer repeats the runner's choices)."""
+    with pytest.raises(ConfigError, match=r"a6_layers.yaml: experiment.runner must be one of inprocess, subprocess, "
+                                          r"notebook; got 'in-process'"):
+        load_plan(REPO / "parameters" / "sweeps" / "a6_layers.yaml", runner="in-process")

@@ -159,7 +159,7 @@ def _variant_model(preset: str, variant: str, definition: str) -> MappingProxyTy
 
 
 # The two warnings a table of groups gives (the results table here, the ablation table of
-# oelm_core.sweep): a mean over fewer seeds than the group has, and settings taken on trust.
+# oelm_core.analysis.ablations): a mean over fewer seeds than the group has, and settings taken on trust.
 
 def evaluated_seeds(label: str, names: list[str], values: list) -> int:
     """How many seeds of one group have a validation figure (``values``, None where a run ended
