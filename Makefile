@@ -30,7 +30,7 @@ endif
 endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study results test test-gpu lab tensorboard demo bench browser slurm clean
+.PHONY: study results notebooks test test-gpu lab tensorboard demo bench browser slurm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +46,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 study: $(VENV)/.installed
-	$(BIN)/python -m oelm_core.study $(STUDY)
+	$(BIN)/python -m oelm_core run $(STUDY)
+
+# The notebooks' .ipynb, made from their committed .py sources and git-ignored: what JupyterLab
+# opens and papermill runs by hand (notebooks/jupytext.toml). --update keeps a session's outputs;
+# a notebook whose cells are those of its .py is left as it is.
+notebooks: $(VENV)/.installed
+	$(BIN)/python -m jupytext --quiet --to ipynb --update --set-kernel python3 $(wildcard notebooks/[0-9][0-9]_*.py)
 
 # Every table and figure of results/ from the committed run files (no GPU, no checkpoints): the tuned
 # Medium-512 and mini studies through notebooks/04_analysis (results.md, results.json, figures/, the
@@ -55,13 +61,13 @@ study: $(VENV)/.installed
 TUNED    := results/tuned_medium512
 MINI     := results/tuned_mini
 TUNED_ACROSS := [train.lr, train.min_lr, model.dropout]
-results: $(VENV)/.installed
+results: $(VENV)/.installed notebooks
 	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(TUNED)/04_analysis.ipynb --log-level WARNING \
 	  -y '{run_dirs: [$(TUNED)/runs], out_dir: $(TUNED), which: best, compare_across: $(TUNED_ACROSS)}'
 	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(MINI)/04_analysis.ipynb --log-level WARNING \
 	  -y '{run_dirs: [$(MINI)/runs], out_dir: $(MINI), which: best, compare_across: $(TUNED_ACROSS), timed_alone: false}'
-	$(BIN)/python -m oelm_core.sweep gaps results/ablations_medium512 --comparators $(TUNED)/runs --which best --tuned
-	for s in medium512 mini; do $(BIN)/python -m oelm_core.tuning results/tune_$$s \
+	$(BIN)/python -m oelm_core report results/ablations_medium512 --comparators $(TUNED)/runs --which best --tuned
+	for s in medium512 mini; do $(BIN)/python -m oelm_core tune results/tune_$$s \
 	  --markdown results/tune_$$s/tuning.md --figure results/tune_$$s/tuning.png || exit 1; done
 
 # The browser test drives Debian's Chromium (a test tool's own browser download is not
@@ -83,9 +89,10 @@ test: $(VENV)/.installed browser slurm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # JupyterLab at the repository root, on the project's kernel (python3, installed above); jupytext
-# saves each notebook with its .py (notebooks/jupytext.toml). LAB_ARGS, e.g. --no-browser --port 8888
+# saves each notebook's cells to its .py and its outputs to the git-ignored .ipynb
+# (notebooks/jupytext.toml). LAB_ARGS, e.g. --no-browser --port 8888
 LAB_ARGS ?=
-lab: $(VENV)/.installed
+lab: $(VENV)/.installed notebooks
 	$(BIN)/python -m jupyterlab --ServerApp.root_dir="$(CURDIR)" $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # TensorBoard over every run below RUNS (each run writes RUN/tb/ as it trains: live curves), e.g.

@@ -39,10 +39,8 @@ if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
 from IPython.display import Markdown, display
 # %matplotlib inline
 
-from oelm_core.experiment import check_notebook_parameters
-check_notebook_parameters("01_theory", {
-    "d": d, "n_head": n_head, "n_vectors": n_vectors, "n_tokens": n_tokens, "jl_points": jl_points,
-    "jl_trials": jl_trials, "construction_repeats": construction_repeats, "seed": seed, "fig_dir": fig_dir})
+from oelm_core.notebooks import check_kernel_parameters
+check_kernel_parameters("01_theory", globals())   # what papermill injected, too
 from oelm_core import analysis as A
 from oelm_core.orthogonal import ORTHOGONAL_METHODS
 

@@ -24,9 +24,8 @@ if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
 from IPython.display import Markdown, display
 # %matplotlib inline
 
-from oelm_core.experiment import check_notebook_parameters
-check_notebook_parameters("02_model", {
-    "preset": preset, "grad_check_preset": grad_check_preset, "all_variants": all_variants})
+from oelm_core.notebooks import check_kernel_parameters
+check_kernel_parameters("02_model", globals())   # what papermill injected, too
 import oelm_core
 from oelm_core import analysis as A
 

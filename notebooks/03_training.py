@@ -10,7 +10,7 @@
 #
 # `overrides` takes `--set` strings such as `"train.steps=50"`; `resume=True` continues a run
 # that was cut short from its newest checkpoint (`--resume`). The experiment runner
-# (`oelm_core.experiment`) executes this notebook once per run of a study.
+# (`python -m oelm_core run`) executes this notebook once per run of a plan whose runner is `notebook`.
 
 # %% tags=["parameters"]
 params = "parameters/smoke/oelm_freeze.yaml"
@@ -35,12 +35,10 @@ if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
 from IPython.display import Markdown, display
 # %matplotlib inline
 
-from oelm_core.experiment import check_notebook_parameters
-check_notebook_parameters("03_training", {
-    "params": params, "overrides": overrides, "nproc": nproc, "cuda_visible_devices": cuda_visible_devices,
-    "run_dir": run_dir, "resume": resume, "progress_bar": progress_bar})
+from oelm_core.notebooks import check_kernel_parameters
+check_kernel_parameters("03_training", globals())   # what papermill injected, too
 from oelm_core import analysis as A
-from oelm_core.experiment import launch_training
+from oelm_core.runner.launch import launch_training
 
 # %%
 run_dir = launch_training(params, overrides, nproc=nproc, cuda_visible_devices=cuda_visible_devices,

@@ -42,12 +42,8 @@ if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
 from IPython.display import Markdown, display
 # %matplotlib inline
 
-from oelm_core.experiment import check_notebook_parameters
-check_notebook_parameters("04_analysis", {
-    "run_dirs": run_dirs, "out_dir": out_dir, "fig_dir": fig_dir, "which": which, "compare_across": compare_across,
-    "timed_alone": timed_alone, "attention_text": attention_text,
-    "layer": layer, "head": head, "max_tokens": max_tokens, "sample_prompt": sample_prompt,
-    "max_new_tokens": max_new_tokens})
+from oelm_core.notebooks import check_kernel_parameters
+check_kernel_parameters("04_analysis", globals())   # what papermill injected, too
 from oelm_core import analysis as A
 
 out_dir = A.REPO / out_dir  # an absolute path stays as it is

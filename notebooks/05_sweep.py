@@ -3,7 +3,7 @@
 #
 # Trains GPT-Base, OELM-NoFreeze and OELM-Freeze at every point of one sweep file in
 # `parameters/sweeps/` and plots the final validation loss against the swept value. The sweep
-# file is a plan of `oelm_core.experiment` (see docs/experiments.md): each (seed, point, variant)
+# file is a plan of the runner (`oelm_core.runner`, docs/experiments.md): each (seed, point, variant)
 # is one run folder `out_root/<sweep>/<key>=<value>/<variant>/seed<S>` (smoke runs under
 # `<sweep>_smoke/`) with the trainer's files, the exact `params.yaml` it trained and
 # `sweep_point.json`. Finished runs are skipped, so re-executing continues an interrupted sweep.
@@ -11,8 +11,8 @@
 # * `runner`: `"inprocess"` (`oelm_core.train.train` in this kernel), `"subprocess"` (`python -m
 #   oelm_core.train` per run) or `"notebook"` (papermill runs `03_training.ipynb` per run).
 # * `smoke=True` uses the file's `smoke` section: two points of a tiny model, a few steps (~2 min
-#   on CPU). On a GPU: `papermill notebooks/05_sweep.ipynb out.ipynb -p smoke False -p sweep_file
-#   parameters/sweeps/a3_heads.yaml`.
+#   on CPU). On a GPU: `make notebooks`, then `papermill notebooks/05_sweep.ipynb out.ipynb -p smoke
+#   False -p sweep_file parameters/sweeps/a3_heads.yaml`.
 
 # %% tags=["parameters"]
 sweep_file = "parameters/sweeps/a6_layers.yaml"   # a3_heads, a4_head_dim, a5_context, a6_layers
@@ -38,20 +38,18 @@ if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
 from IPython.display import Markdown, display
 # %matplotlib inline
 
-from oelm_core.experiment import check_notebook_parameters
-check_notebook_parameters("05_sweep", {
-    "sweep_file": sweep_file, "out_root": out_root, "smoke": smoke, "runner": runner, "variants": variants,
-    "seeds": seeds, "overrides": overrides, "figure_path": figure_path})
-from oelm_core import experiment as E
-from oelm_core import sweep as S
+from oelm_core.notebooks import check_kernel_parameters
+check_kernel_parameters("05_sweep", globals())   # what papermill injected, too
+from oelm_core import runner as R
+from oelm_core.analysis import sweeps as S
 
 # %%
-plan = E.load_plan(sweep_file, out_root=out_root, smoke=smoke, runner=runner, variants=variants, seeds=seeds,
+plan = R.load_plan(sweep_file, out_root=out_root, smoke=smoke, runner=runner, variants=variants, seeds=seeds,
                    overrides=overrides)
-print(f"{plan.name}: {len(plan.runs)} runs over {plan.key} =", [p["value"] for p in plan.points])
+print(f"{plan.name}: {len(plan.runs)} runs over {plan.key} =", [p.value for p in plan.points])
 
 # %%
-status = E.run_trainings(plan)
+status = R.run_trainings(plan)
 failed = [r for r in status if r["status"] == "failed"]
 assert not failed, f"{len(failed)} run(s) failed: " + "; ".join(r.get("error", "") for r in failed)
 
@@ -59,7 +57,7 @@ assert not failed, f"{len(failed)} run(s) failed: " + "; ".join(r.get("error", "
 # ## Results
 
 # %%
-results = S.sweep_results(out_root, plan.name, smoke=smoke)
+results = S.sweep_results(plan.out, plan.name, smoke=smoke)
 assert len(results["runs"]) >= len(plan.runs), "some run folders have no results"
 display(Markdown(results["markdown"]))
 

@@ -574,6 +574,13 @@ def _build(cls: type, values: dict, where: str, *, fix: str = FILE_FIX, yaml_num
     return cls(**kwargs)
 
 
+def build_section(cls: type, values: dict, where: str):
+    """A dataclass ``cls`` from the mapping ``values``, every key and type checked by the one
+    builder of this schema (messages name ``where``.KEY): the runner's plan and SLURM sections
+    (oelm_core.runner.plan) are built by it too."""
+    return _build(cls, values, where)
+
+
 # Model keys that became train keys (execution switches, not the model's shape): old parameter
 # files and the run configs inside old checkpoints still load. old key -> (new key, new value).
 MOVED_MODEL_KEYS = {
@@ -665,8 +672,8 @@ def trained_settings(params: dict) -> dict:
     """Every setting that shapes what a run learns, as {dotted key: value}, from a parameter
     mapping (a parsed parameter file or a run folder's config.yaml): the model as the preset,
     variant and overrides resolve it, so equal models written differently compare equal; the
-    train and data sections without EXECUTION_KEYS. oelm_core.sweep tells a folder's run from
-    the planned one by it, oelm_core.analysis the seeds of one setup from other setups.
+    train and data sections without EXECUTION_KEYS. The runner tells a folder's run from the
+    planned one by it, oelm_core.analysis the seeds of one setup from other setups.
     ConfigError where ``params`` do not load."""
     cfg = run_config_from_dict(params)
     flat = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model_config()).items()}
@@ -768,11 +775,11 @@ EXAMPLE_PARAMETER_FILE = "parameters/smoke/oelm_freeze.yaml"
 def _check_parameter_file(path: Path, values: dict) -> None:
     """ConfigError where ``values`` (a parameter file with its overrides applied) do not say which
     model they train: without ``preset`` or ``variant`` an empty file trained the Medium-512
-    GPT-Base defaults. A study's or a sweep's file is named as one, with the command that runs it."""
-    for section, runner in (("study", "oelm_core.study"), ("sweep", "oelm_core.sweep")):
+    GPT-Base defaults. A plan file (a study, a sweep) is named as one, with the command that runs it."""
+    for section in ("experiment", "study", "sweep"):
         if section in values:
-            raise ConfigError(f"{path} is a {section} file (it has a `{section}:` section): run it with "
-                              f"python -m {runner} {path}; a training reads a parameter file of one run, "
+            raise ConfigError(f"{path} is a plan file (it has the `{section}:` section): run it with "
+                              f"python -m oelm_core run {path}; a training reads a parameter file of one run, "
                               f"e.g. {EXAMPLE_PARAMETER_FILE}")
     model = values.get("model") if isinstance(values.get("model"), dict) else {}
     # Written inside model:, they get RunConfig.model_config's message, which says where they go.

@@ -1,7 +1,7 @@
 """Stopping a training cleanly on a signal: a scheduler's warning before a time limit or preemption.
 
-SLURM sends a job its warning signal (``#SBATCH --signal=B:USR1@SECONDS``; oelm_core.slurm's job
-script forwards it to the training) and SIGTERM when it ends a job (scancel, the time limit, a
+SLURM sends a job its warning signal (``#SBATCH --signal=B:USR1@SECONDS``; the job script of
+oelm_core.runner.slurm forwards it to the training) and SIGTERM when it ends a job (scancel, the time limit, a
 preemption); torchrun forwards both to its workers. Killed there, a run loses every step since its
 last checkpoint. Instead the handler here only sets a flag: the training loop reads it at the next
 step boundary, saves a step checkpoint (atomically, as every checkpoint) and ends the session with

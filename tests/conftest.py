@@ -136,7 +136,7 @@ SMOKE_STEPS = 24
 
 @pytest.fixture(scope="session")
 def smoke_study(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """`python -m oelm_core.study parameters/study_smoke.yaml` on a tiny corpus, once per test
+    """`python -m oelm_core run parameters/study_smoke.yaml` on a tiny corpus, once per test
     session (test_study and test_notebooks check it): (its output folder, the process)."""
     base = tmp_path_factory.getbasetemp() / "smoke_study"
     write_corpus(base / "stories")
@@ -151,11 +151,11 @@ def run_smoke_study(base: Path, out: Path, *sets: str) -> subprocess.CompletedPr
     """The smoke study of ``smoke_study`` (stories and token files in ``base``) into ``out``, with
     ``sets`` added as --set options."""
     env = dict(os.environ, OELM_DATA=str(base / "stories"), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "oelm_core.study", str(SMOKE_STUDY), "--out", str(out),
+    cmd = [sys.executable, "-m", "oelm_core", "run", str(SMOKE_STUDY), "--out", str(out),
            "--set", f"train.steps={SMOKE_STEPS}", "--set", "train.eval_every=12", "--set", "train.log_every=4",
            "--set", "train.ckpt_every=24", "--set", "train.eval_batches=2",
            "--set", f"data.out_dir={base / 'data'}",
-           "--set", "study.parameters.01_theory.d=64", "--set", "study.parameters.01_theory.jl_points=24"]
+           "--set", "experiment.parameters.01_theory.d=64", "--set", "experiment.parameters.01_theory.jl_points=24"]
     for item in sets:
         cmd += ["--set", item]
     return subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=900)

@@ -195,7 +195,7 @@ def study_folders(tmp_path, runs: list, ppl: dict, seeds=(42,)) -> list[Path]:
     the trainer writes for each planned run and its final validation PPL from ``ppl`` (by run
     name without the seed)."""
     from oelm_core.config import load_run_config, save_run_config
-    from oelm_core.study import load_study
+    from oelm_core.runner import load_plan as load_study
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     study_file = tmp_path / "study.yaml"

@@ -13,7 +13,7 @@ from scipy import stats
 
 from oelm_core import analysis as A
 from oelm_core.config import ConfigError
-from oelm_core.sweep import ablation_gaps, ablation_gaps_figure, write_ablation_gaps
+from oelm_core.analysis.ablations import ablation_gaps, ablation_gaps_figure, write_ablation_gaps
 from test_analysis import make_run
 
 TUNED_LR = {"gpt_base": {"lr": 2e-3, "min_lr": 2e-4}, "oelm_nofreeze": {"lr": 1e-3, "min_lr": 1e-4},

@@ -742,7 +742,7 @@ def test_missing_or_unreadable_checkpoint_shows_error_page(tmp_path, checkpoints
 def test_the_ckpt_example_is_where_the_smoke_study_writes_gpt_base():
     """The example named runs/smoke/gpt_base_s0/best.pt, a file no study writes."""
     from app.demo import SetupError, parse_ckpt_args
-    from oelm_core.study import load_study
+    from oelm_core.runner import load_plan as load_study
 
     study = load_study(REPO / "parameters" / "study_smoke.yaml")
     best = next(r.run_dir for r in study.runs if r.variant == "gpt_base") / "best.pt"

@@ -318,11 +318,11 @@ def test_a_study_or_sweep_file_passed_as_a_parameter_file_names_its_runner(tmp_p
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    with pytest.raises(ConfigError, match=r"study_smoke\.yaml is a study file \(it has a `study:` section\): "
-                                          r"run it with python -m oelm_core\.study "):
+    with pytest.raises(ConfigError, match=r"study_smoke\.yaml is a plan file \(it has the `experiment:` section\): "
+                                          r"run it with python -m oelm_core run "):
         load_run_config(repo / "parameters" / "study_smoke.yaml")
     sweep = tmp_path / "s.yaml"
     sweep.write_text("sweep:\n  variants: [gpt_base]\n")
-    with pytest.raises(ConfigError, match=r"s\.yaml is a sweep file \(it has a `sweep:` section\): run it "
-                                          r"with python -m oelm_core\.sweep "):
+    with pytest.raises(ConfigError, match=r"s\.yaml is a plan file \(it has the `sweep:` section\): run it "
+                                          r"with python -m oelm_core run "):
         load_run_config(sweep)

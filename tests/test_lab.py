@@ -1,11 +1,13 @@
-"""JupyterLab in a real browser: notebook 02 opened, all its cells run, the shape explorer used.
+"""JupyterLab in a real browser: notebook 02 opened, all its cells run, the shape explorer used, the
+notebook saved, and git left clean.
 
 A JupyterLab server (``python -m jupyterlab``, what ``make lab`` starts) on a free local port with
 a token, driven by headless Chromium (Debian's /usr/bin/chromium) through Playwright, as
-tests/test_browser.py drives the demo. The server's root is a copy of notebooks/02_model.ipynb
-and its .py in a temporary folder: running the cells there (and JupyterLab's autosave) leaves
-the committed notebook as it is. A screenshot goes to tmp_path, and to $OELM_SCREENSHOT_DIR
-where that is set.
+tests/test_browser.py drives the demo. The server's root is a throw-away git repository laid out
+as this one (its .gitignore, notebooks/02_model.py and jupytext.toml committed) in which
+``make notebooks`` wrote 02_model.ipynb, as ``make lab`` does: running the cells there and saving
+must leave ``git status --porcelain notebooks/`` empty. A screenshot goes to tmp_path, and to
+$OELM_SCREENSHOT_DIR where that is set.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ pytestmark = [
 pytest.importorskip("jupyterlab", reason="needs JupyterLab (the notebooks extra: pip install -e '.[notebooks]')")
 pytest.importorskip("ipywidgets", reason="needs ipywidgets (the notebooks extra) for the shape explorer")
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the dev extra)")
-jupytext_cli = pytest.importorskip("jupytext.cli", reason="needs jupytext (the notebooks extra)").jupytext
+pytest.importorskip("jupytext", reason="needs jupytext (the notebooks extra)")
+nbformat = pytest.importorskip("nbformat", reason="needs nbformat (the notebooks extra)")
 
 
 def _free_port() -> int:
@@ -57,19 +60,38 @@ def _wait_for_server(proc: subprocess.Popen, log: Path, port: int, timeout: floa
     pytest.fail(f"JupyterLab did not listen on port {port} within {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
+def _git(root: Path, *args: str) -> str:
+    proc = subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.org", *args], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 @pytest.fixture
 def lab(tmp_path):
-    """The url of notebook 02 in a running JupyterLab (its log: tmp_path/lab.log)."""
+    """(the url of notebooks/02_model.ipynb in a running JupyterLab, the server's root: a git
+    repository whose notebooks/ holds the committed 02_model.py and the .ipynb made from it;
+    its log: tmp_path/lab.log)."""
+    if shutil.which("git") is None or shutil.which("make") is None:
+        pytest.skip("needs git and make")
     root = tmp_path / "lab"
-    root.mkdir()
-    for name in ("02_model.ipynb", "02_model.py", "jupytext.toml"):
-        shutil.copy(REPO / "notebooks" / name, root)
+    (root / "notebooks").mkdir(parents=True)
+    shutil.copy(REPO / ".gitignore", root)
+    for name in ("02_model.py", "jupytext.toml"):
+        shutil.copy(REPO / "notebooks" / name, root / "notebooks")
     # The three groups' table instead of all fifteen variants' at Medium-512 (minutes on 2 cores),
-    # as papermill's -p all_variants False would: edited in the .py, brought to the .ipynb by jupytext.
-    source = root / "02_model.py"
+    # as papermill's -p all_variants False would: an edit of the source, committed in this copy.
+    source = root / "notebooks" / "02_model.py"
     assert "\nall_variants = True " in source.read_text()
     source.write_text(source.read_text().replace("\nall_variants = True ", "\nall_variants = False"))
-    assert jupytext_cli(["--sync", "--quiet", str(source)]) == 0
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "the notebook's source")
+    venv = Path(sys.executable).parent.parent
+    made = subprocess.run(["make", "-f", str(REPO / "Makefile"), "-C", str(root), f"VENV={venv}", "-o",
+                           f"{venv}/.installed", "notebooks"], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and (root / "notebooks" / "02_model.ipynb").is_file(), made.stdout + made.stderr
+    assert _git(root, "status", "--porcelain", "notebooks/") == ""   # the made .ipynb is ignored
     port, token, log = _free_port(), secrets.token_hex(16), tmp_path / "lab.log"
     # The server's settings, workspaces and runtime files in tmp_path: none read or left in ~/.jupyter.
     env = {**os.environ, "PYTHONPATH": str(REPO), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
@@ -86,7 +108,7 @@ def lab(tmp_path):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
     try:
         _wait_for_server(proc, log, port)
-        yield f"http://127.0.0.1:{port}/lab/tree/02_model.ipynb?token={token}"
+        yield f"http://127.0.0.1:{port}/lab/tree/notebooks/02_model.ipynb?token={token}", root
     finally:
         proc.terminate()
         try:
@@ -128,10 +150,13 @@ def _explorer_table(page) -> str:
 
 
 def test_notebook_02_runs_in_jupyterlab_and_its_explorer_follows_a_slider(lab, browser, tmp_path):
+    """... and saved (its .py paired by jupytext), leaves git clean: the outputs went to the
+    ignored .ipynb, and the .py was written with its cells unchanged."""
     from oelm_core.analysis import shape_account
 
-    url = lab
-    committed = (REPO / "notebooks" / "02_model.ipynb").read_text()
+    url, root = lab
+    notebook, source = root / "notebooks" / "02_model.ipynb", root / "notebooks" / "02_model.py"
+    written = source.stat().st_mtime_ns
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url, wait_until="domcontentloaded", timeout=120_000)
     kernel = ("() => { const nb = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
@@ -162,4 +187,10 @@ def test_notebook_02_runs_in_jupyterlab_and_its_explorer_follows_a_slider(lab, b
     if os.environ.get("OELM_SCREENSHOT_DIR"):
         Path(os.environ["OELM_SCREENSHOT_DIR"]).mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, Path(os.environ["OELM_SCREENSHOT_DIR"]) / shot.name)
-    assert (REPO / "notebooks" / "02_model.ipynb").read_text() == committed   # the copy ran, not the notebook
+    # Saved as a user saves (File > Save): the outputs reach the .ipynb, the cells the .py, git stays clean.
+    assert page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save').then(() => true)") is True
+    saved = nbformat.read(notebook, as_version=4)
+    assert [c.execution_count for c in saved.cells if c.cell_type == "code"] == list(range(1, 9))
+    assert any(c.outputs for c in saved.cells if c.cell_type == "code")
+    assert source.stat().st_mtime_ns != written   # jupytext wrote the pair's .py too ...
+    assert _git(root, "status", "--porcelain", "notebooks/") == ""   # ... which is the committed one

@@ -1,10 +1,12 @@
-"""Every notebook executes headless with smoke parameters, none keeps outputs in git, and each
-.ipynb agrees with its paired percent-format .py (notebooks/jupytext.toml), the reviewed source.
+"""Every notebook executes headless with smoke parameters; git holds only their .py sources (jupytext's
+percent format), and the .ipynb made from them (make notebooks) agree with them, pair with them
+and stay out of git.
 
 03_training and 04_analysis need trainings: they are checked in the copies that the smoke study
 (``smoke_study`` in tests/conftest.py, run once per session) executed through papermill. 01 and
-02 also run here directly through papermill's Python API, from the notebooks/ folder, as a user
-would.
+02 also run here through papermill's Python API on the .ipynb ``make notebooks`` writes, from the
+notebooks/ folder, as a user would. tests/test_lab.py runs one in JupyterLab and checks that git
+stays clean.
 """
 
 import ast
@@ -28,9 +30,12 @@ jupytext = pytest.importorskip("jupytext", reason="the notebooks' .py sources ne
 
 
 def cells(name: str) -> list[tuple[str, str]]:
-    """The (kind, source) cells of notebooks/<name>.py, the reviewed source: kind "md", "params"
-    (the cell tagged parameters) or "code"."""
-    nb = jupytext.read(FOLDER / f"{name}.py")
+    """The (kind, source) cells of notebooks/<name>.py, the source: kind "md", "params" (the cell
+    tagged parameters) or "code"."""
+    return kinds(jupytext.read(FOLDER / f"{name}.py"))
+
+
+def kinds(nb) -> list[tuple[str, str]]:
     return [("md" if c.cell_type == "markdown" else "params" if "parameters" in c.metadata.get("tags", [])
              else "code", c.source) for c in nb.cells]
 
@@ -51,6 +56,27 @@ def output_text(nb) -> str:
     return "\n".join(p if isinstance(p, str) else "".join(p) for p in parts)
 
 
+def make_notebooks(folder: Path) -> Path:
+    """A copy of notebooks/'s sources in folder/notebooks with their .ipynb made by `make notebooks`
+    (the Makefile's own rule, on this Python's venv); that folder."""
+    if shutil.which("make") is None:
+        pytest.skip("needs make (the Makefile writes the notebooks' .ipynb)")
+    (folder / "notebooks").mkdir(parents=True)
+    for path in [*FOLDER.glob("[0-9][0-9]_*.py"), FOLDER / "jupytext.toml"]:
+        shutil.copy(path, folder / "notebooks")
+    venv = Path(sys.executable).parent.parent
+    proc = subprocess.run(["make", "-f", str(REPO / "Makefile"), "-C", str(folder), f"VENV={venv}",
+                           "-o", f"{venv}/.installed", "notebooks"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return folder / "notebooks"
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """notebooks/ with its .ipynb made, once per module."""
+    return make_notebooks(tmp_path_factory.mktemp("made"))
+
+
 # What each notebook run standalone (below, at its parameters) must show: 01 the JL verdict at 32
 # points x 3 trials (enough to judge) and a row per construction; 02 the study's counts at medium512.
 STANDALONE_OUTPUTS = {
@@ -59,33 +85,38 @@ STANDALONE_OUTPUTS = {
 }
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_is_committed_without_outputs_and_has_parameters(name):
-    nb = nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code), f"{name} has outputs"
-    assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
-    assert any(c.cell_type == "markdown" for c in nb.cells)
+def test_git_holds_the_notebooks_sources_and_ignores_their_ipynb():
+    """A notebook run in JupyterLab saved its outputs into the committed .ipynb: now only the .py
+    sources are in git, and an .ipynb beside them is ignored."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs git and the repository's .git")
+    tracked = subprocess.run(["git", "ls-files", "notebooks"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    assert sorted(tracked) == sorted([f"notebooks/{name}.py" for name in ALL] + ["notebooks/jupytext.toml"])
+    for name in ALL:
+        ignored = subprocess.run(["git", "check-ignore", "--quiet", "--no-index", f"notebooks/{name}.ipynb"], cwd=REPO)
+        assert ignored.returncode == 0, f"notebooks/{name}.ipynb would be tracked"
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_each_notebook_is_its_py_source(name):
-    """The .ipynb (what papermill runs) holds the cells of its .py (what is reviewed): same kinds,
-    sources and parameters tag, and papermill parses every name of the parameters cell (it skips
-    a line with a second "=", e.g. in a comment, and then warns "Passed unknown parameter" on
-    every run that sets it)."""
+def test_each_made_notebook_is_its_py_source(name, made):
+    """The .ipynb `make notebooks` writes (what papermill runs by hand) and the notebook the runner
+    reads from the .py hold the .py's cells, on the project's kernel, without outputs; one cell is
+    tagged parameters, and papermill parses every name of it (it skips a line with a second "=",
+    e.g. in a comment, and then warns "Passed unknown parameter" on every run that sets it)."""
     import papermill as pm
 
-    from oelm_core.experiment import notebook_defaults
+    from oelm_core.notebooks import notebook_defaults, read_notebook
 
-    nb = nbformat.read(FOLDER / f"{name}.ipynb", as_version=4)
-    committed = [("md" if c.cell_type == "markdown" else "params" if "parameters" in c.metadata.get("tags", [])
-                  else "code", c.source) for c in nb.cells]
-    assert committed == cells(name), f"{name}.ipynb and {name}.py differ: run jupytext --sync notebooks/{name}.py"
+    nb = nbformat.read(made / f"{name}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    assert kinds(nb) == kinds(read_notebook(name)) == cells(name)
+    assert nb.metadata.kernelspec.name == read_notebook(name).metadata.kernelspec.name == "python3"
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code_cells)
+    assert sum("parameters" in c.metadata.get("tags", []) for c in code_cells) == 1
     params = next(src for kind, src in cells(name) if kind == "params")
     names = [t.id for node in ast.parse(params).body if isinstance(node, ast.Assign) for t in node.targets]
-    assert list(pm.inspect_notebook(str(FOLDER / f"{name}.ipynb"))) == names
+    assert list(pm.inspect_notebook(str(made / f"{name}.ipynb"))) == names
     assert list(notebook_defaults(name)) == names
     if name == "03_training":
         assert {"overrides", "resume"} <= set(names)
@@ -99,30 +130,29 @@ def _sync(folder: Path, *files: str) -> None:
     assert jupytext_cli(["--sync", "--quiet", *[str(folder / f) for f in files]]) == 0
 
 
-def test_saving_either_file_of_a_pair_rewrites_neither(tmp_path):
+def test_saving_either_file_of_a_pair_rewrites_neither(tmp_path, made):
     """What JupyterLab's jupytext does on a save, both ways (the newer file of a pair is the
-    source): on the committed pairs it changes neither file, cell ids included."""
-    assert sorted(p.name for p in FOLDER.glob("*.ipynb")) == [f"{name}.ipynb" for name in ALL]
-    assert sorted(p.name for p in FOLDER.glob("*.py")) == [f"{name}.py" for name in ALL]
-    shutil.copy(FOLDER / "jupytext.toml", tmp_path)
+    source): on the made pairs it changes neither file, cell ids included."""
+    shutil.copy(made / "jupytext.toml", tmp_path)
     for newer, older in (("py", "ipynb"), ("ipynb", "py")):
         for name in ALL:
             for ext in ("ipynb", "py"):
-                shutil.copy(FOLDER / f"{name}.{ext}", tmp_path)
+                shutil.copy(made / f"{name}.{ext}", tmp_path)
             os.utime(tmp_path / f"{name}.{older}", (1e9, 1e9))
         _sync(tmp_path, *[f"{n}.{newer}" for n in ALL])
         for name in ALL:
             for ext in ("ipynb", "py"):
-                assert (tmp_path / f"{name}.{ext}").read_text() == (FOLDER / f"{name}.{ext}").read_text(), \
+                assert (tmp_path / f"{name}.{ext}").read_text() == (made / f"{name}.{ext}").read_text(), \
                     f"saving {name}.{newer} rewrote {name}.{ext}"
 
 
-def test_an_edit_saved_in_either_file_is_the_change_in_the_other(tmp_path):
+def test_an_edit_saved_in_either_file_is_the_change_in_the_other(tmp_path, made):
     """A line edited in the .py lands in the .ipynb as that cell's change alone (same cell ids),
-    and a cell edited in the .ipynb (as JupyterLab saves it) lands in the .py as that line."""
-    shutil.copy(FOLDER / "jupytext.toml", tmp_path)
+    and a cell edited in the .ipynb (as JupyterLab saves it) lands in the .py as that line; what
+    JupyterLab records of a run (outputs, execution counts, cell metadata) does not."""
+    shutil.copy(made / "jupytext.toml", tmp_path)
     for ext in ("ipynb", "py"):
-        shutil.copy(FOLDER / f"02_model.{ext}", tmp_path)
+        shutil.copy(made / f"02_model.{ext}", tmp_path)
     before = nbformat.read(tmp_path / "02_model.ipynb", as_version=4)
     py = tmp_path / "02_model.py"
     py.write_text(py.read_text().replace("# ## Variants\n", "# ## The variants\n"))
@@ -134,6 +164,11 @@ def test_an_edit_saved_in_either_file_is_the_change_in_the_other(tmp_path):
     assert [c.id for c in after.cells] == [c.id for c in before.cells]
 
     after.cells[changed[0]].source = "## Variants, as JupyterLab saved them"
+    for cell in after.cells:
+        if cell.cell_type == "code":
+            cell.execution_count = 1
+            cell.outputs = [nbformat.v4.new_output("stream", text="ran\n")]
+            cell.metadata.update(scrolled=True, execution={"iopub.status.busy": "2026-01-01T00:00:00Z"})
     nbformat.write(after, tmp_path / "02_model.ipynb")
     os.utime(py, (1e9, 1e9))
     _sync(tmp_path, "02_model.ipynb")
@@ -173,7 +208,7 @@ def test_default_output_folders_are_ignored_by_git(name):
     wrote figures and results.md into folders git tracks, the committed results/ among them.
     The defaults are taken from the repository root, whatever the working directory."""
     from oelm_core.analysis import REPO as ROOT
-    from oelm_core.experiment import notebook_defaults
+    from oelm_core.notebooks import notebook_defaults
 
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and the repository's .git")
@@ -221,37 +256,53 @@ def test_theory_holds_or_says_it_cannot_judge_for_every_seed_of_small_settings(t
 
 
 @pytest.mark.slow
-def test_a_bad_papermill_parameter_is_named_before_anything_runs(tmp_path):
-    """papermill -p passes text: `-p d abc` failed deep inside torch.randn."""
-    import papermill as pm
-
-    with pytest.raises(pm.PapermillExecutionError) as err:
-        pm.execute_notebook(str(REPO / "notebooks" / "01_theory.ipynb"), str(tmp_path / "01.ipynb"),
-                            parameters={"d": "abc"}, cwd=str(REPO / "notebooks"), progress_bar=False,
-                            kernel_name="python3")
-    assert err.value.ename == "ConfigError"
-    assert err.value.evalue == ("notebook 01_theory: parameter d must be a whole number (int) (the notebook's "
-                                "default is 512); got 'abc'")
-    nb = nbformat.read(tmp_path / "01.ipynb", as_version=4)
+@pytest.mark.parametrize("name,args,message", [
+    # papermill -p passes text: `-p d abc` failed deep inside torch.randn
+    ("01_theory", ["-p", "d", "abc"],
+     "notebook 01_theory: parameter d must be a whole number (int) (the notebook's default is 512); got 'abc'"),
+    # issue 44: a misspelt name trained the default run for minutes and exited 0 (papermill only warns);
+    # a count of 0 or a missing file failed in the launch cell, inside papermill's traceback. Each
+    # problem is named, every one at once.
+    ("03_training", ["-p", "param", "parameters/smoke/gpt_base.yaml", "-p", "nproc", "0",
+                     "-p", "params", "missing.yaml"],
+     "notebook 03_training: parameter param is not a parameter of 03_training (did you mean params?); its "
+     "parameters are params, overrides, nproc, cuda_visible_devices, run_dir, resume, progress_bar\n"
+     "notebook 03_training: parameter nproc must be at least 1 (one training process at least); got 0\n"
+     "notebook 03_training: parameter params names no file: 'missing.yaml' is neither in"),
+])
+def test_a_bad_papermill_parameter_is_named_in_the_first_cell(name, args, message, made, tmp_path):
+    """papermill by hand (its command line, on the .ipynb `make notebooks` writes): the cell after
+    the parameters refuses the value or the name, saying what it must be, and nothing runs."""
+    out, run_dir = tmp_path / "out.ipynb", tmp_path / "run"
+    if name == "03_training":
+        args = [*args, "-p", "run_dir", str(run_dir)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "papermill", str(made / f"{name}.ipynb"), str(out), *args,
+                           "--cwd", str(FOLDER), "--log-level", "WARNING"],
+                          cwd=FOLDER, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    nb = nbformat.read(out, as_version=4)
+    error = next(o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error")
+    assert error.ename == "ConfigError" and error.evalue.startswith(message), error.evalue
     ran = [c for c in nb.cells if c.cell_type == "code" and c.execution_count]
-    assert "check_notebook_parameters" in ran[-1].source   # the first cell after the parameters
+    assert "check_kernel_parameters" in ran[-1].source   # the first cell after the parameters
+    assert not run_dir.exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,parameters", [
     ("01_theory", {"d": 64, "n_vectors": 32, "jl_points": 32, "jl_trials": 3, "construction_repeats": 1,
                    "fig_dir": "FIGURES"}),
-    ("02_model", {"preset": "medium512", "all_variants": False}),
 ])
-def test_notebook_runs_standalone(name, parameters, tmp_path):
+def test_notebook_runs_standalone(name, parameters, tmp_path, made):
     """papermill raises on a failed cell; beyond that, every cell ran with the injected values
-    and the notebook showed what it exists to show: 01 its verdicts and its figure, 02 the
-    study's exact counts for the preset it was given."""
+    and the notebook showed what it exists to show: 01 its verdicts and its figure (02 is shown
+    checked in the smoke study's copy, which runs it at medium512, below)."""
     import papermill as pm
 
     out = tmp_path / f"{name}.ipynb"
     parameters = {k: str(tmp_path / "figures") if v == "FIGURES" else v for k, v in parameters.items()}
-    pm.execute_notebook(str(REPO / "notebooks" / f"{name}.ipynb"), str(out), parameters=parameters,
+    pm.execute_notebook(str(made / f"{name}.ipynb"), str(out), parameters=parameters,
                         cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3",
                         execution_timeout=600)
     nb = nbformat.read(out, as_version=4)
@@ -279,26 +330,25 @@ def test_study_executed_every_notebook(smoke_study, name):
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert all(c.execution_count for c in code), f"{path}: a cell did not run"
-        assert any("injected-parameters" in c.metadata.get("tags", []) for c in code)
+        injected = next(c.source for c in code if "injected-parameters" in c.metadata.get("tags", []))
+        if name == "02_model":   # the study's exact counts for the preset it was given
+            assert 'preset = "medium512"' in injected and "all_variants = False" in injected, injected
+            shown = output_text(nb)
+            assert all(text in shown for text in STANDALONE_OUTPUTS[name]), shown[-3000:]
 
 
-def test_sweep_notebook_is_committed_without_outputs():
-    nb = nbformat.read(REPO / "notebooks" / "05_sweep.ipynb", as_version=4)
-    nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code)
-    assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
-    # No library logic in the notebook: it only calls oelm_core.experiment and oelm_core.sweep.
-    assert not any(line.lstrip().startswith(("def ", "class ")) for c in code for line in c.source.splitlines())
+def test_the_sweep_notebook_holds_no_library_logic():
+    """It only calls the runner and oelm_core.analysis.sweeps: no function or class of its own."""
+    assert not any(line.lstrip().startswith(("def ", "class ")) for line in code("05_sweep").splitlines())
 
 
 @pytest.mark.slow
-def test_sweep_notebook_runs_the_smoke_sweep(tmp_path, story_folder, monkeypatch):
+def test_sweep_notebook_runs_the_smoke_sweep(tmp_path, story_folder, monkeypatch, made):
     import papermill as pm
 
     monkeypatch.setenv("OELM_DATA", str(story_folder))
     out = tmp_path / "05.ipynb"
-    pm.execute_notebook(str(REPO / "notebooks" / "05_sweep.ipynb"), str(out),
+    pm.execute_notebook(str(made / "05_sweep.ipynb"), str(out),
                         parameters={"smoke": True, "out_root": str(tmp_path / "runs"),
                                     "overrides": {"data.out_dir": str(tmp_path / "data"), "train.device": "cpu"}},
                         cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3")

@@ -1,4 +1,4 @@
-"""The SLURM launcher (oelm_core.slurm) against a real scheduler, not a mock.
+"""The SLURM scheduler (oelm_core.runner.slurm) against a real scheduler, not a mock.
 
 A throw-away single-node SLURM runs on localhost for the session (``slurm_cluster``): munged with
 its own key and socket, slurmctld and slurmd with a minimal slurm.conf, all in a temp dir, CPU
@@ -110,9 +110,11 @@ TINY = ["train.batch_size=2", "model.block_size=32", "train.eval_batches=1", "tr
         "train.log_every=1", "train.progress=false"]
 
 
-def _runner(plan: Path, out: Path, base: Path, *args: str, popen: bool = False):
+def _runner(plan: Path, out: Path, base: Path, *args: str, popen: bool = False, threads: int | None = None):
     env = dict(os.environ, OELM_DATA=str(base / "stories"), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "oelm_core.experiment", str(plan), "--out", str(out),
+    if threads:   # the jobs' OMP_NUM_THREADS (slurm.cpus_per_task): the same arithmetic, bit for bit
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "oelm_core", "run", str(plan), "--out", str(out),
            "--set", f"data.out_dir={base / 'data'}", *args]
     if popen:
         return subprocess.Popen(cmd, cwd=base, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -139,11 +141,12 @@ def test_a_study_on_slurm_trains_as_jobs_and_tabulates_like_the_local_launcher(s
     sets = [s for t in TINY + ["train.steps=4", "train.eval_every=2", "train.ckpt_every=4"] for s in ("--set", t)]
     study = REPO / "parameters" / "study_smoke.yaml"
     on_slurm = _runner(study, stories / "slurm", stories, "--launcher", "slurm", *sets, "--set",
-                       "study.notebooks=[03_training,04_analysis]", "--set", "study.slurm.poll_s=0.5", "--set", "study.slurm.cpus_per_task=1",
-                       "--set", "study.parameters.04_analysis.max_new_tokens=4")
+                       "experiment.notebooks=[03_training,04_analysis]", "--set", "experiment.slurm.poll_s=0.5",
+                       "--set", "experiment.slurm.cpus_per_task=1",
+                       "--set", "experiment.parameters.04_analysis.max_new_tokens=4")
     assert on_slurm.returncode == 0, on_slurm.stdout[-4000:] + on_slurm.stderr[-4000:]
     local = _runner(study, stories / "local", stories, "--runner", "inprocess", *sets,
-                    "--set", "study.notebooks=[03_training]")
+                    "--set", "experiment.notebooks=[03_training]", threads=1)
     assert local.returncode == 0, local.stdout[-4000:] + local.stderr[-4000:]
 
     out = on_slurm.stdout
@@ -204,24 +207,49 @@ def test_a_warned_job_checkpoints_requeues_and_ends_with_the_uninterrupted_losse
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     assert json.loads((run_dir / "slurm.json").read_text())["job_id"] == job
 
-    uninterrupted = _runner(plan, stories / "uninterrupted", stories, "--runner", "inprocess", *sets)
+    uninterrupted = _runner(plan, stories / "uninterrupted", stories, "--runner", "inprocess", *sets, threads=1)
     assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:] + uninterrupted.stderr[-3000:]
     assert _losses(run_dir) == pytest.approx(_losses(stories / "uninterrupted" / "one"), abs=1e-6)
 
 
-def test_a_partition_slurm_does_not_have_is_named_with_the_ones_it_has(slurm_cluster, stories):
-    proc = _runner(REPO / "parameters" / "study_smoke.yaml", stories / "bad", stories, "--launcher", "slurm",
-                   "--partition", "nosuch", "--set", "study.notebooks=[03_training]")
+def test_a_partition_slurm_does_not_have_is_named_before_any_notebook_or_data(slurm_cluster, stories, tmp_path):
+    """It was named only after the data was prepared and notebooks 01-02 had run."""
+    proc = _runner(REPO / "parameters" / "study_smoke.yaml", tmp_path / "bad", stories, "--launcher", "slurm",
+                   "--partition", "nosuch", "--set", f"data.out_dir={tmp_path / 'data'}")
     assert proc.returncode == 2
-    assert "nosuch" in proc.stderr and "one of this cluster's partitions: debug" in proc.stderr, proc.stderr
-    assert not list((stories / "bad").rglob("slurm.json"))   # nothing was submitted
+    assert "SLURM has no partition 'nosuch'" in proc.stderr, proc.stderr
+    assert "one of this cluster's partitions: debug" in proc.stderr, proc.stderr
+    assert "step 1/4" not in proc.stdout and not (tmp_path / "bad" / "notebooks").exists()
+    assert not (tmp_path / "data").exists() and not list((tmp_path / "bad").rglob("slurm.json"))
+
+
+def test_an_unreachable_controller_is_named_with_the_fix_before_anything_runs(tmp_path):
+    """squeue's "Could not establish a configuration source", after data and notebooks, suggested
+    nothing: now `scontrol ping` is asked first (here: the controller is DOWN), and the message
+    names SLURM_CONF and the check."""
+    missing = [c for c in ("sbatch", "squeue", "scontrol", "sinfo") if shutil.which(c, path=SBIN) is None]
+    if missing:
+        pytest.skip(f"needs SLURM's client commands ({', '.join(missing)} missing)")
+    conf = tmp_path / "slurm.conf"   # a controller nothing listens for
+    conf.write_text(f"ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\n"
+                    f"AuthType=auth/munge\nAuthInfo=socket={tmp_path / 'munge.socket'}\n")
+    env = dict(os.environ, PATH=SBIN, PYTHONPATH=str(REPO), SLURM_CONF=str(conf))
+    proc = subprocess.run([sys.executable, "-m", "oelm_core", "run", str(REPO / "parameters" / "study_smoke.yaml"),
+                           "--out", str(tmp_path / "out"), "--launcher", "slurm",
+                           "--set", f"data.out_dir={tmp_path / 'data'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the SLURM controller does not answer (scontrol ping:" in proc.stderr
+    assert f"SLURM_CONF (now {conf})" in proc.stderr and "`scontrol ping` answers UP" in proc.stderr
+    assert "step 1/4" not in proc.stdout and not (tmp_path / "data").exists()
 
 
 def test_without_sbatch_the_launcher_says_where_to_run(tmp_path):
     """No SLURM commands on PATH (a laptop): a clear error before anything is written."""
     env = dict(os.environ, PATH=str(Path(sys.executable).parent), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "oelm_core.study", str(REPO / "parameters" / "study_smoke.yaml"),
-                           "--out", str(tmp_path / "out"), "--launcher", "slurm", "--set", "study.notebooks=[03_training]"],
+    proc = subprocess.run([sys.executable, "-m", "oelm_core", "run", str(REPO / "parameters" / "study_smoke.yaml"),
+                           "--out", str(tmp_path / "out"), "--launcher", "slurm",
+                           "--set", "experiment.notebooks=[03_training]"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "needs SLURM's sbatch" in proc.stderr and "--launcher local" in proc.stderr, proc.stderr

@@ -1,6 +1,7 @@
-"""oelm_core.sweep: the tables and figures read back from sweep and ablation run folders.
+"""oelm_core.analysis.sweeps and .ablations: the tables and figures read back from a plan's run
+folders, and ``python -m oelm_core report``.
 
-Training sweeps and ablations (plans of oelm_core.experiment) and the sweep CLI's run and
+Training sweeps and ablations (plans of oelm_core.runner) and the older sweep CLI's run and
 ablations commands are tested in tests/test_experiment.py.
 """
 
@@ -12,8 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from oelm_core.__main__ import report
+from oelm_core.analysis.ablations import ablation_figure, ablation_table
+from oelm_core.analysis.sweeps import sweep_figure, sweep_results
 from oelm_core.config import ConfigError
-from oelm_core.sweep import ablation_figure, ablation_table, main, sweep_figure, sweep_results
+from oelm_core.sweep import main as sweep_main
 
 
 def _fake_run(folder: Path, label: str, variant: str, seed: int, loss: float, params=(100, 10), extra=None,
@@ -58,11 +62,15 @@ def test_the_ablation_table_refuses_a_sweeps_runs(tmp_path, capsys):
         _fake_run(tmp_path / "a3_heads" / f"n_head={value}" / "gpt_base" / "seed0", "gpt_base", "gpt_base", 0,
                   loss, extra={"sweep": "a3_heads", "key": "n_head", "value": value}, model={"n_head": value})
     message = (f"{tmp_path} holds runs of the sweep(s) a3_heads: tabulate a sweep with --sweep "
-               f"(python -m oelm_core.sweep table {tmp_path} --sweep --name NAME)")
+               f"(python -m oelm_core report {tmp_path} --sweep --name NAME)")
     with pytest.raises(ConfigError, match=re.escape(message)):
         ablation_table(tmp_path)
-    assert main(["table", str(tmp_path)]) == 2
+    assert report([str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {message}")
+    assert sweep_main(["table", str(tmp_path)]) == 2   # the older name of report
+    first, second = capsys.readouterr().err.splitlines()
+    assert first == "python -m oelm_core.sweep table is now python -m oelm_core report" and second.startswith(
+        f"error: {message}")
     assert [r["seeds"] for r in sweep_results(tmp_path, "a3_heads")["rows"]] == [1, 1]
 
 
@@ -169,12 +177,12 @@ def test_several_sweeps_in_one_folder_are_not_one_curve(tmp_path, capsys):
             _fake_run(tmp_path / sweep / f"{key}={value}" / "gpt_base" / "seed0", "gpt_base", "gpt_base", 0,
                       3.0 + value / 10, extra={"sweep": sweep, "key": key, "value": value})
     with pytest.raises(ConfigError, match=r"holds the sweeps a3_heads, a6_layers; name one: "
-                                          r"sweep_results\(root, sweep_name\) \(CLI: table --sweep --name NAME\)"):
+                                          r"sweep_results\(root, sweep_name\) \(CLI: report .* --sweep --name NAME\)"):
         sweep_results(tmp_path)
-    assert main(["table", str(tmp_path), "--sweep"]) == 2
+    assert report([str(tmp_path), "--sweep"]) == 2
     assert "holds the sweeps a3_heads, a6_layers" in capsys.readouterr().err
     figure = tmp_path / "a6.png"
-    assert main(["table", str(tmp_path), "--sweep", "--name", "a6_layers", "--figure", str(figure)]) == 0
+    assert report([str(tmp_path), "--sweep", "--name", "a6_layers", "--figure", str(figure)]) == 0
     assert figure.is_file()
     assert [(r["key"], r["value"]) for r in sweep_results(tmp_path, "a6_layers")["rows"]] == [("n_layer", 2),
                                                                                               ("n_layer", 4)]
@@ -200,9 +208,17 @@ def test_an_unreadable_poet_checkpoint_leaves_its_cell_empty(tmp_path, capsys):
     best.write_bytes(b"not a checkpoint")
     with pytest.warns(UserWarning, match=rf"no POET spectrum error for {re.escape(str(best.parent))}: "
                                          rf"checkpoint {re.escape(str(best))} could not be read"):
-        assert main(["table", str(root)]) == 0
+        assert report([str(root)]) == 0
     rows = {r["label"]: r for r in json.loads((root / "ablations.json").read_text())["rows"]}
     assert rows["oelm_poet"]["spectrum_err"] is None and rows["oelm_poet"]["val_loss"] == pytest.approx(3.1)
     assert "| oelm_poet |" in capsys.readouterr().out
 
 
+
+
+
+def test_report_on_a_folder_without_runs_says_so(tmp_path, capsys):
+    """It wrote three empty tables into a folder it created."""
+    assert report([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nope'} holds no run folders")
+    assert not (tmp_path / "nope").exists()

@@ -1,4 +1,5 @@
-"""oelm_core.tuning: each group's setting chosen from a tuning sweep, and the study written at it."""
+"""oelm_core.analysis.tuning and oelm_core.tuning: each group's setting chosen from a tuning sweep, and
+the study written at it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from oelm_core.analysis.tuning import tuning_figure, tuning_table
 from oelm_core.config import ConfigError
-from oelm_core.experiment import load_plan
-from oelm_core.tuning import main, tuned_study, tuning_table
+from oelm_core.runner import load_plan
+from oelm_core.tuning import main, tuned_study
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +68,7 @@ def test_each_group_gets_the_setting_with_the_lowest_mean_best_loss(sweep):
 
 def test_the_study_is_written_at_each_groups_choice_and_trains_it(sweep, tmp_path):
     template = tmp_path / "study.yaml"
-    template.write_text("# a study\n# of two groups\nstudy:\n  name: tuned\n  runs:\n"
+    template.write_text("# a study\n# of two groups\nexperiment:\n  name: tuned\n  layout: study\n  runs:\n"
                         f"  - {{params: {REPO}/parameters/medium512/gpt_base.yaml, overrides: [train.lr=0.1, train.steps=7]}}\n"
                         f"  - {REPO}/parameters/medium512/oelm_freeze.yaml\n"
                         "  seeds: [0, 1]\n  notebooks: [03_training]\n")
@@ -84,7 +86,7 @@ def test_the_study_is_written_at_each_groups_choice_and_trains_it(sweep, tmp_pat
 
 def test_a_group_the_sweep_did_not_tune_is_named(sweep, tmp_path):
     template = tmp_path / "study.yaml"
-    template.write_text(f"study:\n  runs: [{REPO}/parameters/medium512/oelm_nofreeze.yaml]\n")
+    template.write_text(f"experiment:\n  runs: [{REPO}/parameters/medium512/oelm_nofreeze.yaml]\n")
     with pytest.raises(ConfigError, match="no finished setting of oelm_nofreeze"):
         tuned_study(template, tuning_table(sweep)["chosen"])
 
@@ -100,8 +102,6 @@ def test_the_cli_prints_the_choice_and_refuses_an_empty_folder(sweep, tmp_path, 
 
 
 def test_the_figure_has_a_panel_per_dropout_and_rings_the_choice(sweep, tmp_path):
-    from oelm_core.tuning import tuning_figure
-
     fig = tuning_figure(tuning_table(sweep), tmp_path / "tuning.png")
     assert (tmp_path / "tuning.png").stat().st_size > 0
     (no_dropout, dropout) = fig.axes

@@ -23,10 +23,10 @@ import torch
 
 from oelm_core import VARIANTS, ConfigError, build_model, count_parameters, model_config
 from oelm_core.config import run_config_from_dict
-from oelm_core.experiment import load_plan
 from oelm_core.model import GPT, QKProjection
 from oelm_core.orthogonal import attention_logit_stats
 from oelm_core.poet import POETProjection
+from oelm_core.runner import load_plan
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(n_layer=4, n_head=4, d_model=32, d_ff=64, block_size=24, vocab_size=128)

@@ -37,12 +37,12 @@ from oelm_core.analysis.curves import BANDS, curve_band, plot_curves, plot_study
 from oelm_core.analysis.figures import pyplot, save_figure
 from oelm_core.analysis.gaps import (FAILS, GAP_PAIRS, HOLDS, NOT_JUDGED, UNDECIDED, gap_table, group_figures,
                                      ppl_gap, within_verdict)
-from oelm_core.analysis.groups import (BASELINE, GROUP_LABELS, TUNED_SETTINGS, Group, assumed_settings, evaluated_seeds,
-                                       group_runs, seed_groups, settings_apart, variant_alone)
+from oelm_core.analysis.groups import (TUNED_SETTINGS, Group, assumed_settings, evaluated_seeds, group_runs, seed_groups,
+                                       settings_apart, variant_alone)
 from oelm_core.analysis.hypotheses import hypotheses, hypotheses_judgeable, hypotheses_markdown
 from oelm_core.analysis.markdown import markdown_table
 from oelm_core.analysis.report import samples_markdown, write_results
-from oelm_core.analysis.runs import WHICH, Run, check_which, find_run_dirs, load_run, load_runs
+from oelm_core.analysis.runs import FINISHED, WHICH, Run, check_which, find_run_dirs, load_run, load_runs
 from oelm_core.analysis.samples import SAMPLE_TOP_K, checkpoint_note, load_models, sample_generations
 from oelm_core.analysis.stats import (bootstrap_interval, cohen_d, hedges_g, mean_std, significance,
                                       welch_interval)
@@ -50,6 +50,7 @@ from oelm_core.analysis.tables import RESULT_COLUMNS, results_table, significanc
 from oelm_core.analysis.theory import (JL_MIN_POINTS, JL_MIN_SAMPLES, construction_table, isometry_table,
                                        jl_checks, jl_curve, jl_dimensions, jl_figure, logit_stats_table)
 from oelm_core.analysis.timing import loss_target, seconds_at, time_to_target, time_to_target_table, training_seconds
+from oelm_core.groups import BASELINE, GROUP_LABELS, GROUPS
 
 from oelm_core.analysis.budget import SMOKE_NOTE, smoke_budget
 from oelm_core.analysis.curves import log_ticks
@@ -66,9 +67,6 @@ from oelm_core.analysis.timing import alone_record
 # (JupyterLab) or in the root (papermill --cwd).
 REPO = Path(__file__).resolve().parents[2]
 
-# oelm_core.sweep's name for pyplot(), from before the package.
-_plt = pyplot
-
 __all__ = [
     "REPO",
     # theory
@@ -78,8 +76,8 @@ __all__ = [
     "analytic_parameters", "flops_table", "gradient_flow_check", "parameter_table", "shape_account",
     "shape_explorer",
     # runs and groups
-    "WHICH", "Run", "check_which", "find_run_dirs", "load_run", "load_runs",
-    "BASELINE", "GROUP_LABELS", "TUNED_SETTINGS", "Group", "assumed_settings", "evaluated_seeds", "group_runs", "seed_groups",
+    "FINISHED", "WHICH", "Run", "check_which", "find_run_dirs", "load_run", "load_runs",
+    "BASELINE", "GROUPS", "GROUP_LABELS", "TUNED_SETTINGS", "Group", "assumed_settings", "evaluated_seeds", "group_runs", "seed_groups",
     "settings_apart", "variant_alone",
     # stats, tables, hypotheses, report
     "bootstrap_interval", "cohen_d", "hedges_g", "mean_std", "significance", "welch_interval",

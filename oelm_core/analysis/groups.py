@@ -24,14 +24,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from oelm_core.analysis.stats import mean_std
 from oelm_core.config import PRESETS, ConfigError, model_config, variant_overrides
+from oelm_core.groups import BASELINE, GROUP_LABELS  # noqa: F401 (the analysis' modules read them here)
 
 if TYPE_CHECKING:
     from oelm_core.analysis.runs import Run
 
-# The study's three groups (variants) and their labels, in the order the tables list them: the one
-# definition the notebooks and the app read.
-GROUP_LABELS = {"gpt_base": "GPT-Base", "oelm_nofreeze": "OELM-NoFreeze", "oelm_freeze": "OELM-Freeze"}
-BASELINE = "gpt_base"
 # The settings that oelm_core.tuning tunes per group: what a study of tuned groups compares across
 # (``variant_alone``'s compare_across). min_lr is tied to lr (a tenth of it) and so tuned with it.
 TUNED_SETTINGS = ("train.lr", "train.min_lr", "model.dropout")
@@ -162,7 +159,7 @@ def _variant_model(preset: str, variant: str, definition: str) -> MappingProxyTy
 
 
 # The two warnings a table of groups gives (the results table here, the ablation table of
-# oelm_core.sweep): a mean over fewer seeds than the group has, and settings taken on trust.
+# oelm_core.analysis.ablations): a mean over fewer seeds than the group has, and settings taken on trust.
 
 def evaluated_seeds(label: str, names: list[str], values: list) -> int:
     """How many seeds of one group have a validation figure (``values``, None where a run ended

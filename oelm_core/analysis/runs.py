@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from oelm_core.analysis.groups import GROUP_LABELS
 from oelm_core.config import ConfigError, RunConfig, read_yaml, trained_settings
+from oelm_core.groups import GROUP_LABELS
 
 # The validation figures a results table or hypothesis reads: the last evaluation's, the best's
 # (both on the evaluations' windows, which chose the best), or "report": the best checkpoint on the
@@ -41,6 +41,8 @@ WHICH_WORDS = {"final": "the last evaluation, on the windows the evaluations rea
                "best": "the best evaluation, on the windows that chose it",
                "report": "the best checkpoint on the held-out half of the validation windows, which no "
                          "evaluation chose by"}
+# The trainer's statuses (summary.json) of a run that has ended: nothing is left to train.
+FINISHED = ("completed", "stopped_early")
 
 
 def check_which(which: str) -> None:

@@ -1,13 +1,15 @@
-"""The SLURM launcher: each training of a plan as a batch job, written as a plain sbatch script.
+"""The SLURM scheduler: each training of a plan as a batch job, written as a plain sbatch script.
 
-    python -m oelm_core.study parameters/study_smoke.yaml --launcher slurm --partition gpu --time 4:00:00
+    python -m oelm_core run parameters/study_smoke.yaml --launcher slurm --partition gpu --time 4:00:00
 
-The runner (oelm_core.experiment) prepares the data, writes each run folder's ``job.sbatch`` and
-submits it with ``sbatch``, waits for the jobs (``squeue``; ``sacct`` for a job gone from the
-queue, where the cluster keeps accounting), then goes on with the plan's next steps (the analysis
-notebook) as it does after local trainings. Why scripts and not submitit: a script is what a
-cluster user reads and re-submits by hand (``sbatch RUN/job.sbatch`` resumes the run), and the
-cluster needs nothing beyond this package; docs/cluster.md has the details.
+Before any step of the plan (data, notebooks) it checks the scheduler: SLURM's commands on PATH,
+the controller answering (``scontrol ping``), the partition asked for among the cluster's. Then
+``train_runs`` writes each run folder's ``job.sbatch``, submits it with ``sbatch``, waits for the
+jobs (``squeue``; ``sacct`` for a job gone from the queue, where the cluster keeps accounting), and
+the runner goes on with the plan's next steps (the analysis notebook) as after local trainings.
+Why scripts and not submitit: a script is what a cluster user reads and re-submits by hand
+(``sbatch RUN/job.sbatch`` resumes the run), and the cluster needs nothing beyond this package;
+docs/cluster.md has the details.
 
 In each run folder:
 
@@ -32,16 +34,17 @@ import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
+from oelm_core.analysis.runs import FINISHED
+from oelm_core.checkout import child_env
 from oelm_core.config import ConfigError
 from oelm_core.files import write_text_atomic
-
-if TYPE_CHECKING:   # experiment imports this module; its names are imported where they are used
-    from oelm_core.experiment import Plan, PlannedRun
+from oelm_core.runner.launch import train_command
+from oelm_core.runner.plan import TRAININGS, Plan, PlannedRun, SlurmSettings
+from oelm_core.runner.scheduler import Scheduler, ended, row, run_status, write_run_files
 
 SCRIPT, RECORD = "job.sbatch", "slurm.json"
 # squeue's and sacct's job states, as the runner reports them; any other state has ended the job.
@@ -57,62 +60,17 @@ ENDED_WAIT_S, REQUEUE_WAIT_S = 10.0, 60.0
 RDZV_PORT = 29500   # the port torchrun's rendezvous listens on, on a multi-node job's first node
 
 
-@dataclass
-class SlurmSettings:
-    """A plan's ``slurm:`` section (or the CLI's --partition, --time, ...): how each run's job asks
-    for its resources. None: the cluster's default. GPUs per run: the plan's gpus_per_run."""
-
-    partition: Optional[str] = None
-    time: Optional[str] = None            # the time limit, in SLURM's format: "30", "4:00:00", "1-00:00:00"
-    account: Optional[str] = None
-    nodes: int = 1                        # > 1: gpus_per_run GPUs on each of them, one torchrun each
-    cpus_per_task: Optional[int] = None   # CPU cores of each node's torchrun (or training)
-    mem: Optional[str] = None             # memory per node, e.g. "64G"
-    signal_s: int = 120                   # seconds before the time limit that USR1 warns the job
-    sbatch_args: list[str] = field(default_factory=list)   # further options, e.g. ["--qos=high"]
-    poll_s: float = 15.0                  # seconds between two looks at the queue
-
-    @classmethod
-    def from_dict(cls, values: dict, where: str) -> "SlurmSettings":
-        """The settings of ``values``, checked; ``where`` names them in messages ("FILE: study.slurm")."""
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where} must be a mapping, e.g. {{partition: gpu, time: '4:00:00'}}; got {values!r}")
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(map(str, set(values) - valid))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(valid))}")
-        for key in ("partition", "time", "account", "mem"):
-            if values.get(key) is not None and not isinstance(values[key], (str, int)):
-                raise ConfigError(f"{where}.{key} must be a string, got {values[key]!r}")
-        for key, least in (("nodes", 1), ("cpus_per_task", 1), ("signal_s", 1)):
-            value = values.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-                raise ConfigError(f"{where}.{key} must be a whole number of at least {least}, got {value!r}")
-        poll = values.get("poll_s", cls.poll_s)
-        if not isinstance(poll, (int, float)) or isinstance(poll, bool) or poll <= 0:
-            raise ConfigError(f"{where}.poll_s must be a positive number of seconds, got {poll!r}")
-        extra = values.get("sbatch_args", [])
-        if not isinstance(extra, list) or not all(isinstance(a, str) and a.startswith("--") for a in extra):
-            raise ConfigError(f"{where}.sbatch_args must be a list of sbatch options, e.g. ['--qos=high'], "
-                              f"got {extra!r}")
-        cleaned = {k: (str(v) if k in ("partition", "time", "account", "mem") and v is not None else v)
-                   for k, v in values.items() if v is not None}
-        return cls(**cleaned)
-
-
 # --------------------------------------------------------------------------------------------
 # The job script
 # --------------------------------------------------------------------------------------------
 
-def _nproc(plan: "Plan") -> int:
+def _nproc(plan: Plan) -> int:
     """Training processes per node: one per GPU, or on CPU the 03_training nproc (1 by default)."""
-    return plan.gpus_per_run or int((plan.parameters.get("03_training") or {}).get("nproc", 1))
+    return plan.gpus_per_run or int((plan.parameters.get(TRAININGS) or {}).get("nproc", 1))
 
 
-def job_script(plan: "Plan", run: "PlannedRun", settings: SlurmSettings) -> str:
+def job_script(plan: Plan, run: PlannedRun, settings: SlurmSettings) -> str:
     """The sbatch script that trains ``run`` (its params.yaml, into its run folder) with --resume."""
-    from oelm_core.experiment import REPO, _env, train_command
-
     run_dir = run.run_dir.resolve()
     nodes, nproc = settings.nodes, _nproc(plan)
     overrides = ["train.progress=false",   # a log file, not a terminal: no progress bar redraws
@@ -128,15 +86,15 @@ def job_script(plan: "Plan", run: "PlannedRun", settings: SlurmSettings) -> str:
     options += [f"--{key}={getattr(settings, key)}" for key in ("partition", "time", "account", "mem")
                 if getattr(settings, key) is not None]
     options += ["--requeue", f"--signal=B:USR1@{settings.signal_s}", *settings.sbatch_args]
-    env = {"PYTHONPATH": _env()["PYTHONPATH"], "PYTHONUNBUFFERED": "1",
+    env = {"PYTHONPATH": child_env()["PYTHONPATH"], "PYTHONUNBUFFERED": "1",
            **{k: os.environ[k] for k in CARRIED_ENV if k in os.environ},
            # torch would start a thread per core of the node, the other jobs' cores too
            **({"OMP_NUM_THREADS": str(settings.cpus_per_task)} if settings.cpus_per_task and nproc == 1 else {}),
            # torchrun passes these on to its workers; SIGUSR1 is not among its defaults
            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
     lines = ["#!/bin/bash",
-             f"# OELM Lab: run {run.name} of the {plan.kind} {plan.name} ({plan.path}),",
-             "# written by the runner's SLURM launcher (oelm_core/slurm.py, docs/cluster.md).",
+             f"# OELM Lab: run {run.name} of the plan {plan.name} ({plan.path}),",
+             "# written by the runner's SLURM scheduler (oelm_core/runner/slurm.py, docs/cluster.md).",
              f"# Re-submit by hand with: sbatch {run_dir / SCRIPT}   (it resumes from the newest checkpoint)",
              *(f"#SBATCH {o}" for o in options),
              "set -uo pipefail",
@@ -186,6 +144,32 @@ def _slurm(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=120)
 
 
+def _controller_hint() -> str:
+    """What to check where SLURM's controller does not answer."""
+    conf = os.environ.get("SLURM_CONF")
+    return (f"check that SLURM_CONF ({f'now {conf}' if conf else 'not set: the default /etc/slurm/slurm.conf'}) "
+            f"names this cluster's slurm.conf and that `scontrol ping` answers UP here (on the cluster's "
+            f"login node; some clusters need `module load slurm` first)")
+
+
+def check_scheduler(settings: SlurmSettings) -> None:
+    """ConfigError, with the fix, unless SLURM's commands are on PATH, its controller answers
+    (``scontrol ping``) and the partition ``settings`` ask for is one ``sinfo`` lists."""
+    require_sbatch()
+    try:
+        ping = _slurm(["scontrol", "ping"])
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"the SLURM controller did not answer `scontrol ping` within 120 s; "
+                          f"{_controller_hint()}") from None
+    said = " ".join((ping.stdout + " " + ping.stderr).split())
+    if ping.returncode != 0 or "DOWN" in ping.stdout or "UP" not in ping.stdout:
+        raise ConfigError(f"the SLURM controller does not answer (scontrol ping: {said[:400]}); {_controller_hint()}")
+    have = partitions()
+    if settings.partition is not None and have and settings.partition not in have:
+        raise ConfigError(f"SLURM has no partition {settings.partition!r}: set slurm.partition (or --partition) "
+                          f"to one of this cluster's partitions: {', '.join(have)}")
+
+
 def partitions() -> list[str]:
     """The cluster's partitions (sinfo), [] where sinfo cannot say."""
     try:
@@ -225,7 +209,7 @@ def queue_states() -> dict[str, tuple[str, str]]:
     MinJobAge, 5 minutes by default)."""
     out = _slurm(["squeue", "-h", "-t", "all", "-u", getpass.getuser(), "-o", "%i|%T|%r"])
     if out.returncode != 0:
-        raise RuntimeError(f"squeue failed: {out.stderr.strip()}")
+        raise RuntimeError(f"squeue failed: {out.stderr.strip()}; {_controller_hint()}")
     states = {}
     for line in out.stdout.splitlines():
         job, state, reason = (line.split("|") + ["", ""])[:3]
@@ -284,7 +268,7 @@ def _step(run_dir: Path) -> Optional[int]:
 class Job:
     """One run's job as the runner follows it."""
 
-    def __init__(self, run: "PlannedRun", job_id: str, submitted: float):
+    def __init__(self, run: PlannedRun, job_id: str, submitted: float):
         self.run, self.id, self.t0 = run, job_id, submitted
         self.state = "queued"     # queued, running, done, failed
         self.error: Optional[str] = None
@@ -296,75 +280,63 @@ class Job:
         return self.run.run_dir.resolve() / f"slurm-{self.id}.out"
 
 
-def run_trainings(plan: "Plan", settings: SlurmSettings, *, skip_done: bool = True,
-                  log: Callable[[str], None]) -> list[dict]:
-    """Train every run of ``plan`` as a SLURM job and wait for them; one row per run, as
-    experiment.run_trainings returns (its sweep_point.json items, status, wall_s, out_dir, error)
-    plus job_id. A run whose job (slurm.json) is still queued or running is followed, not
-    submitted again; one that ended is skipped; any other is submitted (and resumes)."""
-    from oelm_core.data import with_real_source
-    from oelm_core.experiment import FINISHED, _prepare_data, _status, check_run_folder
+class SlurmScheduler(Scheduler):
+    """Each training a SLURM job (see the module's docstring), with the plan's slurm settings."""
 
-    import yaml
+    def check(self, plan: Plan) -> None:
+        """SLURM's commands on PATH, its controller answering, the partition asked for among the
+        cluster's: ConfigError with the fix, before the plan prepares data or runs a notebook."""
+        check_scheduler(plan.slurm)
 
-    require_sbatch()
-    for run in plan.runs:
-        check_run_folder(run)
-    _prepare_data(plan, log)   # here, once: jobs starting side by side must not tokenise the same files
-    tag = f"[{plan.kind}]"
-    rows: dict[int, dict] = {}
-    jobs: dict[int, Job] = {}
-    queue = queue_states()
-    checked = False
-    for i, run in enumerate(plan.runs):
-        row = {**run.info, "status": "not started", "wall_s": 0.0, "out_dir": str(run.run_dir)}
-        summary = _status(run.run_dir)
-        if skip_done and summary.get("status") in FINISHED:
-            log(f"{tag} {run.name} already ended ({summary['status']} at step {summary.get('steps')}): "
-                f"nothing to train; {run.run_dir}")
-            rows[i] = {**row, "status": "skipped"}
-            continue
-        earlier = read_record(run.run_dir).get("job_id")
-        if earlier is not None and queue.get(str(earlier), ("",))[0] in QUEUED | RUNNING:
-            log(f"{tag} {run.name}: job {earlier} submitted earlier is {queue[str(earlier)][0].lower()}; following it")
-            jobs[i] = Job(run, str(earlier), time.time())
-            continue
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        # the folder OELM_DATA names, not the plan's hub id: what the run reads
-        write_text_atomic(run.run_dir / "params.yaml", yaml.safe_dump(with_real_source(run.config), sort_keys=False))
-        write_text_atomic(run.run_dir / "sweep_point.json", json.dumps(run.info, indent=2) + "\n")
-        script = run.run_dir / SCRIPT
-        write_text_atomic(script, job_script(plan, run, settings))
-        if not checked:   # the settings are the same for every job: SLURM's verdict on one stands for all
-            check_submission(script, settings)
-            checked = True
-        job_id = submit(script)
-        record = read_record(run.run_dir)
-        write_text_atomic(run.run_dir / RECORD, json.dumps(
-            {"job_id": job_id, "submitted": _now(), "script": SCRIPT, "log": f"slurm-{job_id}.out",
-             "earlier_jobs": record.get("earlier_jobs", []) + ([record["job_id"]] if "job_id" in record else [])},
-            indent=2) + "\n")
-        log(f"{tag} submitted {run.name} as job {job_id}: {script}")
-        jobs[i] = Job(run, job_id, time.time())
-    _follow(plan, jobs, settings, log)
-    for i, job in jobs.items():
-        row = {**job.run.info, "status": "failed", "wall_s": job.ended_s, "out_dir": str(job.run.run_dir),
-               "job_id": job.id}
-        if job.state == "done":
-            row["status"] = _status(job.run.run_dir).get("status")
-        else:
-            row["error"] = job.error
-        rows[i] = row
-    ordered = [rows[i] for i in range(len(plan.runs))]
-    log(f"{tag} {sum(r['status'] in FINISHED + ('skipped',) for r in ordered)}/{len(ordered)} run(s) done on SLURM")
-    return ordered
+    def train_runs(self, plan: Plan, *, skip_done: bool, log: Callable[[str], None]) -> list[dict]:
+        """Train every run as a SLURM job and wait for them; one row per run, plus job_id. A run
+        whose job (slurm.json) is still queued or running is followed, not submitted again; one
+        that ended is skipped; any other is submitted (and resumes)."""
+        settings = plan.slurm
+        rows: dict[int, dict] = {}
+        jobs: dict[int, Job] = {}
+        queue = queue_states()
+        checked = False
+        for i, run in enumerate(plan.runs):
+            done = ended(plan, run, log) if skip_done else None
+            if done is not None:
+                rows[i] = done
+                continue
+            earlier = read_record(run.run_dir).get("job_id")
+            if earlier is not None and queue.get(str(earlier), ("",))[0] in QUEUED | RUNNING:
+                log(f"{plan.tag} {run.name}: job {earlier} submitted earlier is "
+                    f"{queue[str(earlier)][0].lower()}; following it")
+                jobs[i] = Job(run, str(earlier), time.time())
+                continue
+            write_run_files(run)
+            script = run.run_dir / SCRIPT
+            write_text_atomic(script, job_script(plan, run, settings))
+            if not checked:   # the settings are the same for every job: SLURM's verdict on one stands for all
+                check_submission(script, settings)
+                checked = True
+            job_id = submit(script)
+            record = read_record(run.run_dir)
+            write_text_atomic(run.run_dir / RECORD, json.dumps(
+                {"job_id": job_id, "submitted": _now(), "script": SCRIPT, "log": f"slurm-{job_id}.out",
+                 "earlier_jobs": record.get("earlier_jobs", []) + ([record["job_id"]] if "job_id" in record else [])},
+                indent=2) + "\n")
+            log(f"{plan.tag} submitted {run.name} as job {job_id}: {script}")
+            jobs[i] = Job(run, job_id, time.time())
+        _follow(plan, jobs, settings, log)
+        for i, job in jobs.items():
+            if job.state == "done":
+                rows[i] = row(job.run, run_status(job.run.run_dir).get("status"), wall_s=job.ended_s, job_id=job.id)
+            else:
+                rows[i] = row(job.run, "failed", wall_s=job.ended_s, job_id=job.id, error=job.error)
+        ordered = [rows[i] for i in range(len(plan.runs))]
+        log(f"{plan.tag} {sum(r['status'] in FINISHED + ('skipped',) for r in ordered)}/{len(ordered)} "
+            f"run(s) done on SLURM")
+        return ordered
 
 
-def _follow(plan: "Plan", jobs: dict[int, Job], settings: SlurmSettings, log: Callable[[str], None]) -> None:
+def _follow(plan: Plan, jobs: dict[int, Job], settings: SlurmSettings, log: Callable[[str], None]) -> None:
     """Poll the queue until every job has ended; a line for each change of state and an overview."""
-    from oelm_core.experiment import FINISHED, _status
-
-    tag = f"[{plan.kind}]"
+    tag = plan.tag
     while any(j.state in ("queued", "running") for j in jobs.values()):
         queue = queue_states()
         changed = False
@@ -372,7 +344,7 @@ def _follow(plan: "Plan", jobs: dict[int, Job], settings: SlurmSettings, log: Ca
             if job.state not in ("queued", "running"):
                 continue
             state, reason = queue.get(job.id) or accounting_state(job.id) or ("", "")
-            summary = _status(job.run.run_dir).get("status")
+            summary = run_status(job.run.run_dir).get("status")
             if state in QUEUED | RUNNING:
                 new, job.ended_at = ("queued" if state in QUEUED else "running"), None
             elif summary in FINISHED:

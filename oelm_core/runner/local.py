@@ -1,0 +1,136 @@
+"""The local scheduler: a plan's trainings in this process or its children, side by side on the GPUs.
+
+With gpus_per_run = g > 0 and enough GPUs, trainings run side by side, run k on GPUs
+[k*g, (k+1)*g) of those this process sees (numbered as torch numbers them: under
+CUDA_VISIBLE_DEVICES=2,3, GPU 0 is the machine's GPU 2); with g = 0 one after another on the CPU.
+Each training runs as the plan's runner says: ``notebook`` (papermill executes 03_training per
+run, which launches it; the executed copy stays in the run folder), ``subprocess`` (the launcher
+alone) or ``inprocess`` (``oelm_core.train.train`` here: no start-up per run).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from oelm_core.analysis.runs import FINISHED
+from oelm_core.config import ConfigError, run_config_from_dict
+from oelm_core.notebooks import execute_notebook
+from oelm_core.runner.launch import launch_training
+from oelm_core.runner.plan import TRAININGS, Plan, PlannedRun
+from oelm_core.runner.scheduler import ExperimentError, Scheduler, ended, row, run_status, write_run_files
+
+
+def gpu_count() -> int:
+    """The CUDA GPUs this process sees (0 without CUDA or torch's CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+class LocalScheduler(Scheduler):
+    """Trainings on this machine (see the module's docstring). ``budget_s`` > 0: no run starts
+    after that many seconds (the rest are "not started"; the same call again continues with them)."""
+
+    def __init__(self, budget_s: float = 0.0):
+        super().__init__()
+        if not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s) and budget_s >= 0):
+            raise ConfigError(f"--budget-s must be a number of seconds after which no training starts, "
+                              f"or 0 for no budget; got {budget_s!r}")
+        self.budget_s = float(budget_s)
+
+    def check(self, plan: Plan) -> None:
+        g = plan.gpus_per_run
+        if g and plan.runner != "inprocess" and gpu_count() < g:
+            raise ExperimentError(f"{plan.section}.gpus_per_run={g}, but this machine has {gpu_count()} GPU(s); "
+                                  f"set --set {plan.section}.gpus_per_run=0 for CPU or fewer GPUs per run")
+
+    def slots(self, plan: Plan, log: Callable[[str], None]) -> list[str | None]:
+        """The GPU sets trainings run on side by side: indices as this process numbers its GPUs
+        (launch_training maps them to the machine's); [None] for one training at a time."""
+        g = plan.gpus_per_run
+        if g == 0 or plan.runner == "inprocess":
+            log(f"{plan.tag} {len(plan.runs)} training(s) one after another"
+                + (" on CPU" if g == 0 else f", {plan.runner}"))
+            return [None]
+        n_gpu = gpu_count()
+        n_slots = min(len(plan.runs), n_gpu // g)
+        log(f"{plan.tag} {len(plan.runs)} training(s) on {n_gpu} GPU(s), {g} each, {n_slots} side by side")
+        return [",".join(str(k * g + i) for i in range(g)) for k in range(n_slots)]
+
+    def train_runs(self, plan: Plan, *, skip_done: bool, log: Callable[[str], None]) -> list[dict]:
+        slots = self.slots(plan, log)
+        free: queue.Queue = queue.Queue()
+        for s in slots:
+            free.put(s)
+        t0 = time.perf_counter()
+
+        def one(i: int, run: PlannedRun) -> dict:
+            done = ended(plan, run, log) if skip_done else None
+            if done is not None:
+                return done
+            gpus = free.get()
+            try:
+                elapsed = time.perf_counter() - t0
+                if self.budget_s and elapsed > self.budget_s:
+                    return row(run)
+                log(f"{plan.tag} training {i + 1}/{len(plan.runs)}, {elapsed:.0f}s: {run.name} ({run.variant}, "
+                    f"seed {run.seed})" + (f" on GPUs {gpus}" if gpus is not None else ""))
+                write_run_files(run)
+                try:
+                    status = train_one(plan, run, gpus, log) or "failed"
+                    error = None if status != "failed" else f"no summary.json in {run.run_dir}"
+                except Exception as exc:  # one failed run must not lose the others
+                    status, error = "failed", f"{type(exc).__name__}: {exc}"
+                result = row(run, status, wall_s=time.perf_counter() - t0 - elapsed)
+                if error:
+                    result["error"] = error
+                    log(f"{plan.tag} FAILED {run.name}: {error}")
+                elif status in FINISHED and not plan.keep_checkpoints:
+                    shutil.rmtree(run.run_dir / "ckpt", ignore_errors=True)   # best.pt stays
+                return result
+            finally:
+                free.put(gpus)
+
+        if len(slots) == 1:
+            rows = [one(i, run) for i, run in enumerate(plan.runs)]
+        else:
+            with ThreadPoolExecutor(len(slots)) as pool:
+                rows = list(pool.map(one, range(len(plan.runs)), plan.runs))
+        left = sum(r["status"] == "not started" for r in rows)
+        if left:
+            log(f"{plan.tag} time budget of {self.budget_s:.0f}s used: {left} run(s) not started (run the same "
+                f"command again to continue)")
+        log(f"{plan.tag} {sum(r['status'] in FINISHED + ('skipped',) for r in rows)}/{len(rows)} run(s) done "
+            f"in {time.perf_counter() - t0:.0f}s")
+        return rows
+
+
+def train_one(plan: Plan, run: PlannedRun, gpus: str | None, log: Callable[[str], None]) -> str | None:
+    """Train one run with the plan's runner, resuming from its newest checkpoint; returns the
+    trainer's final status (None: no summary.json)."""
+    params_file = run.run_dir / "params.yaml"
+    launch = dict(plan.parameters.get(TRAININGS) or {})
+    nproc = max(1, plan.gpus_per_run) if gpus is not None else int(launch.get("nproc", 1))
+    devices = gpus if gpus is not None else launch.get("cuda_visible_devices", "")
+    prefix = f"  [{run.name}] "
+    if plan.runner == "inprocess":
+        from oelm_core.train import train  # imported late: reading a plan needs no trainer
+
+        return train(run_config_from_dict(run.config), resume=True).get("status")
+    if plan.runner == "subprocess":
+        launch_training(params_file, nproc=nproc, cuda_visible_devices=devices, run_dir=run.run_dir,
+                        resume=True, progress=launch.get("progress_bar"), echo=lambda line: log(prefix + line))
+    else:
+        execute_notebook(TRAININGS, run.run_dir / f"{TRAININGS}.ipynb",
+                         {"resume": True, **launch, "params": str(params_file.resolve()), "overrides": [],
+                          "run_dir": str(run.run_dir.resolve()), "nproc": nproc, "cuda_visible_devices": devices},
+                         prefix=prefix, echo=log)
+    return run_status(run.run_dir).get("status")
