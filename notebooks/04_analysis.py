@@ -18,9 +18,9 @@
 run_dirs = []                  # run folders, or folders that hold them (a study folder)
 out_dir = "runs/notebooks/analysis"   # a relative path is taken from the repository root
 fig_dir = None                 # None: <out_dir>/figures
-which = "final"                # 'final' or 'best' validation figures
+which = "final"                # 'final', 'best' or 'report' (the held-out half; runs with train.report_holdout)
 compare_across = []            # settings the compared groups may differ in (tuned groups: lr, min_lr, dropout)
-timed_alone = True             # every run trained alone on its GPU (False: their tokens/s are not compared)
+timed_alone = True             # False: the runs shared GPUs, speed not compared; True asserts nothing (records decide)
 attention_text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
 layer = 0
 head = 0
@@ -93,8 +93,9 @@ display(Markdown(gaps['markdown']))
 # * **H1** freezing cuts trainable parameters by ~15% (the original report's claim; the exact
 #   figure at medium512 is 7.0% of all parameters, 16.6% of the non-embedding ones)
 # * **H2** OELM-Freeze perplexity within 5% of OELM-NoFreeze
-# * **H3** OELM-Freeze trains at least as fast as GPT-Base: tokens/s, and training seconds to a
-#   target validation loss
+# * **H3** OELM-Freeze trains at least as fast as OELM-NoFreeze (tokens/s), and **H3t** reaches a
+#   target validation loss in at most OELM-NoFreeze's training time; judged only where every run's
+#   summary.json records that it had its device alone
 # * **H4** OELM-Freeze perplexity within 10% of GPT-Base
 #
 # H2 and H4 are judged on the gap's 95% Welch interval: "not decided at this n" where it spans
@@ -105,10 +106,8 @@ display(Markdown(gaps['markdown']))
 # %%
 hyps = A.hypotheses(runs, which, compare_across=compare_across, timed_alone=timed_alone)
 display(Markdown(A.hypotheses_markdown(hyps)))
-assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H4']
-if A.hypotheses_judgeable(runs, compare_across):
-    judged = [h for h in hyps if timed_alone or h['id'] != 'H3']   # H3 needs runs timed alone
-    assert all(h['verdict'] != A.NOT_JUDGED for h in judged), hyps
+assert [h['id'] for h in hyps] == ['H1', 'H2', 'H3', 'H3t', 'H4']
+assert not A.unjudged(hyps, runs, compare_across, timed_alone), hyps
 
 # %% [markdown]
 # ## Steps and training time to a target validation loss
@@ -119,8 +118,9 @@ if A.hypotheses_judgeable(runs, compare_across):
 # %%
 groups = A.group_runs(runs)
 target = A.loss_target(groups, which)
-if not timed_alone:
-    display(Markdown('(not compared: the runs shared their GPUs)'))
+record = A.alone_record(runs)
+if not timed_alone or record['alone'] is not True:
+    display(Markdown(f"(not compared: {record['why'] or 'the runs shared their GPUs (timed_alone=False)'})"))
 elif target is None:
     display(Markdown('(no evaluations)'))
 else:

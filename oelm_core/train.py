@@ -1,6 +1,6 @@
 """The training loop: one process or many (DDP), CPU or CUDA, resumable, for every variant.
 
-    python -m oelm_core.train --params parameters/train_smoke.yaml [--set train.steps=200] [--resume]
+    python -m oelm_core.train --params parameters/smoke/oelm_freeze.yaml [--set train.steps=200] [--resume]
     torchrun --nproc_per_node 8 -m oelm_core.train --params parameters/X.yaml
 
 From Python: ``summary = train(load_run_config("parameters/X.yaml"))``.

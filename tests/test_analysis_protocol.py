@@ -114,7 +114,7 @@ def test_gap_tables_say_no_difference_only_where_tost_shows_equivalence(tmp_path
 def test_the_ablation_rows_carry_the_equivalence_test(tmp_path):
     """gaps.gap_fields is what the ablations' table writes per comparator: an ablation as good as
     OELM-Freeze within ±2% is "no difference" only where TOST shows it."""
-    from oelm_core.sweep import ablation_gaps
+    from oelm_core.analysis.ablations import ablation_gaps
 
     study, root = tmp_path / "study", tmp_path / "ablations"
     freeze = [2.310, 2.321, 2.302, 2.315, 2.308]
@@ -133,6 +133,7 @@ def test_the_ablation_rows_carry_the_equivalence_test(tmp_path):
                                                           "seed": seed}))
     row = next(r for r in ablation_gaps(root, study, "final")["rows"] if r["label"] == "gaussian")
     assert row["oelm_freeze_equivalent"] == A.EQUIVALENT
+    assert "vs OELM-Freeze: Equivalent within ±2%? (TOST)" in ablation_gaps(root, study, "final")["markdown"]
     assert row["oelm_freeze_tost_p"] == pytest.approx(A.tost(gaussian, freeze, math.log(1.02))["p"])
     assert row["gpt_base_equivalent"] == A.NOT_EQUIVALENT
 

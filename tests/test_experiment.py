@@ -417,10 +417,11 @@ def test_parameter_files_load():
     from oelm_core.data import HUB_NAME
 
     files = sorted((REPO / "parameters").rglob("*.yaml"))
-    assert {p.parent.name for p in files} == {"smoke", "medium512", "shapes", "sweeps", "tuning", "parameters"}
-    plans = [p for p in files if p.parent.name in ("sweeps", "tuning") or p.name.startswith("ablations")
+    assert {p.parent.name for p in files} == {"smoke", "medium512", "shapes", "sweeps", "tuning", "protocol",
+                                              "parameters"}
+    plans = [p for p in files if p.parent.name in ("sweeps", "tuning", "protocol") or p.name.startswith("ablations")
              or p.stem.startswith("study_")]
-    assert len(plans) == 4 + 2 + 2 + 4
+    assert len(plans) == 4 + 2 + 2 + 2 + 4
     for path in files:
         if path in plans:
             cfgs = [run_config_from_dict(r.config) for smoke in (False, True) if path.parent.name == "sweeps" or not smoke
@@ -684,7 +685,8 @@ def test_ablation_plan_is_seed_major_and_complete(tmp_path):
     runs = plan.runs
     stems = [r.info["label"] for r in runs]
     assert len(runs) == 30 and stems[:15] == stems[15:] and [r.info["seed"] for r in runs[:15]] == [0] * 15
-    assert {r.info["variant"] for r in runs} == set(VARIANTS)
+    # every variant but the orthogonality study's ill-conditioned control, which came after them
+    assert {r.info["variant"] for r in runs} == set(VARIANTS) - {"oelm_freeze_illcond"}
     assert (plan.runner, plan.keep_checkpoints, plan.records) == ("inprocess", False, False)
     for r in runs:
         cfg = run_config_from_dict(r.config)
@@ -703,6 +705,7 @@ def test_ablation_plan_is_seed_major_and_complete(tmp_path):
 
 # results/<folder> -> the plan that trained its runs (results/README.md names the same)
 RESULT_PLANS = {"ablations": "parameters/ablations.yaml", "ablations_medium512": "parameters/ablations_medium512.yaml",
+                "protocol_tune_medium512": "parameters/protocol/tune_medium512.yaml",
                 "tune_medium512": "parameters/tuning/medium512.yaml", "tune_mini": "parameters/tuning/mini.yaml",
                 "tuned_medium512": "parameters/study_tuned_medium512.yaml",
                 "tuned_mini": "parameters/study_tuned_mini.yaml"}

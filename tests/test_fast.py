@@ -1,13 +1,11 @@
-"""oelm_core.fast: the one door to speed. The reference modules import nothing of it and no
-import cycle passes through it (read from their source); what ``fast.apply`` installs for each
+"""oelm_core.fast: the one door to speed. The reference modules import nothing of it (read from
+their source); what ``fast.apply`` installs for each
 training switch; neither the reference modules nor a CPU training step or generation load a fast
 path's Triton kernels."""
 
-import ast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +13,7 @@ from oelm_core import build_model, fast
 from oelm_core.config import TrainConfig
 from oelm_core.fast.loss import ChunkedOutputLoss
 from oelm_core.model import OutputLoss
+from import_graph import PACKAGE, imports
 
 REFERENCE_MODULES = ["oelm_core", "oelm_core.model", "oelm_core.config", "oelm_core.generate", "oelm_core.data",
                      "oelm_core.accounting", "oelm_core.checkpoint"]
@@ -86,45 +85,12 @@ def test_every_switch_off_leaves_the_reference_model():
 
 
 # --------------------------------------------------------------------------------------------
-# The import graph, read from the source: every import statement, function-level ones included
+# The import graph (tests/import_graph.py): no cycle anywhere (tests/test_imports.py), and the
+# reference path reaches no fast path
 # --------------------------------------------------------------------------------------------
 
-PACKAGE = Path(__file__).resolve().parents[1] / "oelm_core"
 # The reference path: plain PyTorch, which the fast paths are tested against; it may not reach them.
 REFERENCE = ("model", "step", "generate", "distributed")
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-
-
-def imports(path: Path, name: str = "") -> list[tuple[int, str]]:
-    """(line, module) of every import in ``path`` (the module ``name``, by default the one the
-    path is), at any depth, absolute: ``from a import b`` names ``a.b`` where that is a module,
-    else ``a``; ``importlib.import_module("x")`` and ``__import__("x")`` with a constant name
-    count too."""
-    name = name or module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            found += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
-                      for a in node.names]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
-            found.append((node.lineno, node.args[0].value))
-    return found
 
 
 def is_fast(module: str) -> bool:
@@ -156,32 +122,3 @@ def test_the_trainer_reaches_fast_paths_through_the_door_alone():
     it: which fast path runs is decided there, from the switches."""
     found = {m for _, m in imports(PACKAGE / "train.py") if is_fast(m)}
     assert found == {"oelm_core.fast"}
-
-
-def test_no_import_cycle_passes_through_the_fast_paths_or_the_reference():
-    """Tarjan's strongly connected components of the package's import graph: none holds a fast
-    path or a reference module (step <-> fast.graph_step and generate <-> fast.decode did)."""
-    graph = {m: {i for _, i in imports(p) if i in MODULES and i != m} for m, p in MODULES.items()}
-    index, low, stack, cycles = {}, {}, [], []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while not component or component[-1] != v:
-                component.append(stack.pop())
-            if len(component) > 1:
-                cycles.append(sorted(component))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    checked = {f"oelm_core.{name}" for name in (*REFERENCE, "train")}
-    assert [c for c in cycles if any(is_fast(m) or m in checked for m in c)] == []

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Sequence
 
 from oelm_core.analysis.figures import pyplot, save_figure
-from oelm_core.analysis.gaps import gap_fields, group_figures, ppl_gap
+from oelm_core.analysis.gaps import equivalence_columns, gap_fields, group_figures, ppl_gap
 from oelm_core.analysis.groups import (Group, assumed_settings, evaluated_seeds, seed_groups, settings_apart,
                                        variant_alone)
 from oelm_core.analysis.markdown import markdown_table
-from oelm_core.analysis.runs import check_which, load_runs
+from oelm_core.analysis.runs import check_figures, load_runs
 from oelm_core.analysis.stats import mean_std
 from oelm_core.analysis.sweeps import load_points, on_sweep_axis, run_row
 from oelm_core.config import ConfigError
@@ -145,10 +145,10 @@ def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best"
     TUNED_SETTINGS: GPT-Base at its own tuned setting). ConfigError without a comparator group,
     or with several of one variant.
     """
-    check_which(which)
     ablations = load_points(root)
     others = load_runs(comparators)
     runs = ablations + others
+    check_figures(runs, which)
     labels = [r.point.get("label") or r.name for r in ablations] + [r.variant for r in others]
     groups = [Group(label, runs[at[0]].variant, runs[at[0]].preset, settings, [runs[i] for i in at],
                     [runs[i].seed for i in at]) for label, settings, at in seed_groups(runs, labels)]
@@ -179,6 +179,9 @@ def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best"
                  f"{variant}_boot_low_pct", f"{variant}_boot_high_pct"]
         heads += [f"PPL gap vs {name} (%)", "Welch 95% low", "Welch 95% high", "Bootstrap 95% low",
                   "Bootstrap 95% high"]
+        same_cols, same_heads = equivalence_columns(f"{variant}_")
+        cols += same_cols
+        heads += [f"vs {name}: {h}" for h in same_heads]
     return {"rows": rows, "markdown": markdown_table(rows, cols, heads),
             "comparators": str(comparators), "which": which, "compare_across": list(compare_across)}
 
