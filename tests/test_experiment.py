@@ -161,6 +161,9 @@ def test_load_study_errors_are_clear(tmp_path):
      r"03_training.cuda_visible_devices is set by the plan itself where experiment.gpus_per_run > 0 \(each run "
      r"gets experiment.gpus_per_run GPUs of its own, of those in the experiment's CUDA_VISIBLE_DEVICES\)"),
     (["experiment.gpus_per_run=two"], r"experiment.gpus_per_run should be int, got str 'two'; fix the value"),
+    (["experiment.runs_per_gpu=0"], r"experiment.runs_per_gpu must be a whole number of at least 1"),
+    (["experiment.runs_per_gpu=3"], r"experiment.runs_per_gpu must be .* above 1 only with experiment.gpus_per_run "
+                                    r">= 1 and the local launcher; got 3"),
     (["experiment.gpus_per_run=-1"], r"experiment.gpus_per_run must be a whole number of GPUs per run \(0 for "
                                      r"CPU\), got -1"),
     (["experiment.overrides=train.steps=3"], r"experiment.overrides should be list or dict, got str 'train.steps=3'"),
@@ -191,18 +194,18 @@ def test_load_study_errors_are_clear(tmp_path):
     (["experiment.notebooks=03_training"], r"experiment.notebooks should be list, got str '03_training'"),
     (["experiment.notebooks=[03_training, 03_training]"], r"experiment.notebooks lists a notebook twice"),
     (["experiment.runs=smoke/gpt_base.yaml"],
-     r"experiment.runs should be list or NoneType, got str 'smoke/gpt_base.yaml'"),
+     r"experiment.runs should be list or None, got str 'smoke/gpt_base.yaml'"),
     (["experiment.runs=[]", "experiment.notebooks=[04_analysis]"],
      r"lists no runs under experiment.runs for 04_analysis"),
     (["experiment.runs=[{params: 3}]"], r"experiment.runs\[0\] needs a parameter file"),
     (["experiment.runs=[{params: smoke/gpt_base.yaml, name: [a]}]"],
-     r"experiment.runs\[0\].name should be str or NoneType, got list \['a'\]"),
+     r"experiment.runs\[0\].name should be str or None, got list \['a'\]"),
     (["experiment.seeds=[]"], r"experiment.seeds must be a non-empty list of whole numbers.*each parameter file's "
                               r"train.seed\); got \[\]"),
     (["experiment.seeds=[1, x]"], r"experiment.seeds must be a non-empty list of whole numbers.*got \[1, 'x'\]"),
     (["experiment.parameters=[]"], r"experiment.parameters should be dict, got list \[\]"),
     (["experiment.parameters={01_theory: [1]}"], r"experiment.parameters.01_theory must map parameter names to values"),
-    (["experiment.name=[a]"], r"experiment.name should be str or NoneType, got list \['a'\]"),
+    (["experiment.name=[a]"], r"experiment.name should be str or None, got list \['a'\]"),
     (["experiment.runner=thread"], r"experiment.runner must be one of inprocess, subprocess, notebook; got 'thread'"),
     (["experiment.launcher=pbs"], r"experiment.launcher must be one of local, slurm; got 'pbs'"),
     (["experiment.layout=flat"], r"experiment.layout must be one of axes, study; got 'flat'"),
@@ -652,8 +655,8 @@ def test_load_sweep_rejects_wrong_keys_and_values(tmp_path, sweep, message):
                        r"\(leave the key out for each parameter file's train.seed\); got \['a'\]"),
     ({"seeds": [True]}, r"experiment.seeds must be a non-empty list of whole numbers"),
     ({"seeds": []}, r"experiment.seeds must be a non-empty list of whole numbers"),
-    ({"seeds": "0"}, r"experiment.seeds should be list or int or NoneType, got str '0'"),
-    ({"variants": "gpt_base"}, r"experiment.variants should be list or NoneType, got str 'gpt_base'"),
+    ({"seeds": "0"}, r"experiment.seeds should be list or int or None, got str '0'"),
+    ({"variants": "gpt_base"}, r"experiment.variants should be list or None, got str 'gpt_base'"),
     ({"variants": [3]}, r"experiment.variants\[0\] needs a variant name: write it as one, or as \{name: NAME, "
                         r"variant: VARIANT, set: \{...\}\}; got 3"),
     ({"variants": []}, r"experiment.variants must be a non-empty list of variant names"),
@@ -1122,3 +1125,17 @@ def test_a_runner_the_plan_does_not_know_is_named_with_the_choices():
     with pytest.raises(ConfigError, match=r"a6_layers.yaml: experiment.runner must be one of inprocess, subprocess, "
                                           r"notebook; got 'in-process'"):
         load_plan(REPO / "parameters" / "sweeps" / "a6_layers.yaml", runner="in-process")
+
+
+def test_trainings_share_the_gpus_only_once_each_has_one():
+    """runs_per_gpu: the GPU sets in turn, then again; never more slots than runs (the local
+    scheduler's side-by-side slots, as launch_training gets them)."""
+    from oelm_core.runner.local import gpu_slots
+
+    assert gpu_slots(4, 1, 1, 15) == ["0", "1", "2", "3"]
+    assert gpu_slots(2, 1, 3, 15) == ["0", "1", "0", "1", "0", "1"]
+    assert gpu_slots(1, 1, 6, 4) == ["0"] * 4
+    assert gpu_slots(4, 2, 2, 9) == ["0,1", "2,3", "0,1", "2,3"]
+    assert gpu_slots(3, 2, 1, 5) == ["0,1"]
+    plan = load_plan(REPO / "parameters" / "protocol" / "tune_medium512.yaml", sets=["experiment.runs_per_gpu=4"])
+    assert plan.runs_per_gpu == 4

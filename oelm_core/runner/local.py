@@ -2,7 +2,8 @@
 
 With gpus_per_run = g > 0 and enough GPUs, trainings run side by side, run k on GPUs
 [k*g, (k+1)*g) of those this process sees (numbered as torch numbers them: under
-CUDA_VISIBLE_DEVICES=2,3, GPU 0 is the machine's GPU 2); with g = 0 one after another on the CPU.
+CUDA_VISIBLE_DEVICES=2,3, GPU 0 is the machine's GPU 2), and runs_per_gpu of them on each set
+at once; with g = 0 one after another on the CPU.
 Each training runs as the plan's runner says: ``notebook`` (papermill executes 03_training per
 run, which launches it; the executed copy stays in the run folder), ``subprocess`` (the launcher
 alone) or ``inprocess`` (``oelm_core.train.train`` here: no start-up per run).
@@ -35,6 +36,14 @@ def gpu_count() -> int:
         return 0
 
 
+def gpu_slots(n_gpu: int, gpus_per_run: int, runs_per_gpu: int, n_runs: int) -> list[str]:
+    """The GPU sets (CUDA_VISIBLE_DEVICES strings, as this process numbers its GPUs) trainings run
+    on side by side: the n_gpu // gpus_per_run disjoint sets, each ``runs_per_gpu`` times, the sets
+    first (a second training joins a GPU only once every GPU has one); no more than ``n_runs``."""
+    sets = [",".join(str(k * gpus_per_run + i) for i in range(gpus_per_run)) for k in range(n_gpu // gpus_per_run)]
+    return (sets * runs_per_gpu)[:n_runs]
+
+
 class LocalScheduler(Scheduler):
     """Trainings on this machine (see the module's docstring). ``budget_s`` > 0: no run starts
     after that many seconds (the rest are "not started"; the same call again continues with them)."""
@@ -61,9 +70,10 @@ class LocalScheduler(Scheduler):
                 + (" on CPU" if g == 0 else f", {plan.runner}"))
             return [None]
         n_gpu = gpu_count()
-        n_slots = min(len(plan.runs), n_gpu // g)
-        log(f"{plan.tag} {len(plan.runs)} training(s) on {n_gpu} GPU(s), {g} each, {n_slots} side by side")
-        return [",".join(str(k * g + i) for i in range(g)) for k in range(n_slots)]
+        slots = gpu_slots(n_gpu, g, plan.runs_per_gpu, len(plan.runs))
+        share = f", {plan.runs_per_gpu} to a GPU" if plan.runs_per_gpu > 1 else ""
+        log(f"{plan.tag} {len(plan.runs)} training(s) on {n_gpu} GPU(s), {g} each{share}, {len(slots)} side by side")
+        return slots
 
     def train_runs(self, plan: Plan, *, skip_done: bool, log: Callable[[str], None]) -> list[dict]:
         slots = self.slots(plan, log)

@@ -148,6 +148,10 @@ class ExperimentSection:
     parameters: dict = field(default_factory=dict)               # papermill parameters per notebook
     runner: str = "notebook"              # how a training runs: notebook (papermill runs 03_training), subprocess, inprocess
     gpus_per_run: int = 0                 # 0: CPU; g: g GPUs (torchrun) per run, side by side
+    # k > 1: k trainings share each GPU (set) at once. Small models leave an H200 idle between
+    # kernels, so k runs finish sooner than k runs in turn; their tokens/s are then shares of a GPU
+    # (summary.json's timed_alone says so, and the analysis leaves their speed out).
+    runs_per_gpu: int = 1
     keep_checkpoints: bool = True         # false: a finished run keeps best.pt, not its ckpt/
     launcher: str = "local"               # slurm: each training a SLURM job (runner/slurm.py)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
@@ -161,6 +165,10 @@ class ExperimentSection:
         if self.gpus_per_run < 0:
             raise ConfigError(f"{where}.gpus_per_run must be a whole number of GPUs per run (0 for CPU), "
                               f"got {self.gpus_per_run!r}")
+        if self.runs_per_gpu < 1 or (self.runs_per_gpu > 1 and (self.gpus_per_run < 1 or self.launcher != "local")):
+            raise ConfigError(f"{where}.runs_per_gpu must be a whole number of at least 1 (trainings sharing a "
+                              f"GPU at once), above 1 only with {where}.gpus_per_run >= 1 and the local launcher; "
+                              f"got {self.runs_per_gpu!r}")
         if self.runner == "inprocess" and self.gpus_per_run > 1:
             raise ConfigError(f"runner inprocess trains in this process, on one device at most; for "
                               f"{where}.gpus_per_run={self.gpus_per_run} use the runner subprocess or notebook")
@@ -328,6 +336,7 @@ class Plan:
     runner: str
     gpus_per_run: int
     keep_checkpoints: bool = True
+    runs_per_gpu: int = 1
     description: str = ""
     launcher: str = "local"
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
@@ -438,6 +447,7 @@ def load_plan(path: str | Path, out: str | Path | None = None, sets: Sequence[st
     plan = Plan(name=name, path=path.resolve(), out=Path(), section=section, runs=[],
                 notebooks=list(settings.notebooks), parameters=settings.parameters, runner=settings.runner,
                 gpus_per_run=settings.gpus_per_run, keep_checkpoints=settings.keep_checkpoints,
+                runs_per_gpu=settings.runs_per_gpu,
                 description=settings.description, launcher=settings.launcher, slurm=settings.slurm,
                 layout=settings.layout, key=settings.key, seeds=settings.seeds, smoke=smoke)
     folder = Path(settings.out) if settings.out else Path("runs") / name
