@@ -41,8 +41,20 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """Write ``state`` to ``path`` atomically, so a run killed mid-write leaves the previous
-    checkpoint intact."""
-    return atomic_write(path, lambda f: torch.save({"format_version": FORMAT_VERSION, **state}, f))
+    checkpoint intact; on a full disk ``files.DiskFull`` says how much the checkpoint needs."""
+    return atomic_write(path, lambda f: torch.save({"format_version": FORMAT_VERSION, **state}, f),
+                        need=lambda: _tensor_bytes(state), setting="out_dir")
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (dicts and lists searched): near a checkpoint's size."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -41,7 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oelm_core.config import ConfigError, DataConfig, ModelConfig
-from oelm_core.files import atomic_write, exclusive_lock, temporary_files, write_temporary
+from oelm_core.files import DiskFull, atomic_write, exclusive_lock, temporary_files, write_temporary
 
 log = logging.getLogger(__name__)
 
@@ -745,7 +745,7 @@ def perplexity(loss_nats: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI: prints meta.json's content; returns the exit code (0 done, 2 unusable source or
-    settings, with the error on stderr)."""
+    settings, 1 a full disk; the error on stderr, one line)."""
     defaults = DataConfig()
     p = argparse.ArgumentParser(prog="python -m oelm_core.data", description=__doc__.split("\n")[0])
     p.add_argument("--source", default=defaults.source,
@@ -763,9 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DataConfig(**{f.name: args[f.name] for f in fields(DataConfig)})
     try:
         meta = prepare(cfg, force=force, progress=progress)
-    except ConfigError as exc:
+    except (ConfigError, DiskFull) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, DiskFull) else 2  # 1: what a crash on a full disk exited with
     print(json.dumps(meta, indent=2))
     return 0
 

@@ -101,6 +101,9 @@ def no_space(exc: BaseException) -> bool:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        # Rust's io::Error reaches Python as text only (safetensors: "... Os { code: 28, ... }").
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
         exc = exc.__cause__ or exc.__context__
     return False
 
@@ -153,9 +156,10 @@ def temporary_folders(folder: str | Path) -> list[Path]:
 
 
 @contextmanager
-def atomic_folder(path: str | Path) -> Iterator[Path]:
+def atomic_folder(path: str | Path, setting: str = "the folder") -> Iterator[Path]:
     """Create or replace the folder ``path`` with what the with-block writes into the folder it
-    is given, ``.<name>.<random>.tmp`` beside ``path``; a block that fails removes it.
+    is given, ``.<name>.<random>.tmp`` beside ``path``; a block that fails removes it (a full
+    disk: ``DiskFull``, ``setting`` naming what puts the folder elsewhere).
 
     Its files reach the disk before the rename, as ``atomic_write``'s do. An existing ``path`` is
     renamed aside first (``.<name>.<random>.old``) and removed once the new folder is in place: a
@@ -179,10 +183,13 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old)  # onto the empty folder mkdtemp made: rename allows that
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.is_dir() else 0
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not path.exists():
             os.replace(old, path)
+        if isinstance(exc, Exception) and no_space(exc):
+            raise DiskFull(path, written, None, setting) from None
         raise
     if old is not None:
         shutil.rmtree(old)

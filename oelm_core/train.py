@@ -43,6 +43,7 @@ from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
 from oelm_core.distributed import Dist, mean_across_ranks, on_rank_0, setup_distributed
 from oelm_core.export import RUN_EXPORT, ExportError, export_run
+from oelm_core.files import DiskFull
 from oelm_core.model import build_model
 from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
@@ -413,7 +414,8 @@ def check_vocabulary(cfg: RunConfig, model_cfg: ModelConfig, meta: dict) -> None
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The CLI; returns the exit code: 0 done, 2 unusable parameters/data/checkpoint, 3 diverged,
-    75 (EXIT_PREEMPTED) stopped by a signal with its checkpoint saved (resume with --resume)."""
+    1 a full disk, 75 (EXIT_PREEMPTED) stopped by a signal with its checkpoint saved (resume
+    with --resume)."""
     p = argparse.ArgumentParser(prog="python -m oelm_core.train",
                                 description="Train a GPT / OELM model (also under torchrun).")
     p.add_argument("--params", required=True, help="YAML parameter file (see parameters/)")
@@ -426,10 +428,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
         summary = train(load_run_config(args.params, args.set), resume=args.resume)
-    except (ConfigError, CheckpointError, TrainingDiverged) as exc:
+    except (ConfigError, CheckpointError, TrainingDiverged, DiskFull) as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
-        return 3 if isinstance(exc, TrainingDiverged) else 2
+        # A full disk exits as the crash it was before (1), with one line instead of tracebacks.
+        return 3 if isinstance(exc, TrainingDiverged) else 1 if isinstance(exc, DiskFull) else 2
     if rank == 0:
         print(json.dumps(summary, indent=2))
     return EXIT_PREEMPTED if summary.get("status") == "preempted" else 0

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -877,3 +878,29 @@ def test_a_rebuild_says_why(story_folder, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="oelm_core.data"):
         data.prepare(cfg_for(story_folder, tmp_path / "fresh", num_proc=1), progress=False)
     assert f"preparing {tmp_path / 'fresh'} from {story_folder}: it holds no prepared data yet" in caplog.text
+
+
+def test_a_full_disk_while_preparing_says_where_and_how_much_and_keeps_the_cache(tmp_path, capsys):
+    """Data preparation on a full disk ended in a raw `OSError: [Errno 28]`. On a real 256 KiB
+    tmpfs the CLI prints one line naming the device, the token file and what it needs (about
+    the file's size, from the tokens per story so far), exits 1 as before, and the cache
+    prepared there earlier stays whole, without temporaries."""
+    from small_disk import small_disk
+
+    stories = tmp_path / "stories"
+    story_files(stories, "a.txt", "\n<|endoftext|>\n".join(STORIES * 10).encode())
+    with small_disk(tmp_path / "disk", 256) as disk:
+        out = disk.path / "cache"
+        assert data.main(["--source", str(stories), "--out-dir", str(out), "--no-progress"]) == 0
+        before = folder_state(out)
+        capsys.readouterr()
+        (stories / "train" / "a.txt").write_text("\n<|endoftext|>\n".join(STORIES * 1000))
+        assert data.main(["--source", str(stories), "--out-dir", str(out), "--no-progress", "--num-proc", "1"]) == 1
+        err = capsys.readouterr().err
+        assert folder_state(out) == before
+    expected = 2 * len(expected_ids(STORIES * 1000)) / 1e6
+    said = re.fullmatch(rf"error: no space left on tmpfs \(mounted at {re.escape(str(disk.path))}\) while writing "
+                        rf"{re.escape(str(out))}/train\.bin; about ([\d.]+) MB needed, ([\d.]+) MB free there: free "
+                        rf"some space on it, or set data.out_dir to a folder on another disk\n", err)
+    assert said, err
+    assert float(said.group(1)) == pytest.approx(expected, abs=0.051) and float(said.group(2)) < 0.25  # MB to 0.1
