@@ -46,7 +46,7 @@ MARKER = ".oelm-run"
 TOOLKIT_NAMES = {"config.yaml", "metrics.jsonl", "summary.json", "best.pt", "ckpt", "export", MARKER, ".lock",
                  "params.yaml", "sweep_point.json", "03_training.ipynb", "loss_curve.png", "job.sbatch",
                  "slurm.json"}
-TOOLKIT_PATTERNS = ("slurm-*.out", ".*.tmp", ".*.old")
+TOOLKIT_PATTERNS = ("slurm-*.out", ".*.tmp", ".*.old", ".*.lock")
 
 
 def step_number(path: Path) -> Optional[int]:
