@@ -159,7 +159,10 @@ class Trainer:
         bar = tqdm(total=self.tc.steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (self.d.is_main and self.tc.progress))
         try:
-            with logging_redirect_tqdm(), stop_on_signals() as self.stop:
+            # The steps' time a stop signal may wait for a boundary: the steps between the ranks'
+            # agreements, and an evaluation on the way (its forward passes: a third of a step each).
+            apart = (self.tc.log_every if self.d.enabled else 1) + self.tc.eval_batches / 3
+            with logging_redirect_tqdm(), stop_on_signals(steps_apart=apart) as self.stop:
                 status = self.loop(end, bar, status)
         except TrainingDiverged as exc:
             self.write_summary("diverged", time.perf_counter() - self.t_start, error=str(exc))
@@ -266,6 +269,7 @@ class Trainer:
                 f"on, and check the data in {self.cfg.data.out_dir}. The last good checkpoint "
                 f"{kept[-1] if kept else '(none yet)'} is kept; nothing was saved after the divergence")
         self.train_loss = loss_v
+        self.stop.seconds_per_step = window_s / (self.step - window_start)  # how long a stop signal waits
         tokens_per_s = (self.step - window_start) * self.tokens_per_step / window_s
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.d.world_size)
                if self.peak else None)
