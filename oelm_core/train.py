@@ -41,7 +41,7 @@ from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.checkpoint import RESUME_KEYS, CheckpointError, save_checkpoint
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_run_config
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare
-from oelm_core.distributed import Dist, mean_across_ranks, on_rank_0, setup_distributed
+from oelm_core.distributed import Dist, RankSilent, mean_across_ranks, on_rank_0, setup_distributed, silent_ranks
 from oelm_core.export import RUN_EXPORT, ExportError, export_run
 from oelm_core.files import DiskFull
 from oelm_core.model import build_model
@@ -79,6 +79,11 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
             # process group is destroyed below (destroying it under them can hang at exit).
             return Trainer(cfg, d, schedule, resume).fit()
+    except RuntimeError as exc:
+        silent = silent_ranks(exc, d, cfg.train.ddp_timeout_s)   # a collective timed out: who went silent
+        if silent is None:
+            raise
+        raise silent from exc
     finally:
         if d.owns_group:
             dist.destroy_process_group()
@@ -432,11 +437,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
         summary = train(load_run_config(args.params, args.set), resume=args.resume)
-    except (ConfigError, CheckpointError, TrainingDiverged, DiskFull) as exc:
-        if rank == 0:
+    except (ConfigError, CheckpointError, TrainingDiverged, DiskFull, RankSilent) as exc:
+        if rank == 0 or isinstance(exc, RankSilent):  # a silent rank 0 cannot say it
             print(f"error: {exc}", file=sys.stderr)
-        # A full disk exits as the crash it was before (1), with one line instead of tracebacks.
-        return 3 if isinstance(exc, TrainingDiverged) else 1 if isinstance(exc, DiskFull) else 2
+        # A full disk or a silent rank exits as the crash it was before (1), with one line
+        # instead of tracebacks.
+        return 3 if isinstance(exc, TrainingDiverged) else 1 if isinstance(exc, (DiskFull, RankSilent)) else 2
     if rank == 0:
         print(json.dumps(summary, indent=2))
     return EXIT_PREEMPTED if summary.get("status") == "preempted" else 0
