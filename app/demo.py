@@ -40,7 +40,7 @@ from oelm_core.analysis import GROUP_LABELS, SAMPLE_TOP_K, attention_maps, summa
 from oelm_core.analysis.heatmaps import compare_figure, heatmap_figure, summary_figure, token_label
 from oelm_core.checkpoint import CheckpointError, load_model
 from oelm_core.config import ConfigError, ModelConfig, check_device, variant_overrides, variants
-from oelm_core.data import perplexity
+from oelm_core.data import encode_prompt, perplexity
 from oelm_core.generate import SamplingConfig, detokenize, stream_tokens
 
 GROUPS = tuple(GROUP_LABELS)
@@ -68,6 +68,37 @@ MINI_STUDY_OUT = "runs/tuned_mini"
 # `python`, as make demo runs them and the page shows them.
 MINI_ARGS = ["-m", "oelm_core.study", MINI_STUDY, "--set", "study.seeds=[0]"]
 MINI_COMMAND = shlex.join(["python", *MINI_ARGS])
+
+
+def mini_study_cost(device: str = "cpu") -> dict:
+    """What one seed of the mini study (MINI_ARGS) costs on ``device``: {"runs", "steps" (each, at
+    most: early stopping may end one sooner), "tokens_per_step", "flops" (all runs' steps),
+    "flops_per_s" (the device's top speed, ``preflight.device_flops``), "hours" (at that speed: a
+    lower bound)}. On a CPU it says whether training it here makes sense."""
+    import torch
+
+    from oelm_core.config import run_config_from_dict
+    from oelm_core.experiment import load_plan
+    from oelm_core.preflight import device_flops, step_flops
+
+    plan = load_plan(MINI_STUDY, sets=["study.seeds=[0]"])
+    configs = [run_config_from_dict(run.config) for run in plan.runs]
+    flops = sum(step_flops(cfg) * cfg.train.steps for cfg in configs)
+    rate, _ = device_flops(torch.device(device))
+    first = configs[0]
+    return {"runs": len(configs), "steps": max(cfg.train.steps for cfg in configs),
+            "tokens_per_step": first.train.batch_size * first.model_config().block_size * first.train.grad_accum,
+            "flops": flops, "flops_per_s": rate, "hours": flops / rate / 3600}
+
+
+def cpu_route(cost: dict) -> str:
+    """What a CPU user reads about readable stories: what the mini study is, how long it takes on
+    this CPU (``mini_study_cost``) and on a GPU, and how to bring its models here."""
+    return (f"The tuned mini study, whose models write readable stories, trains {cost['runs']} models for up to "
+            f"{cost['steps']:,} steps of {cost['tokens_per_step']:,} tokens: at least {cost['hours']:,.0f} h on this "
+            f"CPU ({cost['flops'] / 1e15:.1f} PFLOP at its measured {cost['flops_per_s'] / 1e9:.1f} GFLOP/s), about "
+            f"two minutes on one GPU. Train it on a GPU machine (`{MINI_COMMAND}`) and copy its "
+            f"`{MINI_STUDY_OUT}` into `runs/` here: `make demo` serves it then.")
 
 
 def refuse(message: str) -> gr.Error:
@@ -280,8 +311,42 @@ def load_source(path: Path, device: str) -> tuple[Any, dict]:
     return load_model(path, device)
 
 
-def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> Lab:
-    """Load every checkpoint once; collect what fails instead of raising."""
+SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "block_size", "vocab_size")
+
+
+def shape_of(cfg: ModelConfig) -> tuple:
+    return tuple(getattr(cfg, f) for f in SHAPE_FIELDS)
+
+
+def describe_shape(cfg: ModelConfig) -> str:
+    """'a smoke model (2 layers, d_model 64, 4 heads, context 64)': the preset of that shape, if any."""
+    from oelm_core.config import PRESETS
+
+    preset = next((name for name, shape in PRESETS.items()
+                   if all(getattr(cfg, k) == v for k, v in shape.items() if k in SHAPE_FIELDS)), None)
+    return (f"{f'a {preset}' if preset else 'a'} model ({cfg.n_layer} layers, d_model {cfg.d_model}, "
+            f"{cfg.n_head} heads, context {cfg.block_size})")
+
+
+def study_shapes(study: str | Path) -> dict[str, ModelConfig]:
+    """Group -> the ModelConfig its run of the study trained (the run folder's config.yaml), for
+    those runs that have one."""
+    from oelm_core.config import read_yaml, run_config_from_dict
+
+    shapes = {}
+    for group, run_dir in study_runs(study).items():
+        try:
+            shapes[group] = run_config_from_dict(read_yaml(run_dir / "config.yaml")).model_config()
+        except (ConfigError, OSError):
+            continue
+    return shapes
+
+
+def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "",
+             expected: dict[str, ModelConfig] | None = None) -> Lab:
+    """Load every checkpoint once; collect what fails instead of raising. ``expected``: group ->
+    the ModelConfig its study trained: a checkpoint of another shape (a smoke model where the
+    study trained mini) is refused, naming both."""
     try:
         lab = Lab(device=pick_device(device), source=source)
     except SetupError as exc:
@@ -299,12 +364,18 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> 
             continue
         except Exception as exc:  # a checkpoint of another shape or config version
             fail(group, f"checkpoint {path} could not be turned into a model ({type(exc).__name__}: "
-                        f"{str(exc)[:300]}); it may come from an incompatible version of oelm_core: train it "
-                        f"again or pass another file")
+                        f"{' '.join(str(exc).split())}); it may come from an incompatible version of oelm_core: "
+                        f"train it again or pass another file")
             continue
         mismatch = group_mismatch(group, model.cfg)
         if mismatch:
             fail(group, f"checkpoint {path} {mismatch}")
+            continue
+        shape = (expected or {}).get(group)
+        if shape is not None and shape_of(model.cfg) != shape_of(shape):
+            fail(group, f"{path} holds {describe_shape(model.cfg)}, but the study trained {describe_shape(shape)} "
+                        f"there (its config.yaml): the checkpoint was replaced or comes from another run; train "
+                        f"the run again, or pass a checkpoint of that shape with --ckpt {group}=PATH")
             continue
         lab.models.append(LoadedModel(group, group_label(group), path, model, state, count_parameters(model)))
     if not paths:
@@ -322,6 +393,7 @@ def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root:
         else:
             study_file = Path(study) if study else newest_study(runs_root)
             paths, source = study_checkpoints(study_file), f"study {study_file}"
+            return load_lab(paths, resolved, source, expected=study_shapes(study_file))
     except SetupError as exc:
         return Lab(errors=[str(exc)], device=device)
     return load_lab(paths, resolved, source)
@@ -379,7 +451,7 @@ class Demo:
         if len(prompt) > MAX_PROMPT_CHARS:
             raise refuse(f"The prompt is {len(prompt):,} characters long; the models read at most "
                            f"{self.context} tokens, so shorten it")
-        ids = self.enc.encode_ordinary(prompt)
+        ids = encode_prompt(prompt)  # <|endoftext|> typed is the end-of-text token, as in GPT-2's tokenizer
         if len(ids) >= self.context:
             raise refuse(f"The prompt is {len(ids)} tokens long, but the models' context holds "
                            f"{self.context} tokens: shorten it to fewer than {self.context} tokens "
@@ -435,7 +507,7 @@ class Demo:
         if run is not None and run["text"] == (continuation or ""):
             ids = run["ids"]
         else:
-            ids = self.enc.encode_ordinary(str(prompt) + str(continuation or ""))
+            ids = encode_prompt(str(prompt) + str(continuation or ""))
         return ids[-self.context:]
 
     def _head_index(self, head, model: LoadedModel) -> int | None:
@@ -581,11 +653,13 @@ def undertrained_notice(lab: Lab) -> str | None:
         step, ppl = m.state.get("step"), checkpoint_ppl(m.state)
         return (f"{m.label}: {step if step is not None else 'unknown'} steps, validation perplexity "
                 f"{f'{ppl:,.0f}' if ppl is not None else 'not recorded'}, d_model {m.cfg.d_model}")
-    return ("**These models are barely trained: expect gibberish.** "
-            + "; ".join(figures(m) for m in weak)
-            + f". Models trained on TinyStories reach a perplexity near 20. To compare models worth "
-              f"comparing, train the mini study on a GPU (about two minutes): `{MINI_COMMAND}`, then "
-              f"`python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which does both).")
+    head = ("**These models are barely trained: expect gibberish.** " + "; ".join(figures(m) for m in weak)
+            + ". Models trained on TinyStories reach a perplexity near 20. ")
+    if lab.device == "cpu" and not torch.cuda.is_available():
+        return head + cpu_route(mini_study_cost())
+    return head + (f"To compare models worth comparing, train the mini study on a GPU (about two minutes): "
+                   f"`{MINI_COMMAND}`, then `python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which "
+                   f"does both).")
 
 
 def failed_card(group: str, error: str) -> str:
@@ -611,7 +685,7 @@ CSS = """
 .model-card table { font-size: 0.9em; width: 100%; }
 .model-card td:first-child { white-space: nowrap; font-weight: 600; }
 .model-card thead { display: none; }
-.model-card small { word-break: break-all; }
+.model-card small code { overflow-wrap: anywhere; }
 """
 
 
@@ -718,7 +792,45 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = 7860, sh
     """Queue (at most ``concurrency`` requests of an event at once, 32 waiting) and serve.
 
     System fonts only: the default theme would fetch web fonts, which the offline machines lack.
+    A port in use is a SetupError naming --port (Gradio's own message names its launch() and an
+    environment variable). Unless ``quiet``, the app says where it serves and how to share it
+    (--share: Gradio's hint names its launch() argument).
     """
+    quiet = kwargs.pop("quiet", False)
+    block = not kwargs.pop("prevent_thread_lock", False)
+    if port is not None and port_in_use(host, port):
+        raise SetupError(port_message(host, port))
     demo.queue(default_concurrency_limit=concurrency, max_size=32)
-    return demo.launch(server_name=host, server_port=port, share=share, ssr_mode=False, show_error=True,
-                       theme=gr.themes.Soft(**THEME_FONTS), css=CSS, **kwargs)
+    try:
+        served = demo.launch(server_name=host, server_port=port, share=share, ssr_mode=False, show_error=True,
+                             theme=gr.themes.Soft(**THEME_FONTS), css=CSS, quiet=True, prevent_thread_lock=True,
+                             **kwargs)
+    except OSError as exc:  # taken between the check and the start
+        if port is not None and "port" in str(exc).lower():
+            raise SetupError(port_message(host, port)) from None
+        raise
+    if not quiet:
+        print(f"* Running on local URL:  {demo.local_url}")
+        print(f"* Running on public URL: {demo.share_url}" if share and demo.share_url else
+              "* To create a public link, start the app with --share.")
+    if block:
+        demo.block_thread()
+    return served
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on ``port`` at ``host`` already (another demo, a notebook)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Gradio binds: a closed port is free
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def port_message(host: str, port: int) -> str:
+    return (f"port {port} on {host} is in use (another demo or server is running there): start the app with "
+            f"another port, python -m app --port {port + 1} (make demo PORT={port + 1}), or stop the other one")

@@ -91,6 +91,15 @@ def get_tokenizer():
             f"(see the README), e.g. TIKTOKEN_CACHE_DIR=../shared/data/tokenizer/tiktoken_cache") from None
 
 
+def encode_prompt(text: str) -> list[int]:
+    """The ids of a prompt someone typed (the demo's, ``generate``'s): GPT-2's BPE, where the text
+    <|endoftext|> is the end-of-text token (id 50256), as GPT-2's tokenizer reads it, and the
+    transformers export's: whoever types it means the break between stories the models learned.
+    Story files are tokenised with ``encode_ordinary`` instead (``_encode_chunk``): there the
+    separator is read by ``split_stories`` and a story's own text stays text."""
+    return get_tokenizer().encode(text, allowed_special={EOT_TEXT})
+
+
 def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, int, int]:
     """Stories -> (their ids, each story followed by EOT, as one uint16 array; UTF-8 bytes; count)."""
     enc = get_tokenizer()

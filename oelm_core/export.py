@@ -40,7 +40,7 @@ from typing import Iterator, Optional
 import torch
 
 from oelm_core.accounting import count_parameters
-from oelm_core.checkpoint import CheckpointError, load_model
+from oelm_core.checkpoint import CheckpointError, load_model, shape_disagreement
 from oelm_core.config import (PRESETS, ConfigError, ModelConfig, model_config_from_dict, read_yaml,
                               variant_overrides, variants)
 from oelm_core.data import EOT, EOT_TEXT
@@ -372,48 +372,14 @@ def _gpt2_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
 
 
 def _shape_disagreement(cfg: ModelConfig, model: GPT, have: dict[str, tuple], gpt2: bool = False) -> Optional[str]:
-    """What in ``cfg`` the tensor shapes ``have`` (a file's, under our names) contradict, naming
-    the config keys and the tensors that show it; None where every tensor has the shape
-    ``model`` (built from ``cfg``) gives it. ``gpt2``: ``have`` is ``_gpt2_shapes``' (GPT-2's
-    vocabulary is not padded and its biases are always there)."""
+    """``checkpoint.shape_disagreement`` of config.json's ``cfg`` (``model`` built from it) and a
+    file's tensor shapes ``have`` (``_our_shapes``, or ``_gpt2_shapes`` where ``gpt2``)."""
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if gpt2:
         want = _gpt2_shapes(gpt2_weights(model))
         if cfg.tie_embeddings:  # transformers leaves the tied head out of the file
             want.pop("lm_head.weight")
-    if want == have:
-        return None
-
-    def held(name: str, axis: int) -> Optional[int]:
-        return have[name][axis] if name in have and len(have[name]) > axis else None
-
-    layers = {int(k.split(".")[1]) for k in have if re.match(r"blocks\.\d+\.", k)}
-    found = {  # key: (config.json's value, the weights' value, the tensor that shows it)
-        "n_layer": (cfg.n_layer, max(layers) + 1 if layers else 0, f"blocks.0 .. blocks.{max(layers, default=0)}"),
-        "d_model": (cfg.d_model, held("wte.weight", 1), f"wte.weight {have.get('wte.weight')}"),
-        "block_size": (cfg.block_size, held("wpe.weight", 0), f"wpe.weight {have.get('wpe.weight')}"),
-        "d_ff": (cfg.d_ff, held("blocks.0.mlp.fc.weight", 0), f"blocks.0.mlp.fc.weight {have.get('blocks.0.mlp.fc.weight')}"),
-        "vocab_size": (want.get("wte.weight", (0,))[0], held("wte.weight", 0),
-                       f"wte.weight {have.get('wte.weight')}" + ("" if gpt2 else ": its rows are the vocabulary "
-                                                                              "padded to vocab_pad_multiple")),
-        "tie_embeddings": (cfg.tie_embeddings, "lm_head.weight" not in have, "lm_head.weight"),
-    }
-    if not gpt2:
-        found.update(bias=(cfg.bias, "ln_f.bias" in have, "ln_f.bias"),
-                     attn_bias=(cfg.attn_bias, "blocks.0.attn.v.bias" in have, "blocks.0.attn.v.bias"))
-    said = [f"model_config.{k} is {json.dumps(mine)} in config.json, {json.dumps(theirs)} in the weights ({shown})"
-            for k, (mine, theirs, shown) in found.items() if theirs is not None and mine != theirs]
-    if not said:  # another attention or Q/K construction: other tensor names
-        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-        odd = sorted(k for k in set(want) & set(have) if want[k] != have[k])
-        said = [f"the weights lack {', '.join(missing[:3])}" if missing else "",
-                f"they hold {', '.join(extra[:3])} that config.json's model has not" if extra else "",
-                f"{odd[0]} is {have[odd[0]]} there, {want[odd[0]]} for config.json" if odd else ""]
-        said = [x for x in said if x] + ["check model_config's attention, qk_init and poet_block_size"]
-    return "; ".join(said)
-
-
-
+    return shape_disagreement(cfg, want, have, "config.json", padded=not gpt2)
 
 
 def load_safetensors(folder: str | Path, device: str | torch.device = "cpu") -> GPT:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from oelm_core.accounting import PEAK_FLOPS_ENV, device_memory, flops_per_token, peak_flops, step_memory
 from oelm_core.config import PRESETS, ConfigError, RunConfig, TrainConfig
-from oelm_core.step import lr_at
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,8 @@ def warn_about_schedule(tc: TrainConfig) -> None:
     """Log a warning where the warm-up outlasts the run: the learning rate never reaches
     ``train.lr``. Not refused: a short try of a long run's parameter file (``--set
     train.steps=20`` on a 2,000-step warm-up) is a fair thing to do."""
+    from oelm_core.step import lr_at  # here: the demo reads this module's estimates without the trainer
+
     if tc.warmup_steps > tc.steps:
         log.warning("train.warmup_steps=%d is longer than the run (train.steps=%d): the learning rate rises "
                     "to %.3g at the last step and never reaches train.lr=%g, nor decays to train.min_lr; set "

@@ -444,3 +444,24 @@ def test_exported_files_are_readable_by_the_group_and_others(tmp_path, gpt2_bpe)
     modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "exported").rglob("*")}
     assert modes["exported/safetensors/model.safetensors"] == modes["exported/transformers/model.safetensors"] == 0o644
     assert all(mode == (0o755 if (tmp_path / name).is_dir() else 0o644) for name, mode in modes.items()), modes
+
+
+def test_a_typed_end_of_text_is_the_token_for_the_project_and_the_exported_tokenizer(tmp_path, gpt2_bpe):
+    """`<|endoftext|>` typed into a prompt was plain text to the project (encode_ordinary: 7
+    tokens) and the end-of-text token to the exported tokenizer. In a prompt it is the token
+    (id 50256), the break between stories the models learned, for the demo, generate() and the
+    export alike; a story file's own text still stays text (data.encode_prompt's docstring)."""
+    transformers = pytest.importorskip("transformers")
+    from oelm_core import data
+    from oelm_core.generate import SamplingConfig, generate
+
+    folder = to_transformers(build_model("smoke", "oelm_freeze"), tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = "The bird sang.<|endoftext|>Once upon a time"
+    ids = data.encode_prompt(prompt)
+    assert ids == tokenizer(prompt)["input_ids"] and ids.count(EOT) == 1
+    assert ids == gpt2_bpe.encode_ordinary("The bird sang.") + [EOT] + gpt2_bpe.encode_ordinary("Once upon a time")
+    assert data._encode_chunk(["a <|endoftext|> b"])[0].tolist().count(EOT) == 1  # a story's text: only its end
+    model = perturbed("smoke", "oelm_freeze")
+    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
+    assert generate(model, prompt, cfg) == gpt2_bpe.decode(list(stream_tokens(model, ids, cfg)))
