@@ -674,8 +674,11 @@ def read_yaml(path: str | Path) -> dict:
     except _DuplicateKey as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
+        # A tab where YAML wants spaces (an editor's indent) has its own fix.
+        hint = ("YAML indents with spaces, never tabs: replace the tab with spaces"
+                if "'\\t'" in str(getattr(exc, "problem", "")) else "an unclosed bracket or quote is the usual cause")
         raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax "
-                          f"there (an unclosed bracket or quote is the usual cause)") from None
+                          f"there ({hint})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a UTF-8 text file; pass a YAML file") from None
     if values is None:
