@@ -25,6 +25,7 @@ check each one and name the setting, the value and the range.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import shlex
@@ -70,11 +71,13 @@ MINI_ARGS = ["-m", "oelm_core.study", MINI_STUDY, "--set", "study.seeds=[0]"]
 MINI_COMMAND = shlex.join(["python", *MINI_ARGS])
 
 
+@functools.lru_cache(maxsize=None)
 def mini_study_cost(device: str = "cpu") -> dict:
     """What one seed of the mini study (MINI_ARGS) costs on ``device``: {"runs", "steps" (each, at
     most: early stopping may end one sooner), "tokens_per_step", "flops" (all runs' steps),
     "flops_per_s" (the device's top speed, ``preflight.device_flops``), "hours" (at that speed: a
-    lower bound)}. On a CPU it says whether training it here makes sense."""
+    lower bound)}. On a CPU it says whether training it here makes sense. Measured once per
+    process: the page and the command line say the same."""
     import torch
 
     from oelm_core.config import run_config_from_dict

@@ -667,8 +667,8 @@ def component(config: dict, elem_id: str) -> dict:
 
 @pytest.mark.parametrize("fault, reason", [
     ("missing", "missing.pt not found; train a run first"),
-    ("another shape", "oelm_nofreeze_narrow.pt holds no model this oelm_core can rebuild (Error(s) in loading "
-                      "state_dict for GPT"),
+    ("another shape", "oelm_nofreeze_narrow.pt holds weights that do not fit its model_config: model_config."
+                      "d_model is 64 in the checkpoint, 32 in the weights (wte.weight (50304, 32))"),
 ])
 def test_one_bad_checkpoint_leaves_the_other_models_usable(tmp_path, checkpoints, fault, reason):
     """One of three checkpoints missing or of another shape replaced the whole page by the error
@@ -831,7 +831,8 @@ def test_make_demo_takes_the_port_as_a_setting():
     assert out.returncode == 0 and out.stdout.strip().endswith("-m app --train-mini --port 7999"), out.stdout
 
 
-def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, monkeypatch, capsys, checkpoints):
+def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, monkeypatch, capsys, checkpoints,
+                                                                    request):
     """`make demo` on a CPU served the smoke study, whose page said to run make demo: a loop. It now
     says what the mini study costs: its FLOPs (the accounting's, for its three groups) at this
     CPU's measured speed, and the route to bring it from a GPU; then it serves the newest study,
@@ -840,11 +841,13 @@ def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, m
 
     import oelm_core.preflight
     from app.__main__ import trained_or_mini_study
-    from app.demo import load_lab, undertrained_notice
+    from app.demo import load_lab, mini_study_cost, undertrained_notice
     from oelm_core.accounting import flops_per_token
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(oelm_core.preflight, "device_flops", lambda device: (2.0e10, "a test's"))
+    mini_study_cost.cache_clear()   # measured once per process: here with the speed above
+    request.addfinalizer(mini_study_cost.cache_clear)
     calls = []
     monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
     runs = tmp_path / "runs"

@@ -386,7 +386,8 @@ def test_config_shapes_that_disagree_with_the_tensors_name_the_key(tmp_path, fie
     with pytest.raises(ExportError) as refused:
         load_safetensors(folder)
     assert str(refused.value) == (
-        f"{folder}/config.json does not fit the tensors of model.safetensors: {shown}. config.json was edited "
+        f"{folder}/config.json does not fit the tensors of model.safetensors: {shown} (the weights are a smoke "
+        f"model's). config.json was edited "
         f"(or comes from another export): put back the weights' values, or export the model again from its "
         f"checkpoint")
 
