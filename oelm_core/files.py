@@ -5,7 +5,10 @@ written to a temporary file in the same folder and renamed over the old one: the
 on one file system, so a reader finds the previous file or the new one, never a partial one.
 A folder whose files are read together (an exported model) is written the same way, as a
 temporary folder renamed into place (``atomic_folder``).
-A folder that one process writes at a time is held through ``exclusive_lock`` on a file in it.
+A folder that one process writes at a time is held through ``exclusive_lock`` on a file in it,
+removed when it is let go. A write that fills the disk raises ``DiskFull``: one line naming the
+device, the file and what it needs, instead of the writer's own traceback (torch.save's
+"unexpected pos", a bare Errno 28).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def write_temporary(path: str | Path, write: Callable[[IO], None], mode: str = "
         raise
     return Path(tmp)
 
+
 class DiskFull(OSError):
     """The file system of a file being written is full (ENOSPC, or the user's quota: EDQUOT).
     The message names the device and its mount point, the file, how much the file needs (where
@@ -118,9 +122,9 @@ def device_of(folder: str | Path) -> str:
         lines = Path("/proc/self/mounts").read_text().splitlines()
     except OSError:
         return str(mount)
-    # Fields escape spaces and the like as octal (\040); the last mount on a point is the visible one.
-    unescape = lambda field: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-    sources = [unescape(f[0]) for f in (line.split() for line in lines) if len(f) > 1 and unescape(f[1]) == str(mount)]
+    # The last mount on a point is the one in use.
+    sources = [_unescape(f[0]) for f in (line.split() for line in lines)
+               if len(f) > 1 and _unescape(f[1]) == str(mount)]
     return f"{sources[-1]} (mounted at {mount})" if sources else str(mount)
 
 
