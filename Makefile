@@ -108,9 +108,11 @@ tensorboard: $(VENV)/.installed
 test-gpu: $(if $(PYTHON_BIN),,$(VENV)/.installed)
 	PYTHON_BIN="$(or $(PYTHON_BIN),$(BIN)/python)" scripts/test_gpu.sh $(PYTEST_ARGS)
 
-# The newest trained study; with none, on a GPU, one seed of the mini study is trained first.
+# The newest trained study; with none, on a GPU, one seed of the mini study is trained first; on a
+# CPU, what that would take here and how to bring one, and the newest study meanwhile. PORT: its port.
+PORT ?= 7860
 demo: $(VENV)/.installed
-	$(BIN)/python -m app --train-mini
+	$(BIN)/python -m app --train-mini --port $(PORT)
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_generate.py

@@ -25,6 +25,7 @@ check each one and name the setting, the value and the range.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import shlex
@@ -40,11 +41,11 @@ from oelm_core.analysis import GROUP_LABELS, SAMPLE_TOP_K, attention_maps, summa
 from oelm_core.analysis.heatmaps import compare_figure, heatmap_figure, summary_figure, token_label
 from oelm_core.checkpoint import CheckpointError, load_model
 from oelm_core.config import ConfigError, ModelConfig, check_device, variant_overrides, variants
-from oelm_core.data import perplexity
+from oelm_core.data import encode_prompt, perplexity
 from oelm_core.fast import stream_tokens
 from oelm_core.generate import SamplingConfig, detokenize
+from oelm_core.groups import GROUPS
 
-GROUPS = tuple(GROUP_LABELS)
 
 # Input ranges: the sliders' bounds, checked by the handlers (the API can send anything, and the
 # events skip the components' own checks, which name no setting).
@@ -67,8 +68,41 @@ MINI_STUDY = "parameters/study_tuned_mini.yaml"
 MINI_STUDY_OUT = "runs/tuned_mini"
 # One seed of the tuned mini study: the three groups, about two minutes on one GPU. The arguments after
 # `python`, as make demo runs them and the page shows them.
-MINI_ARGS = ["-m", "oelm_core.study", MINI_STUDY, "--set", "study.seeds=[0]"]
+MINI_ARGS = ["-m", "oelm_core", "run", MINI_STUDY, "--set", "experiment.seeds=[0]"]
 MINI_COMMAND = shlex.join(["python", *MINI_ARGS])
+
+
+@functools.lru_cache(maxsize=None)
+def mini_study_cost(device: str = "cpu") -> dict:
+    """What one seed of the mini study (MINI_ARGS) costs on ``device``: {"runs", "steps" (each, at
+    most: early stopping may end one sooner), "tokens_per_step", "flops" (all runs' steps),
+    "flops_per_s" (the device's top speed, ``preflight.device_flops``), "hours" (at that speed: a
+    lower bound)}. On a CPU it says whether training it here makes sense. Measured once per
+    process: the page and the command line say the same."""
+    import torch
+
+    from oelm_core.config import run_config_from_dict
+    from oelm_core.preflight import device_flops, step_flops
+    from oelm_core.runner import load_plan
+
+    plan = load_plan(MINI_STUDY, sets=["experiment.seeds=[0]"])
+    configs = [run_config_from_dict(run.config) for run in plan.runs]
+    flops = sum(step_flops(cfg) * cfg.train.steps for cfg in configs)
+    rate, _ = device_flops(torch.device(device))
+    first = configs[0]
+    return {"runs": len(configs), "steps": max(cfg.train.steps for cfg in configs),
+            "tokens_per_step": first.train.batch_size * first.model_config().block_size * first.train.grad_accum,
+            "flops": flops, "flops_per_s": rate, "hours": flops / rate / 3600}
+
+
+def cpu_route(cost: dict) -> str:
+    """What a CPU user reads about readable stories: what the mini study is, how long it takes on
+    this CPU (``mini_study_cost``) and on a GPU, and how to bring its models here."""
+    return (f"The tuned mini study, whose models write readable stories, trains {cost['runs']} models for up to "
+            f"{cost['steps']:,} steps of {cost['tokens_per_step']:,} tokens: at least {cost['hours']:,.0f} h on this "
+            f"CPU ({cost['flops'] / 1e15:.1f} PFLOP at its measured {cost['flops_per_s'] / 1e9:.1f} GFLOP/s), about "
+            f"two minutes on one GPU. Train it on a GPU machine (`{MINI_COMMAND}`) and copy its "
+            f"`{MINI_STUDY_OUT}` into `runs/` here: `make demo` serves it then.")
 
 
 def refuse(message: str) -> gr.Error:
@@ -110,7 +144,7 @@ def newest_study(runs_root: str | Path = "runs") -> Path:
     found = sorted(Path(runs_root).glob("*/study.json"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise SetupError(f"no study found under {Path(runs_root).resolve()} (no */study.json): run a study "
-                         f"first (python -m oelm_core.study ...) or pass checkpoints with "
+                         f"first (python -m oelm_core run PLAN) or pass checkpoints with "
                          f"--ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH")
     return found[-1]
 
@@ -281,8 +315,42 @@ def load_source(path: Path, device: str) -> tuple[Any, dict]:
     return load_model(path, device)
 
 
-def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> Lab:
-    """Load every checkpoint once; collect what fails instead of raising."""
+SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "block_size", "vocab_size")
+
+
+def shape_of(cfg: ModelConfig) -> tuple:
+    return tuple(getattr(cfg, f) for f in SHAPE_FIELDS)
+
+
+def describe_shape(cfg: ModelConfig) -> str:
+    """'a smoke model (2 layers, d_model 64, 4 heads, context 64)': the preset of that shape, if any."""
+    from oelm_core.config import PRESETS
+
+    preset = next((name for name, shape in PRESETS.items()
+                   if all(getattr(cfg, k) == v for k, v in shape.items() if k in SHAPE_FIELDS)), None)
+    return (f"{f'a {preset}' if preset else 'a'} model ({cfg.n_layer} layers, d_model {cfg.d_model}, "
+            f"{cfg.n_head} heads, context {cfg.block_size})")
+
+
+def study_shapes(study: str | Path) -> dict[str, ModelConfig]:
+    """Group -> the ModelConfig its run of the study trained (the run folder's config.yaml), for
+    those runs that have one."""
+    from oelm_core.config import read_yaml, run_config_from_dict
+
+    shapes = {}
+    for group, run_dir in study_runs(study).items():
+        try:
+            shapes[group] = run_config_from_dict(read_yaml(run_dir / "config.yaml")).model_config()
+        except (ConfigError, OSError):
+            continue
+    return shapes
+
+
+def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "",
+             expected: dict[str, ModelConfig] | None = None) -> Lab:
+    """Load every checkpoint once; collect what fails instead of raising. ``expected``: group ->
+    the ModelConfig its study trained: a checkpoint of another shape (a smoke model where the
+    study trained mini) is refused, naming both."""
     try:
         lab = Lab(device=pick_device(device), source=source)
     except SetupError as exc:
@@ -300,12 +368,18 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "") -> 
             continue
         except Exception as exc:  # a checkpoint of another shape or config version
             fail(group, f"checkpoint {path} could not be turned into a model ({type(exc).__name__}: "
-                        f"{str(exc)[:300]}); it may come from an incompatible version of oelm_core: train it "
-                        f"again or pass another file")
+                        f"{' '.join(str(exc).split())}); it may come from an incompatible version of oelm_core: "
+                        f"train it again or pass another file")
             continue
         mismatch = group_mismatch(group, model.cfg)
         if mismatch:
             fail(group, f"checkpoint {path} {mismatch}")
+            continue
+        shape = (expected or {}).get(group)
+        if shape is not None and shape_of(model.cfg) != shape_of(shape):
+            fail(group, f"{path} holds {describe_shape(model.cfg)}, but the study trained {describe_shape(shape)} "
+                        f"there (its config.yaml): the checkpoint was replaced or comes from another run; train "
+                        f"the run again, or pass a checkpoint of that shape with --ckpt {group}=PATH")
             continue
         lab.models.append(LoadedModel(group, group_label(group), path, model, state, count_parameters(model)))
     if not paths:
@@ -323,6 +397,7 @@ def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root:
         else:
             study_file = Path(study) if study else newest_study(runs_root)
             paths, source = study_checkpoints(study_file), f"study {study_file}"
+            return load_lab(paths, resolved, source, expected=study_shapes(study_file))
     except SetupError as exc:
         return Lab(errors=[str(exc)], device=device)
     return load_lab(paths, resolved, source)
@@ -360,6 +435,46 @@ def sampling_config(max_new_tokens, temperature, top_k, top_p, seed) -> Sampling
                           seed=_number("seed", seed, integer=True)).validate()
 
 
+# glibc's mallopt parameter (malloc.h) for the number of heaps ("arenas") threads allocate from.
+M_ARENA_MAX = -8
+SERVER_ARENAS = 2
+
+
+def _glibc():
+    """The C library when it is glibc (its malloc_trim and mallopt), else None (macOS, musl,
+    Windows: other allocators, other switches)."""
+    import ctypes
+    import os
+
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+            return None
+        return ctypes.CDLL(None)
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def bound_server_memory() -> bool:
+    """Let the server's threads share SERVER_ARENAS heaps: glibc gives each thread that
+    allocates a heap of its own, up to 8 per core, and keeps in each what the largest request
+    it served left there. Gradio serves requests from a pool of up to 40 threads, so the RSS
+    climbed with the core count (0.73 -> 1.4 GB over 150 requests on a larger machine). On 2
+    cores, smoke models, generation and attention alternating: 0.53 GB at the start, 0.81 GB
+    from the 80th request on, 0.83 GB idle; with two heaps and ``return_freed_memory`` after
+    each request, 0.65-0.72 GB over 240 requests and idle. Call before the server starts its
+    threads. False, changing nothing, where the C library is not glibc."""
+    libc = _glibc()
+    return bool(libc is not None and libc.mallopt(M_ARENA_MAX, SERVER_ARENAS))
+
+
+def return_freed_memory() -> None:
+    """Give the pages of the blocks a request freed back to the system (glibc's malloc_trim),
+    so that an idle server holds what its models need, not what its last requests did."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 class Demo:
     """The page's handlers, bound to one Lab (kept apart from the layout so tests call them)."""
 
@@ -380,7 +495,7 @@ class Demo:
         if len(prompt) > MAX_PROMPT_CHARS:
             raise refuse(f"The prompt is {len(prompt):,} characters long; the models read at most "
                            f"{self.context} tokens, so shorten it")
-        ids = self.enc.encode_ordinary(prompt)
+        ids = encode_prompt(prompt)  # <|endoftext|> typed is the end-of-text token, as in GPT-2's tokenizer
         if len(ids) >= self.context:
             raise refuse(f"The prompt is {len(ids)} tokens long, but the models' context holds "
                            f"{self.context} tokens: shorten it to fewer than {self.context} tokens "
@@ -415,14 +530,17 @@ class Demo:
             runs = {m.group: {"text": texts[i], "ids": ids + sampled[i]} for i, m in enumerate(self.lab.models)}
             return (*texts, {"prompt": prompt, "runs": runs})
 
-        yield update()
-        while active:
-            for i in list(active):
-                try:
-                    texts[i] += next(streams[i])
-                except StopIteration:
-                    active.remove(i)
+        try:
             yield update()
+            while active:
+                for i in list(active):
+                    try:
+                        texts[i] += next(streams[i])
+                    except StopIteration:
+                        active.remove(i)
+                yield update()
+        finally:  # also when Stop cancels it
+            return_freed_memory()
 
     # ---- attention ----------------------------------------------------------------------
     def _tokens(self, prompt, continuation, generated, group: str) -> list[int]:
@@ -436,7 +554,7 @@ class Demo:
         if run is not None and run["text"] == (continuation or ""):
             ids = run["ids"]
         else:
-            ids = self.enc.encode_ordinary(str(prompt) + str(continuation or ""))
+            ids = encode_prompt(str(prompt) + str(continuation or ""))
         return ids[-self.context:]
 
     def _head_index(self, head, model: LoadedModel) -> int | None:
@@ -506,6 +624,8 @@ class Demo:
                  for r in rows]
         details = {"model": chosen.group, "layer": layer_i, "head": head_name, "n_tokens": len(ids),
                    "shape": list(matrix.shape), "tokens": labels}
+        del maps
+        return_freed_memory()
         return heat, compare, summary, table, details
 
     @staticmethod
@@ -582,11 +702,13 @@ def undertrained_notice(lab: Lab) -> str | None:
         step, ppl = m.state.get("step"), checkpoint_ppl(m.state)
         return (f"{m.label}: {step if step is not None else 'unknown'} steps, validation perplexity "
                 f"{f'{ppl:,.0f}' if ppl is not None else 'not recorded'}, d_model {m.cfg.d_model}")
-    return ("**These models are barely trained: expect gibberish.** "
-            + "; ".join(figures(m) for m in weak)
-            + f". Models trained on TinyStories reach a perplexity near 20. To compare models worth "
-              f"comparing, train the mini study on a GPU (about two minutes): `{MINI_COMMAND}`, then "
-              f"`python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which does both).")
+    head = ("**These models are barely trained: expect gibberish.** " + "; ".join(figures(m) for m in weak)
+            + ". Models trained on TinyStories reach a perplexity near 20. ")
+    if lab.device == "cpu" and not torch.cuda.is_available():
+        return head + cpu_route(mini_study_cost())
+    return head + (f"To compare models worth comparing, train the mini study on a GPU (about two minutes): "
+                   f"`{MINI_COMMAND}`, then `python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which "
+                   f"does both).")
 
 
 def failed_card(group: str, error: str) -> str:
@@ -601,7 +723,7 @@ def error_page(lab: Lab) -> str:
     items = "\n".join(f"- {e}" for e in lab.errors)
     return ("## The models could not be loaded\n\n"
             f"{items}\n\n"
-            "**How to fix it:** train the study (`python -m oelm_core.study ...`), or start the demo "
+            "**How to fix it:** train the study (`python -m oelm_core run PLAN`), or start the demo "
             "with existing checkpoints: `python -m app --study runs/<study>` or "
             "`python -m app --ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH`, "
             "then reload this page.")
@@ -612,7 +734,7 @@ CSS = """
 .model-card table { font-size: 0.9em; width: 100%; }
 .model-card td:first-child { white-space: nowrap; font-weight: 600; }
 .model-card thead { display: none; }
-.model-card small { word-break: break-all; }
+.model-card small code { overflow-wrap: anywhere; }
 """
 
 
@@ -719,7 +841,46 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = 7860, sh
     """Queue (at most ``concurrency`` requests of an event at once, 32 waiting) and serve.
 
     System fonts only: the default theme would fetch web fonts, which the offline machines lack.
+    A port in use is a SetupError naming --port (Gradio's own message names its launch() and an
+    environment variable). Unless ``quiet``, the app says where it serves and how to share it
+    (--share: Gradio's hint names its launch() argument).
     """
+    quiet = kwargs.pop("quiet", False)
+    block = not kwargs.pop("prevent_thread_lock", False)
+    if port is not None and port_in_use(host, port):
+        raise SetupError(port_message(host, port))
+    bound_server_memory()
     demo.queue(default_concurrency_limit=concurrency, max_size=32)
-    return demo.launch(server_name=host, server_port=port, share=share, ssr_mode=False, show_error=True,
-                       theme=gr.themes.Soft(**THEME_FONTS), css=CSS, **kwargs)
+    try:
+        served = demo.launch(server_name=host, server_port=port, share=share, ssr_mode=False, show_error=True,
+                             theme=gr.themes.Soft(**THEME_FONTS), css=CSS, quiet=True, prevent_thread_lock=True,
+                             **kwargs)
+    except OSError as exc:  # taken between the check and the start
+        if port is not None and "port" in str(exc).lower():
+            raise SetupError(port_message(host, port)) from None
+        raise
+    if not quiet:
+        print(f"* Running on local URL:  {demo.local_url}")
+        print(f"* Running on public URL: {demo.share_url}" if share and demo.share_url else
+              "* To create a public link, start the app with --share.")
+    if block:
+        demo.block_thread()
+    return served
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on ``port`` at ``host`` already (another demo, a notebook)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Gradio binds: a closed port is free
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def port_message(host: str, port: int) -> str:
+    return (f"port {port} on {host} is in use (another demo or server is running there): start the app with "
+            f"another port, python -m app --port {port + 1} (make demo PORT={port + 1}), or stop the other one")

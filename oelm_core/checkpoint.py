@@ -16,14 +16,15 @@ unpickles arbitrary objects:
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from oelm_core.config import ConfigError, ModelConfig, model_config_from_dict
+from oelm_core.config import PRESETS, ConfigError, ModelConfig, model_config_from_dict
 from oelm_core.files import atomic_write
 from oelm_core.model import GPT
 
@@ -41,8 +42,20 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """Write ``state`` to ``path`` atomically, so a run killed mid-write leaves the previous
-    checkpoint intact."""
-    return atomic_write(path, lambda f: torch.save({"format_version": FORMAT_VERSION, **state}, f))
+    checkpoint intact; on a full disk ``files.DiskFull`` says how much the checkpoint needs."""
+    return atomic_write(path, lambda f: torch.save({"format_version": FORMAT_VERSION, **state}, f),
+                        need=lambda: _tensor_bytes(state), setting="out_dir")
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (dicts and lists searched): near a checkpoint's size."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -114,21 +127,73 @@ def _what_failed(exc: Exception) -> str:
     return f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
 
 
+def shape_disagreement(cfg: ModelConfig, want: dict[str, tuple], have: dict[str, tuple], where: str,
+                       padded: bool = True) -> Optional[str]:
+    """What in ``cfg`` (as ``where`` states it: "config.json") the tensor shapes ``have`` (a
+    file's, under the names of GPT's state dict) contradict, where ``want`` are the shapes a
+    model of ``cfg`` has: each key named with both values and the tensor that shows it, and the
+    preset the weights' shape is, if any ("the weights are a smoke model's"); None where they
+    agree. PyTorch's own message lists tensors, never the setting. ``padded``: the embedding's
+    rows are the vocabulary padded to vocab_pad_multiple (a GPT-2 file's are not)."""
+    if want == have:
+        return None
+
+    def held(name: str, axis: int) -> Optional[int]:
+        return have[name][axis] if name in have and len(have[name]) > axis else None
+
+    layers = {int(k.split(".")[1]) for k in have if re.match(r"blocks\.\d+\.", k)}
+    fc = "blocks.0.mlp.fc.weight"
+    found = {  # key: (the config's value, the weights' value, the tensor that shows it)
+        "n_layer": (cfg.n_layer, max(layers) + 1 if layers else 0, f"blocks.0 .. blocks.{max(layers, default=0)}"),
+        "d_model": (cfg.d_model, held("wte.weight", 1), f"wte.weight {have.get('wte.weight')}"),
+        "block_size": (cfg.block_size, held("wpe.weight", 0), f"wpe.weight {have.get('wpe.weight')}"),
+        "d_ff": (cfg.d_ff, held(fc, 0), f"{fc} {have.get(fc)}"),
+        "vocab_size": (want.get("wte.weight", (0,))[0], held("wte.weight", 0),
+                       f"wte.weight {have.get('wte.weight')}"
+                       + (": its rows are the vocabulary padded to vocab_pad_multiple" if padded else "")),
+        "tie_embeddings": (cfg.tie_embeddings, "lm_head.weight" not in have, "lm_head.weight"),
+    }
+    if padded:
+        found.update(bias=(cfg.bias, "ln_f.bias" in have, "ln_f.bias"),
+                     attn_bias=(cfg.attn_bias, "blocks.0.attn.v.bias" in have, "blocks.0.attn.v.bias"))
+    said = [f"model_config.{k} is {json.dumps(mine)} in {where}, {json.dumps(theirs)} in the weights ({shown})"
+            for k, (mine, theirs, shown) in found.items() if theirs is not None and mine != theirs]
+    if not said:  # another attention or Q/K construction: other tensor names
+        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        odd = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+        said = [f"the weights lack {', '.join(missing[:3])}" if missing else "",
+                f"they hold {', '.join(extra[:3])} that the model of {where} has not" if extra else "",
+                f"{odd[0]} is {have[odd[0]]} there, {want[odd[0]]} for {where}" if odd else ""]
+        said = [x for x in said if x] + ["check model_config's attention, qk_init and poet_block_size"]
+    shape = {k: found[k][1] for k in ("n_layer", "d_model", "block_size", "d_ff")}
+    preset = next((name for name, p in PRESETS.items() if all(p.get(k) == v for k, v in shape.items())), None)
+    return "; ".join(said) + (f" (the weights are a {preset} model's)" if preset else "")
+
+
 def model_from_state(state: dict[str, Any], device: str | torch.device = "cpu",
                      source: str = "the checkpoint") -> GPT:
     """Rebuild the GPT a checkpoint holds. ``model_config`` describes the model as saved: a run
     that unfroze Q/K on a schedule saves ``freeze_qk`` with the layers still frozen then.
     CheckpointError, naming ``source``, where the config is unusable or the weights do not fit it
-    exactly (a loose load would leave the missing weights random)."""
+    exactly (a loose load would leave the missing weights random), the keys named."""
     try:
         cfg: ModelConfig = model_config_from_dict(dict(state["model_config"]))
         model = GPT(cfg)
-        model.load_state_dict(state["model"])
-    except (ConfigError, RuntimeError) as exc:
-        reason = " ".join(str(exc).split())[:300]
-        raise CheckpointError(f"{source} holds no model this oelm_core can rebuild ({reason}); it was "
-                              f"not written by this oelm_core's trainer, or was edited: use another "
+    except ConfigError as exc:
+        raise CheckpointError(f"{source} holds no model this oelm_core can rebuild ({' '.join(str(exc).split())}); "
+                              f"it was not written by this oelm_core's trainer, or was edited: use another "
                               f"checkpoint or train again") from exc
+    weights = state["model"]
+    disagree = shape_disagreement(cfg, {k: tuple(v.shape) for k, v in model.state_dict().items()},
+                                  {k: tuple(v.shape) for k, v in weights.items()}, "the checkpoint")
+    if disagree:
+        raise CheckpointError(f"{source} holds weights that do not fit its model_config: {disagree}; it was "
+                              f"edited, or its weights come from another run: use another checkpoint or train again")
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{source} holds no model this oelm_core can rebuild ({' '.join(str(exc).split())}); "
+                              f"use another checkpoint or train again") from exc
     return model.to(device)
 
 

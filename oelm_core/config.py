@@ -300,6 +300,12 @@ class TrainConfig:
     # batches are launch-bound (oelm_core/fast/graph_step.py). Falls back to eager if capture fails.
     cuda_graph: bool = True
     backend: str = "auto"        # DDP backend: "auto" = nccl on CUDA, gloo on CPU
+    # Seconds a rank waits in a collective for the others before the job stops naming the rank
+    # that went silent (oelm_core.distributed); rank 0 preparing the data counts.
+    ddp_timeout_s: float = 600.0
+    # A step the pre-flight estimate puts above this many seconds on this device is refused
+    # (oelm_core.preflight; 0: no limit).
+    max_step_s: float = 300.0
     # DDP's gradient buckets, MB: each is all-reduced as soon as its gradients are ready, and
     # torch.compile splits the model at the bucket boundaries so that they are ready early. At
     # medium512 on 2 H200s 50 beat PyTorch's 25 at 8 and 16 x 512 per GPU, and 2-10 were slower
@@ -341,7 +347,9 @@ class TrainConfig:
         for name in ("warmup_steps", "stop_after", "early_stop_patience", "grad_clip", "weight_decay", "min_lr"):
             if not getattr(self, name) >= 0:  # "not >=": NaN fails too
                 raise ConfigError(f"train.{name} must be 0 or positive, got {getattr(self, name)}")
-        for name in ("lr", "eps", "ddp_bucket_mb"):
+        if not self.max_step_s >= 0:
+            raise ConfigError(f"train.max_step_s must be 0 (no limit) or positive, got {self.max_step_s}")
+        for name in ("lr", "eps", "ddp_bucket_mb", "ddp_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.min_lr > self.lr:
@@ -656,7 +664,8 @@ RESUMABLE_CHANGES = {
     "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
               "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
               "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
-              "loss_chunk_tokens", "fused_logits", "cpu_heap", "deterministic", "tensorboard"},
+              "loss_chunk_tokens", "fused_logits", "cpu_heap", "deterministic", "tensorboard",
+              "ddp_timeout_s", "max_step_s"},
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
 
@@ -757,8 +766,11 @@ def read_yaml(path: str | Path) -> dict:
     except _DuplicateKey as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
+        # A tab where YAML wants spaces (an editor's indent) has its own fix.
+        hint = ("YAML indents with spaces, never tabs: replace the tab with spaces"
+                if "'\\t'" in str(getattr(exc, "problem", "")) else "an unclosed bracket or quote is the usual cause")
         raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax "
-                          f"there (an unclosed bracket or quote is the usual cause)") from None
+                          f"there ({hint})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a UTF-8 text file; pass a YAML file") from None
     if values is None:

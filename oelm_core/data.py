@@ -41,7 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oelm_core.config import ConfigError, DataConfig, ModelConfig
-from oelm_core.files import atomic_write, exclusive_lock, temporary_files
+from oelm_core.files import DiskFull, atomic_write, exclusive_lock, temporary_files, write_temporary
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,15 @@ def get_tokenizer():
             f"tiktoken could not load the {TOKENIZER!r} BPE files: {missing} and downloading them "
             f"failed ({reason}); set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files "
             f"(see the README), e.g. TIKTOKEN_CACHE_DIR=../shared/data/tokenizer/tiktoken_cache") from None
+
+
+def encode_prompt(text: str) -> list[int]:
+    """The ids of a prompt someone typed (the demo's, ``generate``'s): GPT-2's BPE, where the text
+    <|endoftext|> is the end-of-text token (id 50256), as GPT-2's tokenizer reads it, and the
+    transformers export's: whoever types it means the break between stories the models learned.
+    Story files are tokenised with ``encode_ordinary`` instead (``_encode_chunk``): there the
+    separator is read by ``split_stories`` and a story's own text stays text."""
+    return get_tokenizer().encode(text, allowed_special={EOT_TEXT})
 
 
 def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, int, int]:
@@ -384,10 +393,11 @@ def _new_text_hash():
 
 
 def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | None,
-                 progress: bool) -> dict:
-    """Tokens, stories and bytes written to ``path``, and the file's fingerprint: the sha256 of
-    its bytes, hashed as they are written, and its mtime (oelm_core.provenance trusts the hash
-    while the file keeps that mtime)."""
+                 progress: bool) -> tuple[Path, dict]:
+    """(a temporary beside ``path`` holding the split's tokens, for the caller to rename onto
+    ``path``; the split's tokens, stories and bytes, and the file's fingerprint: the sha256 of its
+    bytes, hashed as they are written, and its mtime, which the rename keeps (oelm_core.provenance
+    trusts the hash while the file keeps that mtime))."""
     counts = {"tokens": 0, "stories": 0, "bytes": 0}
     digest = hashlib.sha256()
 
@@ -402,8 +412,14 @@ def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | No
                 counts["stories"] += n
                 bar.update(n)
 
-    atomic_write(path, write)
-    return {**counts, "sha256": digest.hexdigest(), "mtime_ns": path.stat().st_mtime_ns}
+    def need() -> float | None:
+        """The file's size at the tokens per story so far, where the stories are counted."""
+        if not (total and counts["stories"]):
+            return None
+        return 2 * counts["tokens"] / counts["stories"] * total
+
+    tmp = write_temporary(path, write, need=need, setting="data.out_dir")
+    return tmp, {**counts, "sha256": digest.hexdigest(), "mtime_ns": tmp.stat().st_mtime_ns}
 
 
 def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> dict:
@@ -448,37 +464,60 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
 
     if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None and meta.get("text_hash"):
         return meta
+    get_tokenizer()  # fail here, with the TIKTOKEN_CACHE_DIR hint, before any file is touched
+    made = [p for p in (out, *out.parents) if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
-    with _folder_lock(out) as locked:
-        # A process preparing the same folder may have finished it while this one waited.
-        if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None:
-            return meta if meta.get("text_hash") else _add_text_hash(out, meta)
-        _remove_stale_temp_files(out, locked, started)
-        return _write_all(out, splits, totals, resolved, content_hash, cfg, progress)
+    try:
+        with _folder_lock(out) as locked:
+            # A process preparing the same folder may have finished it while this one waited.
+            if not force and (meta := _up_to_date(out, content_hash, resolved)) is not None:
+                return meta if meta.get("text_hash") else _add_text_hash(out, meta)
+            level, why = _why_rebuilt(out, content_hash, resolved, force)
+            log.log(level, "preparing %s from %s: %s", out, resolved, why)
+            _remove_stale_temp_files(out, locked, started)
+            return _write_all(out, splits, totals, resolved, content_hash, cfg, progress)
+    finally:
+        for folder in made:  # a preparation that failed leaves no empty folders behind
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _write_all(out: Path, splits: dict, totals: dict, resolved: str, content_hash: str,
                cfg: DataConfig, progress: bool) -> dict:
-    """Tokenise every split into out/{split}.bin, then write out/meta.json; return the meta."""
+    """Tokenise every split into out/{split}.bin, then write out/meta.json; return the meta.
+
+    Every token file is written to a temporary first. Until all are whole, the folder keeps what
+    it held (a failure, a kill or a full disk removes or leaves only temporaries); then the old
+    meta.json goes, the token files are renamed into place and the new meta.json is written, so
+    that at no moment does a meta.json vouch for token files it does not describe."""
     meta_path = out / "meta.json"
-    # Remove the old meta first: if we crash between writing the .bin files, no stale meta can
-    # vouch for them, and the next call rebuilds.
-    meta_path.unlink(missing_ok=True)
-    get_tokenizer()  # fail here with the TIKTOKEN_CACHE_DIR hint, not inside a worker
     meta = {"source": resolved, "tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16"}
     text_hash = _new_text_hash()
-    for split, stories in splits.items():
-        procs = _num_procs(cfg.num_proc, totals[split])
-        counts = _write_split(_hashed(stories(), split, text_hash), out / f"{split}.bin", procs,
-                              totals[split], progress)
-        if counts["tokens"] == 0:
-            raise ConfigError(f"the {split} split of {resolved} holds no stories; check its files "
-                              f"and data.text_field")
-        meta.update({f"{split}_{k}": v for k, v in counts.items()})
-    meta.update(max_train_stories=cfg.max_train_stories, max_val_stories=cfg.max_val_stories,
-                content_hash=content_hash, text_hash=text_hash.hexdigest(),
-                created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    atomic_write(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w")
+    written: dict[str, Path] = {}
+    try:
+        for split, stories in splits.items():
+            procs = _num_procs(cfg.num_proc, totals[split])
+            written[split], counts = _write_split(_hashed(stories(), split, text_hash), out / f"{split}.bin",
+                                                  procs, totals[split], progress)
+            if counts["tokens"] == 0:
+                raise ConfigError(f"the {split} split of {resolved} holds no stories; check its files "
+                                  f"and data.text_field")
+            meta.update({f"{split}_{k}": v for k, v in counts.items()})
+        meta.update(max_train_stories=cfg.max_train_stories, max_val_stories=cfg.max_val_stories,
+                    content_hash=content_hash, text_hash=text_hash.hexdigest(),
+                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        new_meta = write_temporary(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w",
+                                   setting="data.out_dir")
+        written["meta"] = new_meta
+        meta_path.unlink(missing_ok=True)
+        for split in SPLIT_NAMES:
+            os.replace(written.pop(split), out / f"{split}.bin")
+        os.replace(written.pop("meta"), meta_path)
+    finally:
+        for tmp in written.values():
+            tmp.unlink(missing_ok=True)
     log.info("prepared %s: %d train / %d val tokens", out, meta["train_tokens"], meta["val_tokens"])
     return meta
 
@@ -516,6 +555,39 @@ def _up_to_date(out: Path, content_hash: str, resolved: str) -> dict | None:
         log.info("%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
                  out, resolved, content_hash[:12])
     return meta
+
+
+def _why_rebuilt(out: Path, content_hash: str, resolved: str, force: bool) -> tuple[int, str]:
+    """(log level, why ``out`` is being prepared): the first time, --force, other stories, or
+    token files or a meta.json that were damaged (a warning: something else wrote there)."""
+    meta_path = out / "meta.json"
+    if force:
+        return logging.INFO, "force=True (--force) rebuilds it"
+    if not meta_path.exists():
+        made = [n for n in ("train.bin", "val.bin") if (out / n).exists()]
+        return ((logging.WARNING, f"it has {' and '.join(made)} but no meta.json (removed, or an interrupted "
+                                  f"preparation of an older version)") if made
+                else (logging.INFO, "it holds no prepared data yet"))
+    meta = _read_meta(meta_path)
+    if meta is None:
+        return logging.WARNING, "its meta.json is damaged (empty, not JSON or not a mapping)"
+    if meta.get("content_hash") != content_hash:
+        before = meta.get("source")
+        where = (f"it was prepared from {before}, this run reads {resolved}" if before != resolved
+                 else f"the stories of {resolved} changed since it was prepared")
+        return logging.INFO, (f"{where} (content hash {str(meta.get('content_hash'))[:12]}... recorded, "
+                              f"{content_hash[:12]}... now)")
+    for split in SPLIT_NAMES:
+        path, tokens = out / f"{split}.bin", meta.get(f"{split}_tokens")
+        if not isinstance(tokens, int):
+            return logging.WARNING, f"its meta.json records no whole {split}_tokens count ({tokens!r})"
+        if not path.is_file():
+            return logging.WARNING, f"{path.name} is missing"
+        if path.stat().st_size != 2 * tokens:
+            return logging.WARNING, (f"{path.name} holds {path.stat().st_size:,} bytes where meta.json records "
+                                     f"{tokens:,} tokens ({2 * tokens:,} bytes): damaged, or written by "
+                                     f"something else")
+    return logging.INFO, "its meta.json has no text hash"  # not reached: _up_to_date accepts it
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -728,7 +800,7 @@ def perplexity(loss_nats: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI: prints meta.json's content; returns the exit code (0 done, 2 unusable source or
-    settings, with the error on stderr)."""
+    settings, 1 a full disk; the error on stderr, one line)."""
     defaults = DataConfig()
     p = argparse.ArgumentParser(prog="python -m oelm_core.data", description=__doc__.split("\n")[0])
     p.add_argument("--source", default=defaults.source,
@@ -746,9 +818,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DataConfig(**{f.name: args[f.name] for f in fields(DataConfig)})
     try:
         meta = prepare(cfg, force=force, progress=progress)
-    except ConfigError as exc:
+    except (ConfigError, DiskFull) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, DiskFull) else 2  # 1: what a crash on a full disk exited with
     print(json.dumps(meta, indent=2))
     return 0
 

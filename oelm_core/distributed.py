@@ -12,7 +12,10 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import socket
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -66,7 +69,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def setup_distributed(tc: TrainConfig) -> Dist:
-    """Join the process group torchrun describes in the environment (a no-op for one process)."""
+    """Join the process group torchrun describes in the environment (a no-op for one process),
+    with ``train.ddp_timeout_s`` as the time a collective waits for the other ranks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -74,9 +78,78 @@ def setup_distributed(tc: TrainConfig) -> Dist:
     owns = False
     if world > 1 and not dist.is_initialized():
         init_process_group(tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
-                           rank=rank, world_size=world)
+                           rank=rank, world_size=world, timeout=timedelta(seconds=tc.ddp_timeout_s))
         owns = True
+    if world > 1:
+        _store_set(f"process/{rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
     return Dist(rank, world, device, owns)
+
+
+class RankSilent(RuntimeError):
+    """A collective timed out: a rank stopped answering (stopped, hung, or its node gone)."""
+
+
+# How long the ranks that timed out wait for each other to say so before naming the others.
+ANSWER_WAIT_S = 10.0
+
+
+def silent_ranks(exc: BaseException, d: Dist, timeout_s: float) -> Optional[RankSilent]:
+    """The RankSilent that ``exc`` means, or None where it is no collective's timeout (gloo:
+    "Timed out waiting ... for recv operation"). Each rank that timed out says so in the process
+    group's store and waits up to ANSWER_WAIT_S for the others to: those that do not are named,
+    with their host and pid (what ``setup_distributed`` stored). NCCL's watchdog ends a timed-out
+    job itself, naming the collective, before this can run."""
+    if not d.enabled or not any("timed out" in str(e).lower() or "timeout" in str(e).lower() for e in _chain(exc)):
+        return None
+    _store_set(f"answered/{d.rank}", "1")
+    answered, deadline = [], time.monotonic() + ANSWER_WAIT_S
+    for rank in range(d.world_size):
+        try:
+            _store().wait([_key(f"answered/{rank}")], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            answered.append(rank)
+        except Exception:  # not there in time, or no store
+            pass
+    silent = [r for r in range(d.world_size) if r not in answered] or None
+    if silent is None:
+        who = "a rank"
+    else:
+        who = ", ".join(f"rank {r} ({_store_get(f'process/{r}') or 'host unknown'})" for r in silent)
+    hint = (" Rank 0 prepares the data while the others wait: prepare it first (python -m oelm_core.data) or raise "
+            "train.ddp_timeout_s." if silent == [0] else "")
+    return RankSilent(f"{who} did not answer for {timeout_s:g} s (train.ddp_timeout_s), and rank {d.rank} stopped "
+                      f"waiting: the process was stopped (SIGSTOP, a debugger), hangs, or its node is gone; the run "
+                      f"resumes from its latest checkpoint with --resume.{hint}")
+
+
+def _chain(exc: Optional[BaseException]):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _key(name: str) -> str:
+    return f"oelm/{name}"
+
+
+def _store():
+    # The process group's key-value store (torchrun's, or the one init_process_group made): the
+    # one channel the ranks still share once a collective hangs. torch has no public accessor.
+    return dist.distributed_c10d._get_default_store()
+
+
+def _store_set(name: str, value: str) -> None:
+    try:
+        _store().set(_key(name), value)
+    except Exception:  # no store (an init method without one): nothing to name ranks by
+        pass
+
+
+def _store_get(name: str) -> Optional[str]:
+    try:
+        store = _store()
+        return store.get(_key(name)).decode() if store.check([_key(name)]) else None
+    except Exception:
+        return None
 
 
 def init_process_group(backend: str, **kwargs) -> None:

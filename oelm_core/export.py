@@ -27,21 +27,23 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from importlib import metadata
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from oelm_core.accounting import count_parameters
-from oelm_core.checkpoint import CheckpointError, load_model
+from oelm_core.checkpoint import CheckpointError, load_model, shape_disagreement
 from oelm_core.config import (PRESETS, ConfigError, ModelConfig, model_config_from_dict, read_yaml,
                               variant_overrides, variants)
 from oelm_core.data import EOT, EOT_TEXT
-from oelm_core.files import atomic_folder
+from oelm_core.files import DiskFull, LockHeld, atomic_folder, exclusive_lock
 from oelm_core.model import GPT
 from oelm_core.orthogonal import QK_INITS
 from oelm_core.run_folder import read_summary
@@ -55,6 +57,16 @@ GPT2_VOCAB = EOT + 1
 # holding anything else is refused as --out rather than replaced.
 EXPORT_NAMES = {"model.safetensors", "config.json", "README.md", "generation_config.json", "vocab.json",
                 "merges.txt", "tokenizer_config.json", "safetensors", "transformers"}
+# GPT-2's config.json keys that transformers builds the model from, and the ModelConfig field
+# each must equal.
+GPT2_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "d_model", "n_inner": "d_ff",
+             "n_positions": "block_size", "vocab_size": "vocab_size"}
+# What an export killed mid-way leaves in the folder that holds its --out (``atomic_folder``'s
+# temporaries, the lock of ``_writing``), as a name pattern of {name}, the folder's name.
+LEFT_BY_A_KILL = r"\.{name}\.(.+\.(tmp|old)|lock)"
+# model.safetensors' metadata entry holding the ModelConfig it was written with, as JSON: what
+# notices a config.json edited without changing any tensor's shape (n_head, freeze_qk).
+CONFIG_METADATA = "oelm_model_config"
 # Where tiktoken.get_encoding("gpt2") downloads GPT-2's BPE from; its cache names each file by the
 # sha1 of its URL (encoder.json: 6c7ea1a7..., vocab.bpe: 6d1cbeee...).
 TIKTOKEN_GPT2_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
@@ -235,15 +247,38 @@ def _plain(model) -> GPT:
 
 def _out_folder(out_dir: str | Path) -> Path:
     """``out_dir`` when writing there replaces at most an earlier export: a folder holding anything
-    else (an --out mistyped as the project's root) is refused, not deleted."""
+    else (an --out mistyped as the project's root) is refused, not deleted. What an export killed
+    there left (its subfolders' temporaries, with --format both) is no other file."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; pass a folder (new, empty, or an earlier export)")
-    other = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_NAMES) if out.is_dir() else []
+    ours = [re.compile(LEFT_BY_A_KILL.format(name=re.escape(name))) for name in EXPORT_NAMES]
+    other = sorted(p.name for p in out.iterdir()
+                   if p.name not in EXPORT_NAMES and not any(o.fullmatch(p.name) for o in ours)) if out.is_dir() else []
     if other:
         raise ExportError(f"{out} holds files that no export writes ({', '.join(other[:5])}); replacing "
                           f"the folder would delete them: pass a new or empty folder as --out")
     return out
+
+
+@contextmanager
+def _writing(out: Path) -> Iterator[Path]:
+    """Write the folder ``out`` (``atomic_folder``) holding ``.<name>.lock`` beside it, so that one
+    export at a time writes there, and remove what an export killed there left first: its
+    temporary ``.<name>.*.tmp`` and ``.<name>.*.old`` folders, which blocked the same command run
+    again. ExportError where another export holds the lock; ``files.DiskFull`` on a full disk."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive_lock(out.parent / f".{out.name}.lock"):
+            left = re.compile(LEFT_BY_A_KILL.format(name=re.escape(out.name)))
+            for p in out.parent.iterdir():
+                if left.fullmatch(p.name) and p.is_dir():
+                    shutil.rmtree(p)
+            with atomic_folder(out, setting="--out") as tmp:
+                yield tmp
+    except LockHeld as exc:
+        raise ExportError(f"another export (pid {exc.holder}) is writing {out}; wait for it or pass "
+                          f"another --out") from None
 
 
 def _safetensors():
@@ -269,11 +304,68 @@ def to_safetensors(model: GPT, out_dir: str | Path, *, card: Optional[dict] = No
     # Tied embeddings are one tensor in the state dict (GPT.lm_head is None, the output layer
     # reads wte.weight), so no tensor is stored twice, which safetensors would refuse.
     tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
-    with atomic_folder(out) as tmp:
-        safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    with _writing(out) as tmp:
+        safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata=_metadata(info))
         (tmp / "config.json").write_text(json.dumps(info, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(info, "safetensors"))
     return out
+
+
+def _metadata(info: dict) -> dict[str, str]:
+    """model.safetensors' metadata: PyTorch's format tag, and the ModelConfig (``describe``'s) as
+    canonical JSON (``CONFIG_METADATA``)."""
+    return {"format": "pt", CONFIG_METADATA: json.dumps(info["model_config"], sort_keys=True)}
+
+
+def check_config(folder: Path, model_config: dict, weights: Path) -> None:
+    """ExportError naming every field where ``model_config`` (what config.json says) differs from
+    the ModelConfig ``weights`` (a model.safetensors) was written with: n_head 4 -> 8 changes no
+    tensor's shape and loaded another model, freeze_qk all -> none made the frozen Q/K trainable.
+    Files exported before the ModelConfig was stored there are not checked."""
+    from safetensors import safe_open
+
+    with safe_open(weights, "pt") as f:
+        saved = (f.metadata() or {}).get(CONFIG_METADATA)
+    if saved is None:
+        return
+    saved = json.loads(saved)
+    differ = [k for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k)]
+    if differ:
+        said = "; ".join(f"{k} is {json.dumps(model_config.get(k))} there, {json.dumps(saved.get(k))} in the "
+                         f"weights" for k in differ)
+        raise ExportError(f"{folder}/config.json does not describe {weights.name}: model_config.{said}. "
+                          f"config.json was edited (or comes from another export): put back the weights' "
+                          f"values, or export the model again from its checkpoint")
+
+
+def _our_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in tensors.items()}
+
+
+def _gpt2_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """The shapes of a transformers GPT-2's ``tensors`` under our names, where a name has an
+    equivalent (what ``_shape_disagreement`` reads: embeddings, layers, MLP, head)."""
+    ours = {}
+    for name, t in tensors.items():
+        shape = tuple(t.shape)
+        if name in ("transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"):
+            ours[name.removeprefix("transformer.")] = shape
+        elif (m := re.fullmatch(r"transformer\.h\.(\d+)\.mlp\.c_fc\.weight", name)):
+            ours[f"blocks.{m.group(1)}.mlp.fc.weight"] = shape[::-1]   # Conv1D stores (in, out)
+        elif (m := re.fullmatch(r"transformer\.h\.(\d+)\.(.*)", name)):
+            ours[f"blocks.{m.group(1)}.gpt2.{m.group(2)}"] = shape
+    return ours
+
+
+def _shape_disagreement(cfg: ModelConfig, model: GPT, have: dict[str, tuple], gpt2: bool = False) -> Optional[str]:
+    """``checkpoint.shape_disagreement`` of config.json's ``cfg`` (``model`` built from it) and a
+    file's tensor shapes ``have`` (``_our_shapes``, or ``_gpt2_shapes`` where ``gpt2``)."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if gpt2:
+        want = _gpt2_shapes(gpt2_weights(model))
+        if cfg.tie_embeddings:  # transformers leaves the tied head out of the file
+            want.pop("lm_head.weight")
+    return shape_disagreement(cfg, want, have, "config.json", padded=not gpt2)
 
 
 def load_safetensors(folder: str | Path, device: str | torch.device = "cpu") -> GPT:
@@ -299,12 +391,21 @@ def load_safetensors(folder: str | Path, device: str | torch.device = "cpu") -> 
                           f"reads format {FORMAT_VERSION}: load it with the oelm_core version that wrote "
                           f"it ({info.get('oelm_core_version')})")
     try:
-        model = GPT(model_config_from_dict(info["model_config"]))
-        model.load_state_dict(safetensors.torch.load_file(folder / "model.safetensors"))
+        check_config(folder, info["model_config"], folder / "model.safetensors")
+        cfg = model_config_from_dict(info["model_config"])
+        model = GPT(cfg)
+        tensors = safetensors.torch.load_file(folder / "model.safetensors")
+    except ExportError:
+        raise
     except (ConfigError, RuntimeError, safetensors.SafetensorError, KeyError) as exc:
-        reason = " ".join(str(exc).split())[:300]
-        raise ExportError(f"{folder} holds no model this oelm_core can rebuild ({reason}); export it "
-                          f"again from its checkpoint") from exc
+        raise ExportError(f"{folder} holds no model this oelm_core can rebuild ({' '.join(str(exc).split())}); "
+                          f"export it again from its checkpoint") from exc
+    disagree = _shape_disagreement(cfg, model, _our_shapes(tensors))
+    if disagree:
+        raise ExportError(f"{folder}/config.json does not fit the tensors of model.safetensors: "
+                          f"{disagree}. config.json was edited (or comes from another export): put back the "
+                          f"weights' values, or export the model again from its checkpoint")
+    model.load_state_dict(tensors)
     return model.to(device).eval()
 
 
@@ -418,6 +519,7 @@ def to_transformers(model: GPT, out_dir: str | Path, *, card: Optional[dict] = N
         raise ExportError(f"cannot export this model as a transformers GPT-2: {why}")
     vocab, merges = find_gpt2_tokenizer(tokenizer_dir)
     transformers = _transformers()
+    safetensors = _safetensors()
     out = _out_folder(out_dir)
     cfg = model.cfg
     config = transformers.GPT2Config(
@@ -435,8 +537,11 @@ def to_transformers(model: GPT, out_dir: str | Path, *, card: Optional[dict] = N
     info = config.oelm
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
                         "unk_token": EOT_TEXT, "model_max_length": cfg.block_size}
-    with atomic_folder(out) as tmp:
+    with _writing(out) as tmp:
         gpt2.save_pretrained(tmp)
+        # Its ModelConfig in the weights' metadata too (transformers writes only the format tag).
+        weights = tmp / "model.safetensors"
+        safetensors.torch.save_file(safetensors.torch.load_file(weights), weights, metadata=_metadata(info))
         shutil.copyfile(vocab, tmp / "vocab.json")
         shutil.copyfile(merges, tmp / "merges.txt")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
@@ -465,8 +570,21 @@ def load_transformers(folder: str | Path, device: str | torch.device = "cpu") ->
     if cfg.poet_block_size:
         raise ExportError(f"{folder} holds a POET model as GPT-2: its W_q, W_k are R W0 P composed, from which "
                           f"POET's rotations cannot be recovered; load its safetensors export instead")
+    check_config(folder, info["model_config"], folder / "model.safetensors")
+    gpt2_config = json.loads((folder / "config.json").read_text())
+    differ = [f"{theirs} is {gpt2_config.get(theirs)} there, model_config.{ours} {getattr(cfg, ours)}"
+              for theirs, ours in GPT2_KEYS.items() if gpt2_config.get(theirs) != getattr(cfg, ours)]
+    if differ:
+        raise ExportError(f"{folder}/config.json disagrees with itself: {'; '.join(differ)} (its 'oelm' entry). It "
+                          f"was edited: put back the values the weights were exported with, or export the model "
+                          f"again from its checkpoint")
     model = GPT(cfg)
     gpt2 = safetensors.torch.load_file(folder / "model.safetensors")
+    disagree = _shape_disagreement(cfg, model, _gpt2_shapes(gpt2), gpt2=True)
+    if disagree:
+        raise ExportError(f"{folder}/config.json does not fit the tensors of model.safetensors: "
+                          f"{disagree}. config.json was edited (or comes from another export): put back the "
+                          f"weights' values, or export the model again from its checkpoint")
     state = model.state_dict()
     d, vocab = cfg.d_model, cfg.vocab_size
 
@@ -542,7 +660,10 @@ def export_run(run_dir: str | Path) -> Path:
     code, software and token files summary.json records (the trainer calls this as a session ends)."""
     run_dir = Path(run_dir)
     model, card = load_for_export(run_dir)
-    return to_safetensors(model, run_dir / RUN_EXPORT, card=card)
+    try:
+        return to_safetensors(model, run_dir / RUN_EXPORT, card=card)
+    except DiskFull as exc:  # the run is saved; the trainer says why export/ is missing
+        raise ExportError(str(exc)) from None
 
 
 def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
@@ -570,7 +691,8 @@ def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The CLI; returns the exit code: 0 written, 2 nothing written (the error on one line)."""
+    """The CLI; returns the exit code: 0 written, 2 nothing written (the error on one line), 1 the
+    disk filled up (nothing written either)."""
     p = argparse.ArgumentParser(prog="python -m oelm_core.export",
                                 description="Export a checkpoint or run folder as safetensors and/or "
                                             "a transformers GPT-2 (docs/export.md).")
@@ -585,9 +707,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         written = export(args.source, args.out, args.format, args.tokenizer_dir)
-    except (ExportError, CheckpointError) as exc:
+    except (ExportError, CheckpointError, DiskFull) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, DiskFull) else 2
     for folder in written:
         print(folder)
     return 0

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from oelm_core.config import SamplingConfig  # the settings, checked by the schema's builder
-from oelm_core.data import EOT, get_tokenizer  # EOT ends every story in the training data
+from oelm_core.data import EOT, EOT_TEXT, get_tokenizer  # EOT ends every story in the training data
 from oelm_core.model import GPT, KVCache
 
 # --------------------------------------------------------------------------------------------
@@ -193,7 +193,8 @@ def stream(model: GPT, prompt: str, cfg: SamplingConfig | None = None, tokenizer
     """Yield pieces of text as they are produced (``detokenize``: whole characters, but for an
     unfinished one at the very end)."""
     enc = tokenizer or get_tokenizer()
-    yield from detokenize(stream_tokens(model, enc.encode_ordinary(prompt), cfg or SamplingConfig()), enc)
+    ids = enc.encode(prompt, allowed_special={EOT_TEXT})  # <|endoftext|> typed: the token (data.encode_prompt)
+    yield from detokenize(stream_tokens(model, ids, cfg or SamplingConfig()), enc)
 
 
 def generate(model: GPT, prompt: str, cfg: SamplingConfig | None = None, tokenizer=None) -> str:

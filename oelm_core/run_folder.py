@@ -7,11 +7,18 @@
     summary.json           the run's figures, written when a session ends
     export/                best.pt's weights as safetensors with config.json and a model card,
                            written when a session ends (oelm_core.export; no pickle to load them)
+    .oelm-run              says that a training wrote here: written before its first file
     .lock                  held by the session writing the folder (pid inside): one at a time
+
+A run writes only into a folder that is new, empty, or a run folder (``claim_refusal``): never
+over files that it did not write. A session that fails before its first write leaves the folder
+as it found it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import json
 import logging
 import math
@@ -22,13 +29,24 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-from oelm_core.config import ConfigError, RunConfig, save_run_config
+from oelm_core.config import ConfigError, RunConfig, read_yaml, save_run_config
 from oelm_core.distributed import Dist, broadcast_object, every_rank
-from oelm_core.files import LockHeld, exclusive_lock, temporary_files, temporary_folders, write_text_atomic
+from oelm_core.files import (LockHeld, exclusive_lock, raise_if_disk_full, temporary_files, temporary_folders,
+                             write_text_atomic)
 
 log = logging.getLogger(__name__)
 
 STEP_FILE = re.compile(r"step_(\d+)\.pt")
+MARKER = ".oelm-run"
+# What the toolkit writes into a run folder: the trainer's files, and what the study, sweep and
+# SLURM runners put there before the training starts (its parameters, its place in a sweep, the
+# notebook that launches it, the job script, its record and log), and temporaries of killed
+# writes. A folder holding nothing else is a run folder even without MARKER: an earlier
+# version's, or one a runner prepared.
+TOOLKIT_NAMES = {"config.yaml", "metrics.jsonl", "summary.json", "best.pt", "ckpt", "export", MARKER, ".lock",
+                 "params.yaml", "sweep_point.json", "03_training.ipynb", "loss_curve.png", "job.sbatch",
+                 "slurm.json"}
+TOOLKIT_PATTERNS = ("slurm-*.out", ".*.tmp", ".*.old", ".*.lock")
 
 
 def step_number(path: Path) -> Optional[int]:
@@ -49,8 +67,15 @@ def json_safe(value: Any) -> Any:
 
 
 def check_folders(cfg: RunConfig) -> None:
-    """ConfigError for an out_dir or data.out_dir that is a file (or lies under one): caught
-    before the data is prepared, not as a FileExistsError after it."""
+    """ConfigError for an out_dir or data.out_dir that is empty (Path("") is the current folder:
+    a run wrote its files among the user's there) or a file (or lies under one): caught before
+    the data is prepared, not as a FileExistsError after it."""
+    for key, value in (("out_dir", cfg.out_dir), ("data.out_dir", cfg.data.out_dir)):
+        if not str(value).strip():
+            example = f"runs/train/{cfg.name}" if key == "out_dir" else "data_cache/tinystories"
+            raise ConfigError(f"{key} is empty, which would put the {'run' if key == 'out_dir' else 'token files'} "
+                              f"into the current folder among its files: set {key} to a folder of its own, "
+                              f"e.g. {example}")
     for key, folder in (("out_dir", Path(cfg.out_dir)), ("data.out_dir", Path(cfg.data.out_dir))):
         existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
         if existing is not None and not existing.is_dir():
@@ -66,12 +91,18 @@ def hold_run_folder(out: Path, d: Dist):
     nothing else writes there: temporaries of atomic writes killed mid-way (a checkpoint's
     ``.step_*.pt.*.tmp``: 0.5 GB at medium512) are removed.
 
-    ConfigError on every rank when another process holds the lock, or when a rank sees other
-    checkpoints there than rank 0 (``check_same_checkpoints``). The kernel drops the lock of a
-    process that dies, so a killed training leaves nothing to clean up. Where the file system
-    has no locks (some network mounts) the session goes on, with a warning.
+    ConfigError on every rank when another process holds the lock, when the folder holds files
+    that no training wrote (``claim_refusal``), or when a rank sees other checkpoints there than
+    rank 0 (``check_same_checkpoints``). The kernel drops the lock of a process that dies, so a
+    killed training leaves nothing to clean up. Where the file system has no locks (some network
+    mounts) the session goes on, with a warning. Leaving, the lock file goes, and the folders
+    this session made go where it wrote nothing into them: a session that failed before its
+    first write (the data could not be prepared, say) leaves no trace.
     """
     with ExitStack() as held:
+        if d.is_main:
+            made = [p for p in (out, *out.parents) if not p.exists()]
+            held.callback(_remove_if_empty, made)   # runs last: after the lock file is gone
         locked, refused = _lock_run_folder(out, held) if d.is_main else (None, None)
         # The other ranks stop too, rather than wait for rank 0 in the next collective.
         refused = broadcast_object(refused, d)
@@ -106,6 +137,15 @@ def check_same_checkpoints(out: Path, d: Dist) -> None:
                           f"system that every node shares")
 
 
+def _remove_if_empty(folders: list[Path]) -> None:
+    """Remove those of ``folders`` (deepest first) that are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (the session wrote there), or gone
+            return
+
+
 def _lock_run_folder(out: Path, held: ExitStack) -> tuple[Optional[bool], Optional[str]]:
     """(``exclusive_lock``'s answer for out/.lock, which ``held`` then holds; why the folder is
     refused, or None)."""
@@ -118,7 +158,39 @@ def _lock_run_folder(out: Path, held: ExitStack) -> tuple[Optional[bool], Option
         return None, f"cannot write to out_dir {out} ({exc.strerror}); set out_dir to a folder you can write to"
     if not locked:
         log.warning("the file system of %s has no locks: a second training into it would not be stopped", out)
-    return locked, None
+    return locked, claim_refusal(out)
+
+
+def claim_refusal(out: Path) -> Optional[str]:
+    """Why a training may not write into the existing folder ``out``, or None where it may: a
+    folder that holds MARKER, or only what the toolkit writes there (TOOLKIT_NAMES and
+    TOOLKIT_PATTERNS, with a config.yaml that is a run's parameters), is a run folder; any other
+    file would sit beside config.yaml, metrics.jsonl and summary.json, or be overwritten by them
+    (``out_dir: .`` once overwrote the user's own config.yaml)."""
+    if (out / MARKER).is_file():
+        return None
+    names = sorted(p.name for p in out.iterdir())
+    foreign = [n for n in names if n not in TOOLKIT_NAMES and not any(fnmatch.fnmatch(n, p) for p in TOOLKIT_PATTERNS)]
+    if "config.yaml" in names and not _is_run_config(out / "config.yaml"):
+        foreign.insert(0, "config.yaml")
+    if not foreign:
+        return None
+    # Every file there: a summary.json beside a foreign config.yaml is no run's either.
+    shown = [n for n in names if n != ".lock"]
+    listed = ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+    return (f"out_dir {out} holds files that no training wrote ({listed}); a run writes config.yaml, "
+            f"metrics.jsonl, summary.json, best.pt, ckpt/ and export/ into its folder and would write "
+            f"beside or over them: set out_dir to a new or empty folder")
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether ``path`` holds a run's parameters as the trainer saves them (a mapping with preset,
+    variant and train, and no key a RunConfig lacks), whatever the version that wrote it."""
+    try:
+        values = read_yaml(path)
+    except ConfigError:
+        return False
+    return {"preset", "variant", "train"} <= set(values) <= {f.name for f in dataclasses.fields(RunConfig)}
 
 
 def _remove_killed_writes(out: Path) -> None:
@@ -142,6 +214,9 @@ def start_files(cfg: RunConfig, step: int) -> None:
     rows, and none cut short by a kill)."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).is_file():
+        write_text_atomic(out / MARKER, "An OELM Lab run folder: python -m oelm_core.train writes here "
+                                        "(docs/training.md).\n")
     save_run_config(cfg, out / "config.yaml")
     metrics = out / "metrics.jsonl"
     kept = []
@@ -158,8 +233,13 @@ def start_files(cfg: RunConfig, step: int) -> None:
 
 
 def append_metrics(out: Path, row: dict) -> None:
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({k: json_safe(v) for k, v in row.items()}) + "\n")
+    """One row more in metrics.jsonl; a row cut short by a full disk is dropped on resuming."""
+    try:
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({k: json_safe(v) for k, v in row.items()}) + "\n")
+    except OSError as exc:
+        raise_if_disk_full(exc, out / "metrics.jsonl", "out_dir")
+        raise
 
 
 def write_summary(out: Path, summary: dict) -> dict:

@@ -45,8 +45,10 @@ from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.checkpoint import RESUME_KEYS, CheckpointError, save_checkpoint
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_run_config
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare, real_source
-from oelm_core.distributed import Dist, every_rank, mean_across_ranks, on_rank_0, setup_distributed
+from oelm_core.distributed import (Dist, RankSilent, every_rank, mean_across_ranks, on_rank_0, setup_distributed,
+                                   silent_ranks)
 from oelm_core.export import RUN_EXPORT, ExportError, export_run
+from oelm_core.files import DiskFull
 from oelm_core.live_metrics import LiveMetrics
 from oelm_core.model import build_model
 from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
@@ -81,6 +83,11 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             # A temporary: the Trainer, its DDP reducer and captured graph are freed before the
             # process group is destroyed below (destroying it under them can hang at exit).
             return Trainer(cfg, d, schedule, resume).fit()
+    except RuntimeError as exc:
+        silent = silent_ranks(exc, d, cfg.train.ddp_timeout_s)   # a collective timed out: who went silent
+        if silent is None:
+            raise
+        raise silent from exc
     finally:
         if d.owns_group:
             dist.destroy_process_group()
@@ -197,7 +204,10 @@ class Trainer:
         bar = tqdm(total=self.tc.steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (self.d.is_main and self.tc.progress))
         try:
-            with logging_redirect_tqdm(), stop_on_signals() as self.stop:
+            # The steps' time a stop signal may wait for a boundary: the steps between the ranks'
+            # agreements, and an evaluation on the way (its forward passes: a third of a step each).
+            apart = (self.tc.log_every if self.d.enabled else 1) + self.tc.eval_batches / 3
+            with logging_redirect_tqdm(), stop_on_signals(steps_apart=apart) as self.stop:
                 status = self.loop(end, bar, status)
         except TrainingDiverged as exc:
             self.write_summary("diverged", time.perf_counter() - self.t_start, error=str(exc))
@@ -305,6 +315,7 @@ class Trainer:
                 f"on, and check the data in {self.cfg.data.out_dir}. The last good checkpoint "
                 f"{kept[-1] if kept else '(none yet)'} is kept; nothing was saved after the divergence")
         self.train_loss = loss_v
+        self.stop.seconds_per_step = window_s / (self.step - window_start)  # how long a stop signal waits
         tokens_per_s = (self.step - window_start) * self.tokens_per_step / window_s
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.d.world_size)
                if self.peak else None)
@@ -472,7 +483,8 @@ def check_vocabulary(cfg: RunConfig, model_cfg: ModelConfig, meta: dict) -> None
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The CLI; returns the exit code: 0 done, 2 unusable parameters/data/checkpoint, 3 diverged,
-    75 (EXIT_PREEMPTED) stopped by a signal with its checkpoint saved (resume with --resume)."""
+    1 a full disk, 75 (EXIT_PREEMPTED) stopped by a signal with its checkpoint saved (resume
+    with --resume)."""
     p = argparse.ArgumentParser(prog="python -m oelm_core.train",
                                 description="Train a GPT / OELM model (also under torchrun).")
     p.add_argument("--params", required=True, help="YAML parameter file (see parameters/)")
@@ -485,10 +497,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
         summary = train(load_run_config(args.params, args.set), resume=args.resume)
-    except (ConfigError, CheckpointError, TrainingDiverged) as exc:
-        if rank == 0:
+    except (ConfigError, CheckpointError, TrainingDiverged, DiskFull, RankSilent) as exc:
+        if rank == 0 or isinstance(exc, RankSilent):  # a silent rank 0 cannot say it
             print(f"error: {exc}", file=sys.stderr)
-        return 3 if isinstance(exc, TrainingDiverged) else 2
+        # A full disk or a silent rank exits as the crash it was before (1), with one line
+        # instead of tracebacks.
+        return 3 if isinstance(exc, TrainingDiverged) else 1 if isinstance(exc, (DiskFull, RankSilent)) else 2
     if rank == 0:
         print(json.dumps(summary, indent=2))
     return EXIT_PREEMPTED if summary.get("status") == "preempted" else 0

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -666,8 +667,8 @@ def component(config: dict, elem_id: str) -> dict:
 
 @pytest.mark.parametrize("fault, reason", [
     ("missing", "missing.pt not found; train a run first"),
-    ("another shape", "oelm_nofreeze_narrow.pt holds no model this oelm_core can rebuild (Error(s) in loading "
-                      "state_dict for GPT"),
+    ("another shape", "oelm_nofreeze_narrow.pt holds weights that do not fit its model_config: model_config."
+                      "d_model is 64 in the checkpoint, 32 in the weights (wte.weight (50304, 32))"),
 ])
 def test_one_bad_checkpoint_leaves_the_other_models_usable(tmp_path, checkpoints, fault, reason):
     """One of three checkpoints missing or of another shape replaced the whole page by the error
@@ -764,7 +765,7 @@ def test_an_app_that_cannot_start_says_why_in_one_line(monkeypatch, capsys, chec
 
     monkeypatch.setattr(oelm_core.data, "get_tokenizer", missing)
     monkeypatch.setattr(app.demo, "launch", lambda *a, **k: pytest.fail("launched without a tokenizer"))
-    args = [f"--ckpt={g}={checkpoints[g]}" for g in GROUPS] + ["--device", "cpu"]
+    args = [f"--ckpt={g}={checkpoints[g]}" for g in GROUPS] + ["--device", "cpu", "--port", str(free_port())]
     assert main(args) == 2
     assert capsys.readouterr().err.splitlines()[-1] == ("error: tiktoken could not load the 'gpt2' encoding; "
                                                         "set TIKTOKEN_CACHE_DIR")
@@ -775,3 +776,184 @@ def test_an_app_that_cannot_start_says_why_in_one_line(monkeypatch, capsys, chec
     monkeypatch.setattr(app.demo, "build_demo", no_study)
     assert main(args) == 2
     assert capsys.readouterr().err.splitlines()[-1] == "error: no study found under runs"
+
+
+# ---- the port, the start lines, the CPU route -----------------------------------------------
+
+def test_a_port_in_use_is_named_with_the_apps_port_option(tmp_path, checkpoints):
+    """The demo's port taken (a second demo) ended in Gradio's traceback naming its launch()
+    argument and GRADIO_SERVER_PORT. `python -m app` now says so in one line, naming --port and
+    make demo's PORT, before it loads anything; launch() says the same where the port is taken
+    between the check and the start."""
+    from app.demo import SetupError, build_demo, launch, load_lab
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "app", "--port", str(port), "--ckpt",
+                               f"gpt_base={checkpoints['gpt_base']}"], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr == (f"error: port {port} on 127.0.0.1 is in use (another demo or server is running "
+                               f"there): start the app with another port, python -m app --port {port + 1} (make "
+                               f"demo PORT={port + 1}), or stop the other one\n")
+        assert "oelm app: loaded" not in proc.stderr and time.monotonic() - start < 60
+        demo = build_demo(load_lab({"gpt_base": checkpoints["gpt_base"]}, "cpu"))
+        with pytest.raises(SetupError, match=rf"^port {port} on 127\.0\.0\.1 is in use"):
+            launch(demo, port=port, prevent_thread_lock=True)
+
+
+def test_the_app_says_where_it_serves_and_names_its_share_option(checkpoints):
+    """Gradio's start lines told the user to "set `share=True` in `launch()`"; the app's option
+    is --share. A real server: its first lines, then a page request."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--device", "cpu",
+                             "--ckpt", f"gpt_base={checkpoints['gpt_base']}"], cwd=REPO, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert lines == [f"* Running on local URL:  http://127.0.0.1:{port}/\n",
+                         "* To create a public link, start the app with --share.\n"], lines
+        assert "OELM Lab" in _get(f"http://127.0.0.1:{port}/", timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_make_demo_takes_the_port_as_a_setting():
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "demo", "PORT=7999"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("-m app --train-mini --port 7999"), out.stdout
+
+
+def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, monkeypatch, capsys, checkpoints,
+                                                                    request):
+    """`make demo` on a CPU served the smoke study, whose page said to run make demo: a loop. It now
+    says what the mini study costs: its FLOPs (the accounting's, for its three groups) at this
+    CPU's measured speed, and the route to bring it from a GPU; then it serves the newest study,
+    whose page says the same; with no study at all it stops and names make study."""
+    import torch
+
+    import oelm_core.preflight
+    from app.__main__ import trained_or_mini_study
+    from app.demo import load_lab, mini_study_cost, undertrained_notice
+    from oelm_core.accounting import flops_per_token
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(oelm_core.preflight, "device_flops", lambda device: (2.0e10, "a test's"))
+    mini_study_cost.cache_clear()   # measured once per process: here with the speed above
+    request.addfinalizer(mini_study_cost.cache_clear)
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    assert trained_or_mini_study(str(runs)) == (None, 2)
+    err = capsys.readouterr().err
+    flops = sum(flops_per_token(model_config("mini", group, dropout=0.0))["total"] * 32 * 256 * 3000 for group in GROUPS)
+    route = (f"The tuned mini study, whose models write readable stories, trains 3 models for up to 3,000 steps of "
+             f"8,192 tokens: at least {flops / 2e10 / 3600:,.0f} h on this CPU ({flops / 1e15:.1f} PFLOP at its "
+             f"measured 20.0 GFLOP/s), about two minutes on one GPU. Train it on a GPU machine (`python -m "
+             f"oelm_core.study parameters/study_tuned_mini.yaml --set 'study.seeds=[0]'`) and copy its "
+             f"`runs/tuned_mini` into `runs/` here: `make demo` serves it then.")
+    assert err.splitlines() == [
+        f"oelm app: no trained study under {runs}/ and no GPU here. {route}",
+        f"error: no study under {runs}/ to serve meanwhile: `make study` trains the smoke study (several minutes "
+        f"on 2 cores; its models write gibberish, the page says so)"]
+    write_study(runs / "smoke", {g: {"steps": 150, "best_val_ppl": 900.0} for g in GROUPS})
+    assert trained_or_mini_study(str(runs)) == (None, 0) and calls == []
+    notice = undertrained_notice(load_lab({"gpt_base": checkpoints["gpt_base"]}, "cpu"))
+    assert notice.endswith(route) and "make demo`, which does both" not in notice
+
+
+def test_a_checkpoint_of_another_shape_says_which_model_it_holds_and_which_was_expected(tmp_path, checkpoints):
+    """A study's run folder holding a smoke model where the study trained mini (a best.pt
+    replaced), or a checkpoint whose weights do not fit its own model_config, showed PyTorch's
+    `Unexpected key(s)` cut mid-word. The column now names the model it holds and the one
+    expected, the keys and the tensors that show it."""
+    import torch
+
+    from app.demo import lab_from_args
+    from oelm_core.config import run_config_from_dict, save_run_config
+
+    study = tmp_path / "study"
+    entries = []
+    for group in GROUPS:
+        run_dir = study / f"{group}_s0"
+        run_dir.mkdir(parents=True)
+        save_run_config(run_config_from_dict({"name": group, "preset": "mini", "variant": group}),
+                        run_dir / "config.yaml")
+        (run_dir / "best.pt").write_bytes(checkpoints[group].read_bytes())  # smoke models
+        entries.append({"variant": group, "seed": 0, "run_dir": f"{group}_s0"})
+    (study / "study.json").write_text(json.dumps({"name": "mini", "runs": entries}))
+    lab = lab_from_args(study=str(study), device="cpu")
+    assert lab.models == [] and sorted(lab.failed) == sorted(GROUPS)
+    assert lab.failed["oelm_freeze"] == (
+        f"{study / 'oelm_freeze_s0' / 'best.pt'} holds a smoke model (2 layers, d_model 64, 4 heads, context 64), "
+        f"but the study trained a mini model (4 layers, d_model 256, 4 heads, context 256) there (its config.yaml): "
+        f"the checkpoint was replaced or comes from another run; train the run again, or pass a checkpoint of "
+        f"that shape with --ckpt oelm_freeze=PATH")
+
+    state = torch.load(checkpoints["gpt_base"], weights_only=True)
+    state["model_config"] = dataclasses.asdict(model_config("mini", "gpt_base"))
+    save_checkpoint({k: v for k, v in state.items() if k != "format_version"}, tmp_path / "edited.pt")
+    lab = lab_from_args(ckpt=[f"gpt_base={tmp_path / 'edited.pt'}"], device="cpu")
+    said = lab.failed["gpt_base"]
+    assert said.startswith(f"{tmp_path / 'edited.pt'} holds weights that do not fit its model_config: "
+                           f"model_config.n_layer is 4 in the checkpoint, 2 in the weights (blocks.0 .. blocks.1); "
+                           f"model_config.d_model is 256 in the checkpoint, 64 in the weights (wte.weight (50304, 64))"), said
+    assert "(the weights are a smoke model's)" in said and "Unexpected key" not in said
+
+
+def test_a_typed_end_of_text_in_the_prompt_is_the_token(served):
+    demo, _ = served
+    ids = demo.oelm.check_prompt("The end.<|endoftext|>Once upon a time")
+    assert ids.count(50256) == 1 and ids == demo.oelm.enc.encode("The end.<|endoftext|>Once upon a time",
+                                                                 allowed_special={"<|endoftext|>"})
+
+
+def test_attention_over_text_with_dollar_signs(served):
+    """A model that wrote "$$" ended the attention request in matplotlib's mathtext error
+    (ParseException), found by 150 requests against one server: token labels are text."""
+    _, client = served
+    heat, compare, summary, table, details = client.predict(
+        "The toy cost $5 and the ball $$ 6 $", "gpt_base", 0, "mean", "", "", "", api_name="/attention")
+    assert "$5" in "".join(details["tokens"]) and served_image(heat).std() > 10
+
+
+RETURNS_FREED_MEMORY = """import threading
+from app.demo import return_freed_memory
+
+def rss_mb():
+    return next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+
+def request():  # what a served request leaves: many blocks freed in a worker thread's heap
+    blocks = [bytearray(4000) for _ in range(60_000)]
+    del blocks
+
+before = rss_mb()
+worker = threading.Thread(target=request)
+worker.start()
+worker.join()
+kept = rss_mb()
+return_freed_memory()
+print(before, kept, rss_mb())
+"""
+
+
+def test_an_idle_server_gives_back_what_its_requests_freed():
+    """The server's RSS grew with its requests and was not given back when idle: glibc keeps
+    what a worker thread freed in that thread's heap. After each request the app trims the heaps
+    (and caps them at two: app.demo.bound_server_memory); here a thread frees 240 MB of 4 KB
+    blocks in a process of its own, and trimming returns what freeing kept."""
+    if not os.path.exists("/proc/self/status") or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+        pytest.skip("glibc and /proc: the heap trimmed and the RSS read")
+    out = subprocess.run([sys.executable, "-c", RETURNS_FREED_MEMORY], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    before, kept, trimmed = map(float, out.stdout.split())
+    assert kept - before > 20, (before, kept)           # freeing alone gave little back
+    assert trimmed - before < 0.25 * (kept - before), (before, kept, trimmed)

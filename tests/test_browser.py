@@ -141,3 +141,45 @@ def test_one_bad_checkpoint_in_browser(tmp_path, browser):
         _save_screenshot(page, tmp_path, "oelm_app_one_missing.png")
     finally:
         demo.close()
+
+
+# The characters of the word `word` inside the element `el` as laid out: one rectangle per line
+# they fall on (a word broken across lines has two).
+LINES_OF_WORD = """([el, word]) => {
+    const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        const at = node.textContent.lastIndexOf(word);
+        if (at < 0) continue;
+        const range = document.createRange();
+        range.setStart(node, at);
+        range.setEnd(node, at + word.length);
+        return new Set([...range.getClientRects()].map(r => Math.round(r.top))).size;
+    }
+    return -1;
+}"""
+
+
+def test_a_model_card_never_breaks_a_word_of_its_device_line(tmp_path, browser):
+    """The card's last line, `checkpoint <path> on cpu`, wrapped as "on c / pu": the whole line
+    broke anywhere (word-break: break-all) so that a long path would fit. Only the path breaks
+    anywhere now, the words around it at spaces; at page widths from 600 to 1600 pixels "cpu"
+    stays on one line and the line fits its card."""
+    from app.demo import load_lab
+
+    paths = make_checkpoints(tmp_path / ("a_long_folder_name_for_the_checkpoints_" * 2))
+    demo, url = start_app(load_lab(paths, "cpu", "browser test checkpoints"))
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+        page.wait_for_selector("#card-oelm_freeze small", timeout=60_000)
+        small = page.locator("#card-oelm_freeze small")
+        assert small.inner_text().endswith(" on cpu")
+        assert small.evaluate("el => getComputedStyle(el).wordBreak") != "break-all"
+        assert small.locator("code").evaluate("el => getComputedStyle(el).overflowWrap") == "anywhere"
+        for width in range(600, 1601, 20):
+            page.set_viewport_size({"width": width, "height": 900})
+            lines = small.evaluate(f"el => ({LINES_OF_WORD})([el, 'cpu'])")
+            assert lines == 1, f"'cpu' broken across {lines} lines at a page width of {width} px"
+            assert small.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), width
+    finally:
+        demo.close()

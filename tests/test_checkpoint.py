@@ -3,6 +3,7 @@ and files of another format or shape are refused with an error that says what to
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -130,5 +131,45 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tmp_path):
     cfg = dataclasses.asdict(m.cfg)
     cfg["tie_embeddings"] = False  # lm_head.weight is missing from the state
     save_checkpoint({"model": m.state_dict(), "model_config": cfg}, tmp_path / "x.pt")
-    with pytest.raises(CheckpointError, match=r"x.pt holds no model this oelm_core can rebuild.*lm_head.weight"):
+    with pytest.raises(CheckpointError, match=r"x.pt holds weights that do not fit its model_config: model_config"
+                                            r"\.tie_embeddings is false in the checkpoint, true in the weights \(lm_head\.weight\)"):
         load_model(tmp_path / "x.pt")
+
+
+def test_a_full_disk_while_saving_says_where_and_how_much_and_loses_nothing(tmp_path, folded, capsys,
+                                                                            monkeypatch):
+    """The disk filled while a checkpoint was written: chained tracebacks ending in torch's
+    "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos". On a real 2 MB
+    tmpfs the run now ends with one line naming the device, the file and what it needs (the
+    exit code stays 1, a crash's), the previous checkpoint and no temporary stay, and once there
+    is room --resume ends where an uninterrupted run ends."""
+    from small_disk import small_disk
+    from train_helpers import params, run, write_params
+
+    from oelm_core.files import device_of
+    from oelm_core.train import main
+
+    monkeypatch.delenv("OELM_DATA", raising=False)
+    common = dict(steps=6, ckpt_every=2, eval_every=2, keep_last=10)
+    full = run(params(tmp_path, folded, out="full", **common))
+    with small_disk(tmp_path / "disk", 2048) as disk:
+        values = params(tmp_path, folded, **common)
+        values["out_dir"] = str(disk.path / "run")
+        assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 1
+        err = capsys.readouterr().err
+        out, ckpt = disk.path / "run", disk.path / "run" / "ckpt"
+        said = re.fullmatch(rf"error: no space left on {re.escape(device_of(disk.path))} while writing "
+                            rf"{re.escape(str(out))}/(best\.pt|ckpt/step_\d{{7}}\.pt); about (\d\.\d) MB needed, "
+                            rf"(\d\.\d) MB free there: free some space on it, or set out_dir to a folder on "
+                            rf"another disk\n", err)
+        assert said and "Traceback" not in err and device_of(disk.path).startswith("tmpfs (mounted at"), err
+        # What it needs: the size of that file in the uninterrupted run, and more than there was.
+        size = (tmp_path / "full" / said.group(1)).stat().st_size / 1e6
+        assert float(said.group(2)) == pytest.approx(size, abs=0.1) and float(said.group(3)) < size
+        saved = sorted(p.name for p in ckpt.iterdir())
+        assert saved and all(not n.startswith(".") for n in saved)   # no temporary left
+        load_checkpoint(ckpt / saved[-1])
+        disk.resize(16384)
+        done = run(values, resume=True)
+    assert done["status"] == "completed" and done["best_val_loss"] == pytest.approx(full["best_val_loss"], abs=1e-6)
+    assert done["final_train_loss"] == pytest.approx(full["final_train_loss"], abs=1e-6)

@@ -178,6 +178,22 @@ def test_yaml_syntax_errors_name_the_file_or_the_override(tmp_path):
     assert "complete it" in message and "\n" not in message
 
 
+def test_a_tab_in_yaml_gets_the_tab_hint(tmp_path):
+    """An editor's tab before a key got the hint "an unclosed bracket or quote is the usual
+    cause"; the tab has its own."""
+    tabbed = tmp_path / "tabbed.yaml"
+    tabbed.write_text("name: x\ntrain:\n\tsteps: 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_run_config(tabbed)
+    assert str(exc.value) == (f"{tabbed} is not valid YAML: found character '\\t' that cannot start any token at "
+                              f"line 3, column 1; fix the syntax there (YAML indents with spaces, never tabs: "
+                              f"replace the tab with spaces)")
+    bracket = tmp_path / "bracket.yaml"
+    bracket.write_text("name: x\ntrain: {steps: 3\n")
+    with pytest.raises(ConfigError, match=r"\(an unclosed bracket or quote is the usual cause\)$"):
+        load_run_config(bracket)
+
+
 def test_read_yaml_names_the_file_and_what_is_wrong(tmp_path):
     """Study, sweep and ablation files are read by read_yaml too: PyYAML's own error was a
     traceback naming neither the file nor the fix."""

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -437,7 +438,7 @@ def test_prepare_removes_temp_files_of_killed_writes(story_folder, tmp_path):
     other = out / "notes.tmp"
     other.write_text("not ours")
     data.prepare(cfg_for(story_folder, out), progress=False)
-    assert sorted(p.name for p in out.iterdir()) == [".prepare.lock", "meta.json", "notes.tmp", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "notes.tmp", "train.bin", "val.bin"]
     np.testing.assert_array_equal(read_bin(out / "train.bin"), expected_ids(STORIES * 20))
 
 
@@ -733,3 +734,176 @@ def test_a_token_file_with_ids_past_the_vocabulary_is_refused_on_opening(tmp_pat
     tokens[700] = 50256  # GPT-2's end-of-text, the largest id there is
     tokens.tofile(path)
     assert data.TokenSampler(path, block_size=16, batch_size=2, seed=0).data.max() == 50256
+
+
+# --- a preparation that fails or is killed leaves the folder as it was ---------------------
+
+def folder_state(out: Path) -> dict:
+    """Every file under ``out`` (hidden ones too) and its bytes."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def fails_at(monkeypatch, stage: str) -> None:
+    """Make the next preparation fail at ``stage`` (KeyboardInterrupt: a kill that lets Python
+    unwind; ConfigError for the tokenizer, as offline without its files)."""
+    real_encode, real_temporary = data._encode_chunk, data.write_temporary
+    calls = []
+
+    def encode(texts):
+        calls.append(len(texts))
+        # the second chunk of train.bin; the first of val.bin, after train.bin's 121 stories
+        if stage == "train.bin" and len(calls) == 2 or stage == "val.bin" and sum(calls) > 121:
+            calls.clear()
+            raise KeyboardInterrupt(f"killed while writing {stage}")
+        return real_encode(texts)
+
+    def temporary(path, *args, **kwargs):
+        if stage == "meta.json" and Path(path).name == "meta.json":
+            raise KeyboardInterrupt("killed while writing meta.json")
+        return real_temporary(path, *args, **kwargs)
+
+    def no_tokenizer():
+        raise ConfigError("tiktoken could not load the 'gpt2' BPE files")
+
+    def read_file(path, text_field):
+        raise KeyboardInterrupt("killed while reading the stories")
+
+    monkeypatch.setattr(data, "_CHUNK_STORIES", 16)  # 120 training stories: several chunks
+    monkeypatch.setattr(data, "_encode_chunk", encode)
+    monkeypatch.setattr(data, "write_temporary", temporary)
+    if stage == "tokenizer":
+        monkeypatch.setattr(data, "get_tokenizer", no_tokenizer)
+    if stage == "stories":
+        monkeypatch.setattr(data, "_read_file", read_file)
+
+
+@pytest.mark.parametrize("stage", ["stories", "tokenizer", "train.bin", "val.bin", "meta.json"])
+def test_a_preparation_that_fails_at_any_stage_leaves_the_cache_as_it_was(story_folder, tmp_path, monkeypatch,
+                                                                           stage):
+    """A failed run (offline, without the tokenizer files) deleted meta.json and left
+    .prepare.lock behind. Stories edited since the cache was prepared need a rebuild; whether it
+    fails reading the stories, loading the tokenizer, or is killed while writing either token
+    file or meta.json, the folder holds exactly what it held, and the next preparation
+    rebuilds. A folder that did not exist is not left behind either."""
+    out = tmp_path / "cache"
+    cfg = cfg_for(story_folder, out, num_proc=1)
+    data.prepare(cfg, progress=False)
+    before = folder_state(out)
+    assert sorted(before) == ["meta.json", "train.bin", "val.bin"]
+    with open(story_folder / "train" / "part.txt", "a") as f:
+        f.write("\n<|endoftext|>\nA new story about a dog who could sing.\n")
+    with monkeypatch.context() as m:
+        fails_at(m, stage)
+        with pytest.raises((KeyboardInterrupt, ConfigError)):
+            data.prepare(cfg, progress=False)
+        assert folder_state(out) == before
+        with pytest.raises((KeyboardInterrupt, ConfigError)):
+            data.prepare(cfg_for(story_folder, tmp_path / "new" / "cache", num_proc=1), progress=False)
+        assert not (tmp_path / "new").exists()
+    meta = data.prepare(cfg, progress=False)
+    assert meta["train_stories"] == 121 and data.load_meta(out) == meta
+
+
+KILLED_PREPARATION = """import os, signal, sys
+from oelm_core import data
+from oelm_core.config import DataConfig
+
+real, chunks = data._encode_chunk, []
+
+def encode(texts):
+    chunks.append(1)
+    if len(chunks) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(texts)
+
+data._CHUNK_STORIES, data._encode_chunk = 16, encode
+data.prepare(DataConfig(source=sys.argv[1], out_dir=sys.argv[2], num_proc=1), progress=False)
+"""
+
+
+def test_a_preparation_killed_by_sigkill_leaves_the_cache_whole(story_folder, tmp_path, caplog):
+    """A real SIGKILL while train.bin is written (no Python unwinding): the old files stay as
+    they were, only a temporary is added, and the next preparation removes it and rebuilds."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cache"
+    cfg = cfg_for(story_folder, out, num_proc=1)
+    data.prepare(cfg, progress=False)
+    before = folder_state(out)
+    with open(story_folder / "train" / "part.txt", "a") as f:
+        f.write("\n<|endoftext|>\nA new story about a dog who could sing.\n")
+    proc = subprocess.run([sys.executable, "-c", KILLED_PREPARATION, str(story_folder), str(out)],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    after = folder_state(out)
+    left = sorted(set(after) - set(before))
+    assert {k: after[k] for k in before} == before
+    assert len(left) == 2 and left[0] == ".prepare.lock" and left[1].startswith(".train.bin.")
+    with caplog.at_level(logging.INFO, logger="oelm_core.data"):
+        assert data.prepare(cfg, progress=False)["train_stories"] == 121
+    assert sorted(folder_state(out)) == ["meta.json", "train.bin", "val.bin"]
+    assert f"preparing {out} from {story_folder}: the stories of {story_folder} changed since it was prepared" \
+           in caplog.text
+
+
+def test_a_rebuild_says_why(story_folder, tmp_path, caplog):
+    """A token file of another size, an edited hash or count, a damaged meta.json: each rebuild
+    says what it found (a warning where something else wrote there)."""
+    out = tmp_path / "cache"
+    cfg = cfg_for(story_folder, out, num_proc=1)
+    meta = data.prepare(cfg, progress=False)
+    tokens = meta["train_tokens"]
+    cases = [
+        (lambda: (out / "train.bin").write_bytes((out / "train.bin").read_bytes()[:-3]), "WARNING",
+         f"train.bin holds {2 * tokens - 3:,} bytes where meta.json records {tokens:,} tokens "
+         f"({2 * tokens:,} bytes): damaged, or written by something else"),
+        (lambda: (out / "meta.json").write_text(json.dumps({**meta, "content_hash": "edited"})), "INFO",
+         f"the stories of {story_folder} changed since it was prepared (content hash edited... recorded, "
+         f"{meta['content_hash'][:12]}... now)"),
+        (lambda: (out / "meta.json").write_text(json.dumps({**meta, "val_tokens": meta["val_tokens"] + 1})),
+         "WARNING", f"val.bin holds {2 * meta['val_tokens']:,} bytes where meta.json records "
+                    f"{meta['val_tokens'] + 1:,} tokens"),
+        (lambda: (out / "meta.json").write_text("{"), "WARNING",
+         "its meta.json is damaged (empty, not JSON or not a mapping)"),
+        (lambda: (out / "meta.json").unlink(), "WARNING", "it has train.bin and val.bin but no meta.json"),
+    ]
+    for damage, level, why in cases:
+        damage()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="oelm_core.data"):
+            assert data.prepare(cfg, progress=False)["train_tokens"] == tokens
+        said = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("preparing")]
+        assert len(said) == 1 and said[0][0] == level, said
+        assert said[0][1].startswith(f"preparing {out} from {story_folder}: {why}"), said
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="oelm_core.data"):
+        data.prepare(cfg_for(story_folder, tmp_path / "fresh", num_proc=1), progress=False)
+    assert f"preparing {tmp_path / 'fresh'} from {story_folder}: it holds no prepared data yet" in caplog.text
+
+
+def test_a_full_disk_while_preparing_says_where_and_how_much_and_keeps_the_cache(tmp_path, capsys):
+    """Data preparation on a full disk ended in a raw `OSError: [Errno 28]`. On a real 256 KiB
+    tmpfs the CLI prints one line naming the device, the token file and what it needs (about
+    the file's size, from the tokens per story so far), exits 1 as before, and the cache
+    prepared there earlier stays whole, without temporaries."""
+    from small_disk import small_disk
+
+    stories = tmp_path / "stories"
+    story_files(stories, "a.txt", "\n<|endoftext|>\n".join(STORIES * 10).encode())
+    with small_disk(tmp_path / "disk", 256) as disk:
+        out = disk.path / "cache"
+        assert data.main(["--source", str(stories), "--out-dir", str(out), "--no-progress"]) == 0
+        before = folder_state(out)
+        capsys.readouterr()
+        (stories / "train" / "a.txt").write_text("\n<|endoftext|>\n".join(STORIES * 1000))
+        assert data.main(["--source", str(stories), "--out-dir", str(out), "--no-progress", "--num-proc", "1"]) == 1
+        err = capsys.readouterr().err
+        assert folder_state(out) == before
+    expected = 2 * len(expected_ids(STORIES * 1000)) / 1e6
+    said = re.fullmatch(rf"error: no space left on tmpfs \(mounted at {re.escape(str(disk.path))}\) while writing "
+                        rf"{re.escape(str(out))}/train\.bin; about ([\d.]+) MB needed, ([\d.]+) MB free there: free "
+                        rf"some space on it, or set data.out_dir to a folder on another disk\n", err)
+    assert said, err
+    assert float(said.group(1)) == pytest.approx(expected, abs=0.051) and float(said.group(2)) < 0.25  # MB to 0.1

@@ -225,3 +225,66 @@ def test_devices_the_trainer_does_not_run_on_are_refused(name):
                                           rf"the CPU or on CUDA GPUs; choose auto, cpu, cuda or cuda:N$"):
         resolve_device(name)
 
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_is_named_after_the_timeout(tmp_path, folded):
+    """A DDP rank stopped with SIGSTOP hung the job without a word for gloo's 30 minutes. With
+    train.ddp_timeout_s: 4 the other rank stops waiting after 4 s and names the silent rank, its
+    host and pid, and the setting, then ends (torchrun stops the rest)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from train_helpers import free_port
+
+    values = params(tmp_path, folded, steps=100_000, eval_every=100_000, ckpt_every=100_000, log_every=1,
+                    ddp_timeout_s=4.0)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "oelm_core.train",
+           "--params", str(write_params(tmp_path / "ddp.yaml", values))]
+    err = open(tmp_path / "err", "w")
+    agent = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                             stderr=err, start_new_session=True)
+    rank_1 = None
+    try:
+        deadline = time.monotonic() + 180
+        metrics = Path(values["out_dir"]) / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
+            time.sleep(0.2)
+        workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+        rank_1 = next(int(p) for p in workers if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())
+        os.kill(rank_1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while "did not answer" not in (tmp_path / "err").read_text() and time.monotonic() < stopped + 120:
+            time.sleep(0.2)
+        took = time.monotonic() - stopped
+        os.kill(rank_1, signal.SIGKILL)  # torchrun would wait 30 s for the stopped one to take SIGTERM
+        agent.wait(timeout=120)
+    finally:
+        if rank_1 is not None:
+            try:
+                os.kill(rank_1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        err.close()
+    text = (tmp_path / "err").read_text()
+    assert agent.returncode != 0
+    assert (f"error: rank 1 (host {socket.gethostname()}, pid {rank_1}) did not answer for 4 s (train.ddp_timeout_s), "
+            f"and rank 0 stopped waiting: the process was stopped (SIGSTOP, a debugger), hangs, or its node is "
+            f"gone; the run resumes from its latest checkpoint with --resume.") in text, text[-3000:]
+    assert 4 < took < 60, took
+
+
+@pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf")])
+def test_a_ddp_timeout_that_is_no_time_is_refused(tmp_path, value):
+    values = params(tmp_path, tmp_path, ddp_timeout_s=value)
+    with pytest.raises(ConfigError, match=rf"^train\.ddp_timeout_s must be positive, got {float(value)}$"):
+        run_config_from_dict(values).validate()
+    assert TrainConfig().ddp_timeout_s == 600.0   # 10 minutes, NCCL's own default, a third of gloo's

@@ -8,7 +8,10 @@ import os
 import pickle
 import re
 import shutil
+import stat
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import tiktoken
@@ -23,6 +26,7 @@ from oelm_core.export import (ExportError, find_gpt2_tokenizer, load_export, loa
 from oelm_core.generate import SamplingConfig, stream_tokens
 from oelm_core.model import build_model
 
+REPO = Path(__file__).resolve().parents[1]
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
          "sunshine. One day, she saw a big, red ball in the park.")
 # Unicode, digits, contractions and whitespace runs: where BPE pre-tokenisers differ.
@@ -308,3 +312,157 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         main([str(run), "--out", str(tmp_path / "out"), "--format", "onnx"])
     assert exit.value.code == 2 and "invalid choice: 'onnx'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# Edited, interrupted and shared exports
+# --------------------------------------------------------------------------------------------
+
+def edit(path, change) -> None:
+    info = json.loads(path.read_text())
+    change(info)
+    path.write_text(json.dumps(info, indent=2))
+
+
+@pytest.mark.parametrize("field, value", [("n_head", 8), ("freeze_qk", "none"), ("qk_gain", 2.0)])
+def test_a_config_json_edited_without_changing_shapes_is_refused_naming_the_field(tmp_path, field, value):
+    """n_head 4 -> 8 loaded silently with other logits; freeze_qk all -> none loaded the frozen
+    model as trainable. model.safetensors keeps the ModelConfig it was written with in its
+    metadata, and a config.json that says otherwise is refused, the field named."""
+    model = perturbed("smoke", "oelm_freeze")
+    folder = to_safetensors(model, tmp_path / "st")
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["oelm_model_config"]) == dataclasses.asdict(model.cfg)
+    saved = getattr(model.cfg, field)
+    edit(folder / "config.json", lambda info: info["model_config"].update({field: value}))
+    with pytest.raises(ExportError) as refused:
+        load_safetensors(folder)
+    assert str(refused.value) == (
+        f"{folder}/config.json does not describe model.safetensors: model_config.{field} is {json.dumps(value)} "
+        f"there, {json.dumps(saved)} in the weights. config.json was edited (or comes from another export): put "
+        f"back the weights' values, or export the model again from its checkpoint")
+    edit(folder / "config.json", lambda info: info["model_config"].update({field: saved}))
+    assert torch.equal(load_safetensors(folder)(torch.tensor([[1, 2, 3]])), model(torch.tensor([[1, 2, 3]])))
+
+
+def test_a_transformers_config_json_edited_is_refused_naming_the_field(tmp_path, gpt2_bpe):
+    """The transformers folder: its 'oelm' entry is checked against the weights' metadata, and
+    GPT-2's own keys (what transformers builds the model from) against the 'oelm' entry."""
+    pytest.importorskip("transformers")
+    folder = to_transformers(perturbed("smoke", "oelm_freeze"), tmp_path / "hf")
+    edit(folder / "config.json", lambda info: info["oelm"]["model_config"].update(freeze_qk="none"))
+    with pytest.raises(ExportError, match=r"config\.json does not describe model\.safetensors: model_config\."
+                                          r"freeze_qk is \"none\" there, \"all\" in the weights"):
+        load_transformers(folder)
+    edit(folder / "config.json", lambda info: info["oelm"]["model_config"].update(freeze_qk="all"))
+    edit(folder / "config.json", lambda info: info.update(n_head=8))
+    with pytest.raises(ExportError, match=r"config\.json disagrees with itself: n_head is 8 there, "
+                                          r"model_config\.n_head 4 \(its 'oelm' entry\)"):
+        load_transformers(folder)
+
+
+def strip_config_metadata(weights) -> None:
+    """model.safetensors as an export written before the ModelConfig was kept in it."""
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(weights), weights, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("d_model", 128, "model_config.d_model is 128 in config.json, 64 in the weights (wte.weight (50304, 64))"),
+    ("n_layer", 3, "model_config.n_layer is 3 in config.json, 2 in the weights (blocks.0 .. blocks.1)"),
+    ("block_size", 128, "model_config.block_size is 128 in config.json, 64 in the weights (wpe.weight (64, 64))"),
+    ("d_ff", 512, "model_config.d_ff is 512 in config.json, 256 in the weights (blocks.0.mlp.fc.weight (256, 64))"),
+    ("vocab_size", 60000, "model_config.vocab_size is 60032 in config.json, 50304 in the weights (wte.weight "
+                          "(50304, 64): its rows are the vocabulary padded to vocab_pad_multiple)"),
+])
+def test_config_shapes_that_disagree_with_the_tensors_name_the_key(tmp_path, field, value, shown):
+    """PyTorch's load_state_dict message, cut at 300 characters, named no config key. An export
+    without the ModelConfig in its weights (an earlier one) is checked against the tensors'
+    shapes; the message names the key, both values and the tensor that shows it, whole."""
+    folder = to_safetensors(perturbed("smoke", "oelm_freeze"), tmp_path / "st")
+    strip_config_metadata(folder / "model.safetensors")
+    edit(folder / "config.json", lambda info: info["model_config"].update({field: value}))
+    with pytest.raises(ExportError) as refused:
+        load_safetensors(folder)
+    assert str(refused.value) == (
+        f"{folder}/config.json does not fit the tensors of model.safetensors: {shown} (the weights are a smoke "
+        f"model's). config.json was edited "
+        f"(or comes from another export): put back the weights' values, or export the model again from its "
+        f"checkpoint")
+
+
+KILLED_EXPORT = """import os, signal, sys
+import safetensors.torch
+from oelm_core import export
+
+real = safetensors.torch.save_file
+
+def killed(tensors, path, metadata=None):
+    with open(path, "wb") as f:
+        f.write(b"half a file")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+safetensors.torch.save_file = killed
+export.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "both"])
+def test_an_export_killed_mid_way_does_not_block_the_same_command(tmp_path, capsys, fmt, gpt2_bpe):
+    """Killed (SIGKILL) while writing model.safetensors, an export left `.safetensors.*.tmp` in
+    --out, and the same command run again was refused for it. Now it removes what the killed one
+    left and writes the export; nothing else is there."""
+    if fmt == "both":
+        pytest.importorskip("transformers")
+    model, run = run_folder(tmp_path, "oelm_freeze")
+    out = tmp_path / "exported"
+    argv = [str(run), "--out", str(out), "--format", fmt]
+    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, *argv], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    left = sorted(p.name for p in (out if fmt == "both" else tmp_path).iterdir() if p.name.startswith("."))
+    assert left and all(re.fullmatch(r"\.(safetensors|exported)\.(\w+\.tmp|lock)", n) for n in left), left
+    assert main(argv) == 0
+    capsys.readouterr()
+    everything = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.name.startswith("."))
+    assert everything == []
+    folder = out / "safetensors" if fmt == "both" else out
+    assert torch.equal(load_safetensors(folder)(torch.tensor([[1, 2]])), model(torch.tensor([[1, 2]])))
+
+
+def test_exported_files_are_readable_by_the_group_and_others(tmp_path, gpt2_bpe):
+    """safetensors 0.8 writes model.safetensors owner-only (0600) while every other output is
+    0644: colleagues on a shared file system could not read the weights. Every exported file is
+    0644 and every folder 0755, whatever the umask."""
+    pytest.importorskip("transformers")
+    _, run = run_folder(tmp_path, "oelm_freeze")
+    umask = os.umask(0o077)
+    try:
+        assert main([str(run), "--out", str(tmp_path / "exported"), "--format", "both"]) == 0
+    finally:
+        os.umask(umask)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "exported").rglob("*")}
+    assert modes["exported/safetensors/model.safetensors"] == modes["exported/transformers/model.safetensors"] == 0o644
+    assert all(mode == (0o755 if (tmp_path / name).is_dir() else 0o644) for name, mode in modes.items()), modes
+
+
+def test_a_typed_end_of_text_is_the_token_for_the_project_and_the_exported_tokenizer(tmp_path, gpt2_bpe):
+    """`<|endoftext|>` typed into a prompt was plain text to the project (encode_ordinary: 7
+    tokens) and the end-of-text token to the exported tokenizer. In a prompt it is the token
+    (id 50256), the break between stories the models learned, for the demo, generate() and the
+    export alike; a story file's own text still stays text (data.encode_prompt's docstring)."""
+    transformers = pytest.importorskip("transformers")
+    from oelm_core import data
+    from oelm_core.generate import SamplingConfig, generate
+
+    folder = to_transformers(build_model("smoke", "oelm_freeze"), tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = "The bird sang.<|endoftext|>Once upon a time"
+    ids = data.encode_prompt(prompt)
+    assert ids == tokenizer(prompt)["input_ids"] and ids.count(EOT) == 1
+    assert ids == gpt2_bpe.encode_ordinary("The bird sang.") + [EOT] + gpt2_bpe.encode_ordinary("Once upon a time")
+    assert data._encode_chunk(["a <|endoftext|> b"])[0].tolist().count(EOT) == 1  # a story's text: only its end
+    model = perturbed("smoke", "oelm_freeze")
+    cfg = SamplingConfig(temperature=0, max_new_tokens=8)
+    assert generate(model, prompt, cfg) == gpt2_bpe.decode(list(stream_tokens(model, ids, cfg)))

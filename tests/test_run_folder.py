@@ -24,7 +24,7 @@ def test_a_second_training_into_a_held_folder_is_refused_at_once(tmp_path, folde
     """Two trainings into one out_dir once both passed the "already holds a run" check and wrote
     into each other's files. A session holds out_dir/.lock (with its pid); another is refused
     before it writes anything. Sessions one after another in one process (a sweep's in-process
-    runner) each take and release it, also one that fails."""
+    runner) each take and release it, also one that fails; released, the file goes."""
     fcntl = pytest.importorskip("fcntl")
     good = write_params(tmp_path / "p.yaml", params(tmp_path, folded, steps=2, ckpt_every=1, eval_every=2))
     out = tmp_path / "run"
@@ -38,7 +38,7 @@ def test_a_second_training_into_a_held_folder_is_refused_at_once(tmp_path, folde
                                            f"for it or choose another out_dir\n")
         assert [p.name for p in out.iterdir()] == [".lock"]
     assert main(["--params", str(good), "--set", "train.stop_after=1"]) == 0
-    assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+    assert not (out / ".lock").exists()
     assert main(["--params", str(good)]) == 2  # fails inside the session: the folder holds a run
     assert "pass --resume" in capsys.readouterr().err
     assert main(["--params", str(good), "--resume"]) == 0
@@ -132,3 +132,97 @@ def test_an_out_dir_that_is_a_file_is_refused_before_the_data_is_prepared(tmp_pa
     assert capsys.readouterr().err == (f"error: data.out_dir {tmp_path / 'data'} is a file, not a folder: "
                                        f"set data.out_dir to a folder\n")
 
+
+
+def files_of(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_run_writes_only_into_a_folder_of_its_own(tmp_path, folded, capsys, monkeypatch):
+    """`out_dir: ""` trained into the current folder and overwrote the user's own config.yaml and
+    summary.json there. An empty out_dir is refused; so is a folder holding files that no
+    training wrote, before anything is written there. A folder a runner prepared (params.yaml,
+    sweep_point.json) and a run folder of an earlier version (no .oelm-run) are run folders."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("experiment: mine\nlr: 0.1\n")
+    (project / "summary.json").write_text('{"my": "results"}\n')
+    (project / "notes.txt").write_text("notes\n")
+    mine = files_of(project)
+    monkeypatch.chdir(project)
+    values = params(tmp_path, folded, steps=2, ckpt_every=2, eval_every=2)
+    for out_dir in ("", "  "):
+        assert main(["--params", str(write_params(tmp_path / "p.yaml", {**values, "out_dir": out_dir}))]) == 2
+        assert capsys.readouterr().err == ("error: out_dir is empty, which would put the run into the current "
+                                           "folder among its files: set out_dir to a folder of its own, e.g. "
+                                           "runs/train/test\n")
+    for out_dir in (str(project), "."):
+        assert main(["--params", str(write_params(tmp_path / "p.yaml", {**values, "out_dir": out_dir}))]) == 2
+        assert capsys.readouterr().err == (
+            f"error: out_dir {out_dir} holds files that no training wrote (config.yaml, notes.txt, summary.json); "
+            f"a run writes config.yaml, metrics.jsonl, summary.json, best.pt, ckpt/ and export/ into its folder "
+            f"and would write beside or over them: set out_dir to a new or empty folder\n")
+    assert files_of(project) == mine
+    empty_data = {**values, "data": {**values["data"], "out_dir": ""}}
+    assert main(["--params", str(write_params(tmp_path / "p.yaml", empty_data))]) == 2
+    assert "error: data.out_dir is empty, which would put the token files into the current folder" in \
+           capsys.readouterr().err
+    assert files_of(project) == mine
+
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "params.yaml").write_text("name: test\n")
+    (prepared / "sweep_point.json").write_text("{}\n")
+    assert run({**values, "out_dir": str(prepared)})["status"] == "completed"
+    assert (prepared / ".oelm-run").is_file() and (prepared / "params.yaml").read_text() == "name: test\n"
+
+    older = tmp_path / "older"
+    run({**values, "out_dir": str(older), "train": {**values["train"], "steps": 4, "stop_after": 2}})
+    (older / ".oelm-run").unlink()
+    assert run({**values, "out_dir": str(older), "train": {**values["train"], "steps": 4}},
+               resume=True)["steps"] == 4
+    assert (older / ".oelm-run").is_file()
+
+
+STARTUP_STAGES = {
+    "the data": ("oelm_core.train", "prepare"),
+    "its meta.json": ("oelm_core.train", "load_meta"),
+    "the model": ("oelm_core.train", "build_model"),
+    "the optimiser": ("oelm_core.train", "configure_optimizer"),
+    "the token files": ("oelm_core.train", "TokenSampler"),
+    "the validation batches": ("oelm_core.train", "eval_batches"),
+    "the run's files": ("oelm_core.train", "start_files"),
+}
+
+
+@pytest.mark.parametrize("stage", STARTUP_STAGES)
+def test_a_run_that_fails_during_start_up_leaves_no_trace(tmp_path, folded, monkeypatch, stage):
+    """A failed run left its run folder behind holding a .lock, and the data cache without its
+    meta.json and with its .prepare.lock. Killed (KeyboardInterrupt) at each stage of start-up,
+    a run into a new folder leaves none of the folders it made, a runner's folder as the runner
+    left it, and the data cache as it was; the next run trains."""
+    import importlib
+
+    values = params(tmp_path, folded, steps=2, ckpt_every=2, eval_every=2)
+    data = tmp_path / "data"
+    cache = files_of(data)
+    module, name = STARTUP_STAGES[stage]
+    module = importlib.import_module(module)
+    real = getattr(module, name)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt(f"killed while setting up {stage}")
+
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "params.yaml").write_text("name: test\n")
+    with monkeypatch.context() as m:
+        m.setattr(module, name, killed)
+        for out in (tmp_path / "runs" / "new" / "run", prepared):
+            with pytest.raises(KeyboardInterrupt):
+                run({**values, "out_dir": str(out)})
+        assert real is not getattr(module, name)
+    assert not (tmp_path / "runs").exists()
+    assert files_of(prepared) == {"params.yaml": b"name: test\n"}
+    assert files_of(data) == cache
+    assert run({**values, "out_dir": str(tmp_path / "runs" / "new" / "run")})["status"] == "completed"

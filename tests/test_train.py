@@ -379,7 +379,8 @@ def test_a_context_far_beyond_the_preset_is_costed_and_refused_before_anything_r
     from oelm_core.accounting import flops_per_token, step_memory
     from oelm_core.config import model_config
 
-    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, batch_size=16)
+    # max_step_s 0: the time check (tests/test_preflight.py) would refuse it too
+    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, batch_size=16, max_step_s=0)
     values["model"] = {"block_size": 100_000}
     cfg = model_config("smoke", "gpt_base", block_size=100_000)
     need = step_memory(cfg, 16)

@@ -32,9 +32,9 @@ def _encode(text_or_ids, block_size: int, max_tokens: int | None = None) -> list
     given. The model's learned positions end at ``block_size``: a longer input is refused, not
     cut at a place the caller did not choose."""
     if isinstance(text_or_ids, str):
-        from oelm_core.data import get_tokenizer
+        from oelm_core.data import encode_prompt
 
-        ids = get_tokenizer().encode_ordinary(text_or_ids)
+        ids = encode_prompt(text_or_ids)
     else:
         ids = list(text_or_ids)
     if max_tokens is not None:

@@ -37,9 +37,10 @@ def _label_axes(ax, labels: Sequence[str]) -> None:
     ticks = list(range(0, t, step))
     size = max(4.5, min(9.0, 360 / max(t, 1)))
     ax.set_xticks(ticks)
-    ax.set_xticklabels([labels[i] for i in ticks], rotation=90, fontsize=size)
+    # parse_math=False: tokens are text; two "$" among them made matplotlib read mathtext and fail
+    ax.set_xticklabels([labels[i] for i in ticks], rotation=90, fontsize=size, parse_math=False)
     ax.set_yticks(ticks)
-    ax.set_yticklabels([labels[i] for i in ticks], fontsize=size)
+    ax.set_yticklabels([labels[i] for i in ticks], fontsize=size, parse_math=False)
     ax.set_xlabel("key (attended-to token)")
     ax.set_ylabel("query token")
 
