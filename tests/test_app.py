@@ -472,7 +472,7 @@ def test_make_demo_serves_the_newest_trained_study_or_trains_the_mini_one(tmp_pa
     monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
     assert trained_or_mini_study(str(runs)) == (str(runs / "tuned_mini"), 0)
     (cmd,) = calls
-    assert cmd[1:] == [*MINI_COMMAND.split()[1:4], "--set", "study.seeds=[0]", "--out", str(runs / "tuned_mini")]
+    assert cmd[1:] == [*MINI_COMMAND.split()[1:5], "--set", "experiment.seeds=[0]", "--out", str(runs / "tuned_mini")]
 
     mini = write_study(runs / "mini", {g: {"steps": 1500, "best_val_ppl": 18.2} for g in GROUPS}, age_s=100)
     assert trained_study(runs) == mini / "study.json"
@@ -858,7 +858,7 @@ def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, m
     route = (f"The tuned mini study, whose models write readable stories, trains 3 models for up to 3,000 steps of "
              f"8,192 tokens: at least {flops / 2e10 / 3600:,.0f} h on this CPU ({flops / 1e15:.1f} PFLOP at its "
              f"measured 20.0 GFLOP/s), about two minutes on one GPU. Train it on a GPU machine (`python -m "
-             f"oelm_core.study parameters/study_tuned_mini.yaml --set 'study.seeds=[0]'`) and copy its "
+             f"oelm_core run parameters/study_tuned_mini.yaml --set 'experiment.seeds=[0]'`) and copy its "
              f"`runs/tuned_mini` into `runs/` here: `make demo` serves it then.")
     assert err.splitlines() == [
         f"oelm app: no trained study under {runs}/ and no GPU here. {route}",

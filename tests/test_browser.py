@@ -69,7 +69,7 @@ def test_generate_and_attention_in_browser(tmp_path, browser):
         # Smoke-sized checkpoints: the top of the page says what to expect and what to train.
         notice = page.inner_text("#undertrained")
         assert "These models are barely trained: expect gibberish." in notice
-        assert "python -m oelm_core.study parameters/study_tuned_mini.yaml" in notice
+        assert "python -m oelm_core run parameters/study_tuned_mini.yaml" in notice
 
         prompt = page.locator("#prompt textarea")
         prompt.fill("Once upon a time there was a brave little dog")
