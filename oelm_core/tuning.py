@@ -2,6 +2,7 @@
 
     python -m oelm_core tune runs/tune_medium512 [--markdown T.md] [--figure F.png]
     python -m oelm_core tune runs/tune_medium512 --study parameters/study_tuned_medium512.yaml --write S.yaml
+    python -m oelm_core tune runs/T --min-seeds 2 --per-dropout --study TEMPLATE --write S.yaml   # equal footing
 
 The table, the choice and its cautions are oelm_core.analysis.tuning's (``tuning_table``). ``--study
 TEMPLATE --write OUT`` copies a plan file (its comment header too) with each run entry's
@@ -26,11 +27,14 @@ from oelm_core.config import ConfigError, read_yaml
 from oelm_core.files import write_text_atomic
 
 
-def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str | Path | None = None) -> str:
+def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str | Path | None = None,
+                per_dropout: dict | None = None) -> str:
     """The text of ``template`` (a study file) with each run entry's tuned settings set to its
     group's choice (``tuning_table(...)["chosen"]``), to be written to ``out`` (default: in place
     of the template; the runs' parameter files are named relative to it). The template's leading
-    comments are kept. ConfigError where a run's group has no choice."""
+    comments are kept. ``per_dropout`` (``tuning_table(...)["per_dropout"]``): each entry becomes
+    one per swept dropout instead, named ``<name>_drop<dropout>``, at its group's best learning
+    rate there (a study on equal footing). ConfigError where a run's group has no choice."""
     template = Path(template)
     out_dir = Path(out).resolve().parent if out is not None else template.resolve().parent
     raw = read_yaml(template)
@@ -49,8 +53,13 @@ def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str |
                               f"{template}); tune it first, or leave it out of the study")
         entry["params"] = os.path.relpath(params.resolve(), out_dir)
         kept = [s for s in entry.get("overrides") or [] if s.split("=", 1)[0].strip() not in TUNED_SETTINGS]
-        entry["overrides"] = kept + [f"{k}={v}" for k, v in chosen[variant]["settings"].items()]
-        runs.append(entry)
+        if per_dropout is None:
+            runs.append({**entry, "overrides": kept + [f"{k}={v}" for k, v in chosen[variant]["settings"].items()]})
+            continue
+        for (v, dropout), row in sorted(per_dropout.items(), key=lambda item: item[0][1]):
+            if v == variant:
+                runs.append({**entry, "name": f"{entry.get('name') or params.stem}_drop{dropout:g}",
+                             "overrides": kept + [f"{k}={x}" for k, x in row["settings"].items()]})
     section["runs"] = runs
     header = []
     for line in template.read_text().splitlines():
@@ -70,12 +79,19 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune
     p.add_argument("--figure", help="write the figure here")
     p.add_argument("--study", help="a study file whose runs get their group's chosen setting (needs --write)")
     p.add_argument("--write", help="where the study file with the chosen settings goes")
+    p.add_argument("--per-dropout", action="store_true",
+                   help="--write each group at every swept dropout, at its best learning rate there")
+    p.add_argument("--min-seeds", type=int, default=1,
+                   help="settings with fewer finished seeds are no candidates (default 1)")
     args = p.parse_args(argv)
     if bool(args.study) != bool(args.write):
         p.error("--study and --write go together: the template study file and where its tuned copy goes")
     try:
-        table = tuning_table(args.roots, args.metric)
+        table = tuning_table(args.roots, args.metric, min_seeds=args.min_seeds)
         print(table["markdown"])
+        for (variant, dropout), row in table["per_dropout"].items():
+            print(f"best at dropout {dropout:g} for {row['group']}: lr {row['lr']} ({args.metric} "
+                  f"{row[args.metric]:.4f} over {row['finished']} seed(s))")
         notes = []
         for variant, row in table["chosen"].items():
             print(f"chosen for {row['group']}: lr {row['lr']}, dropout {row['dropout']} "
@@ -89,7 +105,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune
         if args.figure:
             tuning_figure(table, args.figure)
         if args.study:
-            write_text_atomic(args.write, tuned_study(args.study, table["chosen"], " ".join(args.roots), args.write))
+            write_text_atomic(args.write, tuned_study(args.study, table["chosen"], " ".join(args.roots), args.write,
+                                                      table["per_dropout"] if args.per_dropout else None))
             print(f"wrote {args.write}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -135,3 +135,25 @@ def test_cautions_name_an_edge_rate_a_budget_that_ended_too_soon_and_a_tie(sweep
     assert main([str(sweep), "--markdown", str(tmp_path / "t.md")]) == 0
     assert "cautions:\n- GPT-Base: lr 0.001 is the smallest" in capsys.readouterr().out
     assert "Cautions about the choice:\n\n- GPT-Base: lr 0.001" in (tmp_path / "t.md").read_text()
+
+
+def test_each_dropout_gets_its_best_rate_and_the_study_trains_each_group_at_both(sweep, tmp_path):
+    """Equal footing (issue 42): per group and dropout the learning rate with the lowest mean;
+    --min-seeds 2 leaves out settings of one seed (OELM-Freeze at dropout 0.1 has only those);
+    --per-dropout writes an entry per dropout, named for it."""
+    table = tuning_table(sweep)
+    assert table["per_dropout"][("gpt_base", 0.0)] is table["chosen"]["gpt_base"]
+    assert table["per_dropout"][("oelm_freeze", 0.1)]["lr"] == 0.002
+    assert ("oelm_freeze", 0.0) not in table["per_dropout"]        # its only setting has an unfinished seed
+    strict = tuning_table(sweep, min_seeds=2)
+    assert set(strict["chosen"]) == {"gpt_base"} and set(strict["per_dropout"]) == {("gpt_base", 0.0)}
+    _run(sweep, "gpt_base", 0.001, 0.1, 0, [2.6, 2.2, 2.1])
+    _run(sweep, "gpt_base", 0.004, 0.1, 0, [2.5, 2.15, 2.05])
+    template = tmp_path / "study.yaml"
+    template.write_text(f"experiment:\n  name: equal\n  layout: study\n  runs:\n"
+                        f"  - {REPO}/parameters/medium512/gpt_base.yaml\n  seeds: [0]\n  notebooks: [03_training]\n")
+    out = tmp_path / "equal.yaml"
+    table = tuning_table(sweep)
+    out.write_text(tuned_study(template, table["chosen"], "tune", out, table["per_dropout"]))
+    got = {r.name: (r.config["train"]["lr"], r.config["model"]["dropout"]) for r in load_plan(out).runs}
+    assert got == {"gpt_base_drop0_s0": (0.001, 0.0), "gpt_base_drop0.1_s0": (0.004, 0.1)}

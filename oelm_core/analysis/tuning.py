@@ -30,13 +30,17 @@ def _get(config: dict, dotted: str):
     return (config.get(section) or {}).get(key)
 
 
-def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_val_loss") -> dict:
+def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_val_loss",
+                 min_seeds: int = 1) -> dict:
     """Per (group, lr, dropout): seeds, mean and sample std of ``metric``, the mean step of the
     best evaluation and how many seeds stopped early; and per group the chosen row.
 
-    Returns {"rows": [...], "chosen": {variant: row}, "markdown": str}; each row also holds
-    ``settings`` ({train.lr, train.min_lr, model.dropout}) and ``paths`` (its run folders).
-    ConfigError where the folders hold no finished run."""
+    Returns {"rows": [...], "chosen": {variant: row}, "per_dropout": {(variant, dropout): row},
+    "markdown": str}; "per_dropout" is each group's best learning rate at each dropout (a study on
+    equal footing trains each group at both). Each row also holds ``settings`` ({train.lr,
+    train.min_lr, model.dropout}) and ``paths`` (its run folders). A setting with fewer than
+    ``min_seeds`` finished seeds is no candidate: a choice between settings of one seed and of two
+    would favour the noisier. ConfigError where the folders hold no finished run."""
     roots = [roots] if isinstance(roots, (str, Path)) else list(roots)
     cells: dict[tuple, dict] = {}
     for root in roots:
@@ -60,19 +64,30 @@ def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_v
                      "seeds": len(runs), "finished": len(finished), metric: mean, f"{metric}_std": std,
                      "best_step": mean_std(best_steps)[0],
                      "stopped_early": sum(r.summary.get("status") == "stopped_early" for r in finished),
-                     "candidate": bool(finished) and len(finished) == len(runs) and None not in values,
+                     "candidate": (bool(finished) and len(finished) == len(runs) and len(finished) >= min_seeds
+                                   and None not in values),
                      "settings": cell["settings"], "paths": [str(r.path) for r in runs]})
     order = {v: i for i, v in enumerate(GROUP_LABELS)}
     rows.sort(key=lambda r: (order.get(r["variant"], 9), r["variant"], r["dropout"], r["lr"]))
-    chosen = {}
-    for row in rows:
-        if row["candidate"] and (row["variant"] not in chosen or row[metric] < chosen[row["variant"]][metric]):
-            chosen[row["variant"]] = row
+    chosen = _lowest(rows, metric, lambda r: r["variant"])
+    per_dropout = _lowest(rows, metric, lambda r: (r["variant"], r["dropout"]))
     for row in rows:
         row["chosen"] = chosen.get(row["variant"]) is row
-    cols = ["group", "lr", "dropout", "seeds", metric, f"{metric}_std", "best_step", "stopped_early", "chosen"]
-    return {"rows": rows, "chosen": chosen, "metric": metric, "markdown": markdown_table(rows, cols),
+        row["best_at_dropout"] = per_dropout.get((row["variant"], row["dropout"])) is row
+    cols = ["group", "lr", "dropout", "seeds", metric, f"{metric}_std", "best_step", "stopped_early",
+            "best_at_dropout", "chosen"]
+    return {"rows": rows, "chosen": chosen, "per_dropout": per_dropout, "metric": metric,
+            "markdown": markdown_table(rows, cols),
             "cautions": {v: cautions(rows, row, metric) for v, row in chosen.items()}}
+
+
+def _lowest(rows: Sequence[dict], metric: str, key) -> dict:
+    """{key(row): the candidate row with the lowest ``metric``} over ``rows``."""
+    best: dict = {}
+    for row in rows:
+        if row["candidate"] and (key(row) not in best or row[metric] < best[key(row)][metric]):
+            best[key(row)] = row
+    return best
 
 
 def cautions(rows: Sequence[dict], chosen: dict, metric: str = "best_val_loss") -> list[str]:
