@@ -48,7 +48,7 @@ def test_a_step_that_would_take_hours_is_refused_unless_allowed(tmp_path, story_
     monkeypatch.undo()
     monkeypatch.setattr(preflight, "device_memory", lambda device: (2**50, "the RAM of a large machine"))
     values["model"] = {"block_size": 1_000_000}   # 10 PFLOP a step: past 300 s at 30 TFLOP/s
-    with pytest.raises(ConfigError, match=r"^one training step of this run needs [\d.]+ TFLOP: at least [\d.]+ h on "
+    with pytest.raises(ConfigError, match=r"^one training step of this run needs [\d.]+ TFLOP: at least [\d.]+ (h|min) on "
                                           r"this CPU \([\d.]+ [GT]FLOP/s, its speed measured on a 512 x 512 matmul\)"):
         run(values)
 
