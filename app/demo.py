@@ -624,7 +624,7 @@ class Demo:
                  for r in rows]
         details = {"model": chosen.group, "layer": layer_i, "head": head_name, "n_tokens": len(ids),
                    "shape": list(matrix.shape), "tokens": labels}
-        del maps
+        maps.clear()  # the attention maps go before the heap is trimmed
         return_freed_memory()
         return heat, compare, summary, table, details
 

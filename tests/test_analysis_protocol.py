@@ -9,7 +9,6 @@ import statistics
 
 import numpy as np
 import pytest
-import yaml
 from scipy import stats
 
 from oelm_core import analysis as A

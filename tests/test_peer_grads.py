@@ -72,7 +72,6 @@ def test_tap_hands_over_each_gradient_once_and_leaves_the_model_as_it_was(varian
     assert [type(m) for m in model.modules()] == classes
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inside dynamo
 def test_under_compile_every_gradient_is_sent_before_any_reaches_grad():
     """The sends sit in the compiled backward graph, each right after its gradient's kernel: all
     of them have run when the compiled backward returns and autograd starts filling .grad."""
