@@ -30,7 +30,7 @@ endif
 endif
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: study results notebooks test test-gpu lab tensorboard demo bench browser slurm clean
+.PHONY: study results notebooks lint test test-gpu lab tensorboard demo bench browser slurm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -85,7 +85,12 @@ slurm:
 	   slurmctld slurmd slurm-client munge >/dev/null) \
 	  || echo "slurm not installed: the SLURM tests will be skipped"; }
 
-test: $(VENV)/.installed browser slurm
+# ruff (pyproject.toml's [tool.ruff]): lint, and the format checked; `ruff format .` writes it.
+lint: $(VENV)/.installed
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+
+test: $(VENV)/.installed browser slurm lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # JupyterLab at the repository root, on the project's kernel (python3, installed above); jupytext

@@ -46,7 +46,6 @@ from oelm_core.fast import stream_tokens
 from oelm_core.generate import SamplingConfig, detokenize
 from oelm_core.groups import GROUPS
 
-
 # Input ranges: the sliders' bounds, checked by the handlers (the API can send anything, and the
 # events skip the components' own checks, which name no setting).
 LIMITS = {
@@ -90,19 +89,26 @@ def mini_study_cost(device: str = "cpu") -> dict:
     flops = sum(step_flops(cfg) * cfg.train.steps for cfg in configs)
     rate, _ = device_flops(torch.device(device))
     first = configs[0]
-    return {"runs": len(configs), "steps": max(cfg.train.steps for cfg in configs),
-            "tokens_per_step": first.train.batch_size * first.model_config().block_size * first.train.grad_accum,
-            "flops": flops, "flops_per_s": rate, "hours": flops / rate / 3600}
+    return {
+        "runs": len(configs),
+        "steps": max(cfg.train.steps for cfg in configs),
+        "tokens_per_step": first.train.batch_size * first.model_config().block_size * first.train.grad_accum,
+        "flops": flops,
+        "flops_per_s": rate,
+        "hours": flops / rate / 3600,
+    }
 
 
 def cpu_route(cost: dict) -> str:
     """What a CPU user reads about readable stories: what the mini study is, how long it takes on
     this CPU (``mini_study_cost``) and on a GPU, and how to bring its models here."""
-    return (f"The tuned mini study, whose models write readable stories, trains {cost['runs']} models for up to "
-            f"{cost['steps']:,} steps of {cost['tokens_per_step']:,} tokens: at least {cost['hours']:,.0f} h on this "
-            f"CPU ({cost['flops'] / 1e15:.1f} PFLOP at its measured {cost['flops_per_s'] / 1e9:.1f} GFLOP/s), about "
-            f"two minutes on one GPU. Train it on a GPU machine (`{MINI_COMMAND}`) and copy its "
-            f"`{MINI_STUDY_OUT}` into `runs/` here: `make demo` serves it then.")
+    return (
+        f"The tuned mini study, whose models write readable stories, trains {cost['runs']} models for up to "
+        f"{cost['steps']:,} steps of {cost['tokens_per_step']:,} tokens: at least {cost['hours']:,.0f} h on this "
+        f"CPU ({cost['flops'] / 1e15:.1f} PFLOP at its measured {cost['flops_per_s'] / 1e9:.1f} GFLOP/s), about "
+        f"two minutes on one GPU. Train it on a GPU machine (`{MINI_COMMAND}`) and copy its "
+        f"`{MINI_STUDY_OUT}` into `runs/` here: `make demo` serves it then."
+    )
 
 
 def refuse(message: str) -> gr.Error:
@@ -119,6 +125,7 @@ class SetupError(RuntimeError):
 # Finding and loading the checkpoints
 # --------------------------------------------------------------------------------------------
 
+
 def group_label(group: str) -> str:
     """'GPT-Base' for 'gpt_base': the study's label of the group (analysis.GROUP_LABELS)."""
     return GROUP_LABELS.get(group, group)
@@ -129,8 +136,10 @@ def parse_ckpt_args(items: Sequence[str]) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for item in items or []:
         if "=" not in item:
-            raise SetupError(f"--ckpt expects GROUP=PATH, e.g. gpt_base=runs/smoke/runs/gpt_base_s42/best.pt "
-                             f"(the smoke study's GPT-Base run); got {item!r}")
+            raise SetupError(
+                f"--ckpt expects GROUP=PATH, e.g. gpt_base=runs/smoke/runs/gpt_base_s42/best.pt "
+                f"(the smoke study's GPT-Base run); got {item!r}"
+            )
         group, path = item.split("=", 1)
         group = group.strip()
         if group not in GROUPS:
@@ -143,9 +152,11 @@ def newest_study(runs_root: str | Path = "runs") -> Path:
     """The newest ``runs/*/study.json`` by modification time."""
     found = sorted(Path(runs_root).glob("*/study.json"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise SetupError(f"no study found under {Path(runs_root).resolve()} (no */study.json): run a study "
-                         f"first (python -m oelm_core run PLAN) or pass checkpoints with "
-                         f"--ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH")
+        raise SetupError(
+            f"no study found under {Path(runs_root).resolve()} (no */study.json): run a study "
+            f"first (python -m oelm_core run PLAN) or pass checkpoints with "
+            f"--ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH"
+        )
     return found[-1]
 
 
@@ -160,14 +171,18 @@ def study_runs(study: str | Path) -> dict[str, Path]:
     if path.is_dir():
         path = path / "study.json"
     if not path.is_file():
-        raise SetupError(f"study file {path} not found; pass a study folder holding study.json "
-                         f"(e.g. --study runs/smoke) or checkpoints with --ckpt GROUP=PATH")
+        raise SetupError(
+            f"study file {path} not found; pass a study folder holding study.json "
+            f"(e.g. --study runs/smoke) or checkpoints with --ckpt GROUP=PATH"
+        )
     try:
         info = json.loads(path.read_text())
         runs = list(info["runs"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SetupError(f"{path} is not a readable study file ({type(exc).__name__}: {exc}); "
-                         f"expected {{'runs': [{{'variant', 'seed', 'run_dir', ...}}]}}") from exc
+        raise SetupError(
+            f"{path} is not a readable study file ({type(exc).__name__}: {exc}); "
+            f"expected {{'runs': [{{'variant', 'seed', 'run_dir', ...}}]}}"
+        ) from exc
     chosen: dict[str, dict] = {}
     for run in runs:
         group = run.get("variant")
@@ -190,8 +205,9 @@ def trained_study(runs_root: str | Path = "runs") -> Path | None:
             summaries = [json.loads((d / "summary.json").read_text()) for d in study_runs(study).values()]
         except (SetupError, OSError, ValueError):
             continue
-        if summaries and not any(barely_trained(s.get("steps"), s.get("best_val_ppl"), WORTH_D_MODEL)
-                                 for s in summaries):
+        if summaries and not any(
+            barely_trained(s.get("steps"), s.get("best_val_ppl"), WORTH_D_MODEL) for s in summaries
+        ):
             return study
     return None
 
@@ -310,8 +326,10 @@ def load_source(path: Path, device: str) -> tuple[Any, dict]:
         metrics = {k: card[k] for k in ("val_loss", "val_ppl") if k in card}
         return model, {"step": card.get("step"), "metrics": metrics}
     if path.is_dir():
-        raise CheckpointError(f"{path} is a folder without best.pt or config.json: pass a checkpoint file, "
-                              f"a run folder, or a folder that python -m oelm_core.export wrote")
+        raise CheckpointError(
+            f"{path} is a folder without best.pt or config.json: pass a checkpoint file, "
+            f"a run folder, or a folder that python -m oelm_core.export wrote"
+        )
     return load_model(path, device)
 
 
@@ -326,10 +344,18 @@ def describe_shape(cfg: ModelConfig) -> str:
     """'a smoke model (2 layers, d_model 64, 4 heads, context 64)': the preset of that shape, if any."""
     from oelm_core.config import PRESETS
 
-    preset = next((name for name, shape in PRESETS.items()
-                   if all(getattr(cfg, k) == v for k, v in shape.items() if k in SHAPE_FIELDS)), None)
-    return (f"{f'a {preset}' if preset else 'a'} model ({cfg.n_layer} layers, d_model {cfg.d_model}, "
-            f"{cfg.n_head} heads, context {cfg.block_size})")
+    preset = next(
+        (
+            name
+            for name, shape in PRESETS.items()
+            if all(getattr(cfg, k) == v for k, v in shape.items() if k in SHAPE_FIELDS)
+        ),
+        None,
+    )
+    return (
+        f"{f'a {preset}' if preset else 'a'} model ({cfg.n_layer} layers, d_model {cfg.d_model}, "
+        f"{cfg.n_head} heads, context {cfg.block_size})"
+    )
 
 
 def study_shapes(study: str | Path) -> dict[str, ModelConfig]:
@@ -346,8 +372,9 @@ def study_shapes(study: str | Path) -> dict[str, ModelConfig]:
     return shapes
 
 
-def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "",
-             expected: dict[str, ModelConfig] | None = None) -> Lab:
+def load_lab(
+    paths: dict[str, Path], device: str = "auto", source: str = "", expected: dict[str, ModelConfig] | None = None
+) -> Lab:
     """Load every checkpoint once; collect what fails instead of raising. ``expected``: group ->
     the ModelConfig its study trained: a checkpoint of another shape (a smoke model where the
     study trained mini) is refused, naming both."""
@@ -355,6 +382,7 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "",
         lab = Lab(device=pick_device(device), source=source)
     except SetupError as exc:
         return Lab(errors=[str(exc)], device=device, source=source)
+
     def fail(group: str, message: str) -> None:
         lab.failed[group] = message
         lab.errors.append(f"{group_label(group)} ({group}): {message}")
@@ -367,9 +395,12 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "",
             fail(group, str(exc))
             continue
         except Exception as exc:  # a checkpoint of another shape or config version
-            fail(group, f"checkpoint {path} could not be turned into a model ({type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())}); it may come from an incompatible version of oelm_core: "
-                        f"train it again or pass another file")
+            fail(
+                group,
+                f"checkpoint {path} could not be turned into a model ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())}); it may come from an incompatible version of oelm_core: "
+                f"train it again or pass another file",
+            )
             continue
         mismatch = group_mismatch(group, model.cfg)
         if mismatch:
@@ -377,9 +408,12 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "",
             continue
         shape = (expected or {}).get(group)
         if shape is not None and shape_of(model.cfg) != shape_of(shape):
-            fail(group, f"{path} holds {describe_shape(model.cfg)}, but the study trained {describe_shape(shape)} "
-                        f"there (its config.yaml): the checkpoint was replaced or comes from another run; train "
-                        f"the run again, or pass a checkpoint of that shape with --ckpt {group}=PATH")
+            fail(
+                group,
+                f"{path} holds {describe_shape(model.cfg)}, but the study trained {describe_shape(shape)} "
+                f"there (its config.yaml): the checkpoint was replaced or comes from another run; train "
+                f"the run again, or pass a checkpoint of that shape with --ckpt {group}=PATH",
+            )
             continue
         lab.models.append(LoadedModel(group, group_label(group), path, model, state, count_parameters(model)))
     if not paths:
@@ -387,8 +421,9 @@ def load_lab(paths: dict[str, Path], device: str = "auto", source: str = "",
     return lab
 
 
-def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root: str = "runs",
-                  device: str = "auto") -> Lab:
+def lab_from_args(
+    ckpt: Sequence[str] = (), study: str | None = None, runs_root: str = "runs", device: str = "auto"
+) -> Lab:
     """The Lab for the command line: --ckpt pairs, else --study, else the newest study in runs/."""
     try:
         resolved = pick_device(device)
@@ -406,6 +441,7 @@ def lab_from_args(ckpt: Sequence[str] = (), study: str | None = None, runs_root:
 # --------------------------------------------------------------------------------------------
 # Handlers
 # --------------------------------------------------------------------------------------------
+
 
 def _number(name: str, value, integer: bool = False) -> float:
     """``value`` (as sent: any JSON value) as the number setting ``name`` takes, or gr.Error
@@ -428,11 +464,13 @@ def _number(name: str, value, integer: bool = False) -> float:
 
 def sampling_config(max_new_tokens, temperature, top_k, top_p, seed) -> SamplingConfig:
     """The sampling settings, each checked against its range with a message naming it."""
-    return SamplingConfig(max_new_tokens=_number("max_new_tokens", max_new_tokens, integer=True),
-                          temperature=_number("temperature", temperature),
-                          top_k=_number("top_k", top_k, integer=True),
-                          top_p=_number("top_p", top_p),
-                          seed=_number("seed", seed, integer=True)).validate()
+    return SamplingConfig(
+        max_new_tokens=_number("max_new_tokens", max_new_tokens, integer=True),
+        temperature=_number("temperature", temperature),
+        top_k=_number("top_k", top_k, integer=True),
+        top_p=_number("top_p", top_p),
+        seed=_number("seed", seed, integer=True),
+    ).validate()
 
 
 # glibc's mallopt parameter (malloc.h) for the number of heaps ("arenas") threads allocate from.
@@ -490,16 +528,19 @@ class Demo:
         if prompt is not None and not isinstance(prompt, str):
             raise refuse(f"prompt must be text, got {type(prompt).__name__} {prompt!r}")
         if prompt is None or not prompt.strip():
-            raise refuse("The prompt is empty: type the beginning of a story, e.g. "
-                           f"\u201c{DEFAULT_PROMPT}\u201d")
+            raise refuse(f"The prompt is empty: type the beginning of a story, e.g. \u201c{DEFAULT_PROMPT}\u201d")
         if len(prompt) > MAX_PROMPT_CHARS:
-            raise refuse(f"The prompt is {len(prompt):,} characters long; the models read at most "
-                           f"{self.context} tokens, so shorten it")
+            raise refuse(
+                f"The prompt is {len(prompt):,} characters long; the models read at most "
+                f"{self.context} tokens, so shorten it"
+            )
         ids = encode_prompt(prompt)  # <|endoftext|> typed is the end-of-text token, as in GPT-2's tokenizer
         if len(ids) >= self.context:
-            raise refuse(f"The prompt is {len(ids)} tokens long, but the models' context holds "
-                           f"{self.context} tokens: shorten it to fewer than {self.context} tokens "
-                           f"(the generated text needs room too)")
+            raise refuse(
+                f"The prompt is {len(ids)} tokens long, but the models' context holds "
+                f"{self.context} tokens: shorten it to fewer than {self.context} tokens "
+                f"(the generated text needs room too)"
+            )
         return ids
 
     # ---- generation ---------------------------------------------------------------------
@@ -511,9 +552,11 @@ class Demo:
         ids = self.check_prompt(prompt)
         base = sampling_config(max_new_tokens, temperature, top_k, top_p, seed)
         if len(ids) + base.max_new_tokens > self.context:
-            gr.Warning(f"Prompt ({len(ids)} tokens) plus {base.max_new_tokens} new tokens exceed the "
-                       f"context of {self.context}: the oldest tokens slide out of the window, and the "
-                       f"attention maps show the last {self.context} tokens.")
+            gr.Warning(
+                f"Prompt ({len(ids)} tokens) plus {base.max_new_tokens} new tokens exceed the "
+                f"context of {self.context}: the oldest tokens slide out of the window, and the "
+                f"attention maps show the last {self.context} tokens."
+            )
         sampled: list[list[int]] = [[] for _ in self.lab.models]
 
         def recorded(i: int, m: LoadedModel) -> Iterator[int]:
@@ -555,7 +598,7 @@ class Demo:
             ids = run["ids"]
         else:
             ids = encode_prompt(str(prompt) + str(continuation or ""))
-        return ids[-self.context:]
+        return ids[-self.context :]
 
     def _head_index(self, head, model: LoadedModel) -> int | None:
         if head in (None, "", MEAN_HEAD):
@@ -565,8 +608,9 @@ class Demo:
                 raise TypeError
             h = int(head)
         except (TypeError, ValueError):
-            raise refuse(f"head must be '{MEAN_HEAD}' or a head number 0..{model.cfg.n_head - 1}, "
-                         f"got {head!r}") from None
+            raise refuse(
+                f"head must be '{MEAN_HEAD}' or a head number 0..{model.cfg.n_head - 1}, got {head!r}"
+            ) from None
         if not 0 <= h < model.cfg.n_head:
             raise refuse(f"{model.label} has heads 0..{model.cfg.n_head - 1}; head {h} does not exist")
         return h
@@ -609,21 +653,30 @@ class Demo:
             return att[head_i].numpy(), ""
 
         matrix, _ = pick(chosen)
-        heat = heatmap_figure(matrix, labels, f"{chosen.label}: layer {layer_i}, {head_name} "
-                                              f"({len(ids)} tokens)")
+        heat = heatmap_figure(matrix, labels, f"{chosen.label}: layer {layer_i}, {head_name} ({len(ids)} tokens)")
         panels = []
         for m in self.lab.models:
             mat, msg = pick(m)
             panels.append((f"{m.label} ({self._qk_state(m, layer_i)} Q/K)", mat, msg))
-        compare = compare_figure(panels, labels, f"Layer {layer_i}, {head_name}: the same {len(ids)} tokens "
-                                                 f"(text of {chosen.label}) through every model")
+        compare = compare_figure(
+            panels,
+            labels,
+            f"Layer {layer_i}, {head_name}: the same {len(ids)} tokens (text of {chosen.label}) through every model",
+        )
 
         rows, uniform = self.summary_rows(maps, len(ids))
         summary = summary_figure(rows, uniform, [m.label for m in self.lab.models])
-        table = [[r["model"], r["layer"], r["head"], r["qk"], round(r["entropy"], 4), round(r["distance"], 3)]
-                 for r in rows]
-        details = {"model": chosen.group, "layer": layer_i, "head": head_name, "n_tokens": len(ids),
-                   "shape": list(matrix.shape), "tokens": labels}
+        table = [
+            [r["model"], r["layer"], r["head"], r["qk"], round(r["entropy"], 4), round(r["distance"], 3)] for r in rows
+        ]
+        details = {
+            "model": chosen.group,
+            "layer": layer_i,
+            "head": head_name,
+            "n_tokens": len(ids),
+            "shape": list(matrix.shape),
+            "tokens": labels,
+        }
         maps.clear()  # the attention maps go before the heap is trimmed
         return_freed_memory()
         return heat, compare, summary, table, details
@@ -639,15 +692,23 @@ class Demo:
         rows = []
         for m in self.lab.models:
             for r in summarise_attention(maps[m.group]):
-                rows.append({"model": m.label, "layer": r["layer"], "head": r["head"],
-                             "qk": self._qk_state(m, r["layer"]), "entropy": r["entropy"],
-                             "distance": r["mean_distance"]})
+                rows.append(
+                    {
+                        "model": m.label,
+                        "layer": r["layer"],
+                        "head": r["head"],
+                        "qk": self._qk_state(m, r["layer"]),
+                        "entropy": r["entropy"],
+                        "distance": r["mean_distance"],
+                    }
+                )
         return rows, uniform_reference(n_tokens)
 
 
 # --------------------------------------------------------------------------------------------
 # Layout
 # --------------------------------------------------------------------------------------------
+
 
 def _fmt_int(n: int) -> str:
     return f"{n:,}"
@@ -659,20 +720,27 @@ def model_card(m: LoadedModel, device: str) -> str:
     ppl_s = f"{ppl:.2f}" if ppl is not None else "not recorded"
     step = m.state.get("step")
     frozen_layers = cfg.frozen_layers()
-    qk = ("frozen in every layer" if len(frozen_layers) == cfg.n_layer and cfg.n_layer
-          else f"frozen in layers {frozen_layers}" if frozen_layers else "trainable")
-    return (f"### {m.label}\n"
-            f"`{m.group}` \u2014 {VARIANTS.get(m.group, '').split(':', 1)[-1].strip()}\n\n"
-            f"| | |\n|:--|:--|\n"
-            f"| shape | {cfg.n_layer} layers \u00b7 d_model {cfg.d_model} \u00b7 {cfg.n_head} heads \u00b7 "
-            f"context {cfg.block_size} |\n"
-            f"| Q/K init | {cfg.qk_init}, {qk} |\n"
-            f"| parameters | {_fmt_int(c['total'])} total |\n"
-            f"| trainable | {_fmt_int(c['trainable'])} |\n"
-            f"| frozen | {_fmt_int(c['frozen'])} |\n"
-            f"| validation perplexity | {ppl_s} |\n"
-            f"| step | {step if step is not None else 'not recorded'} |\n\n"
-            f"<small>checkpoint `{m.path}` on {device}</small>\n")
+    qk = (
+        "frozen in every layer"
+        if len(frozen_layers) == cfg.n_layer and cfg.n_layer
+        else f"frozen in layers {frozen_layers}"
+        if frozen_layers
+        else "trainable"
+    )
+    return (
+        f"### {m.label}\n"
+        f"`{m.group}` \u2014 {VARIANTS.get(m.group, '').split(':', 1)[-1].strip()}\n\n"
+        f"| | |\n|:--|:--|\n"
+        f"| shape | {cfg.n_layer} layers \u00b7 d_model {cfg.d_model} \u00b7 {cfg.n_head} heads \u00b7 "
+        f"context {cfg.block_size} |\n"
+        f"| Q/K init | {cfg.qk_init}, {qk} |\n"
+        f"| parameters | {_fmt_int(c['total'])} total |\n"
+        f"| trainable | {_fmt_int(c['trainable'])} |\n"
+        f"| frozen | {_fmt_int(c['frozen'])} |\n"
+        f"| validation perplexity | {ppl_s} |\n"
+        f"| step | {step if step is not None else 'not recorded'} |\n\n"
+        f"<small>checkpoint `{m.path}` on {device}</small>\n"
+    )
 
 
 def checkpoint_ppl(state: dict) -> float | None:
@@ -686,8 +754,7 @@ def checkpoint_ppl(state: dict) -> float | None:
 
 def barely_trained(step: int | None, ppl: float | None, d_model: int) -> bool:
     """Whether a model of this training and width writes gibberish (unknown figures do not count)."""
-    return (d_model < WORTH_D_MODEL or (step is not None and step < WORTH_STEPS)
-            or (ppl is not None and ppl > WORTH_PPL))
+    return d_model < WORTH_D_MODEL or (step is not None and step < WORTH_STEPS) or (ppl is not None and ppl > WORTH_PPL)
 
 
 def undertrained_notice(lab: Lab) -> str | None:
@@ -700,33 +767,45 @@ def undertrained_notice(lab: Lab) -> str | None:
 
     def figures(m: LoadedModel) -> str:
         step, ppl = m.state.get("step"), checkpoint_ppl(m.state)
-        return (f"{m.label}: {step if step is not None else 'unknown'} steps, validation perplexity "
-                f"{f'{ppl:,.0f}' if ppl is not None else 'not recorded'}, d_model {m.cfg.d_model}")
-    head = ("**These models are barely trained: expect gibberish.** " + "; ".join(figures(m) for m in weak)
-            + ". Models trained on TinyStories reach a perplexity near 20. ")
+        return (
+            f"{m.label}: {step if step is not None else 'unknown'} steps, validation perplexity "
+            f"{f'{ppl:,.0f}' if ppl is not None else 'not recorded'}, d_model {m.cfg.d_model}"
+        )
+
+    head = (
+        "**These models are barely trained: expect gibberish.** "
+        + "; ".join(figures(m) for m in weak)
+        + ". Models trained on TinyStories reach a perplexity near 20. "
+    )
     if lab.device == "cpu" and not torch.cuda.is_available():
         return head + cpu_route(mini_study_cost())
-    return head + (f"To compare models worth comparing, train the mini study on a GPU (about two minutes): "
-                   f"`{MINI_COMMAND}`, then `python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which "
-                   f"does both).")
+    return head + (
+        f"To compare models worth comparing, train the mini study on a GPU (about two minutes): "
+        f"`{MINI_COMMAND}`, then `python -m app --study {MINI_STUDY_OUT}` (or `make demo`, which "
+        f"does both)."
+    )
 
 
 def failed_card(group: str, error: str) -> str:
     """The column of a model whose checkpoint did not load: what went wrong and how to fix it."""
-    return (f"### {group_label(group)}\n`{group}` \u2014 **not loaded**\n\n{error}\n\n"
-            f"**How to fix it:** start the demo again with a working checkpoint for {group}: "
-            f"`python -m app --ckpt {group}=PATH`, with `--ckpt GROUP=PATH` for each of the others. "
-            f"The other models work meanwhile.\n")
+    return (
+        f"### {group_label(group)}\n`{group}` \u2014 **not loaded**\n\n{error}\n\n"
+        f"**How to fix it:** start the demo again with a working checkpoint for {group}: "
+        f"`python -m app --ckpt {group}=PATH`, with `--ckpt GROUP=PATH` for each of the others. "
+        f"The other models work meanwhile.\n"
+    )
 
 
 def error_page(lab: Lab) -> str:
     items = "\n".join(f"- {e}" for e in lab.errors)
-    return ("## The models could not be loaded\n\n"
-            f"{items}\n\n"
-            "**How to fix it:** train the study (`python -m oelm_core run PLAN`), or start the demo "
-            "with existing checkpoints: `python -m app --study runs/<study>` or "
-            "`python -m app --ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH`, "
-            "then reload this page.")
+    return (
+        "## The models could not be loaded\n\n"
+        f"{items}\n\n"
+        "**How to fix it:** train the study (`python -m oelm_core run PLAN`), or start the demo "
+        "with existing checkpoints: `python -m app --study runs/<study>` or "
+        "`python -m app --ckpt gpt_base=PATH --ckpt oelm_nofreeze=PATH --ckpt oelm_freeze=PATH`, "
+        "then reload this page."
+    )
 
 
 CSS = """
@@ -742,17 +821,22 @@ def build_demo(lab: Lab) -> gr.Blocks:
     """The page for ``lab``: a column per model, where a checkpoint that did not load says why;
     the error page where none loaded."""
     with gr.Blocks(title="OELM Lab", analytics_enabled=False) as demo:
-        gr.Markdown("# OELM Lab: orthogonal, frozen attention Q/K side by side\n"
-                    "GPT-Base trains standard Q/K; OELM-NoFreeze starts Q/K as random orthogonal "
-                    "matrices and trains them; OELM-Freeze keeps them fixed.")
+        gr.Markdown(
+            "# OELM Lab: orthogonal, frozen attention Q/K side by side\n"
+            "GPT-Base trains standard Q/K; OELM-NoFreeze starts Q/K as random orthogonal "
+            "matrices and trains them; OELM-Freeze keeps them fixed."
+        )
         if not lab.models:
             gr.Markdown(error_page(lab), elem_id="load-error")
             return demo
 
         handlers = Demo(lab)
         demo.oelm = handlers  # tests and scripts reach the handlers through the Blocks
-        gr.Markdown(f"Checkpoints from {lab.source or 'the command line'}, on **{lab.device}**; "
-                    f"context {handlers.context} tokens.", elem_id="source")
+        gr.Markdown(
+            f"Checkpoints from {lab.source or 'the command line'}, on **{lab.device}**; "
+            f"context {handlers.context} tokens.",
+            elem_id="source",
+        )
         notice = undertrained_notice(lab)
         if notice:
             gr.Markdown(notice, elem_id="undertrained")
@@ -760,24 +844,43 @@ def build_demo(lab: Lab) -> gr.Blocks:
             for group, m, error in lab.columns():
                 with gr.Column():
                     if m is None:
-                        gr.Markdown(failed_card(group, error), elem_id=f"card-{group}",
-                                    elem_classes=["model-card", "model-error"])
+                        gr.Markdown(
+                            failed_card(group, error),
+                            elem_id=f"card-{group}",
+                            elem_classes=["model-card", "model-error"],
+                        )
                     else:
                         gr.Markdown(model_card(m, lab.device), elem_id=f"card-{m.group}", elem_classes="model-card")
 
         gr.Markdown("## Generate")
-        prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=3, elem_id="prompt",
-                            info=f"sent to every model; fewer than {handlers.context} tokens")
+        prompt = gr.Textbox(
+            DEFAULT_PROMPT,
+            label="Prompt",
+            lines=3,
+            elem_id="prompt",
+            info=f"sent to every model; fewer than {handlers.context} tokens",
+        )
         with gr.Row():
-            max_new = gr.Slider(*LIMITS["max_new_tokens"], value=max(1, min(60, handlers.context - 24)), step=1,
-                                label="max new tokens")
-            temperature = gr.Slider(*LIMITS["temperature"], value=SamplingConfig.temperature, step=0.05,
-                                    label="temperature", info="0: always the most likely token")
+            max_new = gr.Slider(
+                *LIMITS["max_new_tokens"], value=max(1, min(60, handlers.context - 24)), step=1, label="max new tokens"
+            )
+            temperature = gr.Slider(
+                *LIMITS["temperature"],
+                value=SamplingConfig.temperature,
+                step=0.05,
+                label="temperature",
+                info="0: always the most likely token",
+            )
             top_k = gr.Slider(*LIMITS["top_k"], value=SAMPLE_TOP_K, step=1, label="top-k", info="0: off")
-            top_p = gr.Slider(*LIMITS["top_p"], value=SamplingConfig.top_p, step=0.01, label="top-p",
-                              info="1: off")
-            seed = gr.Number(1234, label="seed", precision=0, minimum=LIMITS["seed"][0],
-                             maximum=LIMITS["seed"][1], info="same seed, same texts")
+            top_p = gr.Slider(*LIMITS["top_p"], value=SamplingConfig.top_p, step=0.01, label="top-p", info="1: off")
+            seed = gr.Number(
+                1234,
+                label="seed",
+                precision=0,
+                minimum=LIMITS["seed"][0],
+                maximum=LIMITS["seed"][1],
+                info="same seed, same texts",
+            )
         with gr.Row():
             go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
             stop = gr.Button("Stop", elem_id="stop-btn")
@@ -785,34 +888,59 @@ def build_demo(lab: Lab) -> gr.Blocks:
         with gr.Row(equal_height=True):
             for group, m, _ in lab.columns():
                 if m is None:
-                    gr.Markdown(f"*{group_label(group)} did not load: its card above says why.*",
-                                elem_id=f"out-{group}-missing")
+                    gr.Markdown(
+                        f"*{group_label(group)} did not load: its card above says why.*", elem_id=f"out-{group}-missing"
+                    )
                 else:
-                    outputs.append(gr.Textbox(label=m.label, lines=8, max_lines=20, interactive=False,
-                                              elem_id=f"out-{m.group}"))
+                    outputs.append(
+                        gr.Textbox(label=m.label, lines=8, max_lines=20, interactive=False, elem_id=f"out-{m.group}")
+                    )
 
-        gr.Markdown("## Attention\nOver the prompt and the chosen model's generated text "
-                    "(the last tokens that fit the context). Rows are queries, columns the tokens "
-                    "they attend to.")
+        gr.Markdown(
+            "## Attention\nOver the prompt and the chosen model's generated text "
+            "(the last tokens that fit the context). Rows are queries, columns the tokens "
+            "they attend to."
+        )
         max_layers = max(m.cfg.n_layer for m in lab.models)
         max_heads = max(m.cfg.n_head for m in lab.models)
         with gr.Row():
-            model_dd = gr.Dropdown([(m.label, m.group) for m in lab.models], value=lab.models[-1].group,
-                                   label="model", elem_id="attn-model")
-            layer = gr.Slider(0, max(max_layers - 1, 1), value=0, step=1, label="layer", elem_id="attn-layer",
-                              info=f"0..{max_layers - 1}")
-            head = gr.Dropdown([("mean over heads", MEAN_HEAD)] + [(f"head {h}", str(h)) for h in range(max_heads)],
-                               value=MEAN_HEAD, label="head", elem_id="attn-head")
+            model_dd = gr.Dropdown(
+                [(m.label, m.group) for m in lab.models],
+                value=lab.models[-1].group,
+                label="model",
+                elem_id="attn-model",
+            )
+            layer = gr.Slider(
+                0,
+                max(max_layers - 1, 1),
+                value=0,
+                step=1,
+                label="layer",
+                elem_id="attn-layer",
+                info=f"0..{max_layers - 1}",
+            )
+            head = gr.Dropdown(
+                [("mean over heads", MEAN_HEAD)] + [(f"head {h}", str(h)) for h in range(max_heads)],
+                value=MEAN_HEAD,
+                label="head",
+                elem_id="attn-head",
+            )
             show = gr.Button("Show attention", elem_id="attn-btn")
         with gr.Row():
             heat = gr.Plot(label="attention map", show_label=False, elem_id="attn-plot")
         compare = gr.Plot(label="the three models, same layer and head", show_label=False, elem_id="attn-compare")
-        gr.Markdown("### Per-head summaries\nEntropy: how spread a head's attention is (uniform "
-                    "attention is the dashed line). Distance: how many tokens back it looks on average. "
-                    "Hollow markers: frozen Q/K.")
+        gr.Markdown(
+            "### Per-head summaries\nEntropy: how spread a head's attention is (uniform "
+            "attention is the dashed line). Distance: how many tokens back it looks on average. "
+            "Hollow markers: frozen Q/K."
+        )
         summary = gr.Plot(label="per-head summaries", show_label=False, elem_id="attn-summary")
-        table = gr.Dataframe(headers=["model", "layer", "head", "Q/K", "entropy (nats)", "mean distance (tokens)"],
-                             label="per-head summaries", interactive=False, elem_id="attn-table")
+        table = gr.Dataframe(
+            headers=["model", "layer", "head", "Q/K", "entropy (nats)", "mean distance (tokens)"],
+            label="per-head summaries",
+            interactive=False,
+            elem_id="attn-table",
+        )
         with gr.Accordion("map details", open=False):
             details = gr.JSON(label="tokens and shape of the map", elem_id="attn-details")
 
@@ -836,8 +964,14 @@ def build_demo(lab: Lab) -> gr.Blocks:
 THEME_FONTS = dict(font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
 
 
-def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = 7860, share: bool = False,
-           concurrency: int = 2, **kwargs):
+def launch(
+    demo: gr.Blocks,
+    host: str = "127.0.0.1",
+    port: int | None = 7860,
+    share: bool = False,
+    concurrency: int = 2,
+    **kwargs,
+):
     """Queue (at most ``concurrency`` requests of an event at once, 32 waiting) and serve.
 
     System fonts only: the default theme would fetch web fonts, which the offline machines lack.
@@ -852,17 +986,29 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = 7860, sh
     bound_server_memory()
     demo.queue(default_concurrency_limit=concurrency, max_size=32)
     try:
-        served = demo.launch(server_name=host, server_port=port, share=share, ssr_mode=False, show_error=True,
-                             theme=gr.themes.Soft(**THEME_FONTS), css=CSS, quiet=True, prevent_thread_lock=True,
-                             **kwargs)
+        served = demo.launch(
+            server_name=host,
+            server_port=port,
+            share=share,
+            ssr_mode=False,
+            show_error=True,
+            theme=gr.themes.Soft(**THEME_FONTS),
+            css=CSS,
+            quiet=True,
+            prevent_thread_lock=True,
+            **kwargs,
+        )
     except OSError as exc:  # taken between the check and the start
         if port is not None and "port" in str(exc).lower():
             raise SetupError(port_message(host, port)) from None
         raise
     if not quiet:
         print(f"* Running on local URL:  {demo.local_url}")
-        print(f"* Running on public URL: {demo.share_url}" if share and demo.share_url else
-              "* To create a public link, start the app with --share.")
+        print(
+            f"* Running on public URL: {demo.share_url}"
+            if share and demo.share_url
+            else "* To create a public link, start the app with --share."
+        )
     if block:
         demo.block_thread()
     return served
@@ -882,5 +1028,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def port_message(host: str, port: int) -> str:
-    return (f"port {port} on {host} is in use (another demo or server is running there): start the app with "
-            f"another port, python -m app --port {port + 1} (make demo PORT={port + 1}), or stop the other one")
+    return (
+        f"port {port} on {host} is in use (another demo or server is running there): start the app with "
+        f"another port, python -m app --port {port + 1} (make demo PORT={port + 1}), or stop the other one"
+    )

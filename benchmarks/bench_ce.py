@@ -46,10 +46,24 @@ def make_slice(rows: int, device):
 def run_kernel(logits, targets, inv_n, loss, scale, x, x_scaled, block: int, warps: int):
     """The kernel on one slice; x (rows, d_model) is the output layer's input it scales into x_scaled."""
     from oelm_core.fast import ce_kernels
-    ce_kernels._ce_rows_kernel[(logits.size(0),)](logits, logits.stride(0), targets, loss, scale, inv_n,
-                                                  x, x_scaled, D_MODEL, VOCAB, PADDED, WRITE_GRAD=True,
-                                                  BLOCK=block, BLOCK_D=ce_kernels.triton.next_power_of_2(D_MODEL),
-                                                  num_warps=warps)
+
+    ce_kernels._ce_rows_kernel[(logits.size(0),)](
+        logits,
+        logits.stride(0),
+        targets,
+        loss,
+        scale,
+        inv_n,
+        x,
+        x_scaled,
+        D_MODEL,
+        VOCAB,
+        PADDED,
+        WRITE_GRAD=True,
+        BLOCK=block,
+        BLOCK_D=ce_kernels.triton.next_power_of_2(D_MODEL),
+        num_warps=warps,
+    )
 
 
 def reference(logits, targets, inv_n):
@@ -72,10 +86,12 @@ def check(logits, targets, inv_n, ref, block: int, warps: int) -> dict:
     x_scaled = torch.empty_like(x)
     run_kernel(out, targets, inv_n, loss, scale, x, x_scaled, block, warps)
     grad = out[:, :VOCAB].float().mul_(scale[:, None])
-    return {"loss_err": float((loss - ref_loss).abs().max()),
-            "grad_err": float((grad - ref_grad).abs().max() / ref_grad.abs().max()),
-            "pad_zero": bool((out[:, VOCAB:] == 0).all()),
-            "x_scaled_err": float((x_scaled.float() - x.float() * scale[:, None]).abs().max())}
+    return {
+        "loss_err": float((loss - ref_loss).abs().max()),
+        "grad_err": float((grad - ref_grad).abs().max() / ref_grad.abs().max()),
+        "pad_zero": bool((out[:, VOCAB:] == 0).all()),
+        "x_scaled_err": float((x_scaled.float() - x.float() * scale[:, None]).abs().max()),
+    }
 
 
 def time_ms(fn, reps: int, restore=None) -> float:
@@ -97,10 +113,18 @@ def config(spec: str) -> tuple[int, int]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=TrainConfig.loss_chunk_tokens,
-                    help="tokens in the slice (default: train.loss_chunk_tokens, the loss's slice)")
-    ap.add_argument("--configs", nargs="+", default=["2048x4", "8192x32", "1024x2", "4096x4", "2048x8"],
-                    help="BLOCKxnum_warps; 2048x4 is what ce_kernels.forward uses, 8192x32 the previous setting")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        default=TrainConfig.loss_chunk_tokens,
+        help="tokens in the slice (default: train.loss_chunk_tokens, the loss's slice)",
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["2048x4", "8192x32", "1024x2", "4096x4", "2048x8"],
+        help="BLOCKxnum_warps; 2048x4 is what ce_kernels.forward uses, 8192x32 the previous setting",
+    )
     ap.add_argument("--reps", type=at_least(1), default=20, help="timed runs per figure (the median is reported)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -112,8 +136,15 @@ def main():
     except ImportError:
         print("bench_ce: Triton is not installed, so the fused loss has no cross-entropy kernel. Nothing to do.")
         return
-    meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
-            "triton": ce_kernels.triton.__version__, "command": " ".join(sys.argv), "rows": args.rows}
+    meta = {
+        "card": card_name(),
+        "date": now(),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "triton": ce_kernels.triton.__version__,
+        "command": " ".join(sys.argv),
+        "rows": args.rows,
+    }
     print(json.dumps(meta), flush=True)
 
     logits, targets, inv_n = make_slice(args.rows, "cuda")
@@ -121,8 +152,13 @@ def main():
     other = torch.empty_like(logits)
     copy_ms = time_ms(lambda: other.copy_(logits), args.reps)
     sum_ms = time_ms(lambda: torch.sum(logits, dtype=torch.float32), args.reps)
-    roofline = {"slice_gb": gb, "copy_ms": copy_ms, "copy_gbs": 2 * gb / copy_ms * 1e3,
-                "sum_ms": sum_ms, "sum_gbs": gb / sum_ms * 1e3}
+    roofline = {
+        "slice_gb": gb,
+        "copy_ms": copy_ms,
+        "copy_gbs": 2 * gb / copy_ms * 1e3,
+        "sum_ms": sum_ms,
+        "sum_gbs": gb / sum_ms * 1e3,
+    }
 
     ref = reference(logits, targets, inv_n)
     work = logits.clone()
@@ -131,10 +167,21 @@ def main():
     x_scaled = torch.empty_like(x)
     kernel = []
     for block, warps in map(config, args.configs):
-        ms = time_ms(lambda: run_kernel(work, targets, inv_n, loss, scale, x, x_scaled, block, warps), args.reps,
-                     restore=lambda: work.copy_(logits))
-        kernel.append({"block": block, "num_warps": warps, "ms": ms, "gbs": 2 * gb / ms * 1e3,
-                       "x_copy": ms / copy_ms, **check(logits, targets, inv_n, ref, block, warps)})
+        ms = time_ms(
+            lambda: run_kernel(work, targets, inv_n, loss, scale, x, x_scaled, block, warps),
+            args.reps,
+            restore=lambda: work.copy_(logits),
+        )
+        kernel.append(
+            {
+                "block": block,
+                "num_warps": warps,
+                "ms": ms,
+                "gbs": 2 * gb / ms * 1e3,
+                "x_copy": ms / copy_ms,
+                **check(logits, targets, inv_n, ref, block, warps),
+            }
+        )
     del ref  # 3.3 GB of float32 reference at 8,192 rows
 
     x = torch.randn(args.rows, D_MODEL, device="cuda", dtype=torch.bfloat16)
@@ -144,16 +191,18 @@ def main():
     acc.zero_()
     ce_kernels._addmm_fp32_(acc, logits.T, x)
     exact = logits.T.float() @ x.float()
-    dw = {"bf16_mm_float_add_ms": plain_ms, "addmm_fp32_ms": fused_ms,
-          "addmm_fp32_rel_err": float((acc - exact).norm() / exact.norm()),
-          # False: this torch lacks the mixed-dtype addmm and _addmm_fp32_ fell back to (a).
-          "mixed_dtype_addmm": ce_kernels._HAS_ADDMM_OUT_DTYPE}
+    dw = {
+        "bf16_mm_float_add_ms": plain_ms,
+        "addmm_fp32_ms": fused_ms,
+        "addmm_fp32_rel_err": float((acc - exact).norm() / exact.norm()),
+        # False: this torch lacks the mixed-dtype addmm and _addmm_fp32_ fell back to (a).
+        "mixed_dtype_addmm": ce_kernels._HAS_ADDMM_OUT_DTYPE,
+    }
 
     forward = forward_paths(args.rows, args.reps)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "roofline": roofline, "kernel": kernel, "dw": dw, "forward": forward}, f,
-                      indent=1)
+            json.dump({"meta": meta, "roofline": roofline, "kernel": kernel, "dw": dw, "forward": forward}, f, indent=1)
     print_tables(meta, roofline, kernel, dw, forward)
 
 
@@ -162,6 +211,7 @@ def forward_paths(rows: int, reps: int) -> dict:
     loss and the row scales: torch's GEMM + ``_ce_rows_kernel`` against the fused logits GEMM
     (``oelm_core.fast.logits_gemm``), with the GEMM alone for scale, and the two paths' agreement."""
     from oelm_core.fast import logits_gemm
+
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(rows, D_MODEL, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(PADDED, D_MODEL, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
@@ -170,6 +220,7 @@ def forward_paths(rows: int, reps: int) -> dict:
     inv_n = (1.0 / (targets >= 0).sum().float()).reshape(1)
     loss, scale = (torch.empty(rows, device="cuda") for _ in range(2))
     x_scaled = torch.empty_like(x)
+
     def gemm():
         return x @ w.T
 
@@ -189,28 +240,46 @@ def forward_paths(rows: int, reps: int) -> dict:
     grad_a = split()[:, :VOCAB].float().mul_(scale[:, None])
     loss_a = loss.clone()
     grad_b = fused()[:, :VOCAB].float().mul_(scale[:, None])
-    out |= {"loss_diff": float((loss - loss_a).abs().max()),
-            "grad_rel_diff": float((grad_b - grad_a).norm() / grad_a.norm())}
+    out |= {
+        "loss_diff": float((loss - loss_a).abs().max()),
+        "grad_rel_diff": float((grad_b - grad_a).norm() / grad_a.norm()),
+    }
     return out
 
 
 def print_tables(meta, roofline, kernel, dw, forward):
     r = roofline
     print(f"\n{meta['card']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  commit {meta['commit']}")
-    print(f"slice {meta['rows']} x {PADDED} bf16 ({r['slice_gb']:.2f} GB): copy {r['copy_ms']:.3f} ms "
-          f"({r['copy_gbs']:.0f} GB/s), float32 sum {r['sum_ms']:.3f} ms ({r['sum_gbs']:.0f} GB/s)")
-    print(f"\n{'BLOCK x warps':>13s} {'ms':>7s} {'GB/s':>6s} {'x copy':>6s} {'loss err':>9s} {'grad err':>9s} {'pad 0':>5s}")
+    print(
+        f"slice {meta['rows']} x {PADDED} bf16 ({r['slice_gb']:.2f} GB): copy {r['copy_ms']:.3f} ms "
+        f"({r['copy_gbs']:.0f} GB/s), float32 sum {r['sum_ms']:.3f} ms ({r['sum_gbs']:.0f} GB/s)"
+    )
+    print(
+        f"\n{'BLOCK x warps':>13s} {'ms':>7s} {'GB/s':>6s} {'x copy':>6s} {'loss err':>9s} {'grad err':>9s}"
+        f" {'pad 0':>5s}"
+    )
     for k in kernel:
-        print(f"{k['block']:>8d} x {k['num_warps']:<2d} {k['ms']:7.3f} {k['gbs']:6.0f} {k['x_copy']:6.2f} "
-              f"{k['loss_err']:9.2e} {k['grad_err']:9.2e} {'yes' if k['pad_zero'] else 'NO':>5s}")
-    print(f"\ndW += logits.T @ x ({PADDED} x {D_MODEL} float32): bf16 mm + float add {dw['bf16_mm_float_add_ms']:.3f} ms, "
-          f"_addmm_fp32_ {dw['addmm_fp32_ms']:.3f} ms (rel err {dw['addmm_fp32_rel_err']:.1e}"
-          f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})")
+        print(
+            f"{k['block']:>8d} x {k['num_warps']:<2d} {k['ms']:7.3f} {k['gbs']:6.0f} {k['x_copy']:6.2f} "
+            f"{k['loss_err']:9.2e} {k['grad_err']:9.2e} {'yes' if k['pad_zero'] else 'NO':>5s}"
+        )
+    print(
+        f"\ndW += logits.T @ x ({PADDED} x {D_MODEL} float32): "
+        f"bf16 mm + float add {dw['bf16_mm_float_add_ms']:.3f} ms, "
+        f"_addmm_fp32_ {dw['addmm_fp32_ms']:.3f} ms (rel err {dw['addmm_fp32_rel_err']:.1e}"
+        f"{'' if dw['mixed_dtype_addmm'] else ', fell back to bf16 mm + add'})"
+    )
     f = forward
-    print(f"\nforward, x ({meta['rows']} x {D_MODEL}) to E, loss and row scales: GEMM alone {f['gemm_ms']:.3f} ms, "
-          f"GEMM + loss kernel {f['gemm_and_kernel_ms']:.3f} ms"
-          + (f", fused logits GEMM {f['fused_ms']:.3f} ms (loss diff {f['loss_diff']:.1e}, "
-             f"gradient rel. diff {f['grad_rel_diff']:.1e})" if "fused_ms" in f else ", no fused logits GEMM here"))
+    print(
+        f"\nforward, x ({meta['rows']} x {D_MODEL}) to E, loss and row scales: GEMM alone {f['gemm_ms']:.3f} ms, "
+        f"GEMM + loss kernel {f['gemm_and_kernel_ms']:.3f} ms"
+        + (
+            f", fused logits GEMM {f['fused_ms']:.3f} ms (loss diff {f['loss_diff']:.1e}, "
+            f"gradient rel. diff {f['grad_rel_diff']:.1e})"
+            if "fused_ms" in f
+            else ", no fused logits GEMM here"
+        )
+    )
 
 
 if __name__ == "__main__":

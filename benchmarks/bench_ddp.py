@@ -60,8 +60,10 @@ def exchange_spec(spec: str) -> tuple[str, dict]:
     """--exchange NAME[:KEY=VALUE,...] -> (NAME, its train.* settings); a SystemExit names what is wrong."""
     name, _, opts = spec.partition(":")
     if name not in EXCHANGES:
-        raise SystemExit(f"bench_ddp: --exchange {spec!r}: expected one of {', '.join(EXCHANGES)}, "
-                         f"optionally with :KEY=VALUE,... train settings")
+        raise SystemExit(
+            f"bench_ddp: --exchange {spec!r}: expected one of {', '.join(EXCHANGES)}, "
+            f"optionally with :KEY=VALUE,... train settings"
+        )
     return name, train_settings(opts.split(",") if opts else [])
 
 
@@ -77,8 +79,7 @@ def train_settings(items: list[str]) -> dict:
     return out
 
 
-def time_step(args, tc: TrainConfig, group: str, batch: int, accum: int, device: torch.device,
-              ddp: bool) -> dict:
+def time_step(args, tc: TrainConfig, group: str, batch: int, accum: int, device: torch.device, ddp: bool) -> dict:
     """Build the model, optimiser and step as the trainer does and time it: a result row.
     Collective when ``ddp``; otherwise this process alone. Call ``free_between_runs`` after it:
     no DDP reducer or captured graph may outlive the process group (destroying the group under
@@ -131,12 +132,22 @@ def time_step(args, tc: TrainConfig, group: str, batch: int, accum: int, device:
     s = median(secs)
     world = dist.get_world_size() if ddp else 1
     tokens = world * accum * batch * cfg.block_size
-    row = {"impl": "trainer", "reducer": step.gradients_by, "group": group, "world": world,
-           "batch_per_gpu": batch, "grad_accum": accum, "block_size": cfg.block_size,
-           "compile": tc.compile, "cuda_graph": tc.cuda_graph and cuda,
-           "ms_per_step": 1000 * s, "tokens_per_s": tokens / s,
-           "tokens_per_s_per_gpu": tokens / s / world, "warmup_s": warmup_s,
-           "peak_mem_gb": (torch.cuda.max_memory_allocated(device) - base_mem) / 2**30 if cuda else None}
+    row = {
+        "impl": "trainer",
+        "reducer": step.gradients_by,
+        "group": group,
+        "world": world,
+        "batch_per_gpu": batch,
+        "grad_accum": accum,
+        "block_size": cfg.block_size,
+        "compile": tc.compile,
+        "cuda_graph": tc.cuda_graph and cuda,
+        "ms_per_step": 1000 * s,
+        "tokens_per_s": tokens / s,
+        "tokens_per_s_per_gpu": tokens / s / world,
+        "warmup_s": warmup_s,
+        "peak_mem_gb": (torch.cuda.max_memory_allocated(device) - base_mem) / 2**30 if cuda else None,
+    }
     return row
 
 
@@ -145,19 +156,38 @@ def main():
     ap.add_argument("--preset", default="medium512")
     ap.add_argument("--groups", nargs="+", default=["gpt_base"])
     ap.add_argument("--batch", type=at_least(1), nargs="+", default=[8, 64], help="sequences per GPU a micro-step")
-    ap.add_argument("--grad-accum", type=at_least(1), nargs="+", default=[1],
-                    help="micro-steps a step (train.grad_accum); the gradients cross once a step")
-    ap.add_argument("--exchange", nargs="+", default=list(EXCHANGES), metavar="NAME[:KEY=VALUE,...]",
-                    help=f"{', '.join(EXCHANGES)}, each optionally with train settings of its own, "
-                         f"e.g. ddp:ddp_bucket_mb=100")
+    ap.add_argument(
+        "--grad-accum",
+        type=at_least(1),
+        nargs="+",
+        default=[1],
+        help="micro-steps a step (train.grad_accum); the gradients cross once a step",
+    )
+    ap.add_argument(
+        "--exchange",
+        nargs="+",
+        default=list(EXCHANGES),
+        metavar="NAME[:KEY=VALUE,...]",
+        help=f"{', '.join(EXCHANGES)}, each optionally with train settings of its own, e.g. ddp:ddp_bucket_mb=100",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-GPU step on rank 0")
-    ap.add_argument("--set", dest="sets", nargs="+", default=[], metavar="KEY=VALUE",
-                    help="other train.* settings for every row, e.g. compile=true cuda_graph=false")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="other train.* settings for every row, e.g. compile=true cuda_graph=false",
+    )
     ap.add_argument("--device", default="auto", help="train.device: auto, cpu or cuda")
     ap.add_argument("--steps", type=at_least(1), default=10)
     ap.add_argument("--blocks", type=at_least(1), default=5)
-    ap.add_argument("--warmup", type=at_least(0), default=15, help="steps before timing (the CUDA "
-                    "graph is captured after 11 under DDP)")
+    ap.add_argument(
+        "--warmup",
+        type=at_least(0),
+        default=15,
+        help="steps before timing (the CUDA graph is captured after 11 under DDP)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", action="store_true", help="also print the rows as a markdown table")
     args = ap.parse_args()
@@ -183,8 +213,14 @@ def main():
             try:
                 row = {"exchange": spec, **time_step(args, tc, group, batch, accum, device, ddp=True)}
             except ConfigError as exc:  # every rank alike: peer where it cannot run
-                row = {"exchange": spec, "group": group, "batch_per_gpu": batch, "grad_accum": accum,
-                       "world": world, "unavailable": str(exc)}
+                row = {
+                    "exchange": spec,
+                    "group": group,
+                    "batch_per_gpu": batch,
+                    "grad_accum": accum,
+                    "world": world,
+                    "unavailable": str(exc),
+                }
             free_between_runs(cuda=device.type == "cuda")
             rows.append(row)
     if rank == 0:
@@ -196,19 +232,32 @@ def report(args, rows: list[dict], settings: dict, device: torch.device, world: 
     """Rank 0: the table, the markdown rows (--markdown) and the JSON file (--json). Each timed
     row gains its efficiency: tokens/s per GPU over the one-GPU baseline's of the same group,
     batch and accumulation (None without one)."""
-    one = {(r["group"], r["batch_per_gpu"], r["grad_accum"]): r["tokens_per_s"]
-           for r in rows if r["exchange"] == "one GPU"}
+    one = {
+        (r["group"], r["batch_per_gpu"], r["grad_accum"]): r["tokens_per_s"] for r in rows if r["exchange"] == "one GPU"
+    }
     for r in rows:
         if "unavailable" not in r:
             base = one.get((r["group"], r["batch_per_gpu"], r["grad_accum"]))
             r["baseline_tokens_per_s"] = base
             r["efficiency"] = r["tokens_per_s_per_gpu"] / base if base else None
-    meta = {"card": card_name(device), "date": now(), "commit": commit(), "torch": torch.__version__,
-            "command": " ".join(sys.argv), "world": world, "preset": args.preset, "train": settings}
-    print(f"\n{meta['card']} x{world}, {args.preset}, {meta['date']}, commit {meta['commit']}"
-          + (f", train {settings}" if settings else ""))
-    print(f"{'group':12s} {'batch/GPU':>9s} {'accum':>5s}  {'exchange':10s} {'ms/step':>8s} "
-          f"{'tok/s/GPU':>10s} {'efficiency':>10s} {'peak GB':>8s}  gradients by")
+    meta = {
+        "card": card_name(device),
+        "date": now(),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "world": world,
+        "preset": args.preset,
+        "train": settings,
+    }
+    print(
+        f"\n{meta['card']} x{world}, {args.preset}, {meta['date']}, commit {meta['commit']}"
+        + (f", train {settings}" if settings else "")
+    )
+    print(
+        f"{'group':12s} {'batch/GPU':>9s} {'accum':>5s}  {'exchange':10s} {'ms/step':>8s} "
+        f"{'tok/s/GPU':>10s} {'efficiency':>10s} {'peak GB':>8s}  gradients by"
+    )
     for r in rows:
         head = f"{r['group']:12s} {r['batch_per_gpu']:9d} {r['grad_accum']:5d}  {r['exchange']:10s}"
         if "unavailable" in r:
@@ -221,22 +270,34 @@ def report(args, rows: list[dict], settings: dict, device: torch.device, world: 
         print(markdown(rows, meta))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": [r for r in rows if "unavailable" not in r],
-                       "unavailable": [r for r in rows if "unavailable" in r]}, f, indent=1)
+            json.dump(
+                {
+                    "meta": meta,
+                    "results": [r for r in rows if "unavailable" not in r],
+                    "unavailable": [r for r in rows if "unavailable" in r],
+                },
+                f,
+                indent=1,
+            )
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     """The timed rows as a markdown scaling table: a one-GPU baseline row counts one GPU."""
-    lines = ["| card | GPUs | batch/GPU x tokens | accum | exchange | compile | ms/step | tokens/s per GPU "
-             "| tokens/s | efficiency | commit |", "|---" * 11 + "|"]
+    lines = [
+        "| card | GPUs | batch/GPU x tokens | accum | exchange | compile | ms/step | tokens/s per GPU "
+        "| tokens/s | efficiency | commit |",
+        "|---" * 11 + "|",
+    ]
     for r in rows:
         if "unavailable" in r:
             continue
         gpus = 1 if r["exchange"] == "one GPU" else r["world"]
         eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] else "-"
-        lines.append(f"| {meta['card']} | {gpus} | {r['batch_per_gpu']} x {r['block_size']} | {r['grad_accum']} "
-                     f"| {r['exchange']} | {'yes' if r['compile'] else 'no'} | {r['ms_per_step']:.2f} "
-                     f"| {r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s']:,.0f} | {eff} | {meta['commit']} |")
+        lines.append(
+            f"| {meta['card']} | {gpus} | {r['batch_per_gpu']} x {r['block_size']} | {r['grad_accum']} "
+            f"| {r['exchange']} | {'yes' if r['compile'] else 'no'} | {r['ms_per_step']:.2f} "
+            f"| {r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s']:,.0f} | {eff} | {meta['commit']} |"
+        )
     return "\n".join(lines)
 
 

@@ -46,9 +46,15 @@ from oelm_core.model import build_model  # noqa: E402
 
 SAMPLINGS = {"greedy": dict(temperature=0.0), "T0.8-k50": dict(temperature=0.8, top_k=50)}
 # path -> (where it applies: "any", "cuda", "cpu"; the fast decoder's switch it turns off)
-PATHS = {"uncached": ("any", None), "reference": ("any", None), "fast": ("any", None),
-         "-graph": ("cuda", "graph"), "-decode_kernels": ("cuda", "decode_kernels"),
-         "-sample_kernels": ("cuda", "sample_kernels"), "-cpu_copies": ("cpu", "cpu_copies")}
+PATHS = {
+    "uncached": ("any", None),
+    "reference": ("any", None),
+    "fast": ("any", None),
+    "-graph": ("cuda", "graph"),
+    "-decode_kernels": ("cuda", "decode_kernels"),
+    "-sample_kernels": ("cuda", "sample_kernels"),
+    "-cpu_copies": ("cpu", "cpu_copies"),
+}
 
 
 def tokens_of(model, path, prompt, cfg):
@@ -101,13 +107,23 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     cuda = device.type == "cuda"
     paths = [p for p in args.paths if PATHS[p][0] in ("any", device.type)]
     # After --threads: on CPU the card names the thread count the figures were taken with.
-    meta = {"card": card_name(device), "device": str(device), "date": now(), "commit": commit(),
-            "torch": torch.__version__, "command": " ".join(sys.argv), "load_average": os.getloadavg()}
+    meta = {
+        "card": card_name(device),
+        "device": str(device),
+        "date": now(),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "load_average": os.getloadavg(),
+    }
     print(json.dumps(meta), flush=True)
     rows, mismatches = [], []
     for preset in args.presets:
@@ -133,13 +149,25 @@ def main():
                 n = len(r[0][2])
                 mode, step, sampler = describe(model, path, cfg)
                 total = median([t for _, t, _, _ in r])
-                row = {"preset": preset, "sampling": sampling, **SAMPLINGS[sampling], "path": path,
-                       "decoder": mode, "step": step, "sampler": sampler, "new_tokens": n,
-                       "same_tokens": same, "ttft_ms": 1000 * median([f for f, _, _, _ in r]),
-                       "decode_ms_per_token": 1000 * median([(t - f) / max(n - 1, 1) for f, t, _, _ in r]),
-                       "total_s": total, "tokens_per_s": n / total, "runs_s": [t for _, t, _, _ in r],
-                       # On a busy CPU the process's own CPU time shows the work better than the clock.
-                       "cpu_tokens_per_s": n / median([c for _, _, _, c in r]), "dtype": args.dtype}
+                row = {
+                    "preset": preset,
+                    "sampling": sampling,
+                    **SAMPLINGS[sampling],
+                    "path": path,
+                    "decoder": mode,
+                    "step": step,
+                    "sampler": sampler,
+                    "new_tokens": n,
+                    "same_tokens": same,
+                    "ttft_ms": 1000 * median([f for f, _, _, _ in r]),
+                    "decode_ms_per_token": 1000 * median([(t - f) / max(n - 1, 1) for f, t, _, _ in r]),
+                    "total_s": total,
+                    "tokens_per_s": n / total,
+                    "runs_s": [t for _, t, _, _ in r],
+                    # On a busy CPU the process's own CPU time shows the work better than the clock.
+                    "cpu_tokens_per_s": n / median([c for _, _, _, c in r]),
+                    "dtype": args.dtype,
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del model
@@ -148,19 +176,28 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
-    print(f"\n{meta['card']} ({device})  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}  "
-          f"{args.dtype}, {args.new_tokens} new tokens after {args.prompt_tokens}")
-    print(f"{'preset':10s} {'sampling':9s} {'path':16s} {'decoder':7s} {'step':13s} {'sampler':7s} "
-          f"{'TTFT ms':>8s} {'ms/tok':>8s} {'tok/s':>9s} {'fast saves':>10s}"
-          + (f" {'CPU-time tok/s':>14s}" if not cuda else ""))
+    print(
+        f"\n{meta['card']} ({device})  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}  "
+        f"{args.dtype}, {args.new_tokens} new tokens after {args.prompt_tokens}"
+    )
+    print(
+        f"{'preset':10s} {'sampling':9s} {'path':16s} {'decoder':7s} {'step':13s} {'sampler':7s} "
+        f"{'TTFT ms':>8s} {'ms/tok':>8s} {'tok/s':>9s} {'fast saves':>10s}"
+        + (f" {'CPU-time tok/s':>14s}" if not cuda else "")
+    )
     for r in rows:
-        fast = next((q for q in rows if q["preset"] == r["preset"] and q["sampling"] == r["sampling"]
-                     and q["path"] == "fast"), None)
+        fast = next(
+            (q for q in rows if q["preset"] == r["preset"] and q["sampling"] == r["sampling"] and q["path"] == "fast"),
+            None,
+        )
         saves = "" if fast is None or r is fast else f"{1 - r['tokens_per_s'] / fast['tokens_per_s']:10.1%}"
-        print(f"{r['preset']:10s} {r['sampling']:9s} {r['path']:16s} {r['decoder']:7s} {r['step']:13s} "
-              f"{r['sampler']:7s} {r['ttft_ms']:8.1f} {r['decode_ms_per_token']:8.3f} {r['tokens_per_s']:9.1f} "
-              f"{saves:>10s}" + (f" {r['cpu_tokens_per_s']:14.1f}" if not cuda else "")
-              + ("" if r["same_tokens"] else "  OTHER TOKENS THAN THE REFERENCE"))
+        print(
+            f"{r['preset']:10s} {r['sampling']:9s} {r['path']:16s} {r['decoder']:7s} {r['step']:13s} "
+            f"{r['sampler']:7s} {r['ttft_ms']:8.1f} {r['decode_ms_per_token']:8.3f} {r['tokens_per_s']:9.1f} "
+            f"{saves:>10s}"
+            + (f" {r['cpu_tokens_per_s']:14.1f}" if not cuda else "")
+            + ("" if r["same_tokens"] else "  OTHER TOKENS THAN THE REFERENCE")
+        )
     if mismatches:
         # bfloat16: the fused step keeps float32 inside, so its tokens may differ from the reference.
         message = f"paths that gave other tokens than the reference loop: {mismatches}"

@@ -35,8 +35,12 @@ VOCAB, PADDED, D_MODEL = _DEFAULT.vocab_size, _DEFAULT.padded_vocab_size, _DEFAU
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 8192], help="tokens per step (batch x 512)")
-    ap.add_argument("--chunk", type=at_least(1), default=TrainConfig.loss_chunk_tokens,
-                    help="tokens per slice of the fused loss (default: train.loss_chunk_tokens)")
+    ap.add_argument(
+        "--chunk",
+        type=at_least(1),
+        default=TrainConfig.loss_chunk_tokens,
+        help="tokens per slice of the fused loss (default: train.loss_chunk_tokens)",
+    )
     ap.add_argument("--fused-logits", type=int, choices=[0, 1], default=1, help="train.fused_logits")
     ap.add_argument("--blocks", type=at_least(1), default=7)
     ap.add_argument("--json", default=None)
@@ -48,9 +52,12 @@ def main():
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.nn.Parameter(torch.randn(PADDED, D_MODEL, device=device, generator=g) * 0.02)
     reference = OutputLoss(VOCAB)
-    paths = {"fused": lambda x, t: linear_cross_entropy(x, w, t, VOCAB, chunk=args.chunk,
-                                                        fused_logits=bool(args.fused_logits)),
-             "reference": lambda x, t: reference(x, w, t)}
+    paths = {
+        "fused": lambda x, t: linear_cross_entropy(
+            x, w, t, VOCAB, chunk=args.chunk, fused_logits=bool(args.fused_logits)
+        ),
+        "reference": lambda x, t: reference(x, w, t),
+    }
     rows = []
     for n in args.tokens:
         x = torch.randn(n, D_MODEL, device=device, generator=g).requires_grad_()
@@ -69,14 +76,22 @@ def main():
             time_blocks(step, 1, 3, cuda=True)
             ms = 1000 * median(time_blocks(step, args.blocks, 10, cuda=True))
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-            rows.append({"path": name, "tokens": n, "chunk": args.chunk if name == "fused" else None,
-                         "fused_logits": bool(args.fused_logits) if name == "fused" else None,
-                         "ms": ms, "peak_gib_above_inputs": peak})
+            rows.append(
+                {
+                    "path": name,
+                    "tokens": n,
+                    "chunk": args.chunk if name == "fused" else None,
+                    "fused_logits": bool(args.fused_logits) if name == "fused" else None,
+                    "ms": ms,
+                    "peak_gib_above_inputs": peak,
+                }
+            )
             print(f"{name:9s} {n} tokens: {ms:.3f} ms forward + backward, peak +{peak:.2f} GiB")
     out = {"card": card_name(), "date": now(), "commit": commit(), "command": " ".join(sys.argv), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

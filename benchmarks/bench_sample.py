@@ -54,8 +54,14 @@ def main():
     if not torch.cuda.is_available() or sample_kernels.triton is None:
         print("bench_sample: needs CUDA and Triton. Nothing to do.")
         return
-    meta = {"card": card_name(), "date": now(), "commit": commit(), "torch": torch.__version__,
-            "triton": sample_kernels.triton.__version__, "command": " ".join(sys.argv)}
+    meta = {
+        "card": card_name(),
+        "date": now(),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "triton": sample_kernels.triton.__version__,
+        "command": " ".join(sys.argv),
+    }
     print(json.dumps(meta), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(1, VOCAB, device="cuda", generator=g) * 3
@@ -66,12 +72,20 @@ def main():
         agree = 0
         for i in range(256):
             s, t = seed_tensor(i, "cuda"), torch.tensor([i * 7], device="cuda")
-            agree += int(torch.equal(sample(logits, cfg, s, t),
-                                     sample_from_noise(logits, cfg, gumbel_noise(s, t, 1, VOCAB)[0])))
-        row = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "agree_of_256": agree,
-               "fused": sample_kernels.supports(logits, top_k, top_p)}
-        draws = {"torch": lambda: sample_from_noise(logits, cfg, gumbel_noise(seed, step, 1, VOCAB)[0]),
-                 "triton": lambda: sample(logits, cfg, seed, step)}
+            agree += int(
+                torch.equal(sample(logits, cfg, s, t), sample_from_noise(logits, cfg, gumbel_noise(s, t, 1, VOCAB)[0]))
+            )
+        row = {
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "agree_of_256": agree,
+            "fused": sample_kernels.supports(logits, top_k, top_p),
+        }
+        draws = {
+            "torch": lambda: sample_from_noise(logits, cfg, gumbel_noise(seed, step, 1, VOCAB)[0]),
+            "triton": lambda: sample(logits, cfg, seed, step),
+        }
         for name, fn in draws.items():
             graph = graph_of(fn)
             time_blocks(graph.replay, 1, 5, cuda=True)
@@ -84,8 +98,10 @@ def main():
     print(f"\n{meta['card']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  commit {meta['commit']}")
     print(f"{'T':>4s} {'top-k':>5s} {'top-p':>5s} {'torch us':>9s} {'triton us':>9s} {'speed-up':>8s} {'agree':>7s}")
     for r in rows:
-        print(f"{r['temperature']:4.1f} {r['top_k']:5d} {r['top_p']:5.2f} {r['torch_us']:9.1f} {r['triton_us']:9.1f} "
-              f"{r['torch_us'] / r['triton_us']:7.1f}x {r['agree_of_256']:3d}/256")
+        print(
+            f"{r['temperature']:4.1f} {r['top_k']:5d} {r['top_p']:5.2f} {r['torch_us']:9.1f} {r['triton_us']:9.1f} "
+            f"{r['torch_us'] / r['triton_us']:7.1f}x {r['agree_of_256']:3d}/256"
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,7 @@ from oelm_core.step import configure_optimizer  # noqa: E402
 
 FAST_PATHS = ("fused_loss", "fused_logits", "cuda_graph")
 # A variant's options and, where the set is closed, their values (compile: 0, 1 or a torch.compile mode).
-OPTIONS = {**{path: ("0", "1") for path in FAST_PATHS}, "compile": None,
-           "chunk": None, "pad": ("0", "1")}
+OPTIONS = {**{path: ("0", "1") for path in FAST_PATHS}, "compile": None, "chunk": None, "pad": ("0", "1")}
 REFERENCE_OPTIONS = ("compile", "cuda_graph", "pad")
 
 
@@ -75,20 +74,22 @@ def compile_modes() -> list[str]:
 def check_option(spec: str, group: str, k: str, val: str) -> None:
     """ValueError, naming ``spec``, unless ``k=val`` is an option ``group`` takes."""
     if k not in OPTIONS:
-        raise ValueError(f"{spec}: unknown option {k!r}; a variant's options are "
-                         f"{', '.join(OPTIONS)} (e.g. gpt_base:fused_logits=0,compile=1)")
+        raise ValueError(
+            f"{spec}: unknown option {k!r}; a variant's options are "
+            f"{', '.join(OPTIONS)} (e.g. gpt_base:fused_logits=0,compile=1)"
+        )
     if not val:
         raise ValueError(f"{spec}: {k} needs a value ({k}=...)")
     if group == "reference" and k not in REFERENCE_OPTIONS:
-        raise ValueError(f"{spec}: the reference takes only {', '.join(REFERENCE_OPTIONS)} (no fast "
-                         f"path applies to it)")
+        raise ValueError(
+            f"{spec}: the reference takes only {', '.join(REFERENCE_OPTIONS)} (no fast path applies to it)"
+        )
     if k == "pad" and group != "reference":
         raise ValueError(f"{spec}: pad is the reference's option")
     if OPTIONS[k] and val not in OPTIONS[k]:
         raise ValueError(f"{spec}: {k}={val} is not one of {'|'.join(OPTIONS[k])}")
     if k == "compile" and val not in ("0", "1", *compile_modes()):
-        raise ValueError(f"{spec}: compile={val} is not 0, 1 or a torch.compile mode "
-                         f"({', '.join(compile_modes())})")
+        raise ValueError(f"{spec}: compile={val} is not 0, 1 or a torch.compile mode ({', '.join(compile_modes())})")
     if k == "chunk" and not (val.isdigit() and int(val) > 0):
         raise ValueError(f"{spec}: chunk={val} must be a positive integer (tokens per loss slice)")
 
@@ -121,12 +122,15 @@ def expand(specs: list[str], compiles: list[str], off: list[str]) -> list[dict]:
     out = []
     for spec in specs:
         v = parse_variant(spec)
-        for c in ([v["compile"]] if "compile" in v else compiles):
+        for c in [v["compile"]] if "compile" in v else compiles:
             named = {} if "compile" in v or len(compiles) == 1 else {"compile": c}
             out.append({**v, "compile": c, "label": with_options(spec, **named)})
             if v["group"] != "reference":
-                out += [{**v, "compile": c, path: "0", "label": with_options(spec, **named, **{path: "0"})}
-                        for path in off if path not in v]
+                out += [
+                    {**v, "compile": c, path: "0", "label": with_options(spec, **named, **{path: "0"})}
+                    for path in off
+                    if path not in v
+                ]
     return out
 
 
@@ -155,16 +159,22 @@ def build(v: dict, tc: TrainConfig, preset: str, device):
 def applied(v: dict, tc: TrainConfig, model, step, device) -> dict:
     """Which fast paths ran in the timed steps (not only which were asked for)."""
     if v["group"] == "reference":
-        return {"fused_loss": False, "fused_logits": False,
-                "cuda_graph": bool(getattr(step, "cuda_graph", False))}
+        return {"fused_loss": False, "fused_logits": False, "cuda_graph": bool(getattr(step, "cuda_graph", False))}
     fused_loss = isinstance(model.output_loss, ChunkedOutputLoss)
     fused_logits = False
     if device.type == "cuda":
         from oelm_core.fast import logits_gemm
-        fused_logits = fused_loss and tc.fused_logits and logits_gemm.available(
-            device, torch.bfloat16, model.cfg.d_model, model.cfg.padded_vocab_size)
-    return {"fused_loss": fused_loss, "fused_logits": bool(fused_logits),
-            "cuda_graph": bool(getattr(step, "cuda_graph", False))}
+
+        fused_logits = (
+            fused_loss
+            and tc.fused_logits
+            and logits_gemm.available(device, torch.bfloat16, model.cfg.d_model, model.cfg.padded_vocab_size)
+        )
+    return {
+        "fused_loss": fused_loss,
+        "fused_logits": bool(fused_logits),
+        "cuda_graph": bool(getattr(step, "cuda_graph", False)),
+    }
 
 
 def inductor_mode(v: dict):
@@ -172,6 +182,7 @@ def inductor_mode(v: dict):
     if v["compile"] in ("0", "1"):
         return contextlib.nullcontext()
     import torch._inductor.config
+
     return torch._inductor.config.patch(torch._inductor.list_mode_options()[v["compile"]])
 
 
@@ -217,16 +228,26 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
     tokens = batch * cfg.block_size
     fpt = flops_per_token(cfg)["total"]
     peak = peak_flops(device) if cuda else None
-    r = {"label": v["label"], "group": v["group"], "batch": batch, "tokens_per_step": tokens,
-         "ms_per_step": 1000 * s, "tokens_per_s": tokens / s,
-         "ms_min": 1000 * min(secs), "ms_max": 1000 * max(secs),
-         "mfu": (tokens / s * fpt / peak) if peak else None, "flops_per_token": fpt,
-         "peak_mem_gb": (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None,
-         "compile_s": compile_s, "loss": loss, "kernel_ms_per_step": breakdown,
-         "dynamo_graphs": graphs_after - graphs_before if graphs_after is not None else None,
-         "options": {k: v[k] for k in v if k != "label"},
-         "train": {k: getattr(tc, k) for k in (*FAST_PATHS, "compile", "loss_chunk_tokens")},
-         "applied": applied(v, tc, model, step, device)}
+    r = {
+        "label": v["label"],
+        "group": v["group"],
+        "batch": batch,
+        "tokens_per_step": tokens,
+        "ms_per_step": 1000 * s,
+        "tokens_per_s": tokens / s,
+        "ms_min": 1000 * min(secs),
+        "ms_max": 1000 * max(secs),
+        "mfu": (tokens / s * fpt / peak) if peak else None,
+        "flops_per_token": fpt,
+        "peak_mem_gb": (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None,
+        "compile_s": compile_s,
+        "loss": loss,
+        "kernel_ms_per_step": breakdown,
+        "dynamo_graphs": graphs_after - graphs_before if graphs_after is not None else None,
+        "options": {k: v[k] for k in v if k != "label"},
+        "train": {k: getattr(tc, k) for k in (*FAST_PATHS, "compile", "loss_chunk_tokens")},
+        "applied": applied(v, tc, model, step, device),
+    }
     step = model = last[0] = None  # the closure holds the step and the last loss: drop them first
     free_between_runs(cuda)
     return r
@@ -243,7 +264,9 @@ def dynamo_graphs():
 
 def profile(one, v: dict, batch: int, args, steps: int = 3) -> dict:
     """GPU time per step by kernel family over ``steps`` steps; the profiler's table to --out-dir."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             one()
@@ -275,8 +298,9 @@ def kernel_breakdown(events, steps: int) -> dict:
         if us <= 0:
             continue
         key = e.key.lower()
-        family = next((name for name, pats in KERNEL_FAMILIES if any(p in key for p in pats)),
-                      "other elementwise and reductions")
+        family = next(
+            (name for name, pats in KERNEL_FAMILIES if any(p in key for p in pats)), "other elementwise and reductions"
+        )
         out[family] += us / 1000 / steps
     out["total"] = sum(out.values())
     return out
@@ -307,14 +331,19 @@ def agreement(preset: str, device, batch: int = 4) -> dict:
                 loss = m(x, y)
             loss.backward()
             losses[name] = loss.item()
-            grads[name] = (reference_grads_as_model(ref, fast_model) if name == "reference"
-                           else {n: p.grad for n, p in m.named_parameters()})
+            grads[name] = (
+                reference_grads_as_model(ref, fast_model)
+                if name == "reference"
+                else {n: p.grad for n, p in m.named_parameters()}
+            )
         names = [n for n, _ in fast_model.named_parameters()]
         for other in ("plain", "reference"):
             out[f"{variant}: fast vs {other}"] = {
                 "loss_abs_diff": abs(losses["fast"] - losses[other]),
                 "max_grad_rel_diff": max(rel(grads["fast"][n], grads[other][n]) for n in names),
-                "batch": batch, "block_size": t}
+                "batch": batch,
+                "block_size": t,
+            }
     return out
 
 
@@ -322,12 +351,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="medium512")
     ap.add_argument("--batch", type=at_least(1), nargs="+", default=[16, 64])
-    ap.add_argument("--groups", nargs="+", default=["reference", "gpt_base", "oelm_nofreeze", "oelm_freeze"],
-                    help="variants: a group (a model variant or 'reference') with options, e.g. gpt_base:fused_logits=0")
-    ap.add_argument("--compile", nargs="+", default=["0"],
-                    help="train.compile for the variants that set none: 0, 1 or a torch.compile mode (several: each)")
-    ap.add_argument("--off", nargs="*", default=[], choices=FAST_PATHS,
-                    help="also time every group but the reference with each of these fast paths off")
+    ap.add_argument(
+        "--groups",
+        nargs="+",
+        default=["reference", "gpt_base", "oelm_nofreeze", "oelm_freeze"],
+        help="variants: a group (a model variant or 'reference') with options, e.g. gpt_base:fused_logits=0",
+    )
+    ap.add_argument(
+        "--compile",
+        nargs="+",
+        default=["0"],
+        help="train.compile for the variants that set none: 0, 1 or a torch.compile mode (several: each)",
+    )
+    ap.add_argument(
+        "--off",
+        nargs="*",
+        default=[],
+        choices=FAST_PATHS,
+        help="also time every group but the reference with each of these fast paths off",
+    )
     ap.add_argument("--steps", type=at_least(1), default=10, help="steps per timed block")
     ap.add_argument("--blocks", type=at_least(1), default=7, help="timed blocks (the median is reported)")
     ap.add_argument("--warmup", type=at_least(0), default=10, help="steps after compilation before timing")
@@ -348,8 +390,14 @@ def main():
     if args.cache_in and os.path.exists(args.cache_in):
         with open(args.cache_in, "rb") as f:
             torch.compiler.load_cache_artifacts(f.read())
-    meta = {"card": card_name(device), "date": now(), "commit": commit(), "torch": torch.__version__,
-            "command": " ".join(sys.argv), "preset": args.preset}
+    meta = {
+        "card": card_name(device),
+        "date": now(),
+        "commit": commit(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "preset": args.preset,
+    }
     print(json.dumps(meta), flush=True)
     results, checks = [], {}
     if args.check:
@@ -362,6 +410,7 @@ def main():
                     r = bench_one(dict(v), batch, args, device)
             except Exception as e:  # keep the other figures
                 import traceback
+
                 traceback.print_exc()
                 r = {"label": v["label"], "group": v["group"], "batch": batch, "options": v, "error": repr(e)[:300]}
             results.append(r)
@@ -388,13 +437,21 @@ def _setting(r: dict) -> tuple:
 
 def print_table(meta, results):
     ok = [r for r in results if "error" not in r]
-    ref = {(r["batch"], r["options"]["compile"]): r["tokens_per_s"] for r in ok
-           if r["group"] == "reference" and set(r["options"]) <= {"group", "compile"}}
-    all_on = {(r["group"], _setting(r)): r["ms_per_step"] for r in ok
-              if r["group"] != "reference" and not any(r["options"].get(p) == "0" for p in FAST_PATHS)}
+    ref = {
+        (r["batch"], r["options"]["compile"]): r["tokens_per_s"]
+        for r in ok
+        if r["group"] == "reference" and set(r["options"]) <= {"group", "compile"}
+    }
+    all_on = {
+        (r["group"], _setting(r)): r["ms_per_step"]
+        for r in ok
+        if r["group"] != "reference" and not any(r["options"].get(p) == "0" for p in FAST_PATHS)
+    }
     print(f"\n{meta['card']}  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}  preset {meta['preset']}")
-    print(f"{'variant':52s} {'batch':>5s} {'tok/s':>10s} {'ms/step':>8s} {'MFU':>6s} {'mem GB':>7s} "
-          f"{'x ref':>6s} {'vs on':>6s} {'comp s':>6s}")
+    print(
+        f"{'variant':52s} {'batch':>5s} {'tok/s':>10s} {'ms/step':>8s} {'MFU':>6s} {'mem GB':>7s} "
+        f"{'x ref':>6s} {'vs on':>6s} {'comp s':>6s}"
+    )
     for r in results:
         if "error" in r:
             print(f"{r['label']:52s} {r['batch']:5d}  ERROR {r['error'][:60]}")
@@ -405,8 +462,10 @@ def print_table(meta, results):
         x = f"{r['tokens_per_s'] / x:6.2f}" if x else "     -"
         on = all_on.get((r["group"], _setting(r)))
         on = f"{r['ms_per_step'] / on:6.3f}" if on else "     -"
-        print(f"{r['label']:52s} {r['batch']:5d} {r['tokens_per_s']:10.0f} {r['ms_per_step']:8.2f} {mfu} {mem} "
-              f"{x} {on} {r['compile_s']:6.0f}")
+        print(
+            f"{r['label']:52s} {r['batch']:5d} {r['tokens_per_s']:10.0f} {r['ms_per_step']:8.2f} {mfu} {mem} "
+            f"{x} {on} {r['compile_s']:6.0f}"
+        )
     profiled = [r for r in ok if r.get("kernel_ms_per_step")]
     if profiled:
         families = list(profiled[0]["kernel_ms_per_step"])

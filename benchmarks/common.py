@@ -41,8 +41,9 @@ def commit() -> str:
     if os.environ.get("OELM_COMMIT"):
         return os.environ["OELM_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:
         return "unknown"
 
@@ -53,6 +54,7 @@ def now() -> str:
 
 def at_least(low: int):
     """argparse type: an integer >= ``low`` (argparse names the flag in its error)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -61,6 +63,7 @@ def at_least(low: int):
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
+
     return parse
 
 

@@ -67,7 +67,7 @@ class ReferenceGPT(nn.Module):
             if n.endswith("c_proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
         with torch.no_grad():
-            self.wte.weight[cfg.vocab_size:].zero_()
+            self.wte.weight[cfg.vocab_size :].zero_()
 
     def forward(self, idx, targets=None):
         t = idx.size(1)
@@ -91,7 +91,7 @@ def copy_from(ref: ReferenceGPT, model) -> ReferenceGPT:
         rb.ln_1.load_state_dict(b.ln_1.state_dict())
         rb.ln_2.load_state_dict(b.ln_2.state_dict())
         rb.attn.c_attn.weight[: 2 * d].copy_(b.attn.qk.weight)
-        rb.attn.c_attn.weight[2 * d:].copy_(b.attn.v.weight)
+        rb.attn.c_attn.weight[2 * d :].copy_(b.attn.v.weight)
         rb.attn.c_proj.load_state_dict(b.attn.proj.state_dict())
         rb.c_fc.load_state_dict(b.mlp.fc.state_dict())
         rb.c_proj.load_state_dict(b.mlp.proj.state_dict())
@@ -111,7 +111,7 @@ def reference_grads_as_model(ref: ReferenceGPT, model) -> dict:
                 out[f"{pre}{ln}.{name}"] = p.grad
         g = rb.attn.c_attn.weight.grad
         out[f"{pre}attn.qk.weight"] = None if g is None else g[: 2 * d]
-        out[f"{pre}attn.v.weight"] = None if g is None else g[2 * d:]
+        out[f"{pre}attn.v.weight"] = None if g is None else g[2 * d :]
         for name, p in rb.attn.c_proj.named_parameters():
             out[f"{pre}attn.proj.{name}"] = p.grad
         for name, p in rb.c_fc.named_parameters():

@@ -15,15 +15,15 @@
 #    from peaked (d = 512, 128 tokens: entropy 4.37 nats, uniform 4.85).
 
 # %% tags=["parameters"]
-d = 512            # width of the square Q/K matrices
+d = 512  # width of the square Q/K matrices
 n_head = 8
-n_vectors = 256    # random vectors for the isometry check
-n_tokens = 128     # tokens for the logit statistics
-jl_points = 64     # points whose pairwise distances are projected
+n_vectors = 256  # random vectors for the isometry check
+n_tokens = 128  # tokens for the logit statistics
+jl_points = 64  # points whose pairwise distances are projected
 jl_trials = 3
 construction_repeats = 3
 seed = 0
-fig_dir = "runs/notebooks/figures"   # a relative path is taken from the repository root
+fig_dir = "runs/notebooks/figures"  # a relative path is taken from the repository root
 
 # %%
 # Paths in the parameters (parameter files, out_dir, the data cache) are taken from the repository
@@ -37,10 +37,11 @@ if Path.cwd().name == "notebooks" and (Path.cwd().parent / "oelm_core").is_dir()
 if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
     sys.path.insert(0, str(Path.cwd()))  # this checkout's oelm_core, installed or not
 from IPython.display import Markdown, display
-# %matplotlib inline
 
+# %matplotlib inline
 from oelm_core.notebooks import check_kernel_parameters
-check_kernel_parameters("01_theory", globals())   # what papermill injected, too
+
+check_kernel_parameters("01_theory", globals())  # what papermill injected, too
 from oelm_core import analysis as A
 from oelm_core.orthogonal import ORTHOGONAL_METHODS
 

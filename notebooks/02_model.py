@@ -6,9 +6,9 @@
 # registered in `oelm_core.VARIANTS`.
 
 # %% tags=["parameters"]
-preset = "medium512"       # the shape whose parameters are tabulated
+preset = "medium512"  # the shape whose parameters are tabulated
 grad_check_preset = "tiny"  # the small model of the gradient-flow check
-all_variants = True         # tabulate the ablation variants too
+all_variants = True  # tabulate the ablation variants too
 
 # %%
 # Paths in the parameters (parameter files, out_dir, the data cache) are taken from the repository
@@ -22,10 +22,11 @@ if Path.cwd().name == "notebooks" and (Path.cwd().parent / "oelm_core").is_dir()
 if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
     sys.path.insert(0, str(Path.cwd()))  # this checkout's oelm_core, installed or not
 from IPython.display import Markdown, display
-# %matplotlib inline
 
+# %matplotlib inline
 from oelm_core.notebooks import check_kernel_parameters
-check_kernel_parameters("02_model", globals())   # what papermill injected, too
+
+check_kernel_parameters("02_model", globals())  # what papermill injected, too
 import oelm_core
 from oelm_core import analysis as A
 

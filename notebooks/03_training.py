@@ -14,12 +14,12 @@
 
 # %% tags=["parameters"]
 params = "parameters/smoke/oelm_freeze.yaml"
-overrides = []                 # --set strings (see above)
-nproc = 1                      # processes (GPUs) of this run
-cuda_visible_devices = ""      # "" for CPU, "0" for one GPU, "0,1" for two
-run_dir = None                 # None: the parameter file's out_dir
-resume = False                 # True: continue the run in run_dir from its newest checkpoint
-progress_bar = False           # a tqdm bar does not stream well into a notebook
+overrides = []  # --set strings (see above)
+nproc = 1  # processes (GPUs) of this run
+cuda_visible_devices = ""  # "" for CPU, "0" for one GPU, "0,1" for two
+run_dir = None  # None: the parameter file's out_dir
+resume = False  # True: continue the run in run_dir from its newest checkpoint
+progress_bar = False  # a tqdm bar does not stream well into a notebook
 
 # %%
 # Paths in the parameters (parameter files, out_dir, the data cache) are taken from the repository
@@ -33,16 +33,24 @@ if Path.cwd().name == "notebooks" and (Path.cwd().parent / "oelm_core").is_dir()
 if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
     sys.path.insert(0, str(Path.cwd()))  # this checkout's oelm_core, installed or not
 from IPython.display import Markdown, display
-# %matplotlib inline
 
+# %matplotlib inline
 from oelm_core.notebooks import check_kernel_parameters
-check_kernel_parameters("03_training", globals())   # what papermill injected, too
+
+check_kernel_parameters("03_training", globals())  # what papermill injected, too
 from oelm_core import analysis as A
 from oelm_core.runner.launch import launch_training
 
 # %%
-run_dir = launch_training(params, overrides, nproc=nproc, cuda_visible_devices=cuda_visible_devices,
-                          run_dir=run_dir, resume=resume, progress=progress_bar)
+run_dir = launch_training(
+    params,
+    overrides,
+    nproc=nproc,
+    cuda_visible_devices=cuda_visible_devices,
+    run_dir=run_dir,
+    resume=resume,
+    progress=progress_bar,
+)
 run_dir
 
 # %% [markdown]

@@ -15,12 +15,12 @@
 # time-based views are left out.
 
 # %% tags=["parameters"]
-run_dirs = []                  # run folders, or folders that hold them (a study folder)
-out_dir = "runs/notebooks/analysis"   # a relative path is taken from the repository root
-fig_dir = None                 # None: <out_dir>/figures
-which = "final"                # 'final', 'best' or 'report' (the held-out half; runs with train.report_holdout)
-compare_across = []            # settings the compared groups may differ in (tuned groups: lr, min_lr, dropout)
-timed_alone = True             # False: the runs shared GPUs, speed not compared; True asserts nothing (records decide)
+run_dirs = []  # run folders, or folders that hold them (a study folder)
+out_dir = "runs/notebooks/analysis"  # a relative path is taken from the repository root
+fig_dir = None  # None: <out_dir>/figures
+which = "final"  # 'final', 'best' or 'report' (the held-out half; runs with train.report_holdout)
+compare_across = []  # settings the compared groups may differ in (tuned groups: lr, min_lr, dropout)
+timed_alone = True  # False: the runs shared GPUs, speed not compared; True asserts nothing (records decide)
 attention_text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
 layer = 0
 head = 0
@@ -40,17 +40,33 @@ if Path.cwd().name == "notebooks" and (Path.cwd().parent / "oelm_core").is_dir()
 if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
     sys.path.insert(0, str(Path.cwd()))  # this checkout's oelm_core, installed or not
 from IPython.display import Markdown, display
-# %matplotlib inline
 
+# %matplotlib inline
 from oelm_core.notebooks import check_kernel_parameters
-check_kernel_parameters("04_analysis", globals())   # what papermill injected, too
+
+check_kernel_parameters("04_analysis", globals())  # what papermill injected, too
 from oelm_core import analysis as A
 
 out_dir = A.REPO / out_dir  # an absolute path stays as it is
 fig_dir = A.REPO / fig_dir if fig_dir else out_dir / 'figures'
 runs = A.load_runs(run_dirs)
-display(Markdown(A.markdown_table([{'run': r.name, 'variant': r.variant, 'preset': r.preset, 'seed': r.seed,
-                                    'steps': r.value('steps'), 'folder': str(r.path)} for r in runs])))
+display(
+    Markdown(
+        A.markdown_table(
+            [
+                {
+                    'run': r.name,
+                    'variant': r.variant,
+                    'preset': r.preset,
+                    'seed': r.seed,
+                    'steps': r.value('steps'),
+                    'folder': str(r.path),
+                }
+                for r in runs
+            ]
+        )
+    )
+)
 
 # %% [markdown]
 # ## Training and validation curves
@@ -146,8 +162,7 @@ display(Markdown(A.checkpoint_note(which)))
 if models:
     display(A.attention_figure(models, attention_text, layer, head, max_tokens, fig_dir / 'attention.png'))
     summary = {label: A.attention_summary(m, attention_text, max_tokens) for label, m in models.items()}
-    display(Markdown(A.markdown_table([{'model': label, **row} for label, rows in summary.items()
-                                       for row in rows])))
+    display(Markdown(A.markdown_table([{'model': label, **row} for label, rows in summary.items() for row in rows])))
 
 # %% [markdown]
 # ## Samples
@@ -160,7 +175,13 @@ display(Markdown(A.markdown_table(samples) if samples else '(no checkpoints)'))
 # ## Written results
 
 # %%
-result = A.write_results(runs, out_dir, which, extra_markdown=A.samples_markdown(samples, which),
-                         compare_across=compare_across, timed_alone=timed_alone)
+result = A.write_results(
+    runs,
+    out_dir,
+    which,
+    extra_markdown=A.samples_markdown(samples, which),
+    compare_across=compare_across,
+    timed_alone=timed_alone,
+)
 assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()
 print((out_dir / 'results.md').read_text())

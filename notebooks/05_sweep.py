@@ -15,14 +15,14 @@
 #   False -p sweep_file parameters/sweeps/a3_heads.yaml`.
 
 # %% tags=["parameters"]
-sweep_file = "parameters/sweeps/a6_layers.yaml"   # a3_heads, a4_head_dim, a5_context, a6_layers
+sweep_file = "parameters/sweeps/a6_layers.yaml"  # a3_heads, a4_head_dim, a5_context, a6_layers
 out_root = "runs/sweeps"
-smoke = True              # the sweep file's smoke points and settings (CPU, ~2 minutes)
-runner = "inprocess"      # "inprocess", "subprocess" or "notebook"
-variants = None           # None: the file's (gpt_base, oelm_nofreeze, oelm_freeze)
-seeds = None              # None: the file's
-overrides = {}            # dotted keys applied to every run, e.g. {"train.steps": 400}
-figure_path = None        # None: sweep.png in the sweep's folder (<out_root>/<sweep> or <sweep>_smoke)
+smoke = True  # the sweep file's smoke points and settings (CPU, ~2 minutes)
+runner = "inprocess"  # "inprocess", "subprocess" or "notebook"
+variants = None  # None: the file's (gpt_base, oelm_nofreeze, oelm_freeze)
+seeds = None  # None: the file's
+overrides = {}  # dotted keys applied to every run, e.g. {"train.steps": 400}
+figure_path = None  # None: sweep.png in the sweep's folder (<out_root>/<sweep> or <sweep>_smoke)
 
 # %%
 # Paths in the parameters (parameter files, out_dir, the data cache) are taken from the repository
@@ -36,16 +36,18 @@ if Path.cwd().name == "notebooks" and (Path.cwd().parent / "oelm_core").is_dir()
 if (Path.cwd() / "oelm_core").is_dir() and str(Path.cwd()) not in sys.path:
     sys.path.insert(0, str(Path.cwd()))  # this checkout's oelm_core, installed or not
 from IPython.display import Markdown, display
-# %matplotlib inline
 
+# %matplotlib inline
 from oelm_core.notebooks import check_kernel_parameters
-check_kernel_parameters("05_sweep", globals())   # what papermill injected, too
+
+check_kernel_parameters("05_sweep", globals())  # what papermill injected, too
 from oelm_core import runner as R
 from oelm_core.analysis import sweeps as S
 
 # %%
-plan = R.load_plan(sweep_file, out_root=out_root, smoke=smoke, runner=runner, variants=variants, seeds=seeds,
-                   overrides=overrides)
+plan = R.load_plan(
+    sweep_file, out_root=out_root, smoke=smoke, runner=runner, variants=variants, seeds=seeds, overrides=overrides
+)
 print(f"{plan.name}: {len(plan.runs)} runs over {plan.key} =", [p.value for p in plan.points])
 
 # %%

@@ -48,5 +48,16 @@ class _Variants(Mapping):
 
 VARIANTS = _Variants()
 
-__all__ = ["GPT", "PRESETS", "VARIANTS", "ConfigError", "ModelConfig", "RunConfig", "build_model",
-           "count_parameters", "flops_per_token", "memory_account", "model_config"]
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "VARIANTS",
+    "ConfigError",
+    "ModelConfig",
+    "RunConfig",
+    "build_model",
+    "count_parameters",
+    "flops_per_token",
+    "memory_account",
+    "model_config",
+]

@@ -18,11 +18,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-COMMANDS = {"train": "one training run (also under torchrun: torchrun ... -m oelm_core.train)",
-            "run": "a plan: a study, a sweep or the ablations, its trainings and notebooks",
-            "report": "the tables and figures of a folder of a plan's runs",
-            "tune": "each group's best setting from a tuning sweep, and the study written at it",
-            "export": "a run's weights as safetensors and/or a transformers GPT-2"}
+COMMANDS = {
+    "train": "one training run (also under torchrun: torchrun ... -m oelm_core.train)",
+    "run": "a plan: a study, a sweep or the ablations, its trainings and notebooks",
+    "report": "the tables and figures of a folder of a plan's runs",
+    "tune": "each group's best setting from a tuning sweep, and the study written at it",
+    "export": "a run's weights as safetensors and/or a transformers GPT-2",
+}
 
 
 def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core report") -> int:
@@ -37,30 +39,46 @@ def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core re
 
     p = argparse.ArgumentParser(prog=prog, description=report.__doc__.split(":", 1)[0])
     p.add_argument("root", help="a folder of a plan's run folders, e.g. runs/ablations, runs/sweeps/a6_layers")
-    p.add_argument("--figure", help="where to write the figure (default: ROOT/ablations.png for the ablation "
-                                    "table; none for --sweep)")
-    p.add_argument("--markdown", help="where to write the markdown table (default: ROOT/ablations.md for the "
-                                      "ablation table; none for --sweep, which prints it)")
+    p.add_argument(
+        "--figure",
+        help="where to write the figure (default: ROOT/ablations.png for the ablation table; none for --sweep)",
+    )
+    p.add_argument(
+        "--markdown",
+        help="where to write the markdown table (default: ROOT/ablations.md for the "
+        "ablation table; none for --sweep, which prints it)",
+    )
     sweep = p.add_argument_group("a sweep")
     sweep.add_argument("--sweep", action="store_true", help="the runs of a sweep: loss against the swept value")
     sweep.add_argument("--name", help="the sweep to tabulate (needed where ROOT holds several)")
     kind = sweep.add_mutually_exclusive_group()
-    kind.add_argument("--smoke", dest="smoke", action="store_const", const=True,
-                      help="the smoke runs only (needed where ROOT holds both kinds)")
+    kind.add_argument(
+        "--smoke",
+        dest="smoke",
+        action="store_const",
+        const=True,
+        help="the smoke runs only (needed where ROOT holds both kinds)",
+    )
     kind.add_argument("--full", dest="smoke", action="store_const", const=False, help="the full runs only")
     gaps = p.add_argument_group("gaps to a study's runs")
-    gaps.add_argument("--comparators", help="folder of the comparator runs (OELM-Freeze and GPT-Base), e.g. "
-                                            "results/tuned_medium512/runs")
+    gaps.add_argument(
+        "--comparators",
+        help="folder of the comparator runs (OELM-Freeze and GPT-Base), e.g. results/tuned_medium512/runs",
+    )
     gaps.add_argument("--which", choices=WHICH, default="best", help="validation figures (default: best)")
-    gaps.add_argument("--tuned", action="store_true",
-                      help=f"GPT-Base at its own tuned setting: {', '.join(TUNED_SETTINGS)} may differ from the "
-                           f"ablations'")
+    gaps.add_argument(
+        "--tuned",
+        action="store_true",
+        help=f"GPT-Base at its own tuned setting: {', '.join(TUNED_SETTINGS)} may differ from the ablations'",
+    )
     gaps.add_argument("--out", help="where to write ablations.md, .json, .png (default: ROOT)")
     args = p.parse_args(argv)
     try:
         if not Path(args.root).is_dir() or not find_run_dirs(args.root):
-            raise ConfigError(f"{args.root} holds no run folders (summary.json or metrics.jsonl); pass the folder of a "
-                              f"plan's runs, e.g. runs/ablations or runs/sweeps/a6_layers")
+            raise ConfigError(
+                f"{args.root} holds no run folders (summary.json or metrics.jsonl); pass the folder of a "
+                f"plan's runs, e.g. runs/ablations or runs/sweeps/a6_layers"
+            )
         if args.comparators:
             table = ablation_gaps(args.root, args.comparators, args.which, TUNED_SETTINGS if args.tuned else ())
             print(table["markdown"])
@@ -85,25 +103,32 @@ def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core re
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m oelm_core", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(f"  {name:8}{what}" for name, what in COMMANDS.items()))
+    p = argparse.ArgumentParser(
+        prog="python -m oelm_core",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(f"  {name:8}{what}" for name, what in COMMANDS.items()),
+    )
     p.add_argument("command", choices=COMMANDS, help="what to do; its options: python -m oelm_core COMMAND -h")
     if not argv or argv[0] not in COMMANDS:
-        p.parse_args(argv[:1])   # -h, or an unknown command: argparse's message and exit
+        p.parse_args(argv[:1])  # -h, or an unknown command: argparse's message and exit
     command, rest = argv[0], argv[1:]
     prog = f"python -m oelm_core {command}"
     if command == "train":
         from oelm_core.train import main as train
+
         return train(rest)
     if command == "export":
         from oelm_core.export import main as export
+
         return export(rest)
     if command == "run":
         from oelm_core.runner.cli import main as run
+
         return run(rest, prog=prog)
     if command == "tune":
         from oelm_core.tuning import main as tune
+
         return tune(rest, prog=prog)
     return report(rest, prog=prog)
 

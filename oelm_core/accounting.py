@@ -21,7 +21,7 @@ from oelm_core.config import ConfigError, ModelConfig, TrainConfig
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) by device-name fragment, for MFU.
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
-    "H100": 989e12,   # SXM; the PCIe and NVL parts name themselves and peak lower
+    "H100": 989e12,  # SXM; the PCIe and NVL parts name themselves and peak lower
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "A100": 312e12,
@@ -47,9 +47,11 @@ def peak_flops(device: torch.device | str | None = None) -> float | None:
         except ValueError:
             value = float("nan")
         if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{PEAK_FLOPS_ENV}={override!r} is not a peak: give the device's FLOP/s "
-                             f"as a positive number (e.g. {PEAK_FLOPS_ENV}=989e12), or unset it to "
-                             f"look the card up by name")
+            raise ConfigError(
+                f"{PEAK_FLOPS_ENV}={override!r} is not a peak: give the device's FLOP/s "
+                f"as a positive number (e.g. {PEAK_FLOPS_ENV}=989e12), or unset it to "
+                f"look the card up by name"
+            )
         return value
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
@@ -128,8 +130,7 @@ def count_parameters(model: nn.Module) -> dict:
         by_component[_component(name)]["trainable" if trainable else "frozen"] += n
     trainable = sum(c["trainable"] for c in by_component.values())
     frozen = sum(c["frozen"] for c in by_component.values())
-    return {"trainable": trainable, "frozen": frozen, "total": trainable + frozen,
-            "by_component": dict(by_component)}
+    return {"trainable": trainable, "frozen": frozen, "total": trainable + frozen, "by_component": dict(by_component)}
 
 
 def flops_per_token(cfg: ModelConfig, context: int | None = None) -> dict:
@@ -160,15 +161,19 @@ def flops_per_token(cfg: ModelConfig, context: int | None = None) -> dict:
         scores = 0
     matmul("attn_v", d, d, layers)
     matmul("attn_out", d, d, layers)
-    parts["attn_scores"] = {"forward": scores + 2 * t * d * layers,
-                            "backward": 2 * (scores + 2 * t * d * layers)}
+    parts["attn_scores"] = {"forward": scores + 2 * t * d * layers, "backward": 2 * (scores + 2 * t * d * layers)}
     matmul("mlp", d, 2 * cfg.d_ff, layers)  # fc (d -> d_ff) and proj (d_ff -> d)
     matmul("output", d, cfg.vocab_size, 1)
     fwd = sum(p["forward"] for p in parts.values())
     bwd = sum(p["backward"] for p in parts.values())
     saving = 2 * d * 2 * d * frozen
-    return {**parts, "total_forward": fwd, "total_backward": bwd, "total": fwd + bwd,
-            "frozen_saving": {"flops": saving, "fraction": saving / (fwd + bwd + saving)}}
+    return {
+        **parts,
+        "total_forward": fwd,
+        "total_backward": bwd,
+        "total": fwd + bwd,
+        "frozen_saving": {"flops": saving, "fraction": saving / (fwd + bwd + saving)},
+    }
 
 
 def memory_account(model: nn.Module) -> dict:
@@ -188,8 +193,13 @@ def memory_account(model: nn.Module) -> dict:
             stored += t.numel()
             trained += t.numel() if t.requires_grad else 0
     weights, grads, adam = 4 * stored, 4 * trained, 8 * trained
-    return {"weights": weights, "grads": grads, "adam_state": adam,
-            "total": weights + grads + adam, "frozen_saving": 12 * count_parameters(model)["frozen"]}
+    return {
+        "weights": weights,
+        "grads": grads,
+        "adam_state": adam,
+        "total": weights + grads + adam,
+        "frozen_saving": 12 * count_parameters(model)["frozen"],
+    }
 
 
 def state_bytes(cfg: ModelConfig) -> dict:
@@ -203,8 +213,11 @@ def state_bytes(cfg: ModelConfig) -> dict:
     if not cfg.tie_embeddings:
         parts.append((cfg.padded_vocab_size * d, True))
     for layer in range(cfg.n_layer):
-        parts += [(2 * ln, True), (2 * d * d + (2 * d if cfg.attn_bias else 0), True),  # LNs, V and out
-                  (2 * d * ff + ((ff + d) if cfg.bias else 0), True)]                   # the MLP
+        parts += [
+            (2 * ln, True),
+            (2 * d * d + (2 * d if cfg.attn_bias else 0), True),  # LNs, V and out
+            (2 * d * ff + ((ff + d) if cfg.bias else 0), True),
+        ]  # the MLP
         if cfg.attention == "synth_random":
             parts.append((h * t * t, cfg.synth_trainable))
         elif cfg.attention == "synth_factorized":
@@ -220,8 +233,14 @@ def state_bytes(cfg: ModelConfig) -> dict:
     return {"weights": weights, "grads": grads, "adam_state": adam, "total": weights + grads + adam}
 
 
-def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32", device_type: str = "cpu",
-                     fused_loss: bool = True, loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens) -> dict:
+def activation_bytes(
+    cfg: ModelConfig,
+    batch_size: int,
+    dtype: str = "float32",
+    device_type: str = "cpu",
+    fused_loss: bool = True,
+    loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens,
+) -> dict:
     """Bytes of activations one training micro-step holds at its peak: ``batch_size`` sequences
     of ``cfg.block_size`` tokens, ``dtype`` "float32" or "bf16" (autocast), on ``device_type``,
     with the fused loss (``train.fused_loss``, slices of ``loss_chunk_tokens``) or the reference's.
@@ -252,28 +271,28 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32", 
     """
     if dtype not in ("float32", "bf16"):
         raise ValueError(f"dtype must be 'float32' or 'bf16', got {dtype!r}")
-    a, r = (2 if dtype == "bf16" else 4), 4      # bytes of matmul operands; of the residual stream
+    a, r = (2 if dtype == "bf16" else 4), 4  # bytes of matmul operands; of the residual stream
     d, ff, h, t, layers = cfg.d_model, cfg.d_ff, cfg.n_head, cfg.block_size, cfg.n_layer
     vocab, padded = cfg.vocab_size, cfg.padded_vocab_size
     n = batch_size * t
-    drop = 1 if cfg.dropout > 0 else 0          # dropout keeps the mask of what it drops
+    drop = 1 if cfg.dropout > 0 else 0  # dropout keeps the mask of what it drops
 
-    layer = 2 * (r * d + 2 * 4)                 # ln_1 and ln_2: input, mean and rstd
-    layer += 2 * a * d                          # their outputs: the Q/K/V and the fc matmuls' inputs
-    layer += 4 * a * d                          # q, k, v and the attention output (proj's input)
-    layer += 2 * a * ff                         # the GELU's input and output
-    layer += drop * 2 * a * d                   # the attention's and the MLP's output dropout masks
-    if cfg.attention != "dot":                  # no q or k: the T x T weights broadcast over the
+    layer = 2 * (r * d + 2 * 4)  # ln_1 and ln_2: input, mean and rstd
+    layer += 2 * a * d  # their outputs: the Q/K/V and the fc matmuls' inputs
+    layer += 4 * a * d  # q, k, v and the attention output (proj's input)
+    layer += 2 * a * ff  # the GELU's input and output
+    layer += drop * 2 * a * d  # the attention's and the MLP's output dropout masks
+    if cfg.attention != "dot":  # no q or k: the T x T weights broadcast over the
         layer += a * h * t - (2 if cfg.synth_trainable else 3) * a * d  # batch; v once, or not at all
     elif cfg.dropout > 0 and device_type == "cpu":  # PyTorch's math path: the weights, their mask
-        layer += 3 * a * h * t                  # and the dropped copy
+        layer += 3 * a * h * t  # and the dropped copy
     else:
-        layer += 4 * h                          # the attention's log-sum-exp, float32
+        layer += 4 * h  # the attention's log-sum-exp, float32
     per_token = layers * layer + r * d + 2 * 4 + drop * a * d  # ln_f; the embedding's dropout mask
     per_token += a * d if fused_loss else 4 * vocab  # the loss's input gradient; log-probabilities
     saved = n * per_token
     if fused_loss:
-        saved += 4 * padded * d                 # the output weight's gradient, from the forward
+        saved += 4 * padded * d  # the output weight's gradient, from the forward
     if cfg.attention != "dot" and cfg.synth_trainable:
         saved += layers * (4 * h * t * t + t * t)  # the softmax output (once for all sequences), the mask
     if cfg.poet_block_size:  # per layer: the four factors' Cayley-Neumann terms, W0 permuted, the weight
@@ -297,16 +316,27 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, dtype: str = "float32", 
     return {"saved": saved, "loss_workspace": loss, "backward_workspace": backward, "total": total}
 
 
-def step_memory(cfg: ModelConfig, batch_size: int, dtype: str = "float32", device_type: str = "cpu",
-                fused_loss: bool = True, loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens) -> dict:
+def step_memory(
+    cfg: ModelConfig,
+    batch_size: int,
+    dtype: str = "float32",
+    device_type: str = "cpu",
+    fused_loss: bool = True,
+    loss_chunk_tokens: int = TrainConfig.loss_chunk_tokens,
+) -> dict:
     """Estimated peak bytes of one training micro-step: ``state_bytes`` (weights, gradients, AdamW
     state) plus ``activation_bytes`` at the peak. {'state', 'activations', 'saved',
     'loss_workspace', 'total'}, bytes. Gradient accumulation adds nothing: each micro-step frees
     its activations before the next."""
     state = state_bytes(cfg)["total"]
     act = activation_bytes(cfg, batch_size, dtype, device_type, fused_loss, loss_chunk_tokens)
-    return {"state": state, "activations": act["total"], "saved": act["saved"],
-            "loss_workspace": act["loss_workspace"], "total": state + act["total"]}
+    return {
+        "state": state,
+        "activations": act["total"],
+        "saved": act["saved"],
+        "loss_workspace": act["loss_workspace"],
+        "total": state + act["total"],
+    }
 
 
 def device_memory(device: torch.device | str) -> tuple[int | None, str]:
@@ -315,8 +345,10 @@ def device_memory(device: torch.device | str) -> tuple[int | None, str]:
     pages). None where the platform says neither."""
     device = torch.device(device)
     if device.type == "cuda":
-        return (torch.cuda.get_device_properties(device).total_memory,
-                f"the memory of the {torch.cuda.get_device_name(device)} ({device})")
+        return (
+            torch.cuda.get_device_properties(device).total_memory,
+            f"the memory of the {torch.cuda.get_device_name(device)} ({device})",
+        )
     where = "the RAM available on this machine"
     try:
         with open("/proc/meminfo") as f:

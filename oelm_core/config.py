@@ -41,19 +41,20 @@ class ConfigError(ValueError):
 # Model
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class ModelConfig:
     """Shape and variant of one GPT. Defaults are the original study's Medium-512 GPT-Base."""
 
-    vocab_size: int = 50257      # GPT-2 BPE; the output layer is padded (below) only for speed
+    vocab_size: int = 50257  # GPT-2 BPE; the output layer is padded (below) only for speed
     n_layer: int = 6
     n_head: int = 8
     d_model: int = 512
-    d_ff: int = 2048             # the MLP's hidden width (4 x d_model in the study)
-    block_size: int = 512        # context length in tokens; also the learned position table
-    dropout: float = 0.0         # the study trained without dropout
-    bias: bool = True            # biases in the MLP and LayerNorms (the study's log counts them)
-    attn_bias: bool = False      # biases in the V and output projections (Q/K never have one)
+    d_ff: int = 2048  # the MLP's hidden width (4 x d_model in the study)
+    block_size: int = 512  # context length in tokens; also the learned position table
+    dropout: float = 0.0  # the study trained without dropout
+    bias: bool = True  # biases in the MLP and LayerNorms (the study's log counts them)
+    attn_bias: bool = False  # biases in the V and output projections (Q/K never have one)
     tie_embeddings: bool = True  # the output layer reuses the token embedding
     # Rows added to the embedding/output matrix so the 50,257-way matmul tiles evenly on tensor
     # cores (50,304 = 786 x 64). The extra rows are zero, receive no gradient (their logits are
@@ -65,20 +66,19 @@ class ModelConfig:
     # oelm_core.orthogonal ("qr" = Haar, "svd", "householder", "cayley") or "gaussian"
     # (N(0, gain^2 / d_model), the non-orthogonal control with the orthogonal logit scale).
     qk_init: str = "normal"
-    qk_gain: float = 1.0         # scale of the orthogonal/Gaussian Q/K (1.0: an isometry)
+    qk_gain: float = 1.0  # scale of the orthogonal/Gaussian Q/K (1.0: an isometry)
     # Which layers keep W_q, W_k frozen (stored as buffers): "none", "all", a list of indices, or
     # "first_half" / "last_half" (layers 0..n//2-1 / the last n//2: shallow / deep, any n_layer).
     freeze_qk: Union[str, list] = "none"
     # How scores are formed: "dot" (softmax(QK^T)), or the Synthesizer baselines that replace
     # QK^T by a learned (or fixed) per-head T x T logit matrix: "synth_random", "synth_factorized".
     attention: str = "dot"
-    synth_rank: int = 8          # k of the factorized Synthesizer's R1 R2^T
-    synth_trainable: bool = True # False: the Synthesizer logits stay at their random init
+    synth_rank: int = 8  # k of the factorized Synthesizer's R1 R2^T
+    synth_trainable: bool = True  # False: the Synthesizer logits stay at their random init
     # POET-style learnable orthogonal Q/K: W = R W0 P with R, P block-orthogonal (0 = off).
     poet_block_size: int = 0
     poet_neumann_terms: int = 5
-    poet_merge_every: int = 0    # merge R, P into W0 and reset them to I every N steps (0: never)
-
+    poet_merge_every: int = 0  # merge R, P into W0 and reset them to I every N steps (0: never)
 
     @property
     def d_head(self) -> int:
@@ -104,17 +104,25 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         from oelm_core.orthogonal import QK_INITS  # the constructions live with their checks
 
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "block_size",
-                     "vocab_pad_multiple", "synth_rank"):
+        for name in (
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "d_model",
+            "d_ff",
+            "block_size",
+            "vocab_pad_multiple",
+            "synth_rank",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"n_head={self.n_head} does not divide d_model={self.d_model}: choose a head count "
-                f"that divides it (e.g. {', '.join(str(h) for h in _divisors(self.d_model)[:6])})")
+                f"that divides it (e.g. {', '.join(str(h) for h in _divisors(self.d_model)[:6])})"
+            )
         if not (math.isfinite(self.qk_gain) and self.qk_gain > 0):
-            raise ConfigError(f"model.qk_gain must be a finite positive scale (1.0: an isometry), "
-                              f"got {self.qk_gain}")
+            raise ConfigError(f"model.qk_gain must be a finite positive scale (1.0: an isometry), got {self.qk_gain}")
         for name in ("poet_block_size", "poet_merge_every"):  # 0: off
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name} must be 0 (off) or positive, got {getattr(self, name)}")
@@ -123,29 +131,32 @@ class ModelConfig:
         if self.qk_init not in QK_INITS:
             raise ConfigError(f"unknown model.qk_init {self.qk_init!r}; choose one of {sorted(QK_INITS)}")
         if isinstance(self.freeze_qk, str) and self.freeze_qk not in FREEZE_QK_NAMES:
-            raise ConfigError(f"model.freeze_qk must be one of {FREEZE_QK_NAMES} or a list of layer "
-                              f"indices, got {self.freeze_qk!r}")
+            raise ConfigError(
+                f"model.freeze_qk must be one of {FREEZE_QK_NAMES} or a list of layer indices, got {self.freeze_qk!r}"
+            )
         if isinstance(self.freeze_qk, list) and not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in self.freeze_qk):
-            raise ConfigError(f"model.freeze_qk must list layer indices as integers (e.g. [0, 1]), "
-                              f"got {self.freeze_qk!r}")
+            isinstance(i, int) and not isinstance(i, bool) for i in self.freeze_qk
+        ):
+            raise ConfigError(
+                f"model.freeze_qk must list layer indices as integers (e.g. [0, 1]), got {self.freeze_qk!r}"
+            )
         bad = [i for i in self.frozen_layers() if not 0 <= i < self.n_layer]
         if bad:
-            raise ConfigError(f"model.freeze_qk names layers {bad}, but the model has layers "
-                              f"0..{self.n_layer - 1}")
+            raise ConfigError(f"model.freeze_qk names layers {bad}, but the model has layers 0..{self.n_layer - 1}")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"unknown model.attention {self.attention!r}; choose one of {ATTENTIONS}")
         if self.attention != "dot" and self.frozen_layers():
             raise ConfigError("a Synthesizer attention has no Q/K to freeze: set model.freeze_qk: none")
         if self.poet_block_size:
             if self.d_model % self.poet_block_size:
-                raise ConfigError(f"model.poet_block_size={self.poet_block_size} must divide "
-                                  f"d_model={self.d_model}")
+                raise ConfigError(f"model.poet_block_size={self.poet_block_size} must divide d_model={self.d_model}")
             if self.poet_neumann_terms < 1:
                 raise ConfigError("model.poet_neumann_terms must be at least 1")
             if self.attention != "dot" or self.frozen_layers():
-                raise ConfigError("POET (model.poet_block_size > 0) learns Q/K through R and P: it needs "
-                                  "model.attention: dot and model.freeze_qk: none")
+                raise ConfigError(
+                    "POET (model.poet_block_size > 0) learns Q/K through R and P: it needs "
+                    "model.attention: dot and model.freeze_qk: none"
+                )
         return self
 
 
@@ -185,36 +196,78 @@ def register_variant(name: str, description: str, **overrides: Any) -> None:
 
 
 register_variant("gpt_base", "GPT-Base: standard Q/K, N(0, 0.02) initialisation, trainable")
-register_variant("oelm_nofreeze", "OELM-NoFreeze: Q/K start Haar-orthogonal (QR), trainable",
-                 qk_init="qr")
-register_variant("oelm_freeze", "OELM-Freeze: Q/K Haar-orthogonal (QR) and frozen in every layer",
-                 qk_init="qr", freeze_qk="all")
+register_variant("oelm_nofreeze", "OELM-NoFreeze: Q/K start Haar-orthogonal (QR), trainable", qk_init="qr")
+register_variant(
+    "oelm_freeze", "OELM-Freeze: Q/K Haar-orthogonal (QR) and frozen in every layer", qk_init="qr", freeze_qk="all"
+)
 # Ablations (parameters/ablations/). A1: the non-orthogonal control; A7: other orthogonal constructions.
-register_variant("oelm_freeze_gaussian", "A1: frozen Gaussian Q/K, N(0, 1/d), same logit scale as orthogonal",
-                 qk_init="gaussian", qk_gain=1.0, freeze_qk="all")
-register_variant("oelm_freeze_illcond", "frozen ill-conditioned Q/K: condition number 100 at the orthogonal's "
-                 "Frobenius norm (does orthogonality itself matter?)", qk_init="illcond", freeze_qk="all")
-register_variant("oelm_freeze_svd", "A7: frozen orthogonal Q/K from the SVD polar factor (Haar)",
-                 qk_init="svd", freeze_qk="all")
-register_variant("oelm_freeze_householder", "A7: frozen orthogonal Q/K from d random Householder reflections",
-                 qk_init="householder", freeze_qk="all")
-register_variant("oelm_freeze_cayley", "A7: frozen orthogonal Q/K from the Cayley transform of a random skew matrix",
-                 qk_init="cayley", freeze_qk="all")
+register_variant(
+    "oelm_freeze_gaussian",
+    "A1: frozen Gaussian Q/K, N(0, 1/d), same logit scale as orthogonal",
+    qk_init="gaussian",
+    qk_gain=1.0,
+    freeze_qk="all",
+)
+register_variant(
+    "oelm_freeze_illcond",
+    "frozen ill-conditioned Q/K: condition number 100 at the orthogonal's "
+    "Frobenius norm (does orthogonality itself matter?)",
+    qk_init="illcond",
+    freeze_qk="all",
+)
+register_variant(
+    "oelm_freeze_svd", "A7: frozen orthogonal Q/K from the SVD polar factor (Haar)", qk_init="svd", freeze_qk="all"
+)
+register_variant(
+    "oelm_freeze_householder",
+    "A7: frozen orthogonal Q/K from d random Householder reflections",
+    qk_init="householder",
+    freeze_qk="all",
+)
+register_variant(
+    "oelm_freeze_cayley",
+    "A7: frozen orthogonal Q/K from the Cayley transform of a random skew matrix",
+    qk_init="cayley",
+    freeze_qk="all",
+)
 # Synthesizer baselines (Tay et al. 2021): no Q/K, input-independent causal per-head T x T logits.
-register_variant("synth_random", "Synthesizer (random): learned per-head T x T attention logits, causal",
-                 attention="synth_random")
-register_variant("synth_random_fixed", "Synthesizer (random, fixed): per-head T x T logits frozen at init",
-                 attention="synth_random", synth_trainable=False)
-register_variant("synth_factorized", "Synthesizer (factorized): learned per-head logits R1 R2^T of rank 8",
-                 attention="synth_factorized", synth_rank=8)
+register_variant(
+    "synth_random", "Synthesizer (random): learned per-head T x T attention logits, causal", attention="synth_random"
+)
+register_variant(
+    "synth_random_fixed",
+    "Synthesizer (random, fixed): per-head T x T logits frozen at init",
+    attention="synth_random",
+    synth_trainable=False,
+)
+register_variant(
+    "synth_factorized",
+    "Synthesizer (factorized): learned per-head logits R1 R2^T of rank 8",
+    attention="synth_factorized",
+    synth_rank=8,
+)
 # Layer-wise freezing: orthogonal Q/K everywhere, frozen in half of the layers.
-register_variant("oelm_freeze_shallow", "Layer-wise: orthogonal Q/K frozen in the first half of layers, deep trainable",
-                 qk_init="qr", freeze_qk="first_half")
-register_variant("oelm_freeze_deep", "Layer-wise: orthogonal Q/K frozen in the last half of layers, shallow trainable",
-                 qk_init="qr", freeze_qk="last_half")
+register_variant(
+    "oelm_freeze_shallow",
+    "Layer-wise: orthogonal Q/K frozen in the first half of layers, deep trainable",
+    qk_init="qr",
+    freeze_qk="first_half",
+)
+register_variant(
+    "oelm_freeze_deep",
+    "Layer-wise: orthogonal Q/K frozen in the last half of layers, shallow trainable",
+    qk_init="qr",
+    freeze_qk="last_half",
+)
 # POET (arXiv 2506.08001): W = R W0 P, R and P learned block-orthogonal; singular values fixed.
-register_variant("oelm_poet", "POET: learnable orthogonal Q/K, W = R W0 P (32-blocks, Cayley-Neumann, merge/50)",
-                 qk_init="qr", poet_block_size=32, poet_neumann_terms=5, poet_merge_every=50)
+register_variant(
+    "oelm_poet",
+    "POET: learnable orthogonal Q/K, W = R W0 P (32-blocks, Cayley-Neumann, merge/50)",
+    qk_init="qr",
+    poet_block_size=32,
+    poet_neumann_terms=5,
+    poet_merge_every=50,
+)
 
 
 def variants() -> dict[str, str]:
@@ -240,6 +293,7 @@ def model_config(preset: str = "medium512", variant: str = "gpt_base", **overrid
 # Data and training
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class DataConfig:
     """Where the stories come from and where their token files go."""
@@ -249,10 +303,10 @@ class DataConfig:
     # The environment variable OELM_DATA overrides it (the offline CI points it at a folder).
     source: str = "roneneldan/TinyStories"
     out_dir: str = "data_cache/tinystories"  # train.bin, val.bin and meta.json go here
-    max_train_stories: int = 0   # 0: all of them; >0 streams only that many from the hub
+    max_train_stories: int = 0  # 0: all of them; >0 streams only that many from the hub
     max_val_stories: int = 0
-    text_field: str = "text"     # the column of .jsonl/.parquet/hub rows that holds a story
-    num_proc: int = 0            # tokenising processes (0: one per CPU core, at most 8)
+    text_field: str = "text"  # the column of .jsonl/.parquet/hub rows that holds a story
+    num_proc: int = 0  # tokenising processes (0: one per CPU core, at most 8)
 
     def validate(self) -> "DataConfig":
         for name in ("max_train_stories", "max_val_stories", "num_proc"):
@@ -267,10 +321,10 @@ class TrainConfig:
 
     seed: int = 42
     steps: int = 100_000
-    batch_size: int = 8          # sequences of block_size tokens per GPU per micro-step
-    grad_accum: int = 1          # micro-steps per optimiser step (global batch = this x ranks x batch)
+    batch_size: int = 8  # sequences of block_size tokens per GPU per micro-step
+    grad_accum: int = 1  # micro-steps per optimiser step (global batch = this x ranks x batch)
     lr: float = 3e-4
-    min_lr: float = 3e-5         # cosine decay ends here
+    min_lr: float = 3e-5  # cosine decay ends here
     warmup_steps: int = 2000
     # AdamW's decay of every trainable tensor of 2+ dims: Linear weights, embeddings, trainable
     # Q/K, POET's skew generators, the Synthesizer's logit tables; not biases or LayerNorm gains.
@@ -278,28 +332,28 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0       # 0 disables clipping
+    grad_clip: float = 1.0  # 0 disables clipping
     eval_every: int = 1000
-    eval_batches: int = 20       # validation batches per evaluation
+    eval_batches: int = 20  # validation batches per evaluation
     # The validation tokens in two halves, so that no choice is reported on the data that made
     # it: every evaluation during training (early stopping, best.pt, and the sweeps that choose a
     # learning rate by it) reads the first half; the second is read only at each new best, for
     # the summary's report_val_* figures, which studies report. false: one set for both.
     report_holdout: bool = True
     ckpt_every: int = 5000
-    keep_last: int = 3           # rolling checkpoints kept besides best.pt
+    keep_last: int = 3  # rolling checkpoints kept besides best.pt
     log_every: int = 50
-    early_stop_patience: int = 0 # evaluations without a better val loss before stopping (0: off)
+    early_stop_patience: int = 0  # evaluations without a better val loss before stopping (0: off)
     # Progressive unfreezing: step -> layers whose frozen Q/K become trainable then ("all" or a list).
     unfreeze_schedule: dict = field(default_factory=dict)
-    device: str = "auto"         # "auto": cuda when there is one, else cpu
-    dtype: str = "auto"          # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
-    compile: bool = False        # torch.compile the model (falls back to eager if it fails)
+    device: str = "auto"  # "auto": cuda when there is one, else cpu
+    dtype: str = "auto"  # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
+    compile: bool = False  # torch.compile the model (falls back to eager if it fails)
     # Capture the whole step (forward, backward, clip, AdamW; under DDP with NCCL the gradient
     # all-reduce too) in one CUDA graph after 2 warm-up steps (11 under DDP) and replay it: small
     # batches are launch-bound (oelm_core/fast/graph_step.py). Falls back to eager if capture fails.
     cuda_graph: bool = True
-    backend: str = "auto"        # DDP backend: "auto" = nccl on CUDA, gloo on CPU
+    backend: str = "auto"  # DDP backend: "auto" = nccl on CUDA, gloo on CPU
     # Seconds a rank waits in a collective for the others before the job stops naming the rank
     # that went silent (oelm_core.distributed); rank 0 preparing the data counts.
     ddp_timeout_s: float = 600.0
@@ -324,15 +378,15 @@ class TrainConfig:
     # every logit (one slice: 8,192 x 50,304 floats instead of the batch's); Triton kernels on CUDA.
     fused_loss: bool = True
     loss_chunk_tokens: int = 8192
-    fused_logits: bool = True    # Hopper, bf16: the logits GEMM computes the loss's exp() itself
-    cpu_heap: bool = True        # CPU: glibc keeps freed large blocks for the next step (mallopt)
+    fused_logits: bool = True  # Hopper, bf16: the logits GEMM computes the loss's exp() itself
+    cpu_heap: bool = True  # CPU: glibc keeps freed large blocks for the next step (mallopt)
     # Bit-identical runs of one configuration on one kind of device: deterministic kernels only
     # (torch.use_deterministic_algorithms; on CUDA, SDPA's backward without atomics and a fixed
     # cuBLAS workspace). Without it a GPU run at context 512 differs from its re-run by about as
     # much as one seed from another; its cost on the card: benchmarks/README.md.
     deterministic: bool = False
-    progress: bool = True        # tqdm bar on rank 0
-    tensorboard: bool = True     # live curves: TensorBoard event files in out_dir/tb (oelm_core/live_metrics.py)
+    progress: bool = True  # tqdm bar on rank 0
+    tensorboard: bool = True  # live curves: TensorBoard event files in out_dir/tb (oelm_core/live_metrics.py)
     # End this session after this many optimiser steps (0: run to `steps`). The LR schedule still
     # follows `steps`, so a later --resume continues the same curve (time-boxed jobs, tests).
     stop_after: int = 0
@@ -340,8 +394,17 @@ class TrainConfig:
     def validate(self, n_layer: int) -> "TrainConfig":
         """Raise ConfigError for values the loop cannot use (types are checked on loading);
         ``n_layer``: the model's depth, which bounds the unfreeze schedule's layer indices."""
-        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "ckpt_every",
-                     "keep_last", "log_every", "loss_chunk_tokens"):
+        for name in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "eval_every",
+            "eval_batches",
+            "ckpt_every",
+            "keep_last",
+            "log_every",
+            "loss_chunk_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "stop_after", "early_stop_patience", "grad_clip", "weight_decay", "min_lr"):
@@ -353,12 +416,15 @@ class TrainConfig:
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
         if self.min_lr > self.lr:
-            raise ConfigError(f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}: the cosine "
-                              f"schedule decays from lr to min_lr, so min_lr must be at most lr")
+            raise ConfigError(
+                f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}: the cosine "
+                f"schedule decays from lr to min_lr, so min_lr must be at most lr"
+            )
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be in [0, 1) (AdamW's moment decay, e.g. 0.9), "
-                                  f"got {getattr(self, name)}")
+                raise ConfigError(
+                    f"train.{name} must be in [0, 1) (AdamW's moment decay, e.g. 0.9), got {getattr(self, name)}"
+                )
         for name, allowed in (("dtype", DTYPES), ("backend", BACKENDS), ("grad_exchange", GRAD_EXCHANGES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -374,13 +440,18 @@ class TrainConfig:
             except (TypeError, ValueError):
                 step = -1
             if step < 0:
-                raise ConfigError(f"train.unfreeze_schedule key {key!r} is not a step number; write "
-                                  f"e.g. {{1000: all}} or {{1000: [0, 1]}}")
+                raise ConfigError(
+                    f"train.unfreeze_schedule key {key!r} is not a step number; write "
+                    f"e.g. {{1000: all}} or {{1000: [0, 1]}}"
+                )
             if layers != "all":
                 if not isinstance(layers, list) or not all(
-                        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in layers):
-                    raise ConfigError(f"train.unfreeze_schedule[{key}] must be 'all' or a list of layer "
-                                      f"indices in 0..{n_layer - 1}, got {layers!r}")
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in layers
+                ):
+                    raise ConfigError(
+                        f"train.unfreeze_schedule[{key}] must be 'all' or a list of layer "
+                        f"indices in 0..{n_layer - 1}, got {layers!r}"
+                    )
                 layers = sorted(set(layers))
             plan[step] = layers
         return dict(sorted(plan.items()))
@@ -403,16 +474,21 @@ def check_device(name: str, setting: str = "train.device") -> torch.device:
     except (RuntimeError, TypeError):
         raise ConfigError(f"{setting} {name!r} is not a device: choose {DEVICE_CHOICES}") from None
     if device.type not in ("cpu", "cuda"):  # mps, xla, meta...: the models run on neither
-        raise ConfigError(f"{setting} {name!r} is not supported: OELM Lab runs on the CPU or on CUDA "
-                          f"GPUs; choose {DEVICE_CHOICES}")
+        raise ConfigError(
+            f"{setting} {name!r} is not supported: OELM Lab runs on the CPU or on CUDA GPUs; choose {DEVICE_CHOICES}"
+        )
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"{setting} is {name!r}, but PyTorch finds no CUDA GPU on this machine: set "
-                              f"{setting} to cpu (or auto, which picks a GPU only when there is one)")
+            raise ConfigError(
+                f"{setting} is {name!r}, but PyTorch finds no CUDA GPU on this machine: set "
+                f"{setting} to cpu (or auto, which picks a GPU only when there is one)"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ConfigError(f"{setting} is {name!r}, but this machine has {count} CUDA GPU(s), "
-                              f"cuda:0..cuda:{count - 1}: choose one of them, or auto")
+            raise ConfigError(
+                f"{setting} is {name!r}, but this machine has {count} CUDA GPU(s), "
+                f"cuda:0..cuda:{count - 1}: choose one of them, or auto"
+            )
     return device
 
 
@@ -421,10 +497,10 @@ class RunConfig:
     """One training run: a model, its data and its loop."""
 
     name: str = "run"
-    out_dir: str = "runs/run"    # checkpoints, metrics.jsonl, config.yaml, summary.json
+    out_dir: str = "runs/run"  # checkpoints, metrics.jsonl, config.yaml, summary.json
     preset: str = "medium512"
     variant: str = "gpt_base"
-    model: dict = field(default_factory=dict)   # overrides of the preset and variant
+    model: dict = field(default_factory=dict)  # overrides of the preset and variant
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -432,8 +508,10 @@ class RunConfig:
         for key in ("preset", "variant"):
             if key in self.model:
                 value = self.model[key]
-                raise ConfigError(f"model.{key} is not a model key: preset and variant are top-level "
-                                  f"keys; write `{key}: {value}` beside `model:` (or --set {key}={value})")
+                raise ConfigError(
+                    f"model.{key} is not a model key: preset and variant are top-level "
+                    f"keys; write `{key}: {value}` beside `model:` (or --set {key}={value})"
+                )
         return model_config(self.preset, self.variant, **self.model)
 
     def validate(self) -> "RunConfig":
@@ -463,26 +541,36 @@ class SamplingConfig:
     """How ``oelm_core.generate`` draws new tokens (the demo's settings, and any caller's)."""
 
     max_new_tokens: int = 200
-    temperature: float = 0.8     # 0 (or below GREEDY_BELOW) picks the most likely token (greedy)
-    top_k: int = 0               # 0: no top-k cut
-    top_p: float = 1.0           # 1.0: no nucleus cut
-    seed: Optional[int] = None   # None: a fresh random seed per call
+    temperature: float = 0.8  # 0 (or below GREEDY_BELOW) picks the most likely token (greedy)
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    seed: Optional[int] = None  # None: a fresh random seed per call
     stop_at_eot: bool = True
     use_cache: bool = True
-    fast: bool = True            # oelm_core.fast.decoder: the fast decoder where it runs; same tokens
+    fast: bool = True  # oelm_core.fast.decoder: the fast decoder where it runs; same tokens
 
     def validate(self) -> "SamplingConfig":
         """Raise ConfigError for a setting of the wrong type (the schema's builder checks them, as
         it checks every setting; a float max_new_tokens never equals a count of tokens, a float
         top_k reached torch.topk as a bare TypeError) or out of its range; returns self."""
-        _build(SamplingConfig, dataclasses.asdict(self), "sampling", fix="pass one as SamplingConfig({key}=...)",
-               yaml_numbers=False)
+        _build(
+            SamplingConfig,
+            dataclasses.asdict(self),
+            "sampling",
+            fix="pass one as SamplingConfig({key}=...)",
+            yaml_numbers=False,
+        )
         for key, ok, must, fix in (
-                ("max_new_tokens", self.max_new_tokens >= 1, "be at least 1", "ask for 1 or more new tokens"),
-                ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
-                 "be a finite number >= 0 (0 is greedy)", "use e.g. 0.8, or 0 for the most likely token"),
-                ("top_k", self.top_k >= 0, "be >= 0 (0 disables it)", "use e.g. 50, or 0 for no cut"),
-                ("top_p", 0.0 < self.top_p <= 1.0, "be in (0, 1]", "use e.g. 0.9, or 1.0 for no cut")):
+            ("max_new_tokens", self.max_new_tokens >= 1, "be at least 1", "ask for 1 or more new tokens"),
+            (
+                "temperature",
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "be a finite number >= 0 (0 is greedy)",
+                "use e.g. 0.8, or 0 for the most likely token",
+            ),
+            ("top_k", self.top_k >= 0, "be >= 0 (0 disables it)", "use e.g. 50, or 0 for no cut"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "be in (0, 1]", "use e.g. 0.9, or 1.0 for no cut"),
+        ):
             if not ok:
                 raise ConfigError(f"sampling.{key} must {must}, got {getattr(self, key)!r}; {fix}")
         return self
@@ -506,6 +594,7 @@ class SamplingConfig:
 # --------------------------------------------------------------------------------------------
 # Loading, checking and overriding
 # --------------------------------------------------------------------------------------------
+
 
 def _type_ok(value: Any, hint: Any) -> bool:
     """Whether ``value`` has the type ``hint`` asks for. A whole number of any integer type (a
@@ -537,8 +626,9 @@ def _yaml_float(text: str, where: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ConfigError(f"{where} should be a number, got the string {text!r}; fix the value in "
-                          f"the parameter file or --set") from None
+        raise ConfigError(
+            f"{where} should be a number, got the string {text!r}; fix the value in the parameter file or --set"
+        ) from None
 
 
 FILE_FIX = "fix the value in the parameter file or --set"
@@ -556,12 +646,16 @@ def _build(cls: type, values: dict, where: str, *, fix: str = FILE_FIX, yaml_num
     unknown = sorted(set(values) - set(known))
     moved = [k for k in unknown if cls is ModelConfig and k in MOVED_MODEL_KEYS]
     if moved:
-        raise ConfigError(f"{where}.{moved[0]} is no longer a model setting: the model computes the plain "
-                          f"loss, and the fused loss is a fast path switched by train.fused_loss and "
-                          f"train.loss_chunk_tokens (from Python: oelm_core.fast.loss.install(model, chunk))")
+        raise ConfigError(
+            f"{where}.{moved[0]} is no longer a model setting: the model computes the plain "
+            f"loss, and the fused loss is a fast path switched by train.fused_loss and "
+            f"train.loss_chunk_tokens (from Python: oelm_core.fast.loss.install(model, chunk))"
+        )
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
-                          f"valid keys in {where}: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+            f"valid keys in {where}: {', '.join(sorted(known))}"
+        )
     kwargs = {}
     for key, value in values.items():
         hint = hints[key]
@@ -572,8 +666,10 @@ def _build(cls: type, values: dict, where: str, *, fix: str = FILE_FIX, yaml_num
         if dataclasses.is_dataclass(hint):
             value = _build(hint, value, f"{where}.{key}", fix=fix, yaml_numbers=yaml_numbers)
         elif not _type_ok(value, hint):
-            raise ConfigError(f"{where}.{key} should be {_type_name(hint)}, got {type(value).__name__} "
-                              f"{value!r}; {fix.format(key=key)}")
+            raise ConfigError(
+                f"{where}.{key} should be {_type_name(hint)}, got {type(value).__name__} "
+                f"{value!r}; {fix.format(key=key)}"
+            )
         elif hint is float:
             value = float(value)
         elif hint is int:
@@ -617,12 +713,18 @@ def upgrade_keys(values: dict) -> dict:
             if old in values["model"]:
                 value = values["model"].pop(old)
                 values["train"].setdefault(new, convert(value) if isinstance(value, (str, int)) else value)
-                log.info("model.%s is now train.%s (an execution switch, not the model's shape); "
-                         "read as train.%s: %r", old, new, new, values["train"][new])
+                log.info(
+                    "model.%s is now train.%s (an execution switch, not the model's shape); read as train.%s: %r",
+                    old,
+                    new,
+                    new,
+                    values["train"][new],
+                )
     for key in sorted(removed or ()):
         del values["train"][key]
-        log.info("train.%s is ignored: that fast path was removed (it saved under 2%% of a step; "
-                 "benchmarks/README.md)", key)
+        log.info(
+            "train.%s is ignored: that fast path was removed (it saved under 2%% of a step; benchmarks/README.md)", key
+        )
     return values
 
 
@@ -661,11 +763,32 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 # other change): W ranks with accumulation A draw exactly what one process with W x A does. EXECUTION_KEYS
 # below reads this too.
 RESUMABLE_CHANGES = {
-    "train": {"steps", "stop_after", "eval_every", "ckpt_every", "keep_last", "log_every",
-              "early_stop_patience", "progress", "device", "dtype", "compile", "cuda_graph",
-              "backend", "ddp_bucket_mb", "grad_exchange", "grad_accum", "fused_loss",
-              "loss_chunk_tokens", "fused_logits", "cpu_heap", "deterministic", "tensorboard",
-              "ddp_timeout_s", "max_step_s"},
+    "train": {
+        "steps",
+        "stop_after",
+        "eval_every",
+        "ckpt_every",
+        "keep_last",
+        "log_every",
+        "early_stop_patience",
+        "progress",
+        "device",
+        "dtype",
+        "compile",
+        "cuda_graph",
+        "backend",
+        "ddp_bucket_mb",
+        "grad_exchange",
+        "grad_accum",
+        "fused_loss",
+        "loss_chunk_tokens",
+        "fused_logits",
+        "cpu_heap",
+        "deterministic",
+        "tensorboard",
+        "ddp_timeout_s",
+        "max_step_s",
+    },
     "data": {"source", "out_dir", "num_proc"},  # the same stories may live elsewhere
 }
 
@@ -673,8 +796,11 @@ RESUMABLE_CHANGES = {
 # but not the step count and the patience, which decide where a finished run ended, nor
 # grad_accum, which a resume may change only to keep world size x grad_accum, the global batch
 # (one process: it is the batch).
-EXECUTION_KEYS = ({f"{section}.{key}" for section, keys in RESUMABLE_CHANGES.items() for key in keys}
-                  - {"train.steps", "train.early_stop_patience", "train.grad_accum"})
+EXECUTION_KEYS = {f"{section}.{key}" for section, keys in RESUMABLE_CHANGES.items() for key in keys} - {
+    "train.steps",
+    "train.early_stop_patience",
+    "train.grad_accum",
+}
 
 
 def trained_settings(params: dict) -> dict:
@@ -704,8 +830,10 @@ def apply_overrides(values: dict, overrides: list[str] | dict[str, Any] | None) 
 class _DuplicateKey(yaml.YAMLError):
     def __init__(self, key: Any, first_line: int, line: int):
         where = f"on line {line}" if line == first_line else f"on lines {first_line} and {line}"
-        super().__init__(f"the key {key!r} appears twice in one mapping ({where}); YAML would keep "
-                         f"only the second silently: merge the two into one")
+        super().__init__(
+            f"the key {key!r} appears twice in one mapping ({where}); YAML would keep "
+            f"only the second silently: merge the two into one"
+        )
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -739,9 +867,11 @@ def _parse_override(item: str) -> tuple[str, Any]:
     except _DuplicateKey as exc:
         raise ConfigError(f"--set {item!r}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
-                          f"complete it (e.g. train.lr=0.001, model.freeze_qk=[0,1]) or quote "
-                          f"it to pass a string") from None
+        raise ConfigError(
+            f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); "
+            f"complete it (e.g. train.lr=0.001, model.freeze_qk=[0,1]) or quote "
+            f"it to pass a string"
+        ) from None
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -767,17 +897,20 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         # A tab where YAML wants spaces (an editor's indent) has its own fix.
-        hint = ("YAML indents with spaces, never tabs: replace the tab with spaces"
-                if "'\\t'" in str(getattr(exc, "problem", "")) else "an unclosed bracket or quote is the usual cause")
-        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax "
-                          f"there ({hint})") from None
+        hint = (
+            "YAML indents with spaces, never tabs: replace the tab with spaces"
+            if "'\\t'" in str(getattr(exc, "problem", ""))
+            else "an unclosed bracket or quote is the usual cause"
+        )
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(exc)}; fix the syntax there ({hint})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a UTF-8 text file; pass a YAML file") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ConfigError(f"{path} must hold a YAML mapping at the top level (key: value lines), "
-                          f"got a {type(values).__name__}")
+        raise ConfigError(
+            f"{path} must hold a YAML mapping at the top level (key: value lines), got a {type(values).__name__}"
+        )
     return values
 
 
@@ -790,18 +923,22 @@ def _check_parameter_file(path: Path, values: dict) -> None:
     GPT-Base defaults. A plan file (a study, a sweep) is named as one, with the command that runs it."""
     for section in ("experiment", "study", "sweep"):
         if section in values:
-            raise ConfigError(f"{path} is a plan file (it has the `{section}:` section): run it with "
-                              f"python -m oelm_core run {path}; a training reads a parameter file of one run, "
-                              f"e.g. {EXAMPLE_PARAMETER_FILE}")
+            raise ConfigError(
+                f"{path} is a plan file (it has the `{section}:` section): run it with "
+                f"python -m oelm_core run {path}; a training reads a parameter file of one run, "
+                f"e.g. {EXAMPLE_PARAMETER_FILE}"
+            )
     model = values.get("model") if isinstance(values.get("model"), dict) else {}
     # Written inside model:, they get RunConfig.model_config's message, which says where they go.
     missing = [key for key in ("preset", "variant") if values.get(key) is None and key not in model]
     if missing:
-        raise ConfigError(f"{path} does not say which model to train: it has no "
-                          f"{' or '.join(f'`{key}:`' for key in missing)}; a parameter file holds at least "
-                          f"`preset:` and `variant:` (top-level keys, or --set preset=... variant=...) with "
-                          f"optional model, data and train sections (see {EXAMPLE_PARAMETER_FILE}). "
-                          f"presets: {', '.join(PRESETS)}; variants: {', '.join(variants())}")
+        raise ConfigError(
+            f"{path} does not say which model to train: it has no "
+            f"{' or '.join(f'`{key}:`' for key in missing)}; a parameter file holds at least "
+            f"`preset:` and `variant:` (top-level keys, or --set preset=... variant=...) with "
+            f"optional model, data and train sections (see {EXAMPLE_PARAMETER_FILE}). "
+            f"presets: {', '.join(PRESETS)}; variants: {', '.join(variants())}"
+        )
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -812,8 +949,9 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"parameter file {path} not found; pass an existing YAML file "
-                              f"(see parameters/ for examples)")
+            raise ConfigError(
+                f"parameter file {path} not found; pass an existing YAML file (see parameters/ for examples)"
+            )
         values = apply_overrides(read_yaml(path), overrides or [])
         _check_parameter_file(path, values)
         return run_config_from_dict(values)

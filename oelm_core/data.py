@@ -47,9 +47,9 @@ log = logging.getLogger(__name__)
 
 TOKENIZER = "gpt2"
 VOCAB_SIZE = ModelConfig.vocab_size  # the GPT-2 BPE's ids (the model's default vocabulary)
-EOT = 50256                       # GPT-2's <|endoftext|>: appended after every story
-EOT_TEXT = "<|endoftext|>"        # the same separator as it appears in TinyStories .txt files
-HUB_NAME = DataConfig.source      # TinyStories on the Hugging Face hub, the default source
+EOT = 50256  # GPT-2's <|endoftext|>: appended after every story
+EOT_TEXT = "<|endoftext|>"  # the same separator as it appears in TinyStories .txt files
+HUB_NAME = DataConfig.source  # TinyStories on the Hugging Face hub, the default source
 # Bump when the token layout changes so that existing caches no longer match and get rebuilt.
 FORMAT_VERSION = 1
 
@@ -60,16 +60,19 @@ FILE_TYPES = (".txt", ".jsonl", ".parquet")
 
 # Below this many stories a process pool costs more (start-up, pickling) than it saves.
 _PARALLEL_MIN_STORIES = 2000
-_CHUNK_STORIES = 256              # stories per task sent to a worker process
+_CHUNK_STORIES = 256  # stories per task sent to a worker process
 
 _INSTALL_HINT = 'install the optional data dependencies: pip install "oelm-core[data]"'
-_LOCAL_HINT = ("set data.source (or the environment variable OELM_DATA) to a local folder with "
-               "train/ and validation/ story files, e.g. ../shared/data/tinystories")
+_LOCAL_HINT = (
+    "set data.source (or the environment variable OELM_DATA) to a local folder with "
+    "train/ and validation/ story files, e.g. ../shared/data/tinystories"
+)
 
 
 # --------------------------------------------------------------------------------------------
 # Tokeniser
 # --------------------------------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=1)
 def get_tokenizer():
@@ -81,14 +84,14 @@ def get_tokenizer():
         return tiktoken.get_encoding(TOKENIZER)
     except Exception as e:  # offline without a cache: tiktoken fails while downloading
         cache = os.environ.get("TIKTOKEN_CACHE_DIR")
-        missing = (f"TIKTOKEN_CACHE_DIR={cache} does not hold them" if cache
-                   else "TIKTOKEN_CACHE_DIR is not set")
+        missing = f"TIKTOKEN_CACHE_DIR={cache} does not hold them" if cache else "TIKTOKEN_CACHE_DIR is not set"
         reason = textwrap.shorten(f"{type(e).__name__}: {e}", 200)
         # from None: the CLIs print this line, not the 80 lines of the failed download.
         raise ConfigError(
             f"tiktoken could not load the {TOKENIZER!r} BPE files: {missing} and downloading them "
             f"failed ({reason}); set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files "
-            f"(see the README), e.g. TIKTOKEN_CACHE_DIR=../shared/data/tokenizer/tiktoken_cache") from None
+            f"(see the README), e.g. TIKTOKEN_CACHE_DIR=../shared/data/tokenizer/tiktoken_cache"
+        ) from None
 
 
 def encode_prompt(text: str) -> list[int]:
@@ -138,6 +141,7 @@ def _encode_stream(stories: Iterable[str], procs: int) -> Iterator[tuple[np.ndar
 # Sources: the hub or a local folder, each giving per split a re-iterable sequence of stories
 # --------------------------------------------------------------------------------------------
 
+
 def split_stories(text: str) -> list[str]:
     """The stories of a TinyStories .txt file, stripped, empty ones dropped.
 
@@ -164,16 +168,20 @@ def _field_of(row: dict, text_field: str, where: str) -> str | None:
         return _story_text(row[text_field], text_field, where)
     except (KeyError, TypeError):
         keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise ConfigError(f"{where} has no field {text_field!r} (it has {keys}); set data.text_field "
-                          f"to the one that holds the story text") from None
+        raise ConfigError(
+            f"{where} has no field {text_field!r} (it has {keys}); set data.text_field "
+            f"to the one that holds the story text"
+        ) from None
 
 
 def _story_text(value, text_field: str, where: str) -> str | None:
     """``value`` when it is a story's text (or missing: None); else the field is not the text."""
     if value is None or isinstance(value, str):
         return value
-    raise ConfigError(f"{where}: field {text_field!r} holds {type(value).__name__} {reprlib.repr(value)}, "
-                      f"not a story's text; set data.text_field to the field that holds the text")
+    raise ConfigError(
+        f"{where}: field {text_field!r} holds {type(value).__name__} {reprlib.repr(value)}, "
+        f"not a story's text; set data.text_field to the field that holds the text"
+    )
 
 
 def _import_datasets():
@@ -211,8 +219,10 @@ def _read_file(path: Path, text_field: str) -> Iterator[str]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     problem = f"{e.msg.removesuffix(' at')} at column {e.colno}"
-                    raise ConfigError(f"{path}:{lineno}: not a JSON object ({problem}); a .jsonl file "
-                                      f"holds one JSON object per line, e.g. {_JSONL_EXAMPLE}") from None
+                    raise ConfigError(
+                        f"{path}:{lineno}: not a JSON object ({problem}); a .jsonl file "
+                        f"holds one JSON object per line, e.g. {_JSONL_EXAMPLE}"
+                    ) from None
                 yield _field_of(row, text_field, f"{path}:{lineno}")
     else:  # .parquet
         yield from _read_parquet(path, text_field)
@@ -231,15 +241,19 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
-            raise ConfigError(f"{path} has no column {text_field!r} (it has {pf.schema_arrow.names}); "
-                              f"set data.text_field to the one that holds the story text")
+            raise ConfigError(
+                f"{path} has no column {text_field!r} (it has {pf.schema_arrow.names}); "
+                f"set data.text_field to the one that holds the story text"
+            )
         for batch in pf.iter_batches(columns=[text_field]):
             for value in batch.column(0).to_pylist():
                 yield _story_text(value, text_field, str(path))
     except pyarrow.ArrowException as e:
-        raise ConfigError(f"{path} is not a readable parquet file ({textwrap.shorten(str(e), 200)}); "
-                          f"replace it with a readable one (e.g. written by pyarrow.parquet.write_table) "
-                          f"or remove it") from None
+        raise ConfigError(
+            f"{path} is not a readable parquet file ({textwrap.shorten(str(e), 200)}); "
+            f"replace it with a readable one (e.g. written by pyarrow.parquet.write_table) "
+            f"or remove it"
+        ) from None
 
 
 def _rows(rows: Iterable[dict], text_field: str, where: str) -> Iterator[str]:
@@ -258,8 +272,9 @@ def _dataset_stories(ds, text_field: str, cap: int, where: str) -> Iterator[str]
 def _folder_splits(root: Path, cfg: DataConfig) -> dict[str, Callable[[], Iterator[str]]]:
     """Split -> function returning a fresh pass over its stories, for a local folder."""
     if not root.is_dir():
-        raise ConfigError(f"data folder {root} does not exist; {_LOCAL_HINT}, or to "
-                          f"{HUB_NAME!r} to download TinyStories from the hub")
+        raise ConfigError(
+            f"data folder {root} does not exist; {_LOCAL_HINT}, or to {HUB_NAME!r} to download TinyStories from the hub"
+        )
     caps = {"train": cfg.max_train_stories, "val": cfg.max_val_stories}
 
     if (root / "dataset_dict.json").is_file():  # written by DatasetDict.save_to_disk
@@ -268,22 +283,27 @@ def _folder_splits(root: Path, cfg: DataConfig) -> dict[str, Callable[[], Iterat
         for split, names in SPLIT_NAMES.items():
             key = next((n for n in names if n in dd), None)
             if key is None:
-                raise ConfigError(f"the saved dataset {root} has splits {sorted(dd)}, but no "
-                                  f"{' / '.join(names)}; save a DatasetDict with train and validation")
-            splits[split] = functools.partial(_dataset_stories, dd[key], cfg.text_field,
-                                              caps[split], f"{root} [{key}]")
+                raise ConfigError(
+                    f"the saved dataset {root} has splits {sorted(dd)}, but no "
+                    f"{' / '.join(names)}; save a DatasetDict with train and validation"
+                )
+            splits[split] = functools.partial(_dataset_stories, dd[key], cfg.text_field, caps[split], f"{root} [{key}]")
         return splits
 
     splits = {}
     for split, names in SPLIT_NAMES.items():
         folder = next((root / n for n in names if (root / n).is_dir()), None)
         if folder is None:
-            raise ConfigError(f"data folder {root} has no {'/ or '.join(names)}/ folder; it needs "
-                              f"train/ and validation/ holding {', '.join(FILE_TYPES)} story files")
+            raise ConfigError(
+                f"data folder {root} has no {'/ or '.join(names)}/ folder; it needs "
+                f"train/ and validation/ holding {', '.join(FILE_TYPES)} story files"
+            )
         files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in FILE_TYPES)
         if not files:
-            raise ConfigError(f"{folder} holds no story files; put {', '.join(FILE_TYPES)} files "
-                              f"there (.txt: stories separated by {EOT_TEXT})")
+            raise ConfigError(
+                f"{folder} holds no story files; put {', '.join(FILE_TYPES)} files "
+                f"there (.txt: stories separated by {EOT_TEXT})"
+            )
         splits[split] = functools.partial(_file_stories, files, cfg.text_field, caps[split])
     return splits
 
@@ -299,8 +319,10 @@ def _hub_stories(name: str, split: str, cap: int, text_field: str) -> Iterator[s
     folder = "" if name == HUB_NAME else f"As a local folder, {Path(name).resolve()} does not exist. "
     unreachable = None if offline_flag() else hub_unreachable()
     if unreachable:
-        raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub ({unreachable}). "
-                          f"{folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}")
+        raise ConfigError(
+            f"could not load {name!r} ({split}) from the Hugging Face hub ({unreachable}). "
+            f"{folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}"
+        )
     datasets = _import_datasets()
 
     def stories() -> Iterator[str]:
@@ -310,8 +332,10 @@ def _hub_stories(name: str, split: str, cap: int, text_field: str) -> Iterator[s
         except ConfigError:
             raise
         except Exception as e:  # no network, unknown name, hub outage: all fixed the same way
-            raise ConfigError(f"could not load {name!r} ({split}) from the Hugging Face hub "
-                              f"({type(e).__name__}: {e}). {folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}") from e
+            raise ConfigError(
+                f"could not load {name!r} ({split}) from the Hugging Face hub "
+                f"({type(e).__name__}: {e}). {folder}Offline? {_LOCAL_HINT}; {OFFLINE_HINT}"
+            ) from e
 
     return stories()
 
@@ -344,8 +368,12 @@ def resolve_source(cfg: DataConfig) -> str:
 def _say_overridden(source: str, env: str) -> None:
     """Once per process and pair: a study prepares each run's data more than once, and an
     explicit data.source that is silently not read looks like a bug in the parameter file."""
-    log.warning("data.source %s is overridden by the environment variable OELM_DATA=%s; unset "
-                "OELM_DATA to read %s", source, env, source)
+    log.warning(
+        "data.source %s is overridden by the environment variable OELM_DATA=%s; unset OELM_DATA to read %s",
+        source,
+        env,
+        source,
+    )
 
 
 def _is_hub(source: str) -> bool:
@@ -365,6 +393,7 @@ def _is_hub(source: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # prepare / load_meta
 # --------------------------------------------------------------------------------------------
+
 
 def _hashed(stories: Iterable[str], split: str, h) -> Iterator[str]:
     """``stories`` unchanged, each also fed to the hash ``h`` (after a mark of ``split``)."""
@@ -388,12 +417,12 @@ def _new_text_hash():
     """The hash that meta.json's text_hash is the digest of, before any story: it starts with
     what the content hash also holds of the token layout (FORMAT_VERSION, TOKENIZER), so that
     token files of another layout never pass for the same stories."""
-    return hashlib.sha256(json.dumps({"format": FORMAT_VERSION, "tokenizer": TOKENIZER},
-                                     sort_keys=True).encode())
+    return hashlib.sha256(json.dumps({"format": FORMAT_VERSION, "tokenizer": TOKENIZER}, sort_keys=True).encode())
 
 
-def _write_split(stories: Iterable[str], path: Path, procs: int, total: int | None,
-                 progress: bool) -> tuple[Path, dict]:
+def _write_split(
+    stories: Iterable[str], path: Path, procs: int, total: int | None, progress: bool
+) -> tuple[Path, dict]:
     """(a temporary beside ``path`` holding the split's tokens, for the caller to rename onto
     ``path``; the split's tokens, stories and bytes, and the file's fingerprint: the sha256 of its
     bytes, hashed as they are written, and its mtime, which the rename keeps (oelm_core.provenance
@@ -439,19 +468,23 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
     cfg.validate()
     source = resolve_source(cfg)
     out = Path(cfg.out_dir)
-    key = {"format": FORMAT_VERSION, "tokenizer": TOKENIZER,
-           "max_train_stories": cfg.max_train_stories, "max_val_stories": cfg.max_val_stories}
+    key = {
+        "format": FORMAT_VERSION,
+        "tokenizer": TOKENIZER,
+        "max_train_stories": cfg.max_train_stories,
+        "max_val_stories": cfg.max_val_stories,
+    }
     h = hashlib.sha256()
 
     if _is_hub(source):
         # Hashing the rows would mean downloading them; the hub dataset is fixed, so its name,
         # column and caps identify the content, and a prepared cache is reused offline.
-        h.update(json.dumps({**key, "source": source, "text_field": cfg.text_field},
-                            sort_keys=True).encode())
+        h.update(json.dumps({**key, "source": source, "text_field": cfg.text_field}, sort_keys=True).encode())
         resolved = source
         caps = {"train": cfg.max_train_stories, "val": cfg.max_val_stories}
-        splits = {s: functools.partial(_hub_stories, source, HUB_SPLITS[s], caps[s], cfg.text_field)
-                  for s in SPLIT_NAMES}
+        splits = {
+            s: functools.partial(_hub_stories, source, HUB_SPLITS[s], caps[s], cfg.text_field) for s in SPLIT_NAMES
+        }
         totals = {s: caps[s] or None for s in SPLIT_NAMES}  # unknown until downloaded
     else:
         root = Path(source).expanduser().resolve()
@@ -484,8 +517,9 @@ def prepare(cfg: DataConfig, *, force: bool = False, progress: bool = True) -> d
                 break
 
 
-def _write_all(out: Path, splits: dict, totals: dict, resolved: str, content_hash: str,
-               cfg: DataConfig, progress: bool) -> dict:
+def _write_all(
+    out: Path, splits: dict, totals: dict, resolved: str, content_hash: str, cfg: DataConfig, progress: bool
+) -> dict:
     """Tokenise every split into out/{split}.bin, then write out/meta.json; return the meta.
 
     Every token file is written to a temporary first. Until all are whole, the folder keeps what
@@ -499,17 +533,22 @@ def _write_all(out: Path, splits: dict, totals: dict, resolved: str, content_has
     try:
         for split, stories in splits.items():
             procs = _num_procs(cfg.num_proc, totals[split])
-            written[split], counts = _write_split(_hashed(stories(), split, text_hash), out / f"{split}.bin",
-                                                  procs, totals[split], progress)
+            written[split], counts = _write_split(
+                _hashed(stories(), split, text_hash), out / f"{split}.bin", procs, totals[split], progress
+            )
             if counts["tokens"] == 0:
-                raise ConfigError(f"the {split} split of {resolved} holds no stories; check its files "
-                                  f"and data.text_field")
+                raise ConfigError(
+                    f"the {split} split of {resolved} holds no stories; check its files and data.text_field"
+                )
             meta.update({f"{split}_{k}": v for k, v in counts.items()})
-        meta.update(max_train_stories=cfg.max_train_stories, max_val_stories=cfg.max_val_stories,
-                    content_hash=content_hash, text_hash=text_hash.hexdigest(),
-                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-        new_meta = write_temporary(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w",
-                                   setting="data.out_dir")
+        meta.update(
+            max_train_stories=cfg.max_train_stories,
+            max_val_stories=cfg.max_val_stories,
+            content_hash=content_hash,
+            text_hash=text_hash.hexdigest(),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+        new_meta = write_temporary(meta_path, lambda f: json.dump(meta, f, indent=2), mode="w", setting="data.out_dir")
         written["meta"] = new_meta
         meta_path.unlink(missing_ok=True)
         for split in SPLIT_NAMES:
@@ -528,8 +567,10 @@ def _add_text_hash(out: Path, meta: dict) -> dict:
     files hold each story's ids and then EOT, which no story's own ids contain (encode_ordinary),
     and the GPT-2 BPE decodes ids back to exactly the bytes they encode: the stories decoded
     between EOTs hash as the texts they were tokenised from."""
-    log.info("adding the text hash of the stories to %s/meta.json (prepared before it held one): "
-             "decoding the token files", out)
+    log.info(
+        "adding the text hash of the stories to %s/meta.json (prepared before it held one): decoding the token files",
+        out,
+    )
     enc = get_tokenizer()
     h = _new_text_hash()
     for split in SPLIT_NAMES:
@@ -552,8 +593,12 @@ def _up_to_date(out: Path, content_hash: str, resolved: str) -> dict | None:
     if meta is None or meta.get("content_hash") != content_hash or not _bins_match(out, meta):
         return None
     if meta.get("text_hash"):
-        log.info("%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
-                 out, resolved, content_hash[:12])
+        log.info(
+            "%s is up to date with %s (content hash %s...); skipping (force=True rebuilds)",
+            out,
+            resolved,
+            content_hash[:12],
+        )
     return meta
 
 
@@ -565,18 +610,28 @@ def _why_rebuilt(out: Path, content_hash: str, resolved: str, force: bool) -> tu
         return logging.INFO, "force=True (--force) rebuilds it"
     if not meta_path.exists():
         made = [n for n in ("train.bin", "val.bin") if (out / n).exists()]
-        return ((logging.WARNING, f"it has {' and '.join(made)} but no meta.json (removed, or an interrupted "
-                                  f"preparation of an older version)") if made
-                else (logging.INFO, "it holds no prepared data yet"))
+        return (
+            (
+                logging.WARNING,
+                f"it has {' and '.join(made)} but no meta.json (removed, or an interrupted "
+                f"preparation of an older version)",
+            )
+            if made
+            else (logging.INFO, "it holds no prepared data yet")
+        )
     meta = _read_meta(meta_path)
     if meta is None:
         return logging.WARNING, "its meta.json is damaged (empty, not JSON or not a mapping)"
     if meta.get("content_hash") != content_hash:
         before = meta.get("source")
-        where = (f"it was prepared from {before}, this run reads {resolved}" if before != resolved
-                 else f"the stories of {resolved} changed since it was prepared")
-        return logging.INFO, (f"{where} (content hash {str(meta.get('content_hash'))[:12]}... recorded, "
-                              f"{content_hash[:12]}... now)")
+        where = (
+            f"it was prepared from {before}, this run reads {resolved}"
+            if before != resolved
+            else f"the stories of {resolved} changed since it was prepared"
+        )
+        return logging.INFO, (
+            f"{where} (content hash {str(meta.get('content_hash'))[:12]}... recorded, {content_hash[:12]}... now)"
+        )
     for split in SPLIT_NAMES:
         path, tokens = out / f"{split}.bin", meta.get(f"{split}_tokens")
         if not isinstance(tokens, int):
@@ -584,9 +639,11 @@ def _why_rebuilt(out: Path, content_hash: str, resolved: str, force: bool) -> tu
         if not path.is_file():
             return logging.WARNING, f"{path.name} is missing"
         if path.stat().st_size != 2 * tokens:
-            return logging.WARNING, (f"{path.name} holds {path.stat().st_size:,} bytes where meta.json records "
-                                     f"{tokens:,} tokens ({2 * tokens:,} bytes): damaged, or written by "
-                                     f"something else")
+            return logging.WARNING, (
+                f"{path.name} holds {path.stat().st_size:,} bytes where meta.json records "
+                f"{tokens:,} tokens ({2 * tokens:,} bytes): damaged, or written by "
+                f"something else"
+            )
     return logging.INFO, "its meta.json has no text hash"  # not reached: _up_to_date accepts it
 
 
@@ -602,17 +659,21 @@ def _read_meta(path: Path) -> dict | None:
 
 def _bins_match(out: Path, meta: dict) -> bool:
     """Both token files exist with the sizes meta.json records (2 bytes per token)."""
-    return all(isinstance(meta.get(f"{s}_tokens"), int) and (out / f"{s}.bin").is_file()
-               and (out / f"{s}.bin").stat().st_size == 2 * meta[f"{s}_tokens"]
-               for s in SPLIT_NAMES)
+    return all(
+        isinstance(meta.get(f"{s}_tokens"), int)
+        and (out / f"{s}.bin").is_file()
+        and (out / f"{s}.bin").stat().st_size == 2 * meta[f"{s}_tokens"]
+        for s in SPLIT_NAMES
+    )
 
 
 def _folder_lock(out: Path) -> ContextManager[bool]:
     """A context manager holding an exclusive lock on out/.prepare.lock while preparing ``out``:
     a second process preparing the same folder waits on entering it. Entering it gives whether
     the lock is held (``exclusive_lock``'s answer: False where the file system has no locks)."""
-    return exclusive_lock(out / ".prepare.lock",
-                          on_wait=lambda: log.info("waiting for another process that is preparing %s", out))
+    return exclusive_lock(
+        out / ".prepare.lock", on_wait=lambda: log.info("waiting for another process that is preparing %s", out)
+    )
 
 
 def _remove_stale_temp_files(out: Path, locked: bool, started: float) -> None:
@@ -631,13 +692,14 @@ def _remove_stale_temp_files(out: Path, locked: bool, started: float) -> None:
 
 
 def _rebuild_hint(out_dir: Path) -> str:
-    return (f"rebuild with `python -m oelm_core.data --source <folder or {HUB_NAME}> --out-dir {out_dir} "
-            f"--force`")
+    return f"rebuild with `python -m oelm_core.data --source <folder or {HUB_NAME}> --out-dir {out_dir} --force`"
 
 
 def _prepare_hint(out_dir: Path) -> str:
-    return (f"run `python -m oelm_core.data --source <folder or {HUB_NAME}> --out-dir {out_dir}` "
-            f"or set data.source so that training prepares it")
+    return (
+        f"run `python -m oelm_core.data --source <folder or {HUB_NAME}> --out-dir {out_dir}` "
+        f"or set data.source so that training prepares it"
+    )
 
 
 def load_meta(out_dir: str | Path) -> dict:
@@ -645,21 +707,25 @@ def load_meta(out_dir: str | Path) -> dict:
     out = Path(out_dir)
     missing = [n for n in ("meta.json", "train.bin", "val.bin") if not (out / n).is_file()]
     if missing:
-        raise ConfigError(f"no prepared data in {out} (missing {', '.join(missing)}); "
-                          f"{_prepare_hint(out)}")
+        raise ConfigError(f"no prepared data in {out} (missing {', '.join(missing)}); {_prepare_hint(out)}")
     meta = _read_meta(out / "meta.json")
     if meta is None:
-        raise ConfigError(f"{out / 'meta.json'} is damaged (empty, not JSON or not a mapping: an "
-                          f"interrupted or foreign write); {_rebuild_hint(out)}")
+        raise ConfigError(
+            f"{out / 'meta.json'} is damaged (empty, not JSON or not a mapping: an "
+            f"interrupted or foreign write); {_rebuild_hint(out)}"
+        )
     if not _bins_match(out, meta):
-        raise ConfigError(f"the token files in {out} do not match its meta.json (an interrupted or "
-                          f"foreign write); {_rebuild_hint(out)}")
+        raise ConfigError(
+            f"the token files in {out} do not match its meta.json (an interrupted or "
+            f"foreign write); {_rebuild_hint(out)}"
+        )
     return meta
 
 
 # --------------------------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------------------------
+
 
 def _open_tokens(bin_path: str | Path, block_size: int, vocab_size: int = VOCAB_SIZE) -> np.memmap:
     """The token file as a uint16 memmap, after checking that it holds whole tokens, at least one
@@ -671,20 +737,26 @@ def _open_tokens(bin_path: str | Path, block_size: int, vocab_size: int = VOCAB_
         raise ConfigError(f"token file {path} not found; {_prepare_hint(path.parent)}")
     size = path.stat().st_size
     if size == 0 or size % 2:  # np.memmap's own errors name neither the file nor the fix
-        raise ConfigError(f"{path} holds {size} bytes, not a whole number of 2-byte (uint16) tokens "
-                          f"(an interrupted or foreign write); {_rebuild_hint(path.parent)}")
+        raise ConfigError(
+            f"{path} holds {size} bytes, not a whole number of 2-byte (uint16) tokens "
+            f"(an interrupted or foreign write); {_rebuild_hint(path.parent)}"
+        )
     data = np.memmap(path, dtype=np.uint16, mode="r")
     if len(data) < block_size + 1:
-        raise ConfigError(f"{path} holds {len(data)} tokens, fewer than block_size + 1 = "
-                          f"{block_size + 1}; use a smaller model.block_size or prepare more "
-                          f"stories (raise data.max_train_stories / data.max_val_stories)")
+        raise ConfigError(
+            f"{path} holds {len(data)} tokens, fewer than block_size + 1 = "
+            f"{block_size + 1}; use a smaller model.block_size or prepare more "
+            f"stories (raise data.max_train_stories / data.max_val_stories)"
+        )
     largest = int(data.max())
     if largest >= vocab_size:
         past = data >= vocab_size
-        raise ConfigError(f"{path} holds {int(past.sum())} token id(s) past the {vocab_size}-token vocabulary it "
-                          f"was prepared with (ids 0..{vocab_size - 1}), the largest {largest}, the first at "
-                          f"position {int(past.argmax())}: the file was damaged or written by something else; "
-                          f"{_rebuild_hint(path.parent)}")
+        raise ConfigError(
+            f"{path} holds {int(past.sum())} token id(s) past the {vocab_size}-token vocabulary it "
+            f"was prepared with (ids 0..{vocab_size - 1}), the largest {largest}, the first at "
+            f"position {int(past.argmax())}: the file was damaged or written by something else; "
+            f"{_rebuild_hint(path.parent)}"
+        )
     return data
 
 
@@ -703,8 +775,16 @@ class TokenSampler:
     ConfigError on opening.
     """
 
-    def __init__(self, bin_path: str | Path, block_size: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, vocab_size: int = VOCAB_SIZE):
+    def __init__(
+        self,
+        bin_path: str | Path,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        vocab_size: int = VOCAB_SIZE,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
         if block_size <= 0 or batch_size <= 0:
@@ -743,9 +823,15 @@ class TokenSampler:
 HALVES = {"all": None, "selection": 0, "report": 1}  # eval_batches' parts of the validation file
 
 
-def eval_batches(bin_path: str | Path, block_size: int, batch_size: int, n_batches: int,
-                 seed: int = 1234, vocab_size: int = VOCAB_SIZE,
-                 part: str = "all") -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    bin_path: str | Path,
+    block_size: int,
+    batch_size: int,
+    n_batches: int,
+    seed: int = 1234,
+    vocab_size: int = VOCAB_SIZE,
+    part: str = "all",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation batches on every call: (x, y) int64 CPU tensors (<= batch_size, block_size).
 
     Windows are non-overlapping slots of block_size + 1 tokens; a fixed-seed draw picks
@@ -760,9 +846,11 @@ def eval_batches(bin_path: str | Path, block_size: int, batch_size: int, n_batch
     first, end = 0, slots
     if HALVES[part] is not None:
         if slots < 2:
-            raise ConfigError(f"{bin_path} holds {len(data)} tokens, one window of block_size + 1 = "
-                              f"{block_size + 1}: too few to hold out half of them for reporting. Prepare "
-                              f"more validation stories (data.max_val_stories) or set train.report_holdout: false")
+            raise ConfigError(
+                f"{bin_path} holds {len(data)} tokens, one window of block_size + 1 = "
+                f"{block_size + 1}: too few to hold out half of them for reporting. Prepare "
+                f"more validation stories (data.max_val_stories) or set train.report_holdout: false"
+            )
         first, end = (0, slots // 2) if HALVES[part] == 0 else (slots // 2, slots)
     want = batch_size * n_batches
     if end - first >= want:
@@ -770,13 +858,13 @@ def eval_batches(bin_path: str | Path, block_size: int, batch_size: int, n_batch
     else:
         chosen = np.arange(first, end)
     starts = chosen * block_size
-    return [_windows(data, starts[i:i + batch_size], block_size)
-            for i in range(0, len(starts), batch_size)]
+    return [_windows(data, starts[i : i + batch_size], block_size) for i in range(0, len(starts), batch_size)]
 
 
 # --------------------------------------------------------------------------------------------
 # Metrics that need the data's bytes per token
 # --------------------------------------------------------------------------------------------
+
 
 def bits_per_byte(loss_nats: float, tokens: int, bytes_: int) -> float:
     """Mean loss (nats/token) as bits per UTF-8 byte of text: loss * tokens / (bytes * ln 2).
@@ -798,13 +886,15 @@ def perplexity(loss_nats: float) -> float:
 # CLI
 # --------------------------------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> int:
     """The CLI: prints meta.json's content; returns the exit code (0 done, 2 unusable source or
     settings, 1 a full disk; the error on stderr, one line)."""
     defaults = DataConfig()
     p = argparse.ArgumentParser(prog="python -m oelm_core.data", description=__doc__.split("\n")[0])
-    p.add_argument("--source", default=defaults.source,
-                   help=f"{HUB_NAME!r} or a local folder (the env var OELM_DATA overrides it)")
+    p.add_argument(
+        "--source", default=defaults.source, help=f"{HUB_NAME!r} or a local folder (the env var OELM_DATA overrides it)"
+    )
     p.add_argument("--out-dir", default=defaults.out_dir)
     p.add_argument("--max-train-stories", type=int, default=defaults.max_train_stories)
     p.add_argument("--max-val-stories", type=int, default=defaults.max_val_stories)

@@ -61,9 +61,11 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
             device = torch.device("cuda", local_rank)
             count = torch.cuda.device_count()
             if local_rank >= count:
-                raise ConfigError(f"train.device {name!r} puts local rank {local_rank} on {device}, but this "
-                                  f"machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}: start at "
-                                  f"most {count} processes per node")
+                raise ConfigError(
+                    f"train.device {name!r} puts local rank {local_rank} on {device}, but this "
+                    f"machine has {count} CUDA GPU(s), cuda:0..cuda:{count - 1}: start at "
+                    f"most {count} processes per node"
+                )
         torch.cuda.set_device(device)
     return device
 
@@ -77,8 +79,12 @@ def setup_distributed(tc: TrainConfig) -> Dist:
     device = resolve_device(tc.device, local_rank)
     owns = False
     if world > 1 and not dist.is_initialized():
-        init_process_group(tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
-                           rank=rank, world_size=world, timeout=timedelta(seconds=tc.ddp_timeout_s))
+        init_process_group(
+            tc.backend if tc.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=tc.ddp_timeout_s),
+        )
         owns = True
     if world > 1:
         _store_set(f"process/{rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
@@ -114,11 +120,17 @@ def silent_ranks(exc: BaseException, d: Dist, timeout_s: float) -> Optional[Rank
         who = "a rank"
     else:
         who = ", ".join(f"rank {r} ({_store_get(f'process/{r}') or 'host unknown'})" for r in silent)
-    hint = (" Rank 0 prepares the data while the others wait: prepare it first (python -m oelm_core.data) or raise "
-            "train.ddp_timeout_s." if silent == [0] else "")
-    return RankSilent(f"{who} did not answer for {timeout_s:g} s (train.ddp_timeout_s), and rank {d.rank} stopped "
-                      f"waiting: the process was stopped (SIGSTOP, a debugger), hangs, or its node is gone; the run "
-                      f"resumes from its latest checkpoint with --resume.{hint}")
+    hint = (
+        " Rank 0 prepares the data while the others wait: prepare it first (python -m oelm_core.data) or raise "
+        "train.ddp_timeout_s."
+        if silent == [0]
+        else ""
+    )
+    return RankSilent(
+        f"{who} did not answer for {timeout_s:g} s (train.ddp_timeout_s), and rank {d.rank} stopped "
+        f"waiting: the process was stopped (SIGSTOP, a debugger), hangs, or its node is gone; the run "
+        f"resumes from its latest checkpoint with --resume.{hint}"
+    )
 
 
 def _chain(exc: Optional[BaseException]):
@@ -197,9 +209,11 @@ def every_rank(value: Any, d: Dist) -> list:
 # every rank by construction (same seed, same updates): broadcasting them before each forward is
 # wasted traffic. torch 2.13 renamed the switch and warns on the old name (its new one still syncs
 # once, at construction, which is harmless).
-DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
-                      if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                      else {"broadcast_buffers": False})
+DDP_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def wrap_ddp(module: nn.Module, device: torch.device, bucket_mb: float) -> DDP:
@@ -207,8 +221,13 @@ def wrap_ddp(module: nn.Module, device: torch.device, bucket_mb: float) -> DDP:
     and no buffer broadcasts."""
     # gradient_as_bucket_view: the gradients are views of the all-reduce buckets, so they are not
     # copied back out after each all-reduce.
-    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-               gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **DDP_NO_BUFFER_SYNC)
+    return DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=bucket_mb,
+        **DDP_NO_BUFFER_SYNC,
+    )
 
 
 def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: torch.device):

@@ -54,8 +54,10 @@ def read(file: Path) -> dict[str, str]:
             continue
         key, sep, value = line.removeprefix("export ").partition("=")
         if not sep or not key.strip().isidentifier():
-            raise ValueError(f"{file}:{lineno}: not a KEY=VALUE line: {line!r}; fix the line, or write the "
-                             f"file again with `python -m oelm_core.offline DIR`")
+            raise ValueError(
+                f"{file}:{lineno}: not a KEY=VALUE line: {line!r}; fix the line, or write the "
+                f"file again with `python -m oelm_core.offline DIR`"
+            )
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]

@@ -31,8 +31,8 @@ import re
 import shutil
 import sys
 import tempfile
-from importlib import metadata
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -40,8 +40,15 @@ import torch
 
 from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import CheckpointError, load_model, shape_disagreement
-from oelm_core.config import (PRESETS, ConfigError, ModelConfig, model_config_from_dict, read_yaml,
-                              variant_overrides, variants)
+from oelm_core.config import (
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    model_config_from_dict,
+    read_yaml,
+    variant_overrides,
+    variants,
+)
 from oelm_core.data import EOT, EOT_TEXT
 from oelm_core.files import DiskFull, LockHeld, atomic_folder, exclusive_lock
 from oelm_core.model import GPT
@@ -55,12 +62,27 @@ RUN_EXPORT = "export"  # the run folder's safetensors export, written when a ses
 GPT2_VOCAB = EOT + 1
 # Every name an export writes (both formats, and the two subfolders of --format both): a folder
 # holding anything else is refused as --out rather than replaced.
-EXPORT_NAMES = {"model.safetensors", "config.json", "README.md", "generation_config.json", "vocab.json",
-                "merges.txt", "tokenizer_config.json", "safetensors", "transformers"}
+EXPORT_NAMES = {
+    "model.safetensors",
+    "config.json",
+    "README.md",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "safetensors",
+    "transformers",
+}
 # GPT-2's config.json keys that transformers builds the model from, and the ModelConfig field
 # each must equal.
-GPT2_KEYS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "d_model", "n_inner": "d_ff",
-             "n_positions": "block_size", "vocab_size": "vocab_size"}
+GPT2_KEYS = {
+    "n_layer": "n_layer",
+    "n_head": "n_head",
+    "n_embd": "d_model",
+    "n_inner": "d_ff",
+    "n_positions": "block_size",
+    "vocab_size": "vocab_size",
+}
 # What an export killed mid-way leaves in the folder that holds its --out (``atomic_folder``'s
 # temporaries, the lock of ``_writing``), as a name pattern of {name}, the folder's name.
 LEFT_BY_A_KILL = r"\.{name}\.(.+\.(tmp|old)|lock)"
@@ -80,19 +102,23 @@ class ExportError(RuntimeError):
 # What the model is: config.json and the model card
 # --------------------------------------------------------------------------------------------
 
+
 def _preset_and_variant(cfg: ModelConfig) -> tuple[Optional[str], Optional[str]]:
     """The preset whose shape ``cfg`` has and the variant whose settings it has, each None where
     none fits (a run's own names, when known, are used instead)."""
-    preset = next((name for name, shape in PRESETS.items()
-                   if all(getattr(cfg, k) == v for k, v in shape.items())), None)
+    preset = next(
+        (name for name, shape in PRESETS.items() if all(getattr(cfg, k) == v for k, v in shape.items())), None
+    )
     keys = {k for name in variants() for k in variant_overrides(name)}
     default = ModelConfig()
     for name in variants():
         overrides = variant_overrides(name)
         expected = dataclasses.replace(cfg, **{k: overrides.get(k, getattr(default, k)) for k in keys})
         # freeze_qk compared by the layers it names: "all" and [0, 1] are one setting at 2 layers
-        if (dataclasses.replace(expected, freeze_qk=cfg.freeze_qk) == cfg
-                and expected.frozen_layers() == cfg.frozen_layers()):
+        if (
+            dataclasses.replace(expected, freeze_qk=cfg.freeze_qk) == cfg
+            and expected.frozen_layers() == cfg.frozen_layers()
+        ):
             return preset, name
     return preset, None
 
@@ -114,14 +140,23 @@ def describe(model: GPT, card: Optional[dict] = None) -> dict:
     preset, variant = card.get("preset", preset), card.get("variant", variant)
     counts = count_parameters(model)
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "oelm_core_version": _version(),
-        "preset": preset, "variant": variant,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "oelm_core_version": _version(),
+        "preset": preset,
+        "variant": variant,
         "description": variants().get(variant),
         "model_config": dataclasses.asdict(cfg),
-        "qk": None if cfg.attention != "dot" else {
-            "construction": cfg.qk_init, "about": QK_INITS[cfg.qk_init], "gain": cfg.qk_gain,
-            "frozen_layers": model.frozen_qk_layers(), "poet_block_size": cfg.poet_block_size,
-            "logit_scale": "1/sqrt(d_head)"},
+        "qk": None
+        if cfg.attention != "dot"
+        else {
+            "construction": cfg.qk_init,
+            "about": QK_INITS[cfg.qk_init],
+            "gain": cfg.qk_gain,
+            "frozen_layers": model.frozen_qk_layers(),
+            "poet_block_size": cfg.poet_block_size,
+            "logit_scale": "1/sqrt(d_head)",
+        },
         "parameters": {k: counts[k] for k in ("trainable", "frozen", "total")},
         "run": card,
     }
@@ -143,19 +178,31 @@ def run_card(state: dict, run_dir: Optional[Path] = None, weights: str = "best.p
     code, data, device = prov.get("code") or {}, prov.get("data") or {}, prov.get("device") or {}
     software = prov.get("software") or {}
     card = {
-        "name": run.get("name"), "preset": run.get("preset"), "variant": run.get("variant"),
-        "weights": weights, "step": state.get("step"),
-        "tokens_seen": metrics.get("tokens_seen"), "epochs": metrics.get("epochs"),
-        "val_loss": metrics.get("val_loss"), "val_ppl": metrics.get("val_ppl"),
+        "name": run.get("name"),
+        "preset": run.get("preset"),
+        "variant": run.get("variant"),
+        "weights": weights,
+        "step": state.get("step"),
+        "tokens_seen": metrics.get("tokens_seen"),
+        "epochs": metrics.get("epochs"),
+        "val_loss": metrics.get("val_loss"),
+        "val_ppl": metrics.get("val_ppl"),
         "val_bpb": metrics.get("val_bpb"),
         "seed": (run.get("train") or {}).get("seed"),
         "data": data.get("source") or (run.get("data") or {}).get("source"),
         "train_tokens": (state.get("data") or {}).get("train_tokens"),
-        "train_sha256": data.get("train_sha256"), "val_sha256": data.get("val_sha256"),
-        "commit": code.get("commit"), "dirty": code.get("dirty"),
-        "trained_on": (f"{device['name']} x{device.get('count', 1)}, torch {software.get('torch')}"
-                       + (f", CUDA {software['cuda']}" if software.get("cuda") else "")) if device else None,
-        "run_status": summary.get("status"), "run_steps": summary.get("steps"),
+        "train_sha256": data.get("train_sha256"),
+        "val_sha256": data.get("val_sha256"),
+        "commit": code.get("commit"),
+        "dirty": code.get("dirty"),
+        "trained_on": (
+            f"{device['name']} x{device.get('count', 1)}, torch {software.get('torch')}"
+            + (f", CUDA {software['cuda']}" if software.get("cuda") else "")
+        )
+        if device
+        else None,
+        "run_status": summary.get("status"),
+        "run_steps": summary.get("steps"),
     }
     return {k: v for k, v in card.items() if v is not None}
 
@@ -177,37 +224,60 @@ def model_card(info: dict, fmt: str) -> str:
     else:
         frozen = info["qk"]["frozen_layers"]
         if cfg["poet_block_size"]:
-            learned = (f"POET: W = R W0 P, W0 frozen, R and P learned (blocks of {cfg['poet_block_size']}); "
-                       f"composed into one matrix for GPT-2")
+            learned = (
+                f"POET: W = R W0 P, W0 frozen, R and P learned (blocks of {cfg['poet_block_size']}); "
+                f"composed into one matrix for GPT-2"
+            )
         else:
             learned = f"frozen (buffers) in layers {frozen}" if frozen else "trainable in every layer"
         qk = f"{cfg['qk_init']} ({info['qk']['about']}), gain {cfg['qk_gain']}; {learned}"
     rows = [
         ("variant", f"`{variant}`" + (f": {info['description']}" if info["description"] else "")),
         ("preset", f"`{info['preset']}`" if info["preset"] else "custom"),
-        ("shape", f"{cfg['n_layer']} layers, d_model {cfg['d_model']}, {cfg['n_head']} heads, d_ff "
-                  f"{cfg['d_ff']}, context {cfg['block_size']}, vocabulary {cfg['vocab_size']:,}"),
+        (
+            "shape",
+            f"{cfg['n_layer']} layers, d_model {cfg['d_model']}, {cfg['n_head']} heads, d_ff "
+            f"{cfg['d_ff']}, context {cfg['block_size']}, vocabulary {cfg['vocab_size']:,}",
+        ),
         ("Q/K", qk),
         ("parameters", f"{n['trainable']:,} trainable, {n['frozen']:,} frozen, {n['total']:,} total"),
     ]
     if "data" in run:
-        rows.append(("data", f"{run['data']}" + (f" ({run['train_tokens']:,} training tokens)"
-                                                  if "train_tokens" in run else "")))
+        rows.append(
+            (
+                "data",
+                f"{run['data']}" + (f" ({run['train_tokens']:,} training tokens)" if "train_tokens" in run else ""),
+            )
+        )
     if "train_sha256" in run:
-        rows.append(("token files", f"sha256 train.bin `{run['train_sha256'][:16]}`, val.bin "
-                                    f"`{run.get('val_sha256', '?')[:16]}` (config.json: in full)"))
+        rows.append(
+            (
+                "token files",
+                f"sha256 train.bin `{run['train_sha256'][:16]}`, val.bin "
+                f"`{run.get('val_sha256', '?')[:16]}` (config.json: in full)",
+            )
+        )
     if "step" in run:
         seen = f", {run['tokens_seen']:,} tokens seen" if "tokens_seen" in run else ""
         epochs = f" ({run['epochs']:.2f} epochs)" if "epochs" in run else ""
-        of_run = (f" of the run's {run['run_steps']:,} ({run['run_status']})"
-                  if "run_steps" in run and "run_status" in run else "")
+        of_run = (
+            f" of the run's {run['run_steps']:,} ({run['run_status']})"
+            if "run_steps" in run and "run_status" in run
+            else ""
+        )
         weights = f"; weights: {run['weights']}" if "weights" in run else ""
         rows.append(("trained", f"{run['step']:,} steps{of_run}{seen}{epochs}{weights}"))
     if "val_loss" in run:
-        which = ("the run's lowest" if run.get("weights") == "best.pt"
-                 else "the run's latest evaluation up to these weights")
-        rows.append(("validation", f"loss {run['val_loss']:.4f} nats/token, PPL {run['val_ppl']:.2f}, "
-                                   f"{run['val_bpb']:.4f} bits/byte ({which})"))
+        which = (
+            "the run's lowest" if run.get("weights") == "best.pt" else "the run's latest evaluation up to these weights"
+        )
+        rows.append(
+            (
+                "validation",
+                f"loss {run['val_loss']:.4f} nats/token, PPL {run['val_ppl']:.2f}, "
+                f"{run['val_bpb']:.4f} bits/byte ({which})",
+            )
+        )
     if "seed" in run:
         rows.append(("seed", f"`{run['seed']}`"))
     if "commit" in run:
@@ -216,32 +286,42 @@ def model_card(info: dict, fmt: str) -> str:
         rows.append(("trained on", run["trained_on"]))
     rows.append(("format", f"{fmt} export, oelm_core {info['oelm_core_version']}"))
     if fmt == "transformers":
-        load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(\"path/to/this/folder\")\n"
-                "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/folder\")")
-        about = ("A GPT-2 (`GPT2LMHeadModel`) with the weights of an OELM Lab model: at inference "
-                 "its Q/K projections are ordinary linear maps, so GPT-2's code runs it exactly.")
+        load = (
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "model = AutoModelForCausalLM.from_pretrained(\"path/to/this/folder\")\n"
+            "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/folder\")"
+        )
+        about = (
+            "A GPT-2 (`GPT2LMHeadModel`) with the weights of an OELM Lab model: at inference "
+            "its Q/K projections are ordinary linear maps, so GPT-2's code runs it exactly."
+        )
     else:
-        load = ("from oelm_core.export import load_safetensors\n"
-                "model = load_safetensors(\"path/to/this/folder\")   # safetensors and JSON, no pickle")
-        about = ("The state dict of an OELM Lab GPT, frozen Q/K buffers included, with config.json "
-                 "to rebuild it.")
+        load = (
+            "from oelm_core.export import load_safetensors\n"
+            "model = load_safetensors(\"path/to/this/folder\")   # safetensors and JSON, no pickle"
+        )
+        about = "The state dict of an OELM Lab GPT, frozen Q/K buffers included, with config.json to rebuild it."
     title = run.get("name") or variant
     table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
-    return (f"{chr(10).join(front)}\n\n# {title}\n\n{about} OELM: GPT models whose attention Q/K "
-            f"projections start as random orthogonal matrices and may stay frozen.\n\n{table}\n\n"
-            f"## Load\n\n```python\n{load}\n```\n")
+    return (
+        f"{chr(10).join(front)}\n\n# {title}\n\n{about} OELM: GPT models whose attention Q/K "
+        f"projections start as random orthogonal matrices and may stay frozen.\n\n{table}\n\n"
+        f"## Load\n\n```python\n{load}\n```\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # safetensors
 # --------------------------------------------------------------------------------------------
 
+
 def _plain(model) -> GPT:
     if not isinstance(model, GPT):
-        raise ExportError(f"export takes an oelm_core GPT (build_model, checkpoint.load_model), got "
-                          f"{type(model).__name__}: pass the model inside torch.compile's or DDP's "
-                          f"wrapper (model._orig_mod, model.module)")
+        raise ExportError(
+            f"export takes an oelm_core GPT (build_model, checkpoint.load_model), got "
+            f"{type(model).__name__}: pass the model inside torch.compile's or DDP's "
+            f"wrapper (model._orig_mod, model.module)"
+        )
     return model
 
 
@@ -253,11 +333,18 @@ def _out_folder(out_dir: str | Path) -> Path:
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; pass a folder (new, empty, or an earlier export)")
     ours = [re.compile(LEFT_BY_A_KILL.format(name=re.escape(name))) for name in EXPORT_NAMES]
-    other = sorted(p.name for p in out.iterdir()
-                   if p.name not in EXPORT_NAMES and not any(o.fullmatch(p.name) for o in ours)) if out.is_dir() else []
+    other = (
+        sorted(
+            p.name for p in out.iterdir() if p.name not in EXPORT_NAMES and not any(o.fullmatch(p.name) for o in ours)
+        )
+        if out.is_dir()
+        else []
+    )
     if other:
-        raise ExportError(f"{out} holds files that no export writes ({', '.join(other[:5])}); replacing "
-                          f"the folder would delete them: pass a new or empty folder as --out")
+        raise ExportError(
+            f"{out} holds files that no export writes ({', '.join(other[:5])}); replacing "
+            f"the folder would delete them: pass a new or empty folder as --out"
+        )
     return out
 
 
@@ -277,8 +364,9 @@ def _writing(out: Path) -> Iterator[Path]:
             with atomic_folder(out, setting="--out") as tmp:
                 yield tmp
     except LockHeld as exc:
-        raise ExportError(f"another export (pid {exc.holder}) is writing {out}; wait for it or pass "
-                          f"another --out") from None
+        raise ExportError(
+            f"another export (pid {exc.holder}) is writing {out}; wait for it or pass another --out"
+        ) from None
 
 
 def _safetensors():
@@ -287,8 +375,9 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError:
-        raise ExportError("the safetensors package is not installed: pip install safetensors (a core "
-                          "dependency of oelm-core)") from None
+        raise ExportError(
+            "the safetensors package is not installed: pip install safetensors (a core dependency of oelm-core)"
+        ) from None
     return safetensors
 
 
@@ -331,11 +420,14 @@ def check_config(folder: Path, model_config: dict, weights: Path) -> None:
     saved = json.loads(saved)
     differ = [k for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k)]
     if differ:
-        said = "; ".join(f"{k} is {json.dumps(model_config.get(k))} there, {json.dumps(saved.get(k))} in the "
-                         f"weights" for k in differ)
-        raise ExportError(f"{folder}/config.json does not describe {weights.name}: model_config.{said}. "
-                          f"config.json was edited (or comes from another export): put back the weights' "
-                          f"values, or export the model again from its checkpoint")
+        said = "; ".join(
+            f"{k} is {json.dumps(model_config.get(k))} there, {json.dumps(saved.get(k))} in the weights" for k in differ
+        )
+        raise ExportError(
+            f"{folder}/config.json does not describe {weights.name}: model_config.{said}. "
+            f"config.json was edited (or comes from another export): put back the weights' "
+            f"values, or export the model again from its checkpoint"
+        )
 
 
 def _our_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
@@ -350,9 +442,9 @@ def _gpt2_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
         shape = tuple(t.shape)
         if name in ("transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"):
             ours[name.removeprefix("transformer.")] = shape
-        elif (m := re.fullmatch(r"transformer\.h\.(\d+)\.mlp\.c_fc\.weight", name)):
-            ours[f"blocks.{m.group(1)}.mlp.fc.weight"] = shape[::-1]   # Conv1D stores (in, out)
-        elif (m := re.fullmatch(r"transformer\.h\.(\d+)\.(.*)", name)):
+        elif m := re.fullmatch(r"transformer\.h\.(\d+)\.mlp\.c_fc\.weight", name):
+            ours[f"blocks.{m.group(1)}.mlp.fc.weight"] = shape[::-1]  # Conv1D stores (in, out)
+        elif m := re.fullmatch(r"transformer\.h\.(\d+)\.(.*)", name):
             ours[f"blocks.{m.group(1)}.gpt2.{m.group(2)}"] = shape
     return ours
 
@@ -375,21 +467,27 @@ def load_safetensors(folder: str | Path, device: str | torch.device = "cpu") -> 
     folder = Path(folder)
     for name in ("config.json", "model.safetensors"):
         if not (folder / name).is_file():
-            raise ExportError(f"{folder} holds no {name}: pass a folder that oelm_core.export wrote "
-                              f"(a run's {RUN_EXPORT}/, or python -m oelm_core.export RUN --out DIR)")
+            raise ExportError(
+                f"{folder} holds no {name}: pass a folder that oelm_core.export wrote "
+                f"(a run's {RUN_EXPORT}/, or python -m oelm_core.export RUN --out DIR)"
+            )
     try:
         info = json.loads((folder / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ExportError(f"{folder}/config.json is not JSON ({exc}); export the model again") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        hint = (" (a transformers export: load it with transformers.AutoModelForCausalLM.from_pretrained)"
-                if isinstance(info, dict) and info.get("model_type") == "gpt2" else "")
-        raise ExportError(f"{folder} is not an OELM safetensors export: its config.json has no "
-                          f"format {FORMAT!r}{hint}")
+        hint = (
+            " (a transformers export: load it with transformers.AutoModelForCausalLM.from_pretrained)"
+            if isinstance(info, dict) and info.get("model_type") == "gpt2"
+            else ""
+        )
+        raise ExportError(f"{folder} is not an OELM safetensors export: its config.json has no format {FORMAT!r}{hint}")
     if info.get("format_version") != FORMAT_VERSION:
-        raise ExportError(f"{folder} has export format {info.get('format_version')!r}; this oelm_core "
-                          f"reads format {FORMAT_VERSION}: load it with the oelm_core version that wrote "
-                          f"it ({info.get('oelm_core_version')})")
+        raise ExportError(
+            f"{folder} has export format {info.get('format_version')!r}; this oelm_core "
+            f"reads format {FORMAT_VERSION}: load it with the oelm_core version that wrote "
+            f"it ({info.get('oelm_core_version')})"
+        )
     try:
         check_config(folder, info["model_config"], folder / "model.safetensors")
         cfg = model_config_from_dict(info["model_config"])
@@ -398,13 +496,17 @@ def load_safetensors(folder: str | Path, device: str | torch.device = "cpu") -> 
     except ExportError:
         raise
     except (ConfigError, RuntimeError, safetensors.SafetensorError, KeyError) as exc:
-        raise ExportError(f"{folder} holds no model this oelm_core can rebuild ({' '.join(str(exc).split())}); "
-                          f"export it again from its checkpoint") from exc
+        raise ExportError(
+            f"{folder} holds no model this oelm_core can rebuild ({' '.join(str(exc).split())}); "
+            f"export it again from its checkpoint"
+        ) from exc
     disagree = _shape_disagreement(cfg, model, _our_shapes(tensors))
     if disagree:
-        raise ExportError(f"{folder}/config.json does not fit the tensors of model.safetensors: "
-                          f"{disagree}. config.json was edited (or comes from another export): put back the "
-                          f"weights' values, or export the model again from its checkpoint")
+        raise ExportError(
+            f"{folder}/config.json does not fit the tensors of model.safetensors: "
+            f"{disagree}. config.json was edited (or comes from another export): put back the "
+            f"weights' values, or export the model again from its checkpoint"
+        )
     model.load_state_dict(tensors)
     return model.to(device).eval()
 
@@ -413,16 +515,21 @@ def load_safetensors(folder: str | Path, device: str | torch.device = "cpu") -> 
 # transformers (GPT-2)
 # --------------------------------------------------------------------------------------------
 
+
 def gpt2_refusal(model: GPT) -> Optional[str]:
     """Why ``model`` cannot run as transformers' GPT-2; None where it can."""
     cfg = model.cfg
     if cfg.attention != "dot":
-        return (f"the Synthesizer ({cfg.attention}) has no QK^T at inference: its attention is a learned "
-                f"table of position-by-position logits that ignores the input, which GPT-2's attention "
-                f"cannot express; export it with --format safetensors (oelm_core.export.load_safetensors)")
+        return (
+            f"the Synthesizer ({cfg.attention}) has no QK^T at inference: its attention is a learned "
+            f"table of position-by-position logits that ignores the input, which GPT-2's attention "
+            f"cannot express; export it with --format safetensors (oelm_core.export.load_safetensors)"
+        )
     if cfg.vocab_size != GPT2_VOCAB:
-        return (f"its vocabulary has {cfg.vocab_size} ids, not GPT-2's {GPT2_VOCAB}, so the GPT-2 "
-                f"tokenizer written beside it would not fit; export it with --format safetensors")
+        return (
+            f"its vocabulary has {cfg.vocab_size} ids, not GPT-2's {GPT2_VOCAB}, so the GPT-2 "
+            f"tokenizer written beside it would not fit; export it with --format safetensors"
+        )
     return None
 
 
@@ -439,25 +546,35 @@ def gpt2_weights(model: GPT) -> dict[str, torch.Tensor]:
     def bias(b: Optional[torch.Tensor], n: int) -> torch.Tensor:
         return b if b is not None else torch.zeros(n, dtype=dtype, device=model.wte.weight.device)
 
-    w = {"transformer.wte.weight": model.wte.weight[: cfg.vocab_size],
-         "transformer.wpe.weight": model.wpe.weight,
-         "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": bias(model.ln_f.bias, d),
-         "lm_head.weight": model.output_weight[: cfg.vocab_size]}
+    w = {
+        "transformer.wte.weight": model.wte.weight[: cfg.vocab_size],
+        "transformer.wpe.weight": model.wpe.weight,
+        "transformer.ln_f.weight": model.ln_f.weight,
+        "transformer.ln_f.bias": bias(model.ln_f.bias, d),
+        "lm_head.weight": model.output_weight[: cfg.vocab_size],
+    }
     for i, block in enumerate(model.blocks):
         h, attn, mlp = f"transformer.h.{i}.", block.attn, block.mlp
         # qk.weight is what forward multiplies by: for POET, R W0 P with the Neumann-series
         # rotations. POETProjection.merge() would compose the exact Cayley ones instead, which
         # differ by the series' truncation error (and it would change the model).
         qkv = torch.cat([attn.qk.weight.to(dtype), attn.v.weight])
-        w.update({
-            h + "ln_1.weight": block.ln_1.weight, h + "ln_1.bias": bias(block.ln_1.bias, d),
-            h + "attn.c_attn.weight": qkv.T,
-            h + "attn.c_attn.bias": torch.cat([bias(None, 2 * d), bias(attn.v.bias, d)]),
-            h + "attn.c_proj.weight": attn.proj.weight.T, h + "attn.c_proj.bias": bias(attn.proj.bias, d),
-            h + "ln_2.weight": block.ln_2.weight, h + "ln_2.bias": bias(block.ln_2.bias, d),
-            h + "mlp.c_fc.weight": mlp.fc.weight.T, h + "mlp.c_fc.bias": bias(mlp.fc.bias, cfg.d_ff),
-            h + "mlp.c_proj.weight": mlp.proj.weight.T, h + "mlp.c_proj.bias": bias(mlp.proj.bias, d),
-        })
+        w.update(
+            {
+                h + "ln_1.weight": block.ln_1.weight,
+                h + "ln_1.bias": bias(block.ln_1.bias, d),
+                h + "attn.c_attn.weight": qkv.T,
+                h + "attn.c_attn.bias": torch.cat([bias(None, 2 * d), bias(attn.v.bias, d)]),
+                h + "attn.c_proj.weight": attn.proj.weight.T,
+                h + "attn.c_proj.bias": bias(attn.proj.bias, d),
+                h + "ln_2.weight": block.ln_2.weight,
+                h + "ln_2.bias": bias(block.ln_2.bias, d),
+                h + "mlp.c_fc.weight": mlp.fc.weight.T,
+                h + "mlp.c_fc.bias": bias(mlp.fc.bias, cfg.d_ff),
+                h + "mlp.c_proj.weight": mlp.proj.weight.T,
+                h + "mlp.c_proj.bias": bias(mlp.proj.bias, d),
+            }
+        )
     return {k: t.detach().to("cpu", dtype).contiguous() for k, t in w.items()}
 
 
@@ -479,21 +596,27 @@ def find_gpt2_tokenizer(tokenizer_dir: str | Path | None = None) -> tuple[Path, 
         files = (Path(tokenizer_dir) / "vocab.json", Path(tokenizer_dir) / "merges.txt")
     else:
         cache, where = _tiktoken_cache()
-        files = tuple(cache / hashlib.sha1((TIKTOKEN_GPT2_URL + name).encode()).hexdigest()
-                      for name in ("encoder.json", "vocab.bpe"))
+        files = tuple(
+            cache / hashlib.sha1((TIKTOKEN_GPT2_URL + name).encode()).hexdigest()
+            for name in ("encoder.json", "vocab.bpe")
+        )
     missing = [p.name for p in files if not p.is_file()]
     if missing:
-        raise ExportError(f"no GPT-2 tokenizer files: {where} lacks {', '.join(missing)}; pass "
-                          f"--tokenizer-dir (tokenizer_dir=) a folder with GPT-2's vocab.json and "
-                          f"merges.txt, or set TIKTOKEN_CACHE_DIR to a tiktoken cache holding GPT-2 "
-                          f"(tiktoken.get_encoding('gpt2') run once online fills it)")
+        raise ExportError(
+            f"no GPT-2 tokenizer files: {where} lacks {', '.join(missing)}; pass "
+            f"--tokenizer-dir (tokenizer_dir=) a folder with GPT-2's vocab.json and "
+            f"merges.txt, or set TIKTOKEN_CACHE_DIR to a tiktoken cache holding GPT-2 "
+            f"(tiktoken.get_encoding('gpt2') run once online fills it)"
+        )
     try:
         vocab = json.loads(files[0].read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         vocab = None
     if not isinstance(vocab, dict) or len(vocab) != GPT2_VOCAB or vocab.get(EOT_TEXT) != EOT:
-        raise ExportError(f"{files[0]} ({where}) is not GPT-2's vocabulary ({GPT2_VOCAB} entries, "
-                          f"{EOT_TEXT} = {EOT}); pass the GPT-2 files")
+        raise ExportError(
+            f"{files[0]} ({where}) is not GPT-2's vocabulary ({GPT2_VOCAB} entries, "
+            f"{EOT_TEXT} = {EOT}); pass the GPT-2 files"
+        )
     return files
 
 
@@ -501,13 +624,16 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ExportError("the transformers format needs the transformers package: pip install "
-                          "'oelm-core[export]' (or export with --format safetensors)") from None
+        raise ExportError(
+            "the transformers format needs the transformers package: pip install "
+            "'oelm-core[export]' (or export with --format safetensors)"
+        ) from None
     return transformers
 
 
-def to_transformers(model: GPT, out_dir: str | Path, *, card: Optional[dict] = None,
-                    tokenizer_dir: str | Path | None = None) -> Path:
+def to_transformers(
+    model: GPT, out_dir: str | Path, *, card: Optional[dict] = None, tokenizer_dir: str | Path | None = None
+) -> Path:
     """Write ``model`` as a transformers GPT-2 to the folder ``out_dir``, created or replaced whole:
     config.json, generation_config.json and model.safetensors (``save_pretrained``), vocab.json,
     merges.txt and tokenizer_config.json (``find_gpt2_tokenizer``), README.md (the card).
@@ -523,20 +649,35 @@ def to_transformers(model: GPT, out_dir: str | Path, *, card: Optional[dict] = N
     out = _out_folder(out_dir)
     cfg = model.cfg
     config = transformers.GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, n_inner=cfg.d_ff,
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_inner=cfg.d_ff,
         # F.gelu(approximate="tanh") in our MLP: GPT-2's own "gelu_new", the same formula
-        activation_function="gelu_new", layer_norm_epsilon=model.ln_f.eps,
-        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=EOT, eos_token_id=EOT,
+        activation_function="gelu_new",
+        layer_norm_epsilon=model.ln_f.eps,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=EOT,
+        eos_token_id=EOT,
         # What rebuilds the oelm_core model from these weights (load_transformers): transformers
         # keeps unknown config keys and writes them to config.json.
-        oelm=describe(model, card))
+        oelm=describe(model, card),
+    )
     gpt2 = transformers.GPT2LMHeadModel(config)
     gpt2.load_state_dict(gpt2_weights(model))
     info = config.oelm
-    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
-                        "unk_token": EOT_TEXT, "model_max_length": cfg.block_size}
+    tokenizer_config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": EOT_TEXT,
+        "eos_token": EOT_TEXT,
+        "unk_token": EOT_TEXT,
+        "model_max_length": cfg.block_size,
+    }
     with _writing(out) as tmp:
         gpt2.save_pretrained(tmp)
         # Its ModelConfig in the weights' metadata too (transformers writes only the format tag).
@@ -560,31 +701,44 @@ def load_transformers(folder: str | Path, device: str | torch.device = "cpu") ->
     try:
         info = json.loads((folder / "config.json").read_text()).get("oelm")
     except (OSError, ValueError, AttributeError) as exc:
-        raise ExportError(f"{folder} holds no readable config.json ({exc}); pass a folder that "
-                          f"oelm_core.export wrote with --format transformers") from None
+        raise ExportError(
+            f"{folder} holds no readable config.json ({exc}); pass a folder that "
+            f"oelm_core.export wrote with --format transformers"
+        ) from None
     if not isinstance(info, dict) or "model_config" not in info:
-        raise ExportError(f"{folder} is a transformers model that oelm_core did not export (its config.json "
-                          f"has no 'oelm' entry), so its Q/K construction and freezing are unknown; load "
-                          f"it with transformers.AutoModelForCausalLM.from_pretrained")
+        raise ExportError(
+            f"{folder} is a transformers model that oelm_core did not export (its config.json "
+            f"has no 'oelm' entry), so its Q/K construction and freezing are unknown; load "
+            f"it with transformers.AutoModelForCausalLM.from_pretrained"
+        )
     cfg = model_config_from_dict(info["model_config"])
     if cfg.poet_block_size:
-        raise ExportError(f"{folder} holds a POET model as GPT-2: its W_q, W_k are R W0 P composed, from which "
-                          f"POET's rotations cannot be recovered; load its safetensors export instead")
+        raise ExportError(
+            f"{folder} holds a POET model as GPT-2: its W_q, W_k are R W0 P composed, from which "
+            f"POET's rotations cannot be recovered; load its safetensors export instead"
+        )
     check_config(folder, info["model_config"], folder / "model.safetensors")
     gpt2_config = json.loads((folder / "config.json").read_text())
-    differ = [f"{theirs} is {gpt2_config.get(theirs)} there, model_config.{ours} {getattr(cfg, ours)}"
-              for theirs, ours in GPT2_KEYS.items() if gpt2_config.get(theirs) != getattr(cfg, ours)]
+    differ = [
+        f"{theirs} is {gpt2_config.get(theirs)} there, model_config.{ours} {getattr(cfg, ours)}"
+        for theirs, ours in GPT2_KEYS.items()
+        if gpt2_config.get(theirs) != getattr(cfg, ours)
+    ]
     if differ:
-        raise ExportError(f"{folder}/config.json disagrees with itself: {'; '.join(differ)} (its 'oelm' entry). It "
-                          f"was edited: put back the values the weights were exported with, or export the model "
-                          f"again from its checkpoint")
+        raise ExportError(
+            f"{folder}/config.json disagrees with itself: {'; '.join(differ)} (its 'oelm' entry). It "
+            f"was edited: put back the values the weights were exported with, or export the model "
+            f"again from its checkpoint"
+        )
     model = GPT(cfg)
     gpt2 = safetensors.torch.load_file(folder / "model.safetensors")
     disagree = _shape_disagreement(cfg, model, _gpt2_shapes(gpt2), gpt2=True)
     if disagree:
-        raise ExportError(f"{folder}/config.json does not fit the tensors of model.safetensors: "
-                          f"{disagree}. config.json was edited (or comes from another export): put back the "
-                          f"weights' values, or export the model again from its checkpoint")
+        raise ExportError(
+            f"{folder}/config.json does not fit the tensors of model.safetensors: "
+            f"{disagree}. config.json was edited (or comes from another export): put back the "
+            f"weights' values, or export the model again from its checkpoint"
+        )
     state = model.state_dict()
     d, vocab = cfg.d_model, cfg.vocab_size
 
@@ -603,20 +757,27 @@ def load_transformers(folder: str | Path, device: str | torch.device = "cpu") ->
         b, h = f"blocks.{i}.", f"transformer.h.{i}."
         qkv = gpt2[h + "attn.c_attn.weight"].T
         state[b + "attn.qk.weight"] = qkv[: 2 * d].clone()
-        state[b + "attn.v.weight"] = qkv[2 * d:].clone()
+        state[b + "attn.v.weight"] = qkv[2 * d :].clone()
         if b + "attn.v.bias" in state:
-            state[b + "attn.v.bias"] = gpt2[h + "attn.c_attn.bias"][2 * d:].clone()
-        for ours, theirs, transpose in (("attn.proj.weight", "attn.c_proj.weight", True),
-                                        ("attn.proj.bias", "attn.c_proj.bias", False),
-                                        ("mlp.fc.weight", "mlp.c_fc.weight", True), ("mlp.fc.bias", "mlp.c_fc.bias", False),
-                                        ("mlp.proj.weight", "mlp.c_proj.weight", True),
-                                        ("mlp.proj.bias", "mlp.c_proj.bias", False),
-                                        ("ln_1.weight", "ln_1.weight", False), ("ln_1.bias", "ln_1.bias", False),
-                                        ("ln_2.weight", "ln_2.weight", False), ("ln_2.bias", "ln_2.bias", False)):
+            state[b + "attn.v.bias"] = gpt2[h + "attn.c_attn.bias"][2 * d :].clone()
+        for ours, theirs, transpose in (
+            ("attn.proj.weight", "attn.c_proj.weight", True),
+            ("attn.proj.bias", "attn.c_proj.bias", False),
+            ("mlp.fc.weight", "mlp.c_fc.weight", True),
+            ("mlp.fc.bias", "mlp.c_fc.bias", False),
+            ("mlp.proj.weight", "mlp.c_proj.weight", True),
+            ("mlp.proj.bias", "mlp.c_proj.bias", False),
+            ("ln_1.weight", "ln_1.weight", False),
+            ("ln_1.bias", "ln_1.bias", False),
+            ("ln_2.weight", "ln_2.weight", False),
+            ("ln_2.bias", "ln_2.bias", False),
+        ):
             take(b + ours, h + theirs, transpose)
     if vocab > len(gpt2["transformer.wte.weight"]):
-        raise ExportError(f"{folder}: its embedding has {len(gpt2['transformer.wte.weight'])} rows for a "
-                          f"{vocab}-word model; export it again")
+        raise ExportError(
+            f"{folder}: its embedding has {len(gpt2['transformer.wte.weight'])} rows for a "
+            f"{vocab}-word model; export it again"
+        )
     model.load_state_dict(state)
     return model.to(device).eval()
 
@@ -629,8 +790,10 @@ def load_export(folder: str | Path, device: str | torch.device = "cpu") -> tuple
     try:
         info = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise ExportError(f"{folder} holds no readable config.json ({exc}); pass a checkpoint, a run "
-                          f"folder or a folder that oelm_core.export wrote") from None
+        raise ExportError(
+            f"{folder} holds no readable config.json ({exc}); pass a checkpoint, a run "
+            f"folder or a folder that oelm_core.export wrote"
+        ) from None
     if isinstance(info, dict) and info.get("model_type") == "gpt2":
         return load_transformers(folder, device), dict((info.get("oelm") or {}).get("run") or {})
     return load_safetensors(folder, device), dict(info.get("run") or {}) if isinstance(info, dict) else {}
@@ -640,18 +803,27 @@ def load_export(folder: str | Path, device: str | torch.device = "cpu") -> tuple
 # Checkpoints and run folders; the CLI
 # --------------------------------------------------------------------------------------------
 
+
 def load_for_export(source: str | Path) -> tuple[GPT, dict]:
     """(model, card) of a checkpoint file or a run folder (its best.pt); the card reads the run
     folder's summary.json and config.yaml where they exist (``run_card``)."""
     source = Path(source)
     ckpt = source / "best.pt" if source.is_dir() else source
     if source.is_dir() and not ckpt.is_file():
-        raise CheckpointError(f"{source} holds no best.pt: pass a run folder that has evaluated at least "
-                              f"once, or a checkpoint file (its ckpt/step_*.pt)")
+        raise CheckpointError(
+            f"{source} holds no best.pt: pass a run folder that has evaluated at least "
+            f"once, or a checkpoint file (its ckpt/step_*.pt)"
+        )
     model, state = load_model(ckpt)
     # A step checkpoint lies in the run folder's ckpt/
-    run_dir = next((d for d in (ckpt.parent, ckpt.parent.parent)
-                    if (d / "config.yaml").is_file() or (d / "summary.json").is_file()), None)
+    run_dir = next(
+        (
+            d
+            for d in (ckpt.parent, ckpt.parent.parent)
+            if (d / "config.yaml").is_file() or (d / "summary.json").is_file()
+        ),
+        None,
+    )
     return model, run_card(state, run_dir, weights=ckpt.name)
 
 
@@ -666,8 +838,9 @@ def export_run(run_dir: str | Path) -> Path:
         raise ExportError(str(exc)) from None
 
 
-def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
-           tokenizer_dir: str | Path | None = None) -> list[Path]:
+def export(
+    source: str | Path, out: str | Path, fmt: str = "safetensors", tokenizer_dir: str | Path | None = None
+) -> list[Path]:
     """The CLI's work: ``source`` (checkpoint or run folder) to ``out`` in ``fmt``; "both" writes
     out/safetensors and out/transformers. What stops the transformers folder (a non-GPT-2, no
     tokenizer files, no transformers) stops the command before it writes anything."""
@@ -683,8 +856,10 @@ def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
         _transformers()
     if fmt == "both":
         _out_folder(out)
-        return [to_safetensors(model, out / "safetensors", card=card),
-                to_transformers(model, out / "transformers", card=card, tokenizer_dir=tokenizer_dir)]
+        return [
+            to_safetensors(model, out / "safetensors", card=card),
+            to_transformers(model, out / "transformers", card=card, tokenizer_dir=tokenizer_dir),
+        ]
     if fmt == "transformers":
         return [to_transformers(model, out, card=card, tokenizer_dir=tokenizer_dir)]
     return [to_safetensors(model, out, card=card)]
@@ -693,17 +868,24 @@ def export(source: str | Path, out: str | Path, fmt: str = "safetensors",
 def main(argv: Optional[list[str]] = None) -> int:
     """The CLI; returns the exit code: 0 written, 2 nothing written (the error on one line), 1 the
     disk filled up (nothing written either)."""
-    p = argparse.ArgumentParser(prog="python -m oelm_core.export",
-                                description="Export a checkpoint or run folder as safetensors and/or "
-                                            "a transformers GPT-2 (docs/export.md).")
+    p = argparse.ArgumentParser(
+        prog="python -m oelm_core.export",
+        description="Export a checkpoint or run folder as safetensors and/or a transformers GPT-2 (docs/export.md).",
+    )
     p.add_argument("source", help="a checkpoint (.pt) or a run folder (its best.pt is exported)")
     p.add_argument("--out", required=True, help="the folder to write (new, empty or an earlier export)")
-    p.add_argument("--format", default="safetensors", choices=FORMATS,
-                   help="safetensors: any variant, loads with oelm_core.export.load_safetensors; "
-                        "transformers: GPT2LMHeadModel with its tokenizer; both: OUT/safetensors and "
-                        "OUT/transformers (default: safetensors)")
-    p.add_argument("--tokenizer-dir", help="a folder with GPT-2's vocab.json and merges.txt (default: "
-                                           "tiktoken's cache, TIKTOKEN_CACHE_DIR)")
+    p.add_argument(
+        "--format",
+        default="safetensors",
+        choices=FORMATS,
+        help="safetensors: any variant, loads with oelm_core.export.load_safetensors; "
+        "transformers: GPT2LMHeadModel with its tokenizer; both: OUT/safetensors and "
+        "OUT/transformers (default: safetensors)",
+    )
+    p.add_argument(
+        "--tokenizer-dir",
+        help="a folder with GPT-2's vocab.json and merges.txt (default: tiktoken's cache, TIKTOKEN_CACHE_DIR)",
+    )
     args = p.parse_args(argv)
     try:
         written = export(args.source, args.out, args.format, args.tokenizer_dir)

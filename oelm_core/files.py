@@ -20,13 +20,18 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, IO, Iterator, Optional
+from typing import IO, Callable, Iterator, Optional
 
 import filelock
 
 
-def atomic_write(path: str | Path, write: Callable[[IO], None], mode: str = "wb",
-                 need: Optional[Callable[[], float]] = None, setting: str = "the folder") -> Path:
+def atomic_write(
+    path: str | Path,
+    write: Callable[[IO], None],
+    mode: str = "wb",
+    need: Optional[Callable[[], float]] = None,
+    setting: str = "the folder",
+) -> Path:
     """Create or replace ``path`` with what ``write(f)`` writes to the open file ``f``.
 
     The temporary is ``.<name>.<random>.tmp`` beside ``path``; a write that fails removes it, a
@@ -43,8 +48,13 @@ def atomic_write(path: str | Path, write: Callable[[IO], None], mode: str = "wb"
     return path
 
 
-def write_temporary(path: str | Path, write: Callable[[IO], None], mode: str = "wb",
-                    need: Optional[Callable[[], float]] = None, setting: str = "the folder") -> Path:
+def write_temporary(
+    path: str | Path,
+    write: Callable[[IO], None],
+    mode: str = "wb",
+    need: Optional[Callable[[], float]] = None,
+    setting: str = "the folder",
+) -> Path:
     """``atomic_write``'s first half: what ``write(f)`` writes, in a temporary beside ``path``
     (``.<name>.<random>.tmp``, on the disk, readable by others) that the caller renames onto
     ``path`` (``os.replace``) or removes. Several files that must change together (token files
@@ -74,11 +84,13 @@ class DiskFull(OSError):
 
     def __init__(self, path: Path, written: int, need: Optional[float], setting: str):
         free = _free_bytes(path.parent)
-        size = (f"about {_mb(need)} needed" if need is not None
-                else f"{_mb(written)} written when it filled up")
-        super().__init__(errno.ENOSPC, f"no space left on {device_of(path.parent)} while writing {path}; "
-                                       f"{size}, {_mb(free)} free there: free some space on it, or set "
-                                       f"{setting} to a folder on another disk")
+        size = f"about {_mb(need)} needed" if need is not None else f"{_mb(written)} written when it filled up"
+        super().__init__(
+            errno.ENOSPC,
+            f"no space left on {device_of(path.parent)} while writing {path}; "
+            f"{size}, {_mb(free)} free there: free some space on it, or set "
+            f"{setting} to a folder on another disk",
+        )
         self.path, self.need = path, need
 
     def __str__(self) -> str:
@@ -123,8 +135,9 @@ def device_of(folder: str | Path) -> str:
     except OSError:
         return str(mount)
     # The last mount on a point is the one in use.
-    sources = [_unescape(f[0]) for f in (line.split() for line in lines)
-               if len(f) > 1 and _unescape(f[1]) == str(mount)]
+    sources = [
+        _unescape(f[0]) for f in (line.split() for line in lines) if len(f) > 1 and _unescape(f[1]) == str(mount)
+    ]
     return f"{sources[-1]} (mounted at {mount})" if sources else str(mount)
 
 

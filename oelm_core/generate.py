@@ -57,9 +57,9 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, n_steps: int, vocab: in
     2^23 is exact in float32, so u stays below 1 (from 24 bits the top value rounded to 1.0, an
     infinite noise that picked a uniformly random token in ~0.3% of draws over 50,257 ids)."""
     steps = step + torch.arange(n_steps, device=step.device)
-    key = _hash32((_hash32(seed) + steps * 0x9E3779B9) & _M32)              # (n_steps,)
+    key = _hash32((_hash32(seed) + steps * 0x9E3779B9) & _M32)  # (n_steps,)
     ids = torch.arange(vocab, device=step.device)
-    h = _hash32((key[:, None] + ids[None, :] * 0x85EBCA77) & _M32)          # (n_steps, vocab)
+    h = _hash32((key[:, None] + ids[None, :] * 0x85EBCA77) & _M32)  # (n_steps, vocab)
     return -torch.log(-torch.log(_uniform(h)))
 
 
@@ -87,8 +87,9 @@ def sample_from_noise(logits: torch.Tensor, cfg: SamplingConfig, noise: torch.Te
     return (x + noise).argmax(-1)
 
 
-def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tensor] = None,
-           step: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tensor] = None, step: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """logits (..., vocab); seed, step: one-element int64 tensors on the logits' device, the
     noise of draw number ``step`` (unused when greedy) -> token ids (...,) int64 on that device,
     without waiting for it (no host synchronisation, no data-dependent shape)."""
@@ -101,6 +102,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tenso
 # The generation loop
 # --------------------------------------------------------------------------------------------
 
+
 def prepare(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> tuple[list[int], int]:
     """Check ``cfg`` and the prompt against ``model`` -> (the prompt's ids, the seed to draw
     with). An empty prompt starts a story: [<|endoftext|>]."""
@@ -108,19 +110,25 @@ def prepare(model: GPT, prompt_ids: list[int], cfg: SamplingConfig) -> tuple[lis
     block, vocab = model.cfg.block_size, model.cfg.vocab_size
     if not prompt_ids:
         if EOT >= vocab:
-            raise ValueError(f"an empty prompt starts from <|endoftext|> (id {EOT}), but this model's "
-                             f"vocabulary has {vocab} ids (0..{vocab - 1}): give a prompt of at least "
-                             f"one token id below {vocab}")
+            raise ValueError(
+                f"an empty prompt starts from <|endoftext|> (id {EOT}), but this model's "
+                f"vocabulary has {vocab} ids (0..{vocab - 1}): give a prompt of at least "
+                f"one token id below {vocab}"
+            )
         prompt_ids = [EOT]  # as after a document boundary in the training data
     outside = [i for i in prompt_ids if not 0 <= i < vocab]
     if outside:
-        raise ValueError(f"prompt token ids {outside[:5]} are outside this model's vocabulary of {vocab} "
-                         f"ids (0..{vocab - 1}): the prompt was encoded with another tokenizer than the "
-                         f"model's (GPT-2 BPE has {EOT + 1} ids); encode it with the tokenizer the "
-                         f"model was trained with")
+        raise ValueError(
+            f"prompt token ids {outside[:5]} are outside this model's vocabulary of {vocab} "
+            f"ids (0..{vocab - 1}): the prompt was encoded with another tokenizer than the "
+            f"model's (GPT-2 BPE has {EOT + 1} ids); encode it with the tokenizer the "
+            f"model was trained with"
+        )
     if len(prompt_ids) >= block:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
-                         f"{block} tokens; shorten it to fewer than {block} tokens")
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
+            f"{block} tokens; shorten it to fewer than {block} tokens"
+        )
     # Not torch.seed(): that would reseed the global generator the caller may rely on.
     seed = cfg.seed if cfg.seed is not None else secrets.randbits(64)
     return list(prompt_ids), seed
@@ -149,7 +157,7 @@ def reference_tokens(model: GPT, ids: list[int], cfg: SamplingConfig, seed: int)
             if cache is not None:
                 cache.length = 0
         seen = cache.length if cache is not None else 0
-        logits = last_logits(model, torch.tensor([ids[start + seen:]], device=device), cache)
+        logits = last_logits(model, torch.tensor([ids[start + seen :]], device=device), cache)
         token = int(sample(logits, cfg, seed_t, torch.tensor([step], device=device)))
         if cfg.stop_at_eot and token == EOT:
             return
@@ -161,8 +169,9 @@ Decoder = Callable[[GPT, list, SamplingConfig, int], Iterator[int]]
 
 
 @torch.no_grad()
-def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig,
-                  decoder: Decoder = reference_tokens) -> Iterator[int]:
+def stream_tokens(
+    model: GPT, prompt_ids: list[int], cfg: SamplingConfig, decoder: Decoder = reference_tokens
+) -> Iterator[int]:
     """Yield new token ids one by one (at most ``cfg.max_new_tokens``; none past <|endoftext|>
     with ``cfg.stop_at_eot``), as ``decoder(model, ids, cfg, seed)`` draws them after the checked
     prompt: ``reference_tokens``, or what ``oelm_core.fast.decoder(model, cfg)`` answers. Same

@@ -26,10 +26,17 @@ log = logging.getLogger(__name__)
 FOLDER = "tb"
 # metrics row key -> TensorBoard tag; keys absent from a row (val_* between evaluations, mfu
 # without a known peak) are skipped.
-TAGS = {"train_loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-        "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu",
-        "val_loss": "val/loss", "val_ppl": "val/ppl", "val_bpb": "val/bpb"}
-FLUSH_SECS = 10   # how stale the live view may be; the writer's thread flushes this often
+TAGS = {
+    "train_loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "mfu": "train/mfu",
+    "val_loss": "val/loss",
+    "val_ppl": "val/ppl",
+    "val_bpb": "val/bpb",
+}
+FLUSH_SECS = 10  # how stale the live view may be; the writer's thread flushes this often
 
 
 class LiveMetrics:
@@ -46,8 +53,9 @@ class LiveMetrics:
         except ImportError as exc:
             _say_missing(str(exc))
             return
-        self.writer = SummaryWriter(str(Path(out_dir) / FOLDER), flush_secs=FLUSH_SECS,
-                                    purge_step=first_step + 1 if first_step else None)
+        self.writer = SummaryWriter(
+            str(Path(out_dir) / FOLDER), flush_secs=FLUSH_SECS, purge_step=first_step + 1 if first_step else None
+        )
 
     def write(self, row: dict) -> None:
         """One metrics row (its "step" and any of TAGS' keys with a finite value)."""
@@ -64,9 +72,10 @@ class LiveMetrics:
             self.writer = None
 
 
-
 @functools.lru_cache(maxsize=1)
 def _say_missing(reason: str) -> None:
     """Once per process: a study trains many runs in one."""
-    log.warning("no live TensorBoard curves (%s): pip install tensorboard, or set train.tensorboard: "
-                "false to silence this", reason)
+    log.warning(
+        "no live TensorBoard curves (%s): pip install tensorboard, or set train.tensorboard: false to silence this",
+        reason,
+    )

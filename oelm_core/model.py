@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from oelm_core.config import ModelConfig, model_config
 from oelm_core.orthogonal import init_qk
 
-
 # --------------------------------------------------------------------------------------------
 # Q/K projections: the OELM idea
 # --------------------------------------------------------------------------------------------
+
 
 class QKProjection(nn.Module):
     """W_q and W_k of one layer stacked as one (2 d_model, d_model) weight: x -> [q | k].
@@ -81,6 +81,7 @@ def _make_qk(cfg: ModelConfig, layer: int, generator: torch.Generator) -> Option
     w_k = init_qk(d, d, cfg.qk_init, cfg.qk_gain, generator=generator)
     if cfg.poet_block_size:
         from oelm_core.poet import POETProjection  # the learnable-orthogonal reparametrisation
+
         return POETProjection(w_q, w_k, cfg, generator=generator)
     return QKProjection(w_q, w_k, frozen=layer in cfg.frozen_layers())
 
@@ -88,6 +89,7 @@ def _make_qk(cfg: ModelConfig, layer: int, generator: torch.Generator) -> Option
 # --------------------------------------------------------------------------------------------
 # Attention
 # --------------------------------------------------------------------------------------------
+
 
 class KVCache:
     """Keys and values of every layer for incremental decoding.
@@ -129,8 +131,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         if cfg.attention != "dot":
             # Synthesizer (Tay et al. 2021): per-head logits that do not depend on the input.
-            shapes = {"synth_random": [(h, t, t)],
-                      "synth_factorized": [(h, t, cfg.synth_rank), (h, t, cfg.synth_rank)]}[cfg.attention]
+            shapes = {
+                "synth_random": [(h, t, t)],
+                "synth_factorized": [(h, t, cfg.synth_rank), (h, t, cfg.synth_rank)],
+            }[cfg.attention]
             std = 1.0 / math.sqrt(shapes[0][-1])
             tensors = [torch.randn(s, generator=generator) * std for s in shapes]
             for i, tensor in enumerate(tensors):
@@ -154,8 +158,7 @@ class CausalSelfAttention(nn.Module):
     def qkv(self, x: torch.Tensor):
         """x (B, T, d_model) -> q, k, v, each (B, T, d_model); q and k are None for the Synthesizer."""
         d = self.cfg.d_model
-        if (isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None
-                and torch.is_grad_enabled()):
+        if isinstance(self.qk, QKProjection) and not self.qk.frozen and self.v.bias is None and torch.is_grad_enabled():
             # Trainable Q/K in training: q, k and v in one matmul, as nanoGPT's c_attn computes
             # them. (Without gradients, when decoding, the concatenation would copy the weights
             # on every call for nothing; the products are the same either way.)
@@ -187,8 +190,9 @@ class CausalSelfAttention(nn.Module):
         if self.qk is not None and not return_attention:
             mask = None if t == t_total or t == 1 else causal_mask(t, t_total, x.device)
             # t == 1 (cached decoding): the one new token sees every key, no mask needed.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop,
-                                               is_causal=t == t_total and t > 1)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=t == t_total and t > 1
+            )
         else:  # the probabilities themselves: for the attention maps, and the Synthesizer
             if self.qk is not None:
                 logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.cfg.d_head)
@@ -235,6 +239,7 @@ class Block(nn.Module):
 # --------------------------------------------------------------------------------------------
 # GPT
 # --------------------------------------------------------------------------------------------
+
 
 class OutputLoss(nn.Module):
     """The output layer and its cross-entropy, a module of its own so that a faster one can take
@@ -287,9 +292,9 @@ class GPT(nn.Module):
                         module.bias.zero_()
                 elif isinstance(module, nn.Embedding):
                     module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.02)
-            self.wte.weight[self.cfg.vocab_size:].zero_()  # padding rows: never a token, never a logit
+            self.wte.weight[self.cfg.vocab_size :].zero_()  # padding rows: never a token, never a logit
             if self.lm_head is not None:
-                self.lm_head.weight[self.cfg.vocab_size:].zero_()
+                self.lm_head.weight[self.cfg.vocab_size :].zero_()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -305,13 +310,17 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if start + t > self.cfg.block_size:
             if cache is not None:  # cropping the input to block_size would not make room
-                raise ValueError(f"the KV cache holds {start} of {self.cfg.block_size} positions, no "
-                                 f"room for {t} more tokens; reset it (cache.length = 0, or "
-                                 f"model.new_cache()) and prefill again with at most the last "
-                                 f"{self.cfg.block_size} tokens")
-            raise ValueError(f"sequence of {start + t} tokens exceeds the context of "
-                             f"{self.cfg.block_size}; crop the input to the last "
-                             f"{self.cfg.block_size} tokens")
+                raise ValueError(
+                    f"the KV cache holds {start} of {self.cfg.block_size} positions, no "
+                    f"room for {t} more tokens; reset it (cache.length = 0, or "
+                    f"model.new_cache()) and prefill again with at most the last "
+                    f"{self.cfg.block_size} tokens"
+                )
+            raise ValueError(
+                f"sequence of {start + t} tokens exceeds the context of "
+                f"{self.cfg.block_size}; crop the input to the last "
+                f"{self.cfg.block_size} tokens"
+            )
         pos = torch.arange(start, start + t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         maps = []
@@ -330,8 +339,7 @@ class GPT(nn.Module):
         """h: (..., d_model) -> logits (..., vocab_size), the padding columns cut off."""
         return F.linear(h, self.output_weight)[..., : self.cfg.vocab_size]
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None):
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None):
         """idx: (B, T) int64 token ids in [0, vocab_size). Without ``targets``: logits (B, T,
         vocab_size). With ``targets`` (B, T) int64, the next token of each position or -1 for a
         position without loss: the mean cross-entropy over the others, a 0-dim float32 tensor
@@ -368,8 +376,9 @@ class GPT(nn.Module):
     def frozen_qk_layers(self) -> list[int]:
         """The layers whose Q/K are frozen now (buffers): ``cfg.frozen_layers()`` until
         ``unfreeze_qk`` makes some of them trainable."""
-        return [i for i, block in enumerate(self.blocks)
-                if isinstance(block.attn.qk, QKProjection) and block.attn.qk.frozen]
+        return [
+            i for i, block in enumerate(self.blocks) if isinstance(block.attn.qk, QKProjection) and block.attn.qk.frozen
+        ]
 
     def live_config(self) -> ModelConfig:
         """The configuration of the model as it is now: ``cfg`` (what it was built with) with
@@ -382,8 +391,9 @@ class GPT(nn.Module):
         return dataclasses.replace(self.cfg, freeze_qk=frozen or "none")
 
 
-def build_model(preset: str | ModelConfig | None = None, variant: str | None = None, seed: int = 0,
-                **overrides: Any) -> GPT:
+def build_model(
+    preset: str | ModelConfig | None = None, variant: str | None = None, seed: int = 0, **overrides: Any
+) -> GPT:
     """A GPT of a named preset and variant (see ``oelm_core.VARIANTS``; left out: those
     ``config.model_config`` defaults to), or of a ModelConfig, which is built as it is: any
     variant or overrides with it are an error, not applied. ``seed`` seeds the initial weights."""
@@ -392,7 +402,9 @@ def build_model(preset: str | ModelConfig | None = None, variant: str | None = N
         return GPT(model_config(**named, **overrides), seed=seed)
     if variant is not None or overrides:
         given = ([f"variant={variant!r}"] if variant is not None else []) + sorted(overrides)
-        raise TypeError(f"build_model got a ModelConfig together with {', '.join(given)}, which it "
-                        f"would not apply: pass a preset name instead (build_model(preset, variant, "
-                        f"**overrides)), or change the config first (dataclasses.replace(cfg, ...))")
+        raise TypeError(
+            f"build_model got a ModelConfig together with {', '.join(given)}, which it "
+            f"would not apply: pass a preset name instead (build_model(preset, variant, "
+            f"**overrides)), or change the config first (dataclasses.replace(cfg, ...))"
+        )
     return GPT(preset, seed=seed)

@@ -51,19 +51,32 @@ PARAMETER_MINIMA = {
         "n_tokens": (8, "with fewer the logit statistics of one draw stray past the checked bounds"),
         "jl_points": (3, "the spread of the distances' distortion needs two pairs of points"),
         "jl_trials": (1, "one projection at least"),
-        "construction_repeats": (1, "one timing at least")},
-    "03_training": {"nproc": (1, "one training process at least")}}
+        "construction_repeats": (1, "one timing at least"),
+    },
+    "03_training": {"nproc": (1, "one training process at least")},
+}
 # ... parameters that must divide another one ...
 PARAMETER_DIVIDES = {"01_theory": {"n_head": "d"}}
 # ... parameters that name a file, and an example (relative paths: from the working directory or
 # the repository root, as the notebook resolves them) ...
-PARAMETER_FILES = {"03_training": {"params": "parameters/smoke/oelm_freeze.yaml"},
-                   "05_sweep": {"sweep_file": "parameters/sweeps/a6_layers.yaml"}}
+PARAMETER_FILES = {
+    "03_training": {"params": "parameters/smoke/oelm_freeze.yaml"},
+    "05_sweep": {"sweep_file": "parameters/sweeps/a6_layers.yaml"},
+}
 # ... and those whose default, None, names no type: the type of any other value.
-NONE_DEFAULT_TYPES = {"03_training": {"run_dir": str}, "04_analysis": {"fig_dir": str},
-                      "05_sweep": {"variants": list, "seeds": list, "figure_path": str}}
-_TYPE_NAMES = {bool: "true or false", int: "a whole number (int)", float: "a number (float)",
-               str: "a string", list: "a list", dict: "a mapping"}
+NONE_DEFAULT_TYPES = {
+    "03_training": {"run_dir": str},
+    "04_analysis": {"fig_dir": str},
+    "05_sweep": {"variants": list, "seeds": list, "figure_path": str},
+}
+_TYPE_NAMES = {
+    bool: "true or false",
+    int: "a whole number (int)",
+    float: "a number (float)",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+}
 
 
 class NotebookError(RuntimeError):
@@ -90,21 +103,31 @@ def parameters_cell(name: str) -> str:
         tags = _PARAMETERS_TAG.match(line)
         if tags and '"parameters"' in tags.group(1):
             end = next((k for k in range(i + 1, len(lines)) if lines[k].startswith("# %%")), len(lines))
-            return "\n".join(lines[i + 1:end])
+            return "\n".join(lines[i + 1 : end])
     return ""
 
 
 def _assigned(code: str) -> list[str]:
     """The names that top-level assignments of ``code`` bind, in order."""
-    return [t.id for node in ast.parse(code).body if isinstance(node, ast.Assign)
-            for t in node.targets if isinstance(t, ast.Name)]
+    return [
+        t.id
+        for node in ast.parse(code).body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    ]
 
 
 def notebook_defaults(name: str) -> dict[str, Any]:
     """Name -> default value of what the notebook's parameters cell assigns: the parameters it
     reads. Parameters cells hold literals, so no code is run (and no notebook library needed)."""
-    return {t.id: ast.literal_eval(node.value) for node in ast.parse(parameters_cell(name)).body
-            if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    return {
+        t.id: ast.literal_eval(node.value)
+        for node in ast.parse(parameters_cell(name)).body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
 
 
 def _fits(value: Any, kind: type | None) -> bool:
@@ -146,8 +169,10 @@ def _problems(name: str, values: dict[str, Any], where: str | None):
     for key, value in values.items():
         if key not in defaults:
             close = difflib.get_close_matches(key, defaults, n=1)
-            yield (f"{label}{key} is not a parameter of {name}{f' (did you mean {close[0]}?)' if close else ''}; "
-                   f"its parameters are {', '.join(defaults)}")
+            yield (
+                f"{label}{key} is not a parameter of {name}{f' (did you mean {close[0]}?)' if close else ''}; "
+                f"its parameters are {', '.join(defaults)}"
+            )
             continue
         default = defaults[key]
         kind = type(default) if default is not None else NONE_DEFAULT_TYPES.get(name, {}).get(key)
@@ -155,9 +180,12 @@ def _problems(name: str, values: dict[str, Any], where: str | None):
             expected = _TYPE_NAMES.get(kind, kind.__name__)
             expected = f"None or {expected}" if default is None else expected
             # papermill's -p passes text (or a number): a list or mapping needs -y
-            hint = (f"; give a list or mapping to papermill as YAML with -y, e.g. -y '{key}: "
-                    f"{'[...]' if kind is list else '{...}'}'"
-                    if where is None and kind in (list, dict) and isinstance(value, str) else "")
+            hint = (
+                f"; give a list or mapping to papermill as YAML with -y, e.g. -y '{key}: "
+                f"{'[...]' if kind is list else '{...}'}'"
+                if where is None and kind in (list, dict) and isinstance(value, str)
+                else ""
+            )
             yield f"{label}{key} must be {expected} (the notebook's default is {default!r}); got {value!r}{hint}"
             continue
         choices = PARAMETER_CHOICES.get(name, {}).get(key)
@@ -168,13 +196,17 @@ def _problems(name: str, values: dict[str, Any], where: str | None):
         elif minimum is not None and value < minimum:
             yield f"{label}{key} must be at least {minimum} ({why}); got {value!r}"
         elif example is not None and not _is_file(value):
-            yield (f"{label}{key} names no file: {value!r} is neither in {Path.cwd()} nor in {REPO}; "
-                   f"pass an existing file, e.g. {example}")
+            yield (
+                f"{label}{key} names no file: {value!r} is neither in {Path.cwd()} nor in {REPO}; "
+                f"pass an existing file, e.g. {example}"
+            )
     for key, other in PARAMETER_DIVIDES.get(name, {}).items():
         value, total = values.get(key, defaults[key]), values.get(other, defaults[other])
         if _fits(value, int) and _fits(total, int) and value > 0 and total % value:
-            yield (f"{label}{key} must divide {other} ({other} = {total} is split into {key} "
-                   f"equal parts); got {key} = {value}")
+            yield (
+                f"{label}{key} must divide {other} ({other} = {total} is split into {key} "
+                f"equal parts); got {key} = {value}"
+            )
 
 
 def injected_names(namespace: dict) -> list[str]:
@@ -184,8 +216,9 @@ def injected_names(namespace: dict) -> list[str]:
     history = namespace.get("In")
     if not isinstance(history, list):
         return []
-    injected = next((src for src in reversed(history)
-                     if isinstance(src, str) and src.lstrip().startswith(INJECTED_HEADER)), None)
+    injected = next(
+        (src for src in reversed(history) if isinstance(src, str) and src.lstrip().startswith(INJECTED_HEADER)), None
+    )
     return _assigned(injected) if injected else []
 
 
@@ -206,6 +239,7 @@ def check_kernel_parameters(name: str, namespace: dict) -> None:
 # Executing a notebook: the one papermill call
 # --------------------------------------------------------------------------------------------
 
+
 def say(msg: str, _lock=threading.Lock()) -> None:
     """Print one line, whole, while other threads print theirs (trainings side by side)."""
     with _lock:
@@ -221,7 +255,7 @@ class _Lines:
     def write(self, text: str) -> None:
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines:
-            line = line.split("\r")[-1]   # a progress bar's redraws: keep the latest
+            line = line.split("\r")[-1]  # a progress bar's redraws: keep the latest
             if line.strip():
                 self.echo(self.prefix + line)
 
@@ -249,8 +283,7 @@ def failed_cell(nb_path: str | Path) -> str | None:
         for out in cell.get("outputs", []):
             if out.get("output_type") == "error":
                 first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
-                return (f"code cell {code_index} (`{first[:80]}`): {out.get('ename')}: "
-                        f"{str(out.get('evalue'))[:500]}")
+                return f"code cell {code_index} (`{first[:80]}`): {out.get('ename')}: {str(out.get('evalue'))[:500]}"
     return None
 
 
@@ -264,8 +297,14 @@ def read_notebook(name: str):
     return nb
 
 
-def execute_notebook(name: str, out_path: Path, parameters: dict[str, Any], prefix: str = "",
-                     cwd: str | Path | None = None, echo: Callable[[str], None] = say) -> Path:
+def execute_notebook(
+    name: str,
+    out_path: Path,
+    parameters: dict[str, Any],
+    prefix: str = "",
+    cwd: str | Path | None = None,
+    echo: Callable[[str], None] = say,
+) -> Path:
     """Execute notebooks/<name>.py with papermill into ``out_path`` (an .ipynb), its parameters
     checked first, its cells' printed output echoed line by line after ``prefix``; the kernel
     starts in ``cwd`` (default: this process's working directory). NotebookError names the
@@ -282,15 +321,24 @@ def execute_notebook(name: str, out_path: Path, parameters: dict[str, Any], pref
     try:
         # The kernel's own log at ERROR: its start-up warning (TCP without encryption, on
         # localhost) would fill the log of a study once per notebook and run.
-        pm.execute_notebook(nb, str(out_path), parameters=parameters, kernel_name="python3", language="python",
-                            cwd=str(cwd or os.getcwd()), progress_bar=False, stdout_file=out, stderr_file=err,
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
+        pm.execute_notebook(
+            nb,
+            str(out_path),
+            parameters=parameters,
+            kernel_name="python3",
+            language="python",
+            cwd=str(cwd or os.getcwd()),
+            progress_bar=False,
+            stdout_file=out,
+            stderr_file=err,
+            extra_arguments=["--IPKernelApp.log_level=ERROR"],
+        )
     except pm.PapermillExecutionError:
-        raise NotebookError(f"notebook {name} failed in {failed_cell(out_path)}\n"
-                            f"  executed copy: {out_path}") from None
-    except Exception as exc:   # the kernel did not start or died: no cell holds the error
-        raise NotebookError(f"notebook {name} failed before its cells ran ({type(exc).__name__}: {exc})\n"
-                            f"  executed copy: {out_path}") from exc
+        raise NotebookError(f"notebook {name} failed in {failed_cell(out_path)}\n  executed copy: {out_path}") from None
+    except Exception as exc:  # the kernel did not start or died: no cell holds the error
+        raise NotebookError(
+            f"notebook {name} failed before its cells ran ({type(exc).__name__}: {exc})\n  executed copy: {out_path}"
+        ) from exc
     finally:
         out.close()
         err.close()

@@ -53,19 +53,24 @@ class Occupancy:
 
     ``own_pids``: the processes of this run on this host (every rank's, under torchrun)."""
 
-    def __init__(self, device: torch.device, own_pids: set[int], cpu_every_s: float = CPU_EVERY_S,
-                 gpu_every_s: float = GPU_EVERY_S):
+    def __init__(
+        self,
+        device: torch.device,
+        own_pids: set[int],
+        cpu_every_s: float = CPU_EVERY_S,
+        gpu_every_s: float = GPU_EVERY_S,
+    ):
         self.device, self.own = device, set(own_pids)
         self.every_s = gpu_every_s if device.type == "cuda" else cpu_every_s
         self.last_t = -math.inf
         self.samples = 0
-        self.alone: Optional[bool] = True      # until a sample says otherwise
-        self.unknown: Optional[str] = None     # why a sample could not tell
-        self.worst = ""                        # the evidence of the sample that counted most
+        self.alone: Optional[bool] = True  # until a sample says otherwise
+        self.unknown: Optional[str] = None  # why a sample could not tell
+        self.worst = ""  # the evidence of the sample that counted most
         self.method = ""
-        self.worst_weight = 0.0                 # how much it counted: cores, processes or GiB
+        self.worst_weight = 0.0  # how much it counted: cores, processes or GiB
         self._cpu_prev: Optional[tuple[float, int, int]] = None  # (time, busy ticks, own ticks)
-        self.last_window: dict = {}   # CPU: the last window's seconds, others' cores, own CPU seconds
+        self.last_window: dict = {}  # CPU: the last window's seconds, others' cores, own CPU seconds
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         if device.type == "cuda":
@@ -134,8 +139,10 @@ class Occupancy:
         self._cpu_prev = (now, busy, own)
         others = max(0, (busy - busy0) - (own - own0)) / _ticks_per_s() / window
         self.last_window = {"seconds": window, "others_cores": others, "own_cpu_s": (own - own0) / _ticks_per_s()}
-        evidence = (f"other processes used {others:.2f} of this run's {len(_cores())} cores over a {window:.1f} s "
-                    f"window (alone: at most {OTHERS_MAX_CORES} in every window)")
+        evidence = (
+            f"other processes used {others:.2f} of this run's {len(_cores())} cores over a {window:.1f} s "
+            f"window (alone: at most {OTHERS_MAX_CORES} in every window)"
+        )
         self._record(others <= OTHERS_MAX_CORES, evidence, "CPU time (/proc)", others)
 
     # --- CUDA -------------------------------------------------------------------------------
@@ -147,15 +154,20 @@ class Occupancy:
             return
         if listed is not None and self.own & {pid for pid, _ in listed}:
             others = [(pid, mem) for pid, mem in listed if pid not in self.own]
-            evidence = ("no other process on the GPU" if not others else
-                        f"{len(others)} other process(es) on the GPU: "
-                        + ", ".join(f"pid {pid} ({mem / 2**30:.1f} GiB)" for pid, mem in others[:5]))
+            evidence = (
+                "no other process on the GPU"
+                if not others
+                else f"{len(others)} other process(es) on the GPU: "
+                + ", ".join(f"pid {pid} ({mem / 2**30:.1f} GiB)" for pid, mem in others[:5])
+            )
             self._record(not others, evidence, "GPU processes (NVML/nvidia-smi)", float(len(others)))
         elif used is not None:
             beyond = (used - reserved) / 2**30
-            evidence = (f"the GPU's process list does not show this run's processes (another PID namespace); "
-                        f"{beyond:.1f} GiB of the GPU's memory in use beyond this process's allocator "
-                        f"(alone: at most {MEMORY_SLACK_GIB} GiB)")
+            evidence = (
+                f"the GPU's process list does not show this run's processes (another PID namespace); "
+                f"{beyond:.1f} GiB of the GPU's memory in use beyond this process's allocator "
+                f"(alone: at most {MEMORY_SLACK_GIB} GiB)"
+            )
             self._record(beyond <= MEMORY_SLACK_GIB, evidence, "GPU memory beside this process's", beyond)
         else:
             self._record(None, "neither NVML (pynvml) nor nvidia-smi could list the GPU's processes", "")
@@ -173,6 +185,7 @@ def combine(session: Optional[bool], earlier: Optional[bool]) -> Optional[bool]:
 # --------------------------------------------------------------------------------------------
 # What the operating system and the driver tell
 # --------------------------------------------------------------------------------------------
+
 
 def _cores() -> set[int]:
     try:
@@ -243,8 +256,9 @@ def _nvidia_smi_processes(uuid: str) -> tuple[Optional[list[tuple[int, int]]], O
 
     def query(*args: str) -> Optional[list[list[str]]]:
         try:
-            done = subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                ["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         if done.returncode != 0:
@@ -273,14 +287,17 @@ def _mib(value: str) -> int:
 # The run's verdict: every rank, every session
 # --------------------------------------------------------------------------------------------
 
+
 def earlier_sessions(summary: dict, step: int) -> dict:
     """What the sessions before a resume at ``step`` recorded: the verdict of the summary.json
     they left, where it was written at that step; else unknown (a session killed after it ran
     steps whose timing the resumed run's figures keep)."""
     if summary.get("steps") != step or "timed_alone" not in summary:
-        return {"timed_alone": None,
-                "evidence": f"the summary.json before this session is not of step {step} (a session was "
-                            f"killed, or the run predates timed_alone): whether it ran alone is not known"}
+        return {
+            "timed_alone": None,
+            "evidence": f"the summary.json before this session is not of step {step} (a session was "
+            f"killed, or the run predates timed_alone): whether it ran alone is not known",
+        }
     occupancy = (summary.get("provenance") or {}).get("occupancy") or {}
     return {"timed_alone": summary["timed_alone"], "evidence": occupancy.get("evidence")}
 
@@ -294,8 +311,12 @@ def verdict(ranks: list[dict], earlier: Optional[dict] = None) -> dict:
     for answer in answers:
         alone = combine(alone, answer["timed_alone"])
     deciding = next(a for a in answers if a["timed_alone"] is alone)
-    record = {"timed_alone": alone, "method": ranks[0]["method"], "samples": sum(r["samples"] for r in ranks),
-              "evidence": deciding["evidence"]}
+    record = {
+        "timed_alone": alone,
+        "method": ranks[0]["method"],
+        "samples": sum(r["samples"] for r in ranks),
+        "evidence": deciding["evidence"],
+    }
     if earlier is not None:
         record["earlier_sessions"] = earlier
     return record

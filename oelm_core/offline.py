@@ -38,8 +38,7 @@ def hub_endpoint() -> str:
 
 def offline_flag() -> Optional[str]:
     """The variable that puts the Hugging Face libraries offline, where one is set true."""
-    return next((f for f in OFFLINE_FLAGS
-                 if os.environ.get(f, "").strip().lower() in ("1", "true", "yes", "on")), None)
+    return next((f for f in OFFLINE_FLAGS if os.environ.get(f, "").strip().lower() in ("1", "true", "yes", "on")), None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,25 +60,33 @@ def settings_for(stories: Path, tiktoken_cache: Path) -> dict[str, str]:
     missing."""
     stories, tiktoken_cache = stories.expanduser().resolve(), tiktoken_cache.expanduser().resolve()
     if not (stories / "train").is_dir():
-        raise ValueError(f"{stories} has no train/ folder: give the folder of TinyStories text "
-                         f"(train/ and validation/), e.g. ../shared/data/tinystories")
+        raise ValueError(
+            f"{stories} has no train/ folder: give the folder of TinyStories text "
+            f"(train/ and validation/), e.g. ../shared/data/tinystories"
+        )
     if not tiktoken_cache.is_dir() or not any(tiktoken_cache.iterdir()):
-        raise ValueError(f"{tiktoken_cache} is not a folder holding the GPT-2 BPE files (tiktoken's cache), "
-                         f"e.g. ../shared/data/tokenizer/tiktoken_cache")
-    return {"OELM_DATA": str(stories), "TIKTOKEN_CACHE_DIR": str(tiktoken_cache),
-            **{flag: "1" for flag in OFFLINE_FLAGS}}
+        raise ValueError(
+            f"{tiktoken_cache} is not a folder holding the GPT-2 BPE files (tiktoken's cache), "
+            f"e.g. ../shared/data/tokenizer/tiktoken_cache"
+        )
+    return {
+        "OELM_DATA": str(stories),
+        "TIKTOKEN_CACHE_DIR": str(tiktoken_cache),
+        **{flag: "1" for flag in OFFLINE_FLAGS},
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """The CLI: 0 written (the file is printed) or removed, 2 with one error line."""
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m oelm_core.offline",
-                                description="Point every oelm_core command at local data: writes oelm.env.")
-    p.add_argument("data", nargs="?", help="a folder holding tinystories/ and tokenizer/tiktoken_cache/ "
-                                            "(e.g. ../shared/data)")
+    p = argparse.ArgumentParser(
+        prog="python -m oelm_core.offline", description="Point every oelm_core command at local data: writes oelm.env."
+    )
+    p.add_argument(
+        "data", nargs="?", help="a folder holding tinystories/ and tokenizer/tiktoken_cache/ (e.g. ../shared/data)"
+    )
     p.add_argument("--stories", type=Path, help="the TinyStories folder (default: DATA/tinystories)")
-    p.add_argument("--tiktoken-cache", type=Path,
-                   help="the GPT-2 BPE files (default: DATA/tokenizer/tiktoken_cache)")
+    p.add_argument("--tiktoken-cache", type=Path, help="the GPT-2 BPE files (default: DATA/tokenizer/tiktoken_cache)")
     p.add_argument("--file", type=Path, help=f"the file to write (default: {envfile.default_target()})")
     p.add_argument("--off", action="store_true", help="remove the file: commands read the hub again")
     args = p.parse_args(argv)
@@ -94,12 +101,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.data is None and not (args.stories and args.tiktoken_cache):
             raise ValueError("give the data folder (e.g. ../shared/data), or both --stories and --tiktoken-cache")
         root = Path(args.data or ".")
-        settings = settings_for(args.stories or root / "tinystories",
-                                args.tiktoken_cache or root / "tokenizer" / "tiktoken_cache")
-        envfile.write(file, settings, [
-            f"python -m oelm_core.offline {' '.join(argv)}",
-            "Every oelm_core command reads this file; a variable set in the environment wins.",
-            "OELM_DATA replaces data.source; HF_*_OFFLINE keep the Hugging Face libraries off the network."])
+        settings = settings_for(
+            args.stories or root / "tinystories", args.tiktoken_cache or root / "tokenizer" / "tiktoken_cache"
+        )
+        envfile.write(
+            file,
+            settings,
+            [
+                f"python -m oelm_core.offline {' '.join(argv)}",
+                "Every oelm_core command reads this file; a variable set in the environment wins.",
+                "OELM_DATA replaces data.source; HF_*_OFFLINE keep the Hugging Face libraries off the network.",
+            ],
+        )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ QK_INITS: dict[str, str] = {
     "cayley": "(I - A)(I + A)^-1 of a random skew-symmetric A; orthogonal but not Haar (det +1, no angle pi)",
     "gaussian": "non-orthogonal control: i.i.d. N(0, gain^2/fan_in), the same expected row norm as orthogonal",
     "illcond": "non-orthogonal control: U diag(s) V^T with Haar U, V and singular values log-spaced over a "
-               "100:1 range, scaled to the orthogonal's Frobenius norm",
+    "100:1 range, scaled to the orthogonal's Frobenius norm",
 }
 # The condition number of "illcond": as far from an isometry as a fixed spectrum goes, at the
 # orthogonal's scale, where a square Gaussian's (about 2,400 at d = 512) mixes scale and spectrum.
@@ -39,6 +39,7 @@ def _randn(*shape: int, generator: torch.Generator | None) -> Tensor:
 
 
 # Each builder returns an (n, m) float64 matrix with orthonormal columns, n >= m.
+
 
 def _qr(n: int, m: int, generator: torch.Generator | None) -> Tensor:
     q, r = torch.linalg.qr(_randn(n, m, generator=generator))
@@ -77,13 +78,22 @@ def _cayley(n: int, m: int, generator: torch.Generator | None) -> Tensor:
 
 
 _BUILDERS: dict[str, Callable[[int, int, torch.Generator | None], Tensor]] = {
-    "qr": _qr, "svd": _svd, "householder": _householder, "cayley": _cayley,
+    "qr": _qr,
+    "svd": _svd,
+    "householder": _householder,
+    "cayley": _cayley,
 }
 ORTHOGONAL_METHODS: tuple[str, ...] = tuple(_BUILDERS)
 
 
-def orthogonal(rows: int, cols: int, method: str = "qr", gain: float = 1.0,
-               generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+def orthogonal(
+    rows: int,
+    cols: int,
+    method: str = "qr",
+    gain: float = 1.0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """A (rows, cols) matrix with orthonormal rows (rows <= cols) or columns (rows > cols), times gain."""
     if method not in _BUILDERS:
         raise ValueError(f"unknown orthogonal method {method!r}; valid: {', '.join(ORTHOGONAL_METHODS)}")
@@ -93,14 +103,25 @@ def orthogonal(rows: int, cols: int, method: str = "qr", gain: float = 1.0,
     return (gain * w).to(dtype).contiguous()
 
 
-def gaussian(rows: int, cols: int, gain: float = 1.0, generator: torch.Generator | None = None,
-             dtype: torch.dtype = torch.float32) -> Tensor:
+def gaussian(
+    rows: int,
+    cols: int,
+    gain: float = 1.0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """(rows, cols) with i.i.d. N(0, gain^2 / cols) entries: E||row||^2 = gain^2, as for orthogonal."""
     return (_randn(rows, cols, generator=generator) * (gain / math.sqrt(cols))).to(dtype)
 
 
-def ill_conditioned(rows: int, cols: int, gain: float = 1.0, generator: torch.Generator | None = None,
-                    dtype: torch.dtype = torch.float32, condition: float = ILL_CONDITION) -> Tensor:
+def ill_conditioned(
+    rows: int,
+    cols: int,
+    gain: float = 1.0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    condition: float = ILL_CONDITION,
+) -> Tensor:
     """(rows, cols) = U diag(s) V^T with U, V Haar (orthonormal columns) and min(rows, cols) singular
     values log-spaced from 1 down to 1 / ``condition``, scaled so that ||W||_F equals an orthogonal
     matrix's of the same gain, gain * sqrt(min(rows, cols)): the same scale, another spectrum."""
@@ -111,8 +132,14 @@ def ill_conditioned(rows: int, cols: int, gain: float = 1.0, generator: torch.Ge
     return ((u * s) @ v.T).to(dtype).contiguous()
 
 
-def init_qk(rows: int, cols: int, method: str, gain: float = 1.0,
-            generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+def init_qk(
+    rows: int,
+    cols: int,
+    method: str,
+    gain: float = 1.0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """A (rows, cols) W_q or W_k initialised by one of QK_INITS ("normal" ignores gain)."""
     if method == "normal":
         return (_randn(rows, cols, generator=generator) * GPT2_STD).to(dtype)
@@ -128,6 +155,7 @@ def init_qk(rows: int, cols: int, method: str, gain: float = 1.0,
 # --------------------------------------------------------------------------------------------
 # Checks: all computed in float64, all return plain Python floats
 # --------------------------------------------------------------------------------------------
+
 
 def orthogonality_error(W: Tensor, gain: float = 1.0) -> float:
     """Spectral norm of W W^T / gain^2 - I (W^T W when rows > cols): 0 for exact (semi-)orthogonal.
@@ -185,13 +213,16 @@ def jl_distortion(P: Tensor, X: Tensor, scale: float | None = None) -> dict[str,
     return {"max": dist.max().item(), "mean": dist.mean().item(), "std": dist.std().item()}
 
 
-def random_projection(k: int, d: int, method: str = "qr", generator: torch.Generator | None = None,
-                      dtype: torch.dtype = torch.float32) -> Tensor:
+def random_projection(
+    k: int, d: int, method: str = "qr", generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """A (k, d) Johnson-Lindenstrauss projection: orthonormal rows (any orthogonal method, k <= d)
     or, for method "gaussian", i.i.d. N(0, 1/d) entries."""
     if k > d:
-        raise ValueError(f"random_projection maps d dimensions to k <= d, got k={k} > d={d}; "
-                         f"orthogonal(k, d) gives a tall matrix with orthonormal columns instead")
+        raise ValueError(
+            f"random_projection maps d dimensions to k <= d, got k={k} > d={d}; "
+            f"orthogonal(k, d) gives a tall matrix with orthonormal columns instead"
+        )
     if method == "gaussian":
         return gaussian(k, d, 1.0, generator, dtype)
     if method in _BUILDERS:

@@ -165,7 +165,7 @@ class POETProjection(nn.Module):
         """W0 <- R W0 P with the exact Cayley transforms; Q <- 0; new permutations."""
         merged = self._compose(self._rotations(exact=True), dtype=torch.float64)
         self.w0_q.copy_(merged[: self.d])
-        self.w0_k.copy_(merged[self.d:])
+        self.w0_k.copy_(merged[self.d :])
         for p in self.skew_parameters():
             p.zero_()
         self.poet_merges += 1
@@ -180,18 +180,19 @@ class POETProjection(nn.Module):
         return []
 
     def extra_repr(self) -> str:
-        return (f"d={self.d}, block={self.b}, blocks={self.n_blocks}, neumann_terms={self.neumann_terms}, "
-                f"merge_every={self.merge_every}")
+        return (
+            f"d={self.d}, block={self.b}, blocks={self.n_blocks}, neumann_terms={self.neumann_terms}, "
+            f"merge_every={self.merge_every}"
+        )
 
 
 def poet_modules(model: nn.Module) -> list[POETProjection]:
     return [m for m in model.modules() if isinstance(m, POETProjection)]
 
 
-
 def spectrum_error(module: POETProjection, gain: float = 1.0) -> float:
     """max |sigma / gain - 1| over the singular values of the effective W_q and W_k (float64)."""
     with torch.no_grad():
         w = module.weight.double()
-    s = torch.cat([torch.linalg.svdvals(w[: module.d]), torch.linalg.svdvals(w[module.d:])])
+    s = torch.cat([torch.linalg.svdvals(w[: module.d]), torch.linalg.svdvals(w[module.d :])])
     return (s / gain - 1).abs().max().item()

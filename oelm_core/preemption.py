@@ -94,7 +94,9 @@ class StopRequest:
 
 
 @contextmanager
-def stop_on_signals(signals: tuple[signal.Signals, ...] = STOP_SIGNALS, steps_apart: float = 1) -> Iterator[StopRequest]:
+def stop_on_signals(
+    signals: tuple[signal.Signals, ...] = STOP_SIGNALS, steps_apart: float = 1
+) -> Iterator[StopRequest]:
     """Within the block, the first of ``signals`` to arrive sets the StopRequest's flag; the same
     signal again, or none of the loop's step boundaries within ``wait_s``, ends the process at
     once (``exit_status``). Afterwards every handler is as it was.
@@ -106,7 +108,7 @@ def stop_on_signals(signals: tuple[signal.Signals, ...] = STOP_SIGNALS, steps_ap
         yield request
         return
     previous = {s: signal.getsignal(s) for s in signals}
-    previous = {s: (signal.SIG_DFL if h is None else h) for s, h in previous.items()}   # None: set outside Python
+    previous = {s: (signal.SIG_DFL if h is None else h) for s, h in previous.items()}  # None: set outside Python
 
     def handler(signum: int, frame) -> None:
         # No logging here: the signal may arrive while this thread holds the logging lock.
@@ -114,8 +116,7 @@ def stop_on_signals(signals: tuple[signal.Signals, ...] = STOP_SIGNALS, steps_ap
 
     read, write = os.pipe()
     os.set_blocking(write, False)
-    watcher = threading.Thread(target=_watch, args=(read, request, set(signals)), name="oelm-stop-signals",
-                               daemon=True)
+    watcher = threading.Thread(target=_watch, args=(read, request, set(signals)), name="oelm-stop-signals", daemon=True)
     watcher.start()
     woken = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     try:
@@ -143,10 +144,10 @@ def _watch(read: int, request: StopRequest, signals: set[int]) -> None:
         if first is not None and not request.boundary.is_set():
             timeout = max(0.0, first[1] + request.wait_s - time.monotonic())
         ready, _, _ = select.select([read], [], [], timeout)
-        if not ready:   # the wait ran out: no boundary came
+        if not ready:  # the wait ran out: no boundary came
             _end_now(first[0], f"no step boundary came within {request.wait_s:.0f} s of it")
         data = os.read(read, 64)
-        if not data:    # the block ended: the write end was closed
+        if not data:  # the block ended: the write end was closed
             return
         for signum in data:
             if signum not in signals:
@@ -163,6 +164,11 @@ def _end_now(signum: int, why: str) -> None:
     operation), saying why on stderr. The run resumes from its latest checkpoint; what killed
     writes left there, the next session removes."""
     name = signal.Signals(signum).name
-    os.write(2, (f"\nstopped at once by {name} ({why}): the run resumes from its latest checkpoint with "
-                 f"--resume; exit status {exit_status(signum)}\n").encode())
+    os.write(
+        2,
+        (
+            f"\nstopped at once by {name} ({why}): the run resumes from its latest checkpoint with "
+            f"--resume; exit status {exit_status(signum)}\n"
+        ).encode(),
+    )
     os._exit(exit_status(signum))

@@ -39,10 +39,16 @@ def warn_about_schedule(tc: TrainConfig) -> None:
     from oelm_core.step import lr_at  # here: the demo reads this module's estimates without the trainer
 
     if tc.warmup_steps > tc.steps:
-        log.warning("train.warmup_steps=%d is longer than the run (train.steps=%d): the learning rate rises "
-                    "to %.3g at the last step and never reaches train.lr=%g, nor decays to train.min_lr; set "
-                    "train.warmup_steps below train.steps (e.g. %d, a tenth of it) to train at train.lr",
-                    tc.warmup_steps, tc.steps, lr_at(tc.steps - 1, tc), tc.lr, max(1, tc.steps // 10))
+        log.warning(
+            "train.warmup_steps=%d is longer than the run (train.steps=%d): the learning rate rises "
+            "to %.3g at the last step and never reaches train.lr=%g, nor decays to train.min_lr; set "
+            "train.warmup_steps below train.steps (e.g. %d, a tenth of it) to train at train.lr",
+            tc.warmup_steps,
+            tc.steps,
+            lr_at(tc.steps - 1, tc),
+            tc.lr,
+            max(1, tc.steps // 10),
+        )
 
 
 # A step estimated to need more than this share of the memory there is gets a warning: the
@@ -71,24 +77,27 @@ def _flops(n: float) -> str:
     return f"{n / 1e6:.1f} MFLOP"
 
 
-def check_step_memory(cfg: RunConfig, device: torch.device, local_processes: int = 1,
-                      report: bool = True) -> dict:
-    """Say what one optimiser step of ``cfg`` costs on ``device`` before anything runs: its peak
-    memory (``accounting.step_memory``, bytes: one micro-step's) and FLOPs (``flops_per_token``
-    times the tokens of the step, this process's share). ConfigError, naming the figures and the settings that lower them, where the step
-    needs more than the device has (``device_memory``; on the CPU the RAM available, shared by
-    the ``local_processes`` of this host); above MEMORY_WARNING_SHARE of it a warning, else an
-    info line (neither unless ``report``: one rank speaks for all). Returns step_memory's account."""
+def check_step_memory(cfg: RunConfig, device: torch.device, local_processes: int = 1, report: bool = True) -> dict:
+    """Say what one optimiser step of ``cfg`` costs on ``device`` before anything runs: its peak memory
+    (``accounting.step_memory``, bytes: one micro-step's) and FLOPs (``flops_per_token`` times the
+    tokens of the step, this process's share). ConfigError, naming the figures and the settings that
+    lower them, where the step needs more than the device has (``device_memory``; on the CPU the RAM
+    available, shared by the ``local_processes`` of this host); above MEMORY_WARNING_SHARE of it a
+    warning, else an info line (neither unless ``report``: one rank speaks for all). Returns
+    step_memory's account."""
     mc, tc = cfg.model_config(), cfg.train
     bf16 = tc.dtype == "bf16" or (tc.dtype == "auto" and device.type == "cuda")
-    need = step_memory(mc, tc.batch_size, "bf16" if bf16 else "float32", device.type, tc.fused_loss,
-                       tc.loss_chunk_tokens)
+    need = step_memory(
+        mc, tc.batch_size, "bf16" if bf16 else "float32", device.type, tc.fused_loss, tc.loss_chunk_tokens
+    )
     total = need["total"] * (local_processes if device.type == "cpu" else 1)
     flops = flops_per_token(mc)["total"] * tc.batch_size * mc.block_size * tc.grad_accum
     processes = f" x {local_processes} processes" if device.type == "cpu" and local_processes > 1 else ""
-    cost = (f"one training step of this run needs about {_size(need['total'])}{processes} (weights, gradients "
-            f"and AdamW state {_size(need['state'])}, activations of {tc.batch_size} x {mc.block_size} tokens "
-            f"{_size(need['activations'])}) and {_flops(flops)} a step")
+    cost = (
+        f"one training step of this run needs about {_size(need['total'])}{processes} (weights, gradients "
+        f"and AdamW state {_size(need['state'])}, activations of {tc.batch_size} x {mc.block_size} tokens "
+        f"{_size(need['activations'])}) and {_flops(flops)} a step"
+    )
     available, where = device_memory(device)
     if available is None:
         if report:
@@ -96,17 +105,27 @@ def check_step_memory(cfg: RunConfig, device: torch.device, local_processes: int
         return need
     if total > available:
         preset = PRESETS[cfg.preset].get("block_size")
-        block = (f"model.block_size ({mc.block_size}; the {cfg.preset} preset's is {preset})"
-                 if "block_size" in cfg.model and preset != mc.block_size else f"model.block_size ({mc.block_size})")
-        raise ConfigError(f"{cost}, more than {where} ({_size(available)}): lower {block} or "
-                          f"train.batch_size ({tc.batch_size}; train.grad_accum keeps the tokens a step with "
-                          f"less memory)")
+        block = (
+            f"model.block_size ({mc.block_size}; the {cfg.preset} preset's is {preset})"
+            if "block_size" in cfg.model and preset != mc.block_size
+            else f"model.block_size ({mc.block_size})"
+        )
+        raise ConfigError(
+            f"{cost}, more than {where} ({_size(available)}): lower {block} or "
+            f"train.batch_size ({tc.batch_size}; train.grad_accum keeps the tokens a step with "
+            f"less memory)"
+        )
     if not report:
         return need
     if total > MEMORY_WARNING_SHARE * available:
-        log.warning("%s: %.0f%% of %s (%s); it may run out of memory: lower model.block_size or "
-                    "train.batch_size (train.grad_accum keeps the tokens a step with less memory)",
-                    cost, 100 * total / available, where, _size(available))
+        log.warning(
+            "%s: %.0f%% of %s (%s); it may run out of memory: lower model.block_size or "
+            "train.batch_size (train.grad_accum keeps the tokens a step with less memory)",
+            cost,
+            100 * total / available,
+            where,
+            _size(available),
+        )
     else:
         log.info("%s; %s: %s", cost, where, _size(available))
     return need
@@ -154,13 +173,18 @@ def check_step_time(cfg: RunConfig, device: torch.device, local_processes: int =
     if seconds > limit:
         mc = cfg.model_config()
         preset = PRESETS[cfg.preset].get("block_size")
-        block = (f"model.block_size ({mc.block_size}; the {cfg.preset} preset's is {preset})"
-                 if "block_size" in cfg.model and preset != mc.block_size else f"model.block_size ({mc.block_size})")
+        block = (
+            f"model.block_size ({mc.block_size}; the {cfg.preset} preset's is {preset})"
+            if "block_size" in cfg.model and preset != mc.block_size
+            else f"model.block_size ({mc.block_size})"
+        )
         where = "this CPU" if device.type == "cpu" else f"this GPU ({device})"
-        refusal = (f"one training step of this run needs {_flops(flops)}: at least {_duration(seconds)} on {where} "
-                   f"({_flops(rate)}/s, {how}), more than train.max_step_s ({limit:g} s), and no log line or "
-                   f"checkpoint comes before it ends: lower {block} or train.batch_size ({cfg.train.batch_size}), "
-                   f"or set train.max_step_s: 0 to run it anyway")
+        refusal = (
+            f"one training step of this run needs {_flops(flops)}: at least {_duration(seconds)} on {where} "
+            f"({_flops(rate)}/s, {how}), more than train.max_step_s ({limit:g} s), and no log line or "
+            f"checkpoint comes before it ends: lower {block} or train.batch_size ({cfg.train.batch_size}), "
+            f"or set train.max_step_s: 0 to run it anyway"
+        )
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [refusal]
         dist.broadcast_object_list(box, src=0)

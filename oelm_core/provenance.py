@@ -81,8 +81,14 @@ def code_version(where: Path = PACKAGE) -> dict:
     if status.returncode != 0 or not commit:
         return {**record, "git": f"no git: {(status.stderr.strip().splitlines() or ['git status failed'])[-1]}"}
     changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
-    return {"commit": commit, "dirty": bool(changed), "changed": changed[:MAX_CHANGED_NAMED],
-            "n_changed": len(changed), "version": version, "source_sha256": record["source_sha256"]}
+    return {
+        "commit": commit,
+        "dirty": bool(changed),
+        "changed": changed[:MAX_CHANGED_NAMED],
+        "n_changed": len(changed),
+        "version": version,
+        "source_sha256": record["source_sha256"],
+    }
 
 
 def source_sha256(where: Path = PACKAGE) -> str:
@@ -100,8 +106,13 @@ def _code_without_git(where: Path, version: str) -> dict:
     environment names (OELM_COMMIT: a copy of a checkout carried to another machine, as
     scripts/test_gpu.sh takes it; it wins over git there), which the hash lets anyone check."""
     named = os.environ.get("OELM_COMMIT") or None
-    return {"commit": named, "dirty": None, "version": version, "source_sha256": source_sha256(where),
-            **({"commit_from": "OELM_COMMIT"} if named else {})}
+    return {
+        "commit": named,
+        "dirty": None,
+        "version": version,
+        "source_sha256": source_sha256(where),
+        **({"commit_from": "OELM_COMMIT"} if named else {}),
+    }
 
 
 def _distribution_version(name: str) -> Optional[str]:
@@ -114,11 +125,15 @@ def _distribution_version(name: str) -> Optional[str]:
 def software_versions() -> dict:
     """Versions of what computes a run; None for what is absent (CUDA and cuDNN on a CPU torch)."""
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cudnn": cudnn,
-            # a CUDA torch pins its own Triton wheel (pytorch-triton on nightlies)
-            "triton": _distribution_version("triton") or _distribution_version("pytorch-triton"),
-            "numpy": np.__version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        # a CUDA torch pins its own Triton wheel (pytorch-triton on nightlies)
+        "triton": _distribution_version("triton") or _distribution_version("pytorch-triton"),
+        "numpy": np.__version__,
+    }
 
 
 def nvidia_driver() -> Optional[str]:
@@ -137,8 +152,12 @@ def nvidia_driver() -> Optional[str]:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20)
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = done.stdout.split()
@@ -152,11 +171,23 @@ def device_record(device: torch.device, world_size: int, hosts: int = 1) -> dict
         props = torch.cuda.get_device_properties(device)
         # The card itself, so that runs of one faulty GPU can be found among a study's.
         uuid = str(getattr(props, "uuid", "")) or None
-        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": world_size,
-                "hosts": hosts, "driver": nvidia_driver(), "uuid": uuid and f"GPU-{uuid}",
-                "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)}
-    return {"type": device.type, "name": _cpu_name(), "count": world_size, "hosts": hosts,
-            "cores": _cpu_count(), "threads": torch.get_num_threads()}
+        return {
+            "type": "cuda",
+            "name": torch.cuda.get_device_name(device),
+            "count": world_size,
+            "hosts": hosts,
+            "driver": nvidia_driver(),
+            "uuid": uuid and f"GPU-{uuid}",
+            "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1),
+        }
+    return {
+        "type": device.type,
+        "name": _cpu_name(),
+        "count": world_size,
+        "hosts": hosts,
+        "cores": _cpu_count(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _cpu_count() -> int:
@@ -194,30 +225,41 @@ def data_record(source: str, out_dir: str | Path, meta: dict) -> dict:
     before meta.json held them, or a file rewritten since) the file is hashed now, and
     "fingerprint" says which."""
     out = Path(out_dir)
-    record = {"source": source, "out_dir": str(out.resolve()),
-              "train_tokens": meta.get("train_tokens"), "val_tokens": meta.get("val_tokens"),
-              "text_hash": meta.get("text_hash")}
+    record = {
+        "source": source,
+        "out_dir": str(out.resolve()),
+        "train_tokens": meta.get("train_tokens"),
+        "val_tokens": meta.get("val_tokens"),
+        "text_hash": meta.get("text_hash"),
+    }
     computed = []
     for split in ("train", "val"):
         path = out / f"{split}.bin"
         stat = path.stat()
         stored = meta.get(f"{split}_sha256")
-        if stored and (stat.st_size, stat.st_mtime_ns) == (2 * meta.get(f"{split}_tokens", -1),
-                                                           meta.get(f"{split}_mtime_ns")):
+        if stored and (stat.st_size, stat.st_mtime_ns) == (
+            2 * meta.get(f"{split}_tokens", -1),
+            meta.get(f"{split}_mtime_ns"),
+        ):
             record[f"{split}_sha256"] = stored
         else:
             record[f"{split}_sha256"] = sha256_file(path)
             computed.append(split)
-    record["fingerprint"] = ("meta.json (computed when the token files were written)" if not computed else
-                             f"hashed at the run's start ({', '.join(computed)}: meta.json holds no hash "
-                             f"for the file as it is now)")
+    record["fingerprint"] = (
+        "meta.json (computed when the token files were written)"
+        if not computed
+        else f"hashed at the run's start ({', '.join(computed)}: meta.json holds no hash for the file as it is now)"
+    )
     return record
 
 
-def of_run(source: str, out_dir: str | Path, meta: dict, device: torch.device, world_size: int,
-           hosts: int = 1) -> dict:
+def of_run(source: str, out_dir: str | Path, meta: dict, device: torch.device, world_size: int, hosts: int = 1) -> dict:
     """summary.json's ``provenance``: ``code_version``, ``software_versions``, ``device_record``,
     ``data_record`` and the host that wrote the summary."""
-    return {"code": code_version(), "software": software_versions(),
-            "device": device_record(device, world_size, hosts), "host": socket.gethostname(),
-            "data": data_record(source, out_dir, meta)}
+    return {
+        "code": code_version(),
+        "software": software_versions(),
+        "device": device_record(device, world_size, hosts),
+        "host": socket.gethostname(),
+        "data": data_record(source, out_dir, meta),
+    }

@@ -40,9 +40,11 @@ def resume_point(cfg: RunConfig, resume: bool, world_size: int) -> Optional[tupl
     out = Path(cfg.out_dir)
     existing = checkpoints(out)
     if existing and not resume:
-        raise ConfigError(f"{out} already holds a run (checkpoints up to step "
-                          f"{step_number(existing[-1])}); pass --resume to continue it, or set "
-                          f"out_dir to a new folder (or delete it) to start over")
+        raise ConfigError(
+            f"{out} already holds a run (checkpoints up to step "
+            f"{step_number(existing[-1])}); pass --resume to continue it, or set "
+            f"out_dir to a new folder (or delete it) to start over"
+        )
     if not existing:
         if resume:
             log.info("nothing to resume in %s; starting at step 0", out / "ckpt")
@@ -51,14 +53,16 @@ def resume_point(cfg: RunConfig, resume: bool, world_size: int) -> Optional[tupl
     try:
         state = load_checkpoint(path, map_location="cpu")
     except CheckpointError as exc:
-        fix = (f"To resume from the checkpoint before it ({existing[-2].name}), delete {path}"
-               if len(existing) > 1 else
-               f"It is the run's only checkpoint: deleting {path} makes --resume start the run "
-               f"again from step 0")
+        fix = (
+            f"To resume from the checkpoint before it ({existing[-2].name}), delete {path}"
+            if len(existing) > 1
+            else f"It is the run's only checkpoint: deleting {path} makes --resume start the run again from step 0"
+        )
         raise CheckpointError(f"cannot resume: {exc}. {fix}") from None
     if any(key not in state for key in TRAINING_KEYS):
-        raise CheckpointError(f"{path} holds weights only, not a training checkpoint (best.pt?); "
-                              f"remove it from {out / 'ckpt'}")
+        raise CheckpointError(
+            f"{path} holds weights only, not a training checkpoint (best.pt?); remove it from {out / 'ckpt'}"
+        )
     check_resumable(cfg, state, path, world_size)
     return path, state
 
@@ -70,28 +74,36 @@ def check_resumable(cfg: RunConfig, state: dict, path: Path, world_size: int) ->
     saved, now = saved_cfg.model_config(), cfg.model_config()
     if saved != now:
         diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(now, f.name)]
-        raise ConfigError(f"{path} was trained with a different model (model keys {diff} differ); "
-                          f"resume with the run's own parameters ({config_file}) "
-                          f"or set out_dir to a new folder")
-    changed = [f"{section}.{key}: {getattr(getattr(saved_cfg, section), key)!r} -> {value!r}"
-               for section in ("train", "data")
-               for key, value in dataclasses.asdict(getattr(cfg, section)).items()
-               if key not in RESUMABLE_CHANGES[section]
-               and getattr(getattr(saved_cfg, section), key) != value]
+        raise ConfigError(
+            f"{path} was trained with a different model (model keys {diff} differ); "
+            f"resume with the run's own parameters ({config_file}) "
+            f"or set out_dir to a new folder"
+        )
+    changed = [
+        f"{section}.{key}: {getattr(getattr(saved_cfg, section), key)!r} -> {value!r}"
+        for section in ("train", "data")
+        for key, value in dataclasses.asdict(getattr(cfg, section)).items()
+        if key not in RESUMABLE_CHANGES[section] and getattr(getattr(saved_cfg, section), key) != value
+    ]
     if changed:
-        raise ConfigError(f"{path} was trained with other settings ({'; '.join(changed)}); resume "
-                          f"with the run's own parameters ({config_file}) or set "
-                          f"out_dir to a new folder. Only these may change on resume: "
-                          f"{', '.join(f'{s}.{k}' for s in RESUMABLE_CHANGES for k in sorted(RESUMABLE_CHANGES[s]))}")
+        raise ConfigError(
+            f"{path} was trained with other settings ({'; '.join(changed)}); resume "
+            f"with the run's own parameters ({config_file}) or set "
+            f"out_dir to a new folder. Only these may change on resume: "
+            f"{', '.join(f'{s}.{k}' for s in RESUMABLE_CHANGES for k in sorted(RESUMABLE_CHANGES[s]))}"
+        )
     saved_batch = state["sampler"]["virtual_world"]
     if saved_batch != world_size * cfg.train.grad_accum:
-        fix = (f"train.grad_accum: {saved_batch // world_size}"
-               if saved_batch % world_size == 0 else
-               f"a number of processes that divides {saved_batch}")
+        fix = (
+            f"train.grad_accum: {saved_batch // world_size}"
+            if saved_batch % world_size == 0
+            else f"a number of processes that divides {saved_batch}"
+        )
         raise ConfigError(
             f"{path} was trained with world size x train.grad_accum = {saved_batch} batches a "
             f"step, this run would take {world_size} x {cfg.train.grad_accum}: the global "
-            f"batch shapes the curve. Resume with {fix}, or set out_dir to a new folder")
+            f"batch shapes the curve. Resume with {fix}, or set out_dir to a new folder"
+        )
     check_schedule(saved_cfg.train, cfg.train, int(state["step"]), path)
 
 
@@ -110,15 +122,18 @@ def check_schedule(saved: TrainConfig, tc: TrainConfig, step: int, path: Path) -
         return
     was, now = lr_at(step, saved), lr_at(step, tc)
     # Only resumable keys differ here (check_resumable refused the others): name those that move it.
-    moved = [f"train.{key} {getattr(saved, key)!r} -> {getattr(tc, key)!r}"
-             for key in sorted(RESUMABLE_CHANGES["train"])
-             if lr_moves(step, saved, dataclasses.replace(saved, **{key: getattr(tc, key)}))]
+    moved = [
+        f"train.{key} {getattr(saved, key)!r} -> {getattr(tc, key)!r}"
+        for key in sorted(RESUMABLE_CHANGES["train"])
+        if lr_moves(step, saved, dataclasses.replace(saved, **{key: getattr(tc, key)}))
+    ]
     raise ConfigError(
         f"cannot resume {path}: {', '.join(moved)} changes the learning rate of step "
         f"{step + 1} from {was:.4g} to {now:.4g} (the cosine decays to train.min_lr at "
         f"train.steps), and the curve would jump there. Keep train.steps: {saved.steps} to "
         f"continue this run, or train from step 0 with out_dir set to a new folder. Only a run "
-        f"with train.min_lr equal to train.lr (constant after warm-up) can be extended")
+        f"with train.min_lr equal to train.lr (constant after warm-up) can be extended"
+    )
 
 
 def check_same_data(cfg: RunConfig, state: dict, path: Path, meta: dict) -> None:
@@ -137,8 +152,10 @@ def check_same_data(cfg: RunConfig, state: dict, path: Path, meta: dict) -> None
         return
 
     def described(d: dict) -> str:
-        return (f"{by.replace('_', ' ')} {str(d.get(by))[:12]}..., {d.get('train_tokens')} train "
-                f"/ {d.get('val_tokens')} val tokens")
+        return (
+            f"{by.replace('_', ' ')} {str(d.get(by))[:12]}..., {d.get('train_tokens')} train "
+            f"/ {d.get('val_tokens')} val tokens"
+        )
 
     trained = run_config_from_dict(state["run_config"]).data
     if by == "content_hash" and same_counts:
@@ -152,16 +169,19 @@ def check_same_data(cfg: RunConfig, state: dict, path: Path, meta: dict) -> None
             f"stories may be the same (from the hub once and from a folder now, or the other way "
             f"round), which that hash cannot tell. Resume once from the source it was trained on "
             f"(--set data.source={trained.source} data.out_dir={trained.out_dir}{unset}) until it "
-            f"writes a checkpoint: that one records the text hash, which is the same from either source")
+            f"writes a checkpoint: that one records the text hash, which is the same from either source"
+        )
     raise ConfigError(
         f"cannot resume {path}: it was trained on other data ({described(saved)}, from "
         f"{trained.source}) than {cfg.data.out_dir} holds now ({described(now)}, prepared from "
         f"{meta.get('source')}). Resume with the stories the run trained on, or train on "
-        f"these from step 0 with out_dir set to a new folder")
+        f"these from step 0 with out_dir set to a new folder"
+    )
 
 
-def restore_state(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, samplers: list,
-                  d: Dist, seed: int) -> None:
+def restore_state(
+    state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, samplers: list, d: Dist, seed: int
+) -> None:
     """Load the weights, the optimiser state and the samplers' places of ``state`` (the model
     must have the checkpoint's parameter set: unfreeze first), and this rank's random state: the
     saved one where the world size is the run's, else a seed of its own for the resumed step."""
@@ -189,11 +209,12 @@ def how_to_go_on(tc: TrainConfig, step: int, bad_evals: int) -> str:
     """What lets a run that ended train on: the settings --resume would accept."""
     at_end = step >= tc.steps
     if at_end and lr_moves(step, tc, dataclasses.replace(tc, steps=step + 1)):
-        return (f"its learning rate has decayed to train.min_lr at train.steps ({tc.steps}) and more "
-                f"steps would raise it again, which --resume refuses: to train longer, train from "
-                f"step 0 with a larger train.steps and out_dir set to a new folder")
+        return (
+            f"its learning rate has decayed to train.min_lr at train.steps ({tc.steps}) and more "
+            f"steps would raise it again, which --resume refuses: to train longer, train from "
+            f"step 0 with a larger train.steps and out_dir set to a new folder"
+        )
     ways = ["raise train.steps"] if at_end else []
     if 0 < tc.early_stop_patience <= bad_evals:
-        ways.append(f"raise train.early_stop_patience above {bad_evals} (0 turns early "
-                    f"stopping off)")
+        ways.append(f"raise train.early_stop_patience above {bad_evals} (0 turns early stopping off)")
     return " and ".join(ways) + " to go on"

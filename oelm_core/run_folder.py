@@ -31,8 +31,14 @@ from typing import Any, Optional
 
 from oelm_core.config import ConfigError, RunConfig, read_yaml, save_run_config
 from oelm_core.distributed import Dist, broadcast_object, every_rank
-from oelm_core.files import (LockHeld, exclusive_lock, raise_if_disk_full, temporary_files, temporary_folders,
-                             write_text_atomic)
+from oelm_core.files import (
+    LockHeld,
+    exclusive_lock,
+    raise_if_disk_full,
+    temporary_files,
+    temporary_folders,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +49,22 @@ MARKER = ".oelm-run"
 # notebook that launches it, the job script, its record and log), and temporaries of killed
 # writes. A folder holding nothing else is a run folder even without MARKER: an earlier
 # version's, or one a runner prepared.
-TOOLKIT_NAMES = {"config.yaml", "metrics.jsonl", "summary.json", "best.pt", "ckpt", "export", MARKER, ".lock",
-                 "params.yaml", "sweep_point.json", "03_training.ipynb", "loss_curve.png", "job.sbatch",
-                 "slurm.json"}
+TOOLKIT_NAMES = {
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "best.pt",
+    "ckpt",
+    "export",
+    MARKER,
+    ".lock",
+    "params.yaml",
+    "sweep_point.json",
+    "03_training.ipynb",
+    "loss_curve.png",
+    "job.sbatch",
+    "slurm.json",
+}
 TOOLKIT_PATTERNS = ("slurm-*.out", ".*.tmp", ".*.old", ".*.lock")
 
 
@@ -73,9 +92,11 @@ def check_folders(cfg: RunConfig) -> None:
     for key, value in (("out_dir", cfg.out_dir), ("data.out_dir", cfg.data.out_dir)):
         if not str(value).strip():
             example = f"runs/train/{cfg.name}" if key == "out_dir" else "data_cache/tinystories"
-            raise ConfigError(f"{key} is empty, which would put the {'run' if key == 'out_dir' else 'token files'} "
-                              f"into the current folder among its files: set {key} to a folder of its own, "
-                              f"e.g. {example}")
+            raise ConfigError(
+                f"{key} is empty, which would put the {'run' if key == 'out_dir' else 'token files'} "
+                f"into the current folder among its files: set {key} to a folder of its own, "
+                f"e.g. {example}"
+            )
     for key, folder in (("out_dir", Path(cfg.out_dir)), ("data.out_dir", Path(cfg.data.out_dir))):
         existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
         if existing is not None and not existing.is_dir():
@@ -102,7 +123,7 @@ def hold_run_folder(out: Path, d: Dist):
     with ExitStack() as held:
         if d.is_main:
             made = [p for p in (out, *out.parents) if not p.exists()]
-            held.callback(_remove_if_empty, made)   # runs last: after the lock file is gone
+            held.callback(_remove_if_empty, made)  # runs last: after the lock file is gone
         locked, refused = _lock_run_folder(out, held) if d.is_main else (None, None)
         # The other ranks stop too, rather than wait for rank 0 in the next collective.
         refused = broadcast_object(refused, d)
@@ -126,15 +147,18 @@ def check_same_checkpoints(out: Path, d: Dist) -> None:
 
     def described(rank: int) -> str:
         host, files = seen[rank]
-        return (f"rank {rank} (host {host}) finds "
-                + (", ".join(f"{name} ({size} bytes)" for name, size in files) if files else "none"))
+        return f"rank {rank} (host {host}) finds " + (
+            ", ".join(f"{name} ({size} bytes)" for name, size in files) if files else "none"
+        )
 
     differ = [r for r in range(1, len(seen)) if seen[r][1] != seen[0][1]]
     if differ:
-        raise ConfigError(f"the ranks see different checkpoints in {out / 'ckpt'}: {described(0)}, "
-                          f"{described(differ[0])}. Every rank reads the checkpoint rank 0 writes: "
-                          f"on several nodes set out_dir (and data.out_dir) to a folder on a file "
-                          f"system that every node shares")
+        raise ConfigError(
+            f"the ranks see different checkpoints in {out / 'ckpt'}: {described(0)}, "
+            f"{described(differ[0])}. Every rank reads the checkpoint rank 0 writes: "
+            f"on several nodes set out_dir (and data.out_dir) to a folder on a file "
+            f"system that every node shares"
+        )
 
 
 def _remove_if_empty(folders: list[Path]) -> None:
@@ -178,9 +202,11 @@ def claim_refusal(out: Path) -> Optional[str]:
     # Every file there: a summary.json beside a foreign config.yaml is no run's either.
     shown = [n for n in names if n != ".lock"]
     listed = ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
-    return (f"out_dir {out} holds files that no training wrote ({listed}); a run writes config.yaml, "
-            f"metrics.jsonl, summary.json, best.pt, ckpt/ and export/ into its folder and would write "
-            f"beside or over them: set out_dir to a new or empty folder")
+    return (
+        f"out_dir {out} holds files that no training wrote ({listed}); a run writes config.yaml, "
+        f"metrics.jsonl, summary.json, best.pt, ckpt/ and export/ into its folder and would write "
+        f"beside or over them: set out_dir to a new or empty folder"
+    )
 
 
 def _is_run_config(path: Path) -> bool:
@@ -205,8 +231,12 @@ def _remove_killed_writes(out: Path) -> None:
             p.unlink()
         for d in folders:
             shutil.rmtree(d)
-        log.info("removed %d temporaries left by writes that were killed (%.1f MB): %s",
-                 len(stale), size / 1e6, ", ".join(p.name for p in stale))
+        log.info(
+            "removed %d temporaries left by writes that were killed (%.1f MB): %s",
+            len(stale),
+            size / 1e6,
+            ", ".join(p.name for p in stale),
+        )
 
 
 def start_files(cfg: RunConfig, step: int) -> None:
@@ -215,8 +245,9 @@ def start_files(cfg: RunConfig, step: int) -> None:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / MARKER).is_file():
-        write_text_atomic(out / MARKER, "An OELM Lab run folder: python -m oelm_core.train writes here "
-                                        "(docs/training.md).\n")
+        write_text_atomic(
+            out / MARKER, "An OELM Lab run folder: python -m oelm_core.train writes here (docs/training.md).\n"
+        )
     save_run_config(cfg, out / "config.yaml")
     metrics = out / "metrics.jsonl"
     kept = []

@@ -50,10 +50,13 @@ def configure_optimizer(model: nn.Module, tc: TrainConfig, device: torch.device)
     PyTorch's fused AdamW where the device has one (CUDA, CPU), as nanoGPT takes it.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                             fused=True if device.type in ("cuda", "cpu") else None)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, fused=True if device.type in ("cuda", "cpu") else None
+    )
 
 
 def autocast_context(dtype: str, device: torch.device):
@@ -99,8 +102,15 @@ class TrainStep:
     (``oelm_core.fast.data_parallel``).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,
-                 device: torch.device, ddp: bool = False, data_parallel: Callable = data_parallel):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        tc: TrainConfig,
+        device: torch.device,
+        ddp: bool = False,
+        data_parallel: Callable = data_parallel,
+    ):
         self.model, self.optimizer, self.tc, self.device, self.ddp = model, optimizer, tc, device, ddp
         self.make_data_parallel = data_parallel
         self.autocast = autocast_context(tc.dtype, device)
@@ -118,8 +128,9 @@ class TrainStep:
             module, self.exchange = self.data_parallel(module)
         self.module = module
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.hooks = [m.after_optimizer_step for m in self.model.modules()
-                      if callable(getattr(m, "after_optimizer_step", None))]
+        self.hooks = [
+            m.after_optimizer_step for m in self.model.modules() if callable(getattr(m, "after_optimizer_step", None))
+        ]
         # torch.compile fails lazily, at the first call; until one call succeeded we may fall back.
         self.compile_verified = not self.compile
         self.optimizer.zero_grad(set_to_none=True)
@@ -193,4 +204,3 @@ class TrainStep:
         torch._foreach_div_(grads, torch.clamp((norm + 1e-6) / max_norm, min=1.0))
         self.optimizer.step()
         return norm
-

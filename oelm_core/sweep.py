@@ -1,9 +1,9 @@
 """``python -m oelm_core.sweep run|ablations|table|gaps``: the older names of ``run`` and ``report``.
 
-    sweep run FILE --out ROOT [--smoke]   = run FILE --out ROOT/<name>[_smoke], then report it --sweep
-    sweep ablations --out OUT             = run parameters/ablations.yaml --out OUT, then report OUT
-    sweep table ROOT [--sweep ...]        = report ROOT [--sweep ...]
-    sweep gaps ROOT --comparators RUNS    = report ROOT --comparators RUNS
+sweep run FILE --out ROOT [--smoke]   = run FILE --out ROOT/<name>[_smoke], then report it --sweep
+sweep ablations --out OUT             = run parameters/ablations.yaml --out OUT, then report OUT
+sweep table ROOT [--sweep ...]        = report ROOT [--sweep ...]
+sweep gaps ROOT --comparators RUNS    = report ROOT --comparators RUNS
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from oelm_core.analysis.sweeps import sweep_figure, sweep_results
 from oelm_core.config import ConfigError
 from oelm_core.runner import RUNNERS, load_plan, run_trainings
 
-NEW = {"run": "python -m oelm_core run FILE, then python -m oelm_core report OUT --sweep",
-       "ablations": "python -m oelm_core run parameters/ablations.yaml, then python -m oelm_core report OUT",
-       "table": "python -m oelm_core report", "gaps": "python -m oelm_core report ROOT --comparators RUNS"}
+NEW = {
+    "run": "python -m oelm_core run FILE, then python -m oelm_core report OUT --sweep",
+    "ablations": "python -m oelm_core run parameters/ablations.yaml, then python -m oelm_core report OUT",
+    "table": "python -m oelm_core report",
+    "gaps": "python -m oelm_core report ROOT --comparators RUNS",
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -53,15 +56,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
-            plan = load_plan(args.sweep_file, out_root=args.out, smoke=args.smoke, runner=args.runner,
-                             variants=args.variants, seeds=args.seeds, overrides=args.set)
+            plan = load_plan(
+                args.sweep_file,
+                out_root=args.out,
+                smoke=args.smoke,
+                runner=args.runner,
+                variants=args.variants,
+                seeds=args.seeds,
+                overrides=args.set,
+            )
             rows = run_trainings(plan, log=print)
             res = sweep_results(plan.out, plan.name, smoke=args.smoke)
             print(res["markdown"])
             sweep_figure(res, plan.out / "sweep.png")
         else:
-            plan = load_plan(args.plan, args.out, seeds=args.seeds, only=args.only, overrides=args.set,
-                             runner=args.runner)
+            plan = load_plan(
+                args.plan, args.out, seeds=args.seeds, only=args.only, overrides=args.set, runner=args.runner
+            )
             plan.keep_checkpoints = plan.keep_checkpoints or args.keep_checkpoints
             rows = run_trainings(plan, budget_s=args.budget_s, log=print)
             print("wrote " + ", ".join(map(str, write_ablation_table(ablation_table(args.out), args.out))))

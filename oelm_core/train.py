@@ -45,16 +45,31 @@ from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.checkpoint import RESUME_KEYS, CheckpointError, save_checkpoint
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_run_config
 from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare, real_source
-from oelm_core.distributed import (Dist, RankSilent, every_rank, mean_across_ranks, on_rank_0, setup_distributed,
-                                   silent_ranks)
+from oelm_core.distributed import (
+    Dist,
+    RankSilent,
+    every_rank,
+    mean_across_ranks,
+    on_rank_0,
+    setup_distributed,
+    silent_ranks,
+)
 from oelm_core.export import RUN_EXPORT, ExportError, export_run
 from oelm_core.files import DiskFull
 from oelm_core.live_metrics import LiveMetrics
 from oelm_core.model import build_model
 from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
-from oelm_core.run_folder import (append_metrics, check_folders, checkpoints, hold_run_folder, json_safe,
-                                  read_summary, start_files, write_summary)
+from oelm_core.run_folder import (
+    append_metrics,
+    check_folders,
+    checkpoints,
+    hold_run_folder,
+    json_safe,
+    read_summary,
+    start_files,
+    write_summary,
+)
 from oelm_core.step import autocast_context, configure_optimizer, lr_at
 
 log = logging.getLogger(__name__)
@@ -84,7 +99,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             # process group is destroyed below (destroying it under them can hang at exit).
             return Trainer(cfg, d, schedule, resume).fit()
     except RuntimeError as exc:
-        silent = silent_ranks(exc, d, cfg.train.ddp_timeout_s)   # a collective timed out: who went silent
+        silent = silent_ranks(exc, d, cfg.train.ddp_timeout_s)  # a collective timed out: who went silent
         if silent is None:
             raise
         raise silent from exc
@@ -124,11 +139,23 @@ class Trainer:
             check_same_data(cfg, self.resume_from[1], self.resume_from[0], self.meta)
         # config.yaml, checkpoints and the card name what was read: the folder OELM_DATA gave,
         # not the parameter file's hub id.
-        self.cfg = cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=real_source(cfg.data.source)))
+        self.cfg = cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, source=real_source(cfg.data.source))
+        )
         peers = every_rank((socket.gethostname(), os.getpid()), d)
         self.occupancy = occupancy.Occupancy(d.device, {pid for host, pid in peers if host == peers[d.rank][0]})
-        self.provenance = (provenance.of_run(cfg.data.source, cfg.data.out_dir, self.meta, d.device, d.world_size,
-                                             hosts=len({host for host, _ in peers})) if d.is_main else None)
+        self.provenance = (
+            provenance.of_run(
+                cfg.data.source,
+                cfg.data.out_dir,
+                self.meta,
+                d.device,
+                d.world_size,
+                hosts=len({host for host, _ in peers}),
+            )
+            if d.is_main
+            else None
+        )
         self.model_cfg: ModelConfig = cfg.model_config()
         check_vocabulary(cfg, self.model_cfg, self.meta)
 
@@ -147,34 +174,48 @@ class Trainer:
         block, batch, accum = self.model_cfg.block_size, self.tc.batch_size, self.tc.grad_accum
         data = Path(cfg.data.out_dir)
         vocab = self.meta["vocab_size"]
-        self.samplers = [TokenSampler(data / "train.bin", block, batch, self.tc.seed,
-                                      rank=d.rank * accum + m, world_size=d.world_size * accum, vocab_size=vocab)
-                         for m in range(accum)]
+        self.samplers = [
+            TokenSampler(
+                data / "train.bin",
+                block,
+                batch,
+                self.tc.seed,
+                rank=d.rank * accum + m,
+                world_size=d.world_size * accum,
+                vocab_size=vocab,
+            )
+            for m in range(accum)
+        ]
         # Evaluations read the selection half of the validation windows; each new best is also
         # measured on the held-out half, which nothing chooses by (train.report_holdout).
         parts = ("selection", "report") if self.tc.report_holdout else ("all", None)
         self.val, self.report_val = (
-            None if part is None else
-            [(x.to(self.device), y.to(self.device))
-             for x, y in eval_batches(data / "val.bin", block, batch, self.tc.eval_batches, vocab_size=vocab,
-                                      part=part)]
-            for part in parts)
+            None
+            if part is None
+            else [
+                (x.to(self.device), y.to(self.device))
+                for x, y in eval_batches(
+                    data / "val.bin", block, batch, self.tc.eval_batches, vocab_size=vocab, part=part
+                )
+            ]
+            for part in parts
+        )
         self.tokens_per_step = batch * block * accum * d.world_size
         self.peak = peak_flops(self.device)
         self.flops_per_token = flops_per_token(self.model.live_config())["total"]
 
         # --- the run's progress (what a checkpoint's "metrics" restore) ---
         self.step = 0
-        self.wall_before = 0.0         # earlier sessions' seconds
+        self.wall_before = 0.0  # earlier sessions' seconds
         self.best_val_loss = float("inf")
         self.best_step = 0
         self.report_loss = float("nan")  # the held-out half's loss at the best evaluation
-        self.bad_evals = 0             # evaluations since the best one (early stopping)
+        self.bad_evals = 0  # evaluations since the best one (early stopping)
         self.train_loss = float("nan")
         self.last_eval: dict = {}
         self.throughput: list[float] = []  # tokens/s of each log window of this session
         self.mfus: list[float] = []
-        self.stop = StopRequest()      # set by fit(): a signal asks the loop to checkpoint and stop
+        self.stop = StopRequest()  # set by fit(): a signal asks the loop to checkpoint and stop
         self.earlier: Optional[dict] = None  # a resumed run's earlier sessions: did they run alone?
 
     # --- the session ----------------------------------------------------------------------------
@@ -185,8 +226,13 @@ class Trainer:
             self.resume_from = None  # the state's tensors are the model's and optimiser's now
         status = ended(self.tc, self.step, self.bad_evals)
         if status:
-            log.info("%s already ended (%s at step %d): nothing to train; %s", self.out, status,
-                     self.step, how_to_go_on(self.tc, self.step, self.bad_evals))
+            log.info(
+                "%s already ended (%s at step %d): nothing to train; %s",
+                self.out,
+                status,
+                self.step,
+                how_to_go_on(self.tc, self.step, self.bad_evals),
+            )
             summary = read_summary(self.out)  # the session that ended it wrote it, unless killed first
             if summary.get("status") == status and summary.get("steps") == self.step:
                 return summary
@@ -201,8 +247,13 @@ class Trainer:
 
         end = min(self.tc.steps, self.step + self.tc.stop_after) if self.tc.stop_after else self.tc.steps
         status = "completed" if end == self.tc.steps else "paused"
-        bar = tqdm(total=self.tc.steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not (self.d.is_main and self.tc.progress))
+        bar = tqdm(
+            total=self.tc.steps,
+            initial=self.step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (self.d.is_main and self.tc.progress),
+        )
         try:
             # The steps' time a stop signal may wait for a boundary: the steps between the ranks'
             # agreements, and an evaluation on the way (its forward passes: a third of a step each).
@@ -244,7 +295,7 @@ class Trainer:
             evaluate = self.step % tc.eval_every == 0 or self.step == tc.steps
             save = self.step % tc.ckpt_every == 0 or self.step == end
             logged = evaluate or save or self.step % tc.log_every == 0 or self.step == 1
-            preempted = self.stop.agreed(self.d, sync=logged)   # a stop signal (oelm_core.preemption)
+            preempted = self.stop.agreed(self.d, sync=logged)  # a stop signal (oelm_core.preemption)
             if not (logged or preempted):
                 continue  # step 1 is logged too: the curve's starting point
             # The figures of every step that saves: the divergence check runs before any save.
@@ -263,9 +314,15 @@ class Trainer:
                 else:
                     self.bad_evals += 1
                 stop = 0 < tc.early_stop_patience <= self.bad_evals
-                log.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f, %.4f bits/byte)%s",
-                         self.step, row["train_loss"], figures["val_loss"], figures["val_ppl"],
-                         figures["val_bpb"], " *" if improved else "")
+                log.info(
+                    "step %d: train loss %.4f, val loss %.4f (ppl %.2f, %.4f bits/byte)%s",
+                    self.step,
+                    row["train_loss"],
+                    figures["val_loss"],
+                    figures["val_ppl"],
+                    figures["val_bpb"],
+                    " *" if improved else "",
+                )
             # A row only where the uninterrupted run writes one: a resumed run's metrics are its.
             if self.d.is_main and logged:
                 append_metrics(self.out, row)
@@ -274,12 +331,14 @@ class Trainer:
             if save or stop or improved or preempted:
                 self.save(step_ckpt=save or stop or preempted, best=improved)
             if stop:
-                log.info("early stop at step %d: no better val loss in %d evaluations",
-                         self.step, self.bad_evals)
+                log.info("early stop at step %d: no better val loss in %d evaluations", self.step, self.bad_evals)
                 return "stopped_early"
             if preempted:
-                log.info("step %d: %s received: checkpoint saved, stopping; --resume continues from it",
-                         self.step, self.stop.signal or "a stop signal (on another rank)")
+                log.info(
+                    "step %d: %s received: checkpoint saved, stopping; --resume continues from it",
+                    self.step,
+                    self.stop.signal or "a stop signal (on another rank)",
+                )
                 return "preempted"
             # The next window starts after eval and saving: tokens/s measures training only.
             window = (self.step, time.perf_counter())
@@ -297,8 +356,9 @@ class Trainer:
         log.info("step %d: unfroze Q/K of layers %s (%d new tensors)", self.step, layers, len(new))
 
     # --- measuring ------------------------------------------------------------------------------
-    def train_figures(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
-                      window_start: int, window_t0: float) -> dict:
+    def train_figures(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, window_start: int, window_t0: float
+    ) -> dict:
         """The log row's training figures; raises TrainingDiverged on a NaN/inf loss or norm. The
         window began at step ``window_start``, at perf_counter() ``window_t0``. The all-reduced
         values are the same on every rank, so all ranks stop together."""
@@ -313,18 +373,26 @@ class Trainer:
                 f"training diverged at step {self.step}: loss {loss_v}, grad norm {norm_v}. "
                 f"Lower train.lr (now {self.tc.lr}), lengthen train.warmup_steps or keep train.grad_clip "
                 f"on, and check the data in {self.cfg.data.out_dir}. The last good checkpoint "
-                f"{kept[-1] if kept else '(none yet)'} is kept; nothing was saved after the divergence")
+                f"{kept[-1] if kept else '(none yet)'} is kept; nothing was saved after the divergence"
+            )
         self.train_loss = loss_v
         self.stop.seconds_per_step = window_s / (self.step - window_start)  # how long a stop signal waits
         tokens_per_s = (self.step - window_start) * self.tokens_per_step / window_s
-        mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.d.world_size)
-               if self.peak else None)
+        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.d.world_size) if self.peak else None
         self.throughput.append(tokens_per_s)
         if mfu is not None:
             self.mfus.append(mfu)
-        return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v,
-                "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_mb": self.peak_mem_mb(),
-                "tokens_seen": self.tokens_seen(), "epochs": self.tokens_seen() / self.meta["train_tokens"]}
+        return {
+            "step": self.step,
+            "train_loss": loss_v,
+            "lr": lr,
+            "grad_norm": norm_v,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_mem_mb": self.peak_mem_mb(),
+            "tokens_seen": self.tokens_seen(),
+            "epochs": self.tokens_seen() / self.meta["train_tokens"],
+        }
 
     def tokens_seen(self) -> int:
         return self.step * self.tokens_per_step  # the global batch is the run's own (check_resumable)
@@ -345,7 +413,7 @@ class Trainer:
         by tokens."""
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of loss x tokens, tokens)
-        for x, y in batches[self.d.rank::self.d.world_size]:
+        for x, y in batches[self.d.rank :: self.d.world_size]:
             with self.autocast:
                 loss = self.model(x, y)
             total[0] += loss.double() * y.numel()
@@ -361,8 +429,10 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
     def state(self) -> Optional[dict]:
         """The checkpoint dict on rank 0 (None elsewhere). Collective: every rank's RNG is gathered."""
-        rng = {"cpu": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        rng = {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        }
         rngs = [rng]
         if self.d.enabled:
             rngs = [None] * self.d.world_size
@@ -371,20 +441,28 @@ class Trainer:
             return None
         # Every sampler slot draws exactly one batch per step, so one slot's state describes all.
         sampler = {**self.samplers[0].state_dict(), "virtual_world": self.d.world_size * self.tc.grad_accum}
-        metrics = {**self.last_eval, "best_val_loss": json_safe(self.best_val_loss),
-                   "best_step": self.best_step, "report_loss": json_safe(self.report_loss),
-                   "bad_evals": self.bad_evals, "train_loss": json_safe(self.train_loss),
-                   "tokens_seen": self.tokens_seen(),
-                   "epochs": self.tokens_seen() / self.meta["train_tokens"],
-                   "wall_time_s": self.wall_before + time.perf_counter() - self.t_start}
-        return {"model": self.model.state_dict(),
-                "model_config": dataclasses.asdict(self.model.live_config()),
-                "run_config": self.cfg.to_dict(), "step": self.step,
-                "data": {key: self.meta.get(key) for key in DATA_IDENTITY},
-                "optimizer": self.optimizer.state_dict(),
-                "rng": {"cpu": [r["cpu"] for r in rngs],
-                        "cuda": [r["cuda"] for r in rngs if r["cuda"] is not None]},
-                "sampler": sampler, "metrics": metrics}
+        metrics = {
+            **self.last_eval,
+            "best_val_loss": json_safe(self.best_val_loss),
+            "best_step": self.best_step,
+            "report_loss": json_safe(self.report_loss),
+            "bad_evals": self.bad_evals,
+            "train_loss": json_safe(self.train_loss),
+            "tokens_seen": self.tokens_seen(),
+            "epochs": self.tokens_seen() / self.meta["train_tokens"],
+            "wall_time_s": self.wall_before + time.perf_counter() - self.t_start,
+        }
+        return {
+            "model": self.model.state_dict(),
+            "model_config": dataclasses.asdict(self.model.live_config()),
+            "run_config": self.cfg.to_dict(),
+            "step": self.step,
+            "data": {key: self.meta.get(key) for key in DATA_IDENTITY},
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {"cpu": [r["cpu"] for r in rngs], "cuda": [r["cuda"] for r in rngs if r["cuda"] is not None]},
+            "sampler": sampler,
+            "metrics": metrics,
+        }
 
     def save(self, step_ckpt: bool, best: bool) -> None:
         state = self.state()
@@ -398,7 +476,7 @@ class Trainer:
             save_checkpoint({k: v for k, v in state.items() if k not in RESUME_KEYS}, self.out / "best.pt")
         if step_ckpt:
             save_checkpoint(state, self.out / "ckpt" / f"step_{self.step:07d}.pt")
-            for old in checkpoints(self.out)[:-self.tc.keep_last]:
+            for old in checkpoints(self.out)[: -self.tc.keep_last]:
                 old.unlink()
 
     def restore(self, path: Path, state: dict) -> None:
@@ -425,27 +503,42 @@ class Trainer:
         ckpts = checkpoints(self.out)
         shared = occupancy.verdict(every_rank(self.occupancy.result(), self.d), self.earlier)
         summary = {
-            "name": self.cfg.name, "variant": self.cfg.variant, "preset": self.cfg.preset,
-            "status": status, "params": count_parameters(self.model),
-            "steps": self.step, "steps_planned": self.tc.steps,
+            "name": self.cfg.name,
+            "variant": self.cfg.variant,
+            "preset": self.cfg.preset,
+            "status": status,
+            "params": count_parameters(self.model),
+            "steps": self.step,
+            "steps_planned": self.tc.steps,
             "final_val_loss": self.last_eval.get("val_loss"),
             "final_val_ppl": self.last_eval.get("val_ppl"),
             "final_val_bpb": self.last_eval.get("val_bpb"),
-            "best_val_loss": best, "best_val_ppl": perplexity(best), "best_val_bpb": self.bpb(best),
+            "best_val_loss": best,
+            "best_val_ppl": perplexity(best),
+            "best_val_bpb": self.bpb(best),
             "best_step": self.best_step,
             # The best weights on the validation half no evaluation chose by: what studies report.
-            "report_val_loss": self.report_loss, "report_val_ppl": perplexity(self.report_loss),
+            "report_val_loss": self.report_loss,
+            "report_val_ppl": perplexity(self.report_loss),
             "report_val_bpb": self.bpb(self.report_loss),
-            "val_windows": {"selection": sum(len(y) for _, y in self.val),
-                            "report": sum(len(y) for _, y in self.report_val or [])},
+            "val_windows": {
+                "selection": sum(len(y) for _, y in self.val),
+                "report": sum(len(y) for _, y in self.report_val or []),
+            },
             "final_train_loss": self.train_loss,
             "tokens_per_s": statistics.median(self.throughput) if self.throughput else None,
             "mfu": statistics.median(self.mfus) if self.mfus else None,
-            "peak_mem_mb": self.peak_mem_mb(), "wall_time_s": self.wall_before + wall_s,
-            "world_size": self.d.world_size, "gradients_by": self.step_fn.gradients_by,
-            "device": (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                       else f"cpu ({torch.get_num_threads()} threads)"),
-            "tokens_seen": self.tokens_seen(), "epochs": self.tokens_seen() / self.meta["train_tokens"],
+            "peak_mem_mb": self.peak_mem_mb(),
+            "wall_time_s": self.wall_before + wall_s,
+            "world_size": self.d.world_size,
+            "gradients_by": self.step_fn.gradients_by,
+            "device": (
+                torch.cuda.get_device_name(self.device)
+                if self.device.type == "cuda"
+                else f"cpu ({torch.get_num_threads()} threads)"
+            ),
+            "tokens_seen": self.tokens_seen(),
+            "epochs": self.tokens_seen() / self.meta["train_tokens"],
             "global_batch_tokens": self.tokens_per_step,
             "checkpoint_bytes": ckpts[-1].stat().st_size if ckpts else None,
             "timed_alone": shared["timed_alone"],
@@ -466,32 +559,39 @@ def check_vocabulary(cfg: RunConfig, model_cfg: ModelConfig, meta: dict) -> None
     data_vocab, vocab = meta["vocab_size"], model_cfg.vocab_size
     if vocab >= data_vocab:
         return
-    fits = [name for name, shape in PRESETS.items()
-            if shape.get("vocab_size", ModelConfig.vocab_size) >= data_vocab]
+    fits = [name for name, shape in PRESETS.items() if shape.get("vocab_size", ModelConfig.vocab_size) >= data_vocab]
     origin = "" if "vocab_size" in cfg.model else f" (preset {cfg.preset})"
     raise ConfigError(
         f"the token files in {cfg.data.out_dir} hold {meta['tokenizer']} ids up to "
         f"{data_vocab - 1} (a {data_vocab}-token vocabulary), but model.vocab_size is "
         f"{vocab}{origin}: the embedding has no row for ids from {vocab} on. Use a preset "
         f"with the {meta['tokenizer']} vocabulary ({', '.join(fits)}) or set "
-        f"model.vocab_size: {data_vocab}")
+        f"model.vocab_size: {data_vocab}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
 
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The CLI; returns the exit code: 0 done, 2 unusable parameters/data/checkpoint, 3 diverged,
     1 a full disk, 75 (EXIT_PREEMPTED) stopped by a signal with its checkpoint saved (resume
     with --resume)."""
-    p = argparse.ArgumentParser(prog="python -m oelm_core.train",
-                                description="Train a GPT / OELM model (also under torchrun).")
+    p = argparse.ArgumentParser(
+        prog="python -m oelm_core.train", description="Train a GPT / OELM model (also under torchrun)."
+    )
     p.add_argument("--params", required=True, help="YAML parameter file (see parameters/)")
-    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override a parameter, e.g. --set train.steps=200 model.dropout=0.1")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in out_dir/ckpt")
+    p.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a parameter, e.g. --set train.steps=200 model.dropout=0.1",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir/ckpt")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")

@@ -27,8 +27,9 @@ from oelm_core.config import ConfigError, read_yaml
 from oelm_core.files import write_text_atomic
 
 
-def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str | Path | None = None,
-                per_dropout: dict | None = None) -> str:
+def tuned_study(
+    template: str | Path, chosen: dict, source: str = "", out: str | Path | None = None, per_dropout: dict | None = None
+) -> str:
     """The text of ``template`` (a study file) with each run entry's tuned settings set to its
     group's choice (``tuning_table(...)["chosen"]``), to be written to ``out`` (default: in place
     of the template; the runs' parameter files are named relative to it). The template's leading
@@ -40,8 +41,10 @@ def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str |
     raw = read_yaml(template)
     section = next((raw[s] for s in ("experiment", "study") if s in raw), None)
     if not isinstance(section, dict) or not isinstance(section.get("runs"), list):
-        raise ConfigError(f"{template} is not a plan file with experiment.runs; pass one such as "
-                          f"parameters/study_tuned_medium512.yaml")
+        raise ConfigError(
+            f"{template} is not a plan file with experiment.runs; pass one such as "
+            f"parameters/study_tuned_medium512.yaml"
+        )
     runs = []
     for entry in section["runs"]:
         entry = {"params": entry} if isinstance(entry, str) else dict(entry)
@@ -49,8 +52,10 @@ def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str |
         params = params if params.is_absolute() else template.parent / params
         variant = read_yaml(params).get("variant")
         if variant not in chosen:
-            raise ConfigError(f"the tuning runs hold no finished setting of {variant} (for {entry['params']} in "
-                              f"{template}); tune it first, or leave it out of the study")
+            raise ConfigError(
+                f"the tuning runs hold no finished setting of {variant} (for {entry['params']} in "
+                f"{template}); tune it first, or leave it out of the study"
+            )
         entry["params"] = os.path.relpath(params.resolve(), out_dir)
         kept = [s for s in entry.get("overrides") or [] if s.split("=", 1)[0].strip() not in TUNED_SETTINGS]
         if per_dropout is None:
@@ -58,16 +63,23 @@ def tuned_study(template: str | Path, chosen: dict, source: str = "", out: str |
             continue
         for (v, dropout), row in sorted(per_dropout.items(), key=lambda item: item[0][1]):
             if v == variant:
-                runs.append({**entry, "name": f"{entry.get('name') or params.stem}_drop{dropout:g}",
-                             "overrides": kept + [f"{k}={x}" for k, x in row["settings"].items()]})
+                runs.append(
+                    {
+                        **entry,
+                        "name": f"{entry.get('name') or params.stem}_drop{dropout:g}",
+                        "overrides": kept + [f"{k}={x}" for k, x in row["settings"].items()],
+                    }
+                )
     section["runs"] = runs
     header = []
     for line in template.read_text().splitlines():
         if not line.startswith("#"):
             break
         header.append(line)
-    note = (f"# Learning rate and dropout per group: written by python -m oelm_core tune {source} "
-            f"on {date.today().isoformat()}.")
+    note = (
+        f"# Learning rate and dropout per group: written by python -m oelm_core tune {source} "
+        f"on {date.today().isoformat()}."
+    )
     return "\n".join(header + [note]) + "\n" + yaml.safe_dump(raw, sort_keys=False, width=110)
 
 
@@ -79,10 +91,14 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune
     p.add_argument("--figure", help="write the figure here")
     p.add_argument("--study", help="a study file whose runs get their group's chosen setting (needs --write)")
     p.add_argument("--write", help="where the study file with the chosen settings goes")
-    p.add_argument("--per-dropout", action="store_true",
-                   help="--write each group at every swept dropout, at its best learning rate there")
-    p.add_argument("--min-seeds", type=int, default=1,
-                   help="settings with fewer finished seeds are no candidates (default 1)")
+    p.add_argument(
+        "--per-dropout",
+        action="store_true",
+        help="--write each group at every swept dropout, at its best learning rate there",
+    )
+    p.add_argument(
+        "--min-seeds", type=int, default=1, help="settings with fewer finished seeds are no candidates (default 1)"
+    )
     args = p.parse_args(argv)
     if bool(args.study) != bool(args.write):
         p.error("--study and --write go together: the template study file and where its tuned copy goes")
@@ -90,12 +106,16 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune
         table = tuning_table(args.roots, args.metric, min_seeds=args.min_seeds)
         print(table["markdown"])
         for (variant, dropout), row in table["per_dropout"].items():
-            print(f"best at dropout {dropout:g} for {row['group']}: lr {row['lr']} ({args.metric} "
-                  f"{row[args.metric]:.4f} over {row['finished']} seed(s))")
+            print(
+                f"best at dropout {dropout:g} for {row['group']}: lr {row['lr']} ({args.metric} "
+                f"{row[args.metric]:.4f} over {row['finished']} seed(s))"
+            )
         notes = []
         for variant, row in table["chosen"].items():
-            print(f"chosen for {row['group']}: lr {row['lr']}, dropout {row['dropout']} "
-                  f"({args.metric} {row[args.metric]:.4f} over {row['finished']} seed(s))")
+            print(
+                f"chosen for {row['group']}: lr {row['lr']}, dropout {row['dropout']} "
+                f"({args.metric} {row[args.metric]:.4f} over {row['finished']} seed(s))"
+            )
             notes += [f"- {row['group']}: {c}" for c in table["cautions"][variant]]
         if notes:
             print("cautions:\n" + "\n".join(notes))
@@ -105,8 +125,16 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune
         if args.figure:
             tuning_figure(table, args.figure)
         if args.study:
-            write_text_atomic(args.write, tuned_study(args.study, table["chosen"], " ".join(args.roots), args.write,
-                                                      table["per_dropout"] if args.per_dropout else None))
+            write_text_atomic(
+                args.write,
+                tuned_study(
+                    args.study,
+                    table["chosen"],
+                    " ".join(args.roots),
+                    args.write,
+                    table["per_dropout"] if args.per_dropout else None,
+                ),
+            )
             print(f"wrote {args.write}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
 # refuses: "only 0-dimensional arrays can be converted"), and 3.9 for kernels that combine a
 # boolean tensor and a boolean scalar into a mask (it makes an int32 mask that its own load
 # refuses: "mask has unsupported dtype"). Any other failure fails the test.
-INTERPRETER_NUMPY_FIXED = "3.7"   # first Triton whose interpreter runs with numpy >= 2.4
+INTERPRETER_NUMPY_FIXED = "3.7"  # first Triton whose interpreter runs with numpy >= 2.4
 INTERPRETER_BOOL_MASKS_BROKEN = "3.9"  # first Triton whose interpreter refuses the boolean masks
 
 
@@ -81,12 +81,16 @@ def run_in_triton_interpreter(script: Path, check: str, *args: str, bool_scalar_
 def _interpreter_results(script: Path) -> tuple[dict, str]:
     """``python script RESULTS`` under the interpreter: ({check and args: None where it passed,
     else its traceback}, the process's output)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        proc = subprocess.run([sys.executable, str(script), str(out)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800
+        )
         results = json.loads(out.read_text()) if out.is_file() else {}
     return results, f"exit status {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -151,11 +155,31 @@ def run_smoke_study(base: Path, out: Path, *sets: str) -> subprocess.CompletedPr
     """The smoke study of ``smoke_study`` (stories and token files in ``base``) into ``out``, with
     ``sets`` added as --set options."""
     env = dict(os.environ, OELM_DATA=str(base / "stories"), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "oelm_core", "run", str(SMOKE_STUDY), "--out", str(out),
-           "--set", f"train.steps={SMOKE_STEPS}", "--set", "train.eval_every=12", "--set", "train.log_every=4",
-           "--set", "train.ckpt_every=24", "--set", "train.eval_batches=2",
-           "--set", f"data.out_dir={base / 'data'}",
-           "--set", "experiment.parameters.01_theory.d=64", "--set", "experiment.parameters.01_theory.jl_points=24"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "oelm_core",
+        "run",
+        str(SMOKE_STUDY),
+        "--out",
+        str(out),
+        "--set",
+        f"train.steps={SMOKE_STEPS}",
+        "--set",
+        "train.eval_every=12",
+        "--set",
+        "train.log_every=4",
+        "--set",
+        "train.ckpt_every=24",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        f"data.out_dir={base / 'data'}",
+        "--set",
+        "experiment.parameters.01_theory.d=64",
+        "--set",
+        "experiment.parameters.01_theory.jl_points=24",
+    ]
     for item in sets:
         cmd += ["--set", item]
     return subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=900)

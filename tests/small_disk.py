@@ -16,8 +16,9 @@ def small_disk(folder: Path, size_kb: int):
     folder.mkdir(parents=True, exist_ok=True)
     if shutil.which("mount") is None:
         pytest.skip("no mount command: a full disk needs a small file system of its own")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(folder)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a {size_kb} KiB tmpfs (needs root, as CI has): {done.stderr.strip()}")
 

@@ -17,8 +17,9 @@ from oelm_core.accounting import peak_flops
 def test_memory_account_is_the_bytes_the_tensors_take(variant):
     """The vocabulary padding is stored and trained: 28 padded rows of 32 here, with AdamW state."""
     model = build_model("tiny", variant, vocab_size=100)  # padded to 128 rows
-    stored = sum(t.numel() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]
-                                     if t.is_floating_point()}.values())
+    stored = sum(
+        t.numel() for t in {id(t): t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}.values()
+    )
     trained = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     mem = memory_account(model)
     assert mem["weights"] == 4 * stored and mem["grads"] == 4 * trained and mem["adam_state"] == 8 * trained
@@ -28,9 +29,16 @@ def test_memory_account_is_the_bytes_the_tensors_take(variant):
     assert (mem["frozen_saving"] > 0) == (variant == "oelm_freeze")
 
 
-@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
-                                        ("Some Future GPU", None)])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("Some Future GPU", None),
+    ],
+)
 def test_peak_flops_takes_the_longest_matching_card_name(monkeypatch, name, peak):
     monkeypatch.delenv("OELM_PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -41,6 +49,7 @@ def test_peak_flops_takes_the_longest_matching_card_name(monkeypatch, name, peak
 
 def test_flops_per_token_medium512_exact():
     from oelm_core import flops_per_token, model_config
+
     b = flops_per_token(model_config("medium512", "gpt_base"))
     assert b["attn_scores"] == {"forward": 6_291_456, "backward": 12_582_912}
     assert b["mlp"] == {"forward": 25_165_824, "backward": 50_331_648}
@@ -51,6 +60,7 @@ def test_flops_per_token_medium512_exact():
 
 
 # ---- the memory of a training step ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_state_bytes_from_the_shape_are_the_built_models(variant):
@@ -76,15 +86,22 @@ def saved_for_backward(model, batch: int) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    idx = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.block_size), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(
+        0, model.cfg.vocab_size, (batch, model.cfg.block_size), generator=torch.Generator().manual_seed(0)
+    )
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(idx, idx)
     return sum(seen.values())
 
 
 # (batch, context, model settings, the fused loss or the reference's)
-SHAPES = [(8, 128, {}, True), (4, 256, {}, False), (3, 32, {"dropout": 0.1}, True),
-          (2, 64, {"tie_embeddings": False, "attn_bias": True}, True), (4, 512, {}, True)]
+SHAPES = [
+    (8, 128, {}, True),
+    (4, 256, {}, False),
+    (3, 32, {"dropout": 0.1}, True),
+    (2, 64, {"tie_embeddings": False, "attn_bias": True}, True),
+    (4, 512, {}, True),
+]
 
 
 def smoke_model(variant: str, block: int, fused_loss: bool = True, **shape):
@@ -98,10 +115,15 @@ def smoke_model(variant: str, block: int, fused_loss: bool = True, **shape):
     return model
 
 
-@pytest.mark.parametrize("variant, batch, block, shape, fused_loss",
-                         [(v, *SHAPES[0]) for v in VARIANTS]
-                         + [(v, *shape) for v in ("gpt_base", "oelm_freeze", "synth_random", "synth_random_fixed",
-                                                  "oelm_poet") for shape in SHAPES[1:]])
+@pytest.mark.parametrize(
+    "variant, batch, block, shape, fused_loss",
+    [(v, *SHAPES[0]) for v in VARIANTS]
+    + [
+        (v, *shape)
+        for v in ("gpt_base", "oelm_freeze", "synth_random", "synth_random_fixed", "oelm_poet")
+        for shape in SHAPES[1:]
+    ],
+)
 def test_the_activation_estimate_is_what_autograd_saves(variant, batch, block, shape, fused_loss, one_thread):
     """activation_bytes' 'saved' against the tensors the model's backward really keeps."""
     from oelm_core.accounting import activation_bytes
@@ -163,15 +185,20 @@ step([(x, y)], 1e-3, 0)
 print(json.dumps({"added": status("VmHWM") - before}))
 """
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads the resident set's peak from /proc "
-                                                                       "(Linux 4.0 or later)")
-@pytest.mark.parametrize("variant, batch, block, vocab, chunk, lowest", [
-    ("gpt_base", 32, 512, 256, 8192, 0.75),     # the activations dominate: 0.85-0.95 seen
-    # The loss's 51 MB slices of GPT-2 logits dominate: the heap the trainer keeps on the CPU
-    # holds back a number of freed slices that varies from run to run (the estimate counts
-    # one): 0.5-1.05 seen.
-    ("oelm_freeze", 4, 256, 50257, 256, 0.4),
-])
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="reads the resident set's peak from /proc (Linux 4.0 or later)"
+)
+@pytest.mark.parametrize(
+    "variant, batch, block, vocab, chunk, lowest",
+    [
+        ("gpt_base", 32, 512, 256, 8192, 0.75),  # the activations dominate: 0.85-0.95 seen
+        # The loss's 51 MB slices of GPT-2 logits dominate: the heap the trainer keeps on the CPU
+        # holds back a number of freed slices that varies from run to run (the estimate counts
+        # one): 0.5-1.05 seen.
+        ("oelm_freeze", 4, 256, 50257, 256, 0.4),
+    ],
+)
 def test_the_step_estimate_is_near_a_measured_steps_peak(variant, batch, block, vocab, chunk, lowest):
     """One real training step (the trainer's fast.make_step: forward, backward, fused AdamW) in a fresh
     process (the trainer's heap keeps freed blocks resident: a second step there would reuse
@@ -181,9 +208,14 @@ def test_the_step_estimate_is_near_a_measured_steps_peak(variant, batch, block, 
     from oelm_core.accounting import step_memory
 
     repo = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", STEP_PEAK, json.dumps([variant, batch, block, vocab, chunk])],
-                         cwd=repo, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(repo)})
+    out = subprocess.run(
+        [sys.executable, "-c", STEP_PEAK, json.dumps([variant, batch, block, vocab, chunk])],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     added = json.loads(out.stdout.splitlines()[-1])["added"]
     cfg = model_config("smoke", variant, block_size=block, vocab_size=vocab)

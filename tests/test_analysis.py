@@ -18,10 +18,22 @@ from oelm_core.config import ConfigError
 MEDIUM = {"gpt_base": (44_896_768, 0), "oelm_nofreeze": (44_896_768, 0), "oelm_freeze": (41_751_040, 3_145_728)}
 
 
-def make_run(root: Path, variant: str, ppl: float, tok_s: float = 1000.0, seed: int = 42,
-             preset: str = "medium512", train_loss: float = 2.0, summary: bool = True,
-             best: float | None = None, name: str | None = None, model: dict | None = None,
-             train: dict | None = None, report: float | None = None, timed_alone: bool | None = True) -> Path:
+def make_run(
+    root: Path,
+    variant: str,
+    ppl: float,
+    tok_s: float = 1000.0,
+    seed: int = 42,
+    preset: str = "medium512",
+    train_loss: float = 2.0,
+    summary: bool = True,
+    best: float | None = None,
+    name: str | None = None,
+    model: dict | None = None,
+    train: dict | None = None,
+    report: float | None = None,
+    timed_alone: bool | None = True,
+) -> Path:
     """A run folder as oelm_core.train writes it, with the given figures: final validation PPL
     ``ppl``, and ``best`` (default: ``ppl``) at the evaluation before; ``model`` and ``train``
     settings in its config.yaml. ``best`` <= ``ppl``: it is the lower of the two. ``report``: the
@@ -32,30 +44,69 @@ def make_run(root: Path, variant: str, ppl: float, tok_s: float = 1000.0, seed: 
     trainable, frozen = MEDIUM[variant]
     loss = math.log(ppl)
     best_loss = math.log(best) if best is not None else loss
-    (d / "config.yaml").write_text(yaml.safe_dump({"name": d.name, "variant": variant, "preset": preset,
-                                                   "model": model or {}, "train": {"seed": seed, **(train or {})}}))
+    (d / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": d.name,
+                "variant": variant,
+                "preset": preset,
+                "model": model or {},
+                "train": {"seed": seed, **(train or {})},
+            }
+        )
+    )
     rows = []
     for step in (10, 20, 30, 40):
-        row = {"step": step, "train_loss": train_loss + (40 - step) / 10, "lr": 1e-3, "grad_norm": 1.0,
-               "tokens_per_s": tok_s, "mfu": None, "peak_mem_mb": None, "tokens_seen": step * 512,
-               "epochs": step / 100}
+        row = {
+            "step": step,
+            "train_loss": train_loss + (40 - step) / 10,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "tokens_per_s": tok_s,
+            "mfu": None,
+            "peak_mem_mb": None,
+            "tokens_seen": step * 512,
+            "epochs": step / 100,
+        }
         if step % 20 == 0:
             val = loss if step == 40 else (best_loss if best is not None else loss + 1)
             row.update(val_loss=val, val_ppl=math.exp(val), val_bpb=val / 3)
         rows.append(row)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if summary:
-        (d / "summary.json").write_text(json.dumps({
-            "name": d.name, "variant": variant, "preset": preset, "status": "completed",
-            "params": {"trainable": trainable, "frozen": frozen, "total": trainable + frozen},
-            "steps": 40, "final_val_loss": loss, "final_val_ppl": ppl, "final_val_bpb": loss / 3,
-            "best_val_loss": best_loss, "best_val_ppl": best if best is not None else ppl,
-            "best_val_bpb": best_loss / 3,
-            "final_train_loss": train_loss, "tokens_per_s": tok_s, "wall_time_s": 12.0,
-            "epochs": 0.4, "checkpoint_bytes": 2**20 * 500,
-            **({} if timed_alone is None else {"timed_alone": timed_alone}),
-            **({} if report is None else {"report_val_loss": math.log(report), "report_val_ppl": report,
-                                          "report_val_bpb": math.log(report) / 3})}))
+        (d / "summary.json").write_text(
+            json.dumps(
+                {
+                    "name": d.name,
+                    "variant": variant,
+                    "preset": preset,
+                    "status": "completed",
+                    "params": {"trainable": trainable, "frozen": frozen, "total": trainable + frozen},
+                    "steps": 40,
+                    "final_val_loss": loss,
+                    "final_val_ppl": ppl,
+                    "final_val_bpb": loss / 3,
+                    "best_val_loss": best_loss,
+                    "best_val_ppl": best if best is not None else ppl,
+                    "best_val_bpb": best_loss / 3,
+                    "final_train_loss": train_loss,
+                    "tokens_per_s": tok_s,
+                    "wall_time_s": 12.0,
+                    "epochs": 0.4,
+                    "checkpoint_bytes": 2**20 * 500,
+                    **({} if timed_alone is None else {"timed_alone": timed_alone}),
+                    **(
+                        {}
+                        if report is None
+                        else {
+                            "report_val_loss": math.log(report),
+                            "report_val_ppl": report,
+                            "report_val_bpb": math.log(report) / 3,
+                        }
+                    ),
+                }
+            )
+        )
     return d
 
 
@@ -77,6 +128,7 @@ def geometric_gap(ppl_a, ppl_b) -> float:
 
 # --- reading runs -----------------------------------------------------------------------------
 
+
 def test_load_run_reads_summary_metrics_and_config(tmp_path):
     run = A.load_run(make_run(tmp_path, "oelm_freeze", 12.0, seed=7))
     assert (run.variant, run.preset, run.seed, run.label) == ("oelm_freeze", "medium512", 7, "OELM-Freeze")
@@ -95,8 +147,9 @@ def test_checkpoint_mb_is_the_size_of_best_pt(tmp_path):
 
     model = build_model("tiny", "oelm_freeze")
     with_summary = make_run(tmp_path, "oelm_freeze", 12.0)
-    save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg)},
-                    with_summary / "best.pt")
+    save_checkpoint(
+        {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg)}, with_summary / "best.pt"
+    )
     assert load_model(with_summary / "best.pt")[0].cfg == model.cfg
     size = (with_summary / "best.pt").stat().st_size
     assert size != 500 * 2**20
@@ -117,9 +170,20 @@ def test_committed_results_load_with_the_trainers_keys():
     runs = A.load_runs(Path(__file__).resolve().parents[1] / "results" / "ablations")
     assert len(runs) == 30
     for run in runs:
-        for key in ("final_val_loss", "final_val_ppl", "final_val_bpb", "best_val_loss", "best_val_ppl",
-                    "final_train_loss", "tokens_per_s", "trainable", "total", "wall_time_s",
-                    "epochs", "steps"):
+        for key in (
+            "final_val_loss",
+            "final_val_ppl",
+            "final_val_bpb",
+            "best_val_loss",
+            "best_val_ppl",
+            "final_train_loss",
+            "tokens_per_s",
+            "trainable",
+            "total",
+            "wall_time_s",
+            "epochs",
+            "steps",
+        ):
             assert run.value(key) is not None, (run.path, key)
         assert run.value("final_val_ppl") == pytest.approx(math.exp(run.value("final_val_loss")))
         assert run.value("steps") == run.metrics[-1]["step"]
@@ -182,13 +246,13 @@ def test_missing_preset_and_variant_and_the_explorer_follow_runconfig(tmp_path, 
     run = A.load_run(d)
     assert (run.variant, run.preset) == ("oelm_freeze", "smoke")
     rows = A.shape_account()
-    assert [r["total"] for r in rows] == [count_parameters(build_model("smoke", v))["total"]
-                                          for v in A.GROUP_LABELS]
+    assert [r["total"] for r in rows] == [count_parameters(build_model("smoke", v))["total"] for v in A.GROUP_LABELS]
 
 
 # --- groups of seeds --------------------------------------------------------------------------
 
 SMOKE = Path(__file__).resolve().parents[1] / "parameters" / "smoke"
+
 
 def study_folders(tmp_path, runs: list, ppl: dict, seeds=(42,)) -> list[Path]:
     """The run folders a study of ``runs`` (study.runs entries) leaves, with the config.yaml
@@ -199,18 +263,32 @@ def study_folders(tmp_path, runs: list, ppl: dict, seeds=(42,)) -> list[Path]:
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     study_file = tmp_path / "study.yaml"
-    study_file.write_text(yaml.safe_dump({"study": {"name": "s", "runs": runs, "seeds": list(seeds),
-                                                    "notebooks": ["03_training", "04_analysis"]}}))
+    study_file.write_text(
+        yaml.safe_dump(
+            {"study": {"name": "s", "runs": runs, "seeds": list(seeds), "notebooks": ["03_training", "04_analysis"]}}
+        )
+    )
     dirs = []
     for planned in load_study(study_file, tmp_path / "out").runs:
         cfg = load_run_config(planned.params, planned.overrides)
         planned.run_dir.mkdir(parents=True)
         save_run_config(cfg, planned.run_dir / "config.yaml")
         value = ppl[planned.name.rsplit("_s", 1)[0]]
-        (planned.run_dir / "summary.json").write_text(json.dumps({
-            "name": cfg.name, "variant": cfg.variant, "preset": cfg.preset, "status": "completed",
-            "params": {"trainable": 1000, "frozen": 0, "total": 1000}, "final_val_loss": math.log(value),
-            "final_val_ppl": value, "tokens_per_s": 1.0, "final_train_loss": 1.0}))
+        (planned.run_dir / "summary.json").write_text(
+            json.dumps(
+                {
+                    "name": cfg.name,
+                    "variant": cfg.variant,
+                    "preset": cfg.preset,
+                    "status": "completed",
+                    "params": {"trainable": 1000, "frozen": 0, "total": 1000},
+                    "final_val_loss": math.log(value),
+                    "final_val_ppl": value,
+                    "tokens_per_s": 1.0,
+                    "final_train_loss": 1.0,
+                }
+            )
+        )
         dirs.append(planned.run_dir)
     return dirs
 
@@ -218,43 +296,55 @@ def study_folders(tmp_path, runs: list, ppl: dict, seeds=(42,)) -> list[Path]:
 def test_runs_of_one_variant_with_other_overrides_are_not_seeds(tmp_path):
     """The reviewer's study: two OELM-Freeze runs with other learning rates (one seed each) were
     averaged as two seeds (PPL 25.5 +- 6.4) and judged H4 on the mixture."""
-    entries = [str(SMOKE / "gpt_base.yaml"),
-               {"params": str(SMOKE / "oelm_freeze.yaml"), "name": "freeze_lr_low", "overrides": ["train.lr=0.0005"]},
-               {"params": str(SMOKE / "oelm_freeze.yaml"), "name": "freeze_lr_high", "overrides": ["train.lr=0.005"]}]
+    entries = [
+        str(SMOKE / "gpt_base.yaml"),
+        {"params": str(SMOKE / "oelm_freeze.yaml"), "name": "freeze_lr_low", "overrides": ["train.lr=0.0005"]},
+        {"params": str(SMOKE / "oelm_freeze.yaml"), "name": "freeze_lr_high", "overrides": ["train.lr=0.005"]},
+    ]
     ppl = {"gpt_base": 20.0, "freeze_lr_low": 30.0, "freeze_lr_high": 21.0, "oelm_freeze": 21.5}
     runs = A.load_runs(study_folders(tmp_path / "a", entries, ppl))
     rows = A.results_table(runs)["rows"]
     assert [(r["model"], r["seeds"], r["val_ppl"], r["val_ppl_std"]) for r in rows] == [
-        ("GPT-Base", 1, 20.0, None), ("OELM-Freeze (freeze_lr_low)", 1, 30.0, None),
-        ("OELM-Freeze (freeze_lr_high)", 1, 21.0, None)]
+        ("GPT-Base", 1, 20.0, None),
+        ("OELM-Freeze (freeze_lr_low)", 1, 30.0, None),
+        ("OELM-Freeze (freeze_lr_high)", 1, 21.0, None),
+    ]
     assert [r["ppl_gap_pct"] for r in rows] == [0, pytest.approx(50.0), pytest.approx(5.0)]  # the one GPT-Base
     hyps = {h["id"]: h for h in A.hypotheses(runs)}
     assert all(h["holds"] is None for h in hyps.values())
     assert hyps["H4"]["evidence"] == (
         "not judged: no OELM-Freeze and GPT-Base groups at preset smoke were trained with the same settings "
         "apart from the variant (OELM-Freeze (freeze_lr_low), OELM-Freeze (freeze_lr_high), GPT-Base): "
-        "they would compare more than the variant")
+        "they would compare more than the variant"
+    )
     assert A.significance_tests(runs) == []
     # An OELM-Freeze run with GPT-Base's settings is what H1 and H4 compare, and it alone.
     runs = A.load_runs(study_folders(tmp_path / "b", entries + [str(SMOKE / "oelm_freeze.yaml")], ppl))
     assert [r["model"] for r in A.results_table(runs)["rows"]] == [
-        "GPT-Base", "OELM-Freeze (freeze_lr_low)", "OELM-Freeze (freeze_lr_high)", "OELM-Freeze (oelm_freeze)"]
+        "GPT-Base",
+        "OELM-Freeze (freeze_lr_low)",
+        "OELM-Freeze (freeze_lr_high)",
+        "OELM-Freeze (oelm_freeze)",
+    ]
     hyps = {h["id"]: h for h in A.hypotheses(runs)}
     assert hyps["H4"]["value"] == pytest.approx(21.5 / 20.0 - 1) and hyps["H4"]["holds"] is True
     assert hyps["H4"]["evidence"].startswith("validation PPL 21.500 (Freeze (oelm_freeze)) vs 20.000 (GPT-Base)")
     assert hyps["H1"]["holds"] is False
-    for h in ("H2", "H3", "H3t"):   # H3 as the seeds state it: against OELM-NoFreeze
+    for h in ("H2", "H3", "H3t"):  # H3 as the seeds state it: against OELM-NoFreeze
         assert hyps[h]["evidence"] == "not judged: needs runs of OELM-Freeze and OELM-NoFreeze at preset smoke"
 
 
 def test_the_same_setup_twice_is_refused_and_a_folder_read_twice_is_one_run(tmp_path):
     dirs = study_folders(tmp_path, [str(SMOKE / "gpt_base.yaml")], {"gpt_base": 20.0})
-    runs = A.load_runs([tmp_path / "out", dirs[0]])   # a study folder and one of its runs
+    runs = A.load_runs([tmp_path / "out", dirs[0]])  # a study folder and one of its runs
     assert len(runs) == 1
     copy = tmp_path / "elsewhere" / "gpt_base_s42"
     shutil.copytree(dirs[0], copy)
-    with pytest.raises(ConfigError, match=r"gpt_base_s42 and .*elsewhere/gpt_base_s42 trained the same settings "
-                                          r"with the same seed \(42\): the same run twice, not two seeds"):
+    with pytest.raises(
+        ConfigError,
+        match=r"gpt_base_s42 and .*elsewhere/gpt_base_s42 trained the same settings "
+        r"with the same seed \(42\): the same run twice, not two seeds",
+    ):
         A.results_table(A.load_runs([tmp_path / "out", tmp_path / "elsewhere"]))
     # the seeds of one setup are one group
     dirs = study_folders(tmp_path / "seeds", [str(SMOKE / "gpt_base.yaml")], {"gpt_base": 20.0}, seeds=(1, 2))
@@ -277,15 +367,20 @@ def test_committed_ablations_keep_progressive_runs_apart_from_oelm_freeze():
         assert row["seeds"] == 2 and row["val_ppl"] == pytest.approx(sum(by_name[name]) / 2)
     assert rows["GPT-Base"]["seeds"] == 2 and "OELM-Freeze" not in rows
     hyps = {h["id"]: h for h in A.hypotheses(runs)}
-    assert hyps["H4"]["value"] == pytest.approx(geometric_gap(by_name["oelm_freeze"], by_name["gpt_base"])) \
+    assert (
+        hyps["H4"]["value"]
+        == pytest.approx(geometric_gap(by_name["oelm_freeze"], by_name["gpt_base"]))
         == pytest.approx(0.1283, abs=1e-4)
+    )
     low, high = hyps["H4"]["interval"]
     assert low < 0.10 < high and hyps["H4"]["verdict"] == A.UNDECIDED and hyps["H4"]["holds"] is None
     assert "trains 15,529,728 of GPT-Base's 16,054,016 parameters" in hyps["H1"]["evidence"]
     sig = A.significance_tests(runs)
-    assert [(t["a"], t["b"], t["n_a"]) for t in sig] == [("OELM-Freeze (oelm_freeze)", "GPT-Base", 2),
-                                                         ("OELM-Freeze (oelm_freeze)", "OELM-NoFreeze", 2),
-                                                         ("OELM-NoFreeze", "GPT-Base", 2)]
+    assert [(t["a"], t["b"], t["n_a"]) for t in sig] == [
+        ("OELM-Freeze (oelm_freeze)", "GPT-Base", 2),
+        ("OELM-Freeze (oelm_freeze)", "OELM-NoFreeze", 2),
+        ("OELM-NoFreeze", "GPT-Base", 2),
+    ]
 
 
 def test_the_variant_alone_is_what_the_hypotheses_compare(tmp_path):
@@ -304,11 +399,16 @@ def test_the_variant_alone_is_what_the_hypotheses_compare(tmp_path):
     h4 = A.hypotheses(runs)[4]
     assert h4["holds"] is None and h4["evidence"].startswith(
         "not judged: 2 pairs of OELM-Freeze and GPT-Base groups at preset medium512 differ in the variant alone "
-        "(OELM-Freeze (freeze_high) vs GPT-Base (base_high); OELM-Freeze (freeze_low) vs GPT-Base (base_low))")
+        "(OELM-Freeze (freeze_high) vs GPT-Base (base_high); OELM-Freeze (freeze_low) vs GPT-Base (base_low))"
+    )
     # each OELM-Freeze row's gaps are to the GPT-Base of its learning rate
     rows = A.results_table(runs)["rows"]
-    assert [r["model"] for r in rows] == ["GPT-Base (base_high)", "GPT-Base (base_low)",
-                                          "OELM-Freeze (freeze_high)", "OELM-Freeze (freeze_low)"]
+    assert [r["model"] for r in rows] == [
+        "GPT-Base (base_high)",
+        "GPT-Base (base_low)",
+        "OELM-Freeze (freeze_high)",
+        "OELM-Freeze (freeze_low)",
+    ]
     assert all(r["ppl_gap_pct"] == pytest.approx(5.0 if r["variant"] == "oelm_freeze" else 0) for r in rows)
     assert len(A.significance_tests(runs)) == 2
 
@@ -337,21 +437,33 @@ def test_variant_alone_builds_each_variants_model_once(monkeypatch, cold_variant
     session still counts the builds."""
     built = []
     real = groups_module.model_config
-    monkeypatch.setattr(groups_module, "model_config", lambda preset, variant: built.append((preset, variant))
-                        or real(preset, variant))
+    monkeypatch.setattr(
+        groups_module, "model_config", lambda preset, variant: built.append((preset, variant)) or real(preset, variant)
+    )
     group = settings_group
-    groups = {"base": group("gpt_base"), "nofreeze": group("oelm_nofreeze"), "freeze": group("oelm_freeze"),
-              "freeze_qr": group("oelm_freeze", model={"qk_init": "qr"}),
-              "gaussian": group("oelm_freeze_gaussian"), "synth": group("synth_random"),
-              "freeze_layer0": group("oelm_freeze", model={"freeze_qk": [0]}),
-              "base_lr": group("gpt_base", train={"lr": 1e-2}), "base_small": group("gpt_base", preset="small"),
-              "base_qr": group("gpt_base", model={"qk_init": "qr"})}
+    groups = {
+        "base": group("gpt_base"),
+        "nofreeze": group("oelm_nofreeze"),
+        "freeze": group("oelm_freeze"),
+        "freeze_qr": group("oelm_freeze", model={"qk_init": "qr"}),
+        "gaussian": group("oelm_freeze_gaussian"),
+        "synth": group("synth_random"),
+        "freeze_layer0": group("oelm_freeze", model={"freeze_qk": [0]}),
+        "base_lr": group("gpt_base", train={"lr": 1e-2}),
+        "base_small": group("gpt_base", preset="small"),
+        "base_qr": group("gpt_base", model={"qk_init": "qr"}),
+    }
     alone = {(a, b) for a in groups for b in groups if a != b and A.variant_alone(groups[a], groups[b])}
     same = ("base", "nofreeze", "freeze", "freeze_qr", "gaussian", "synth")
     assert alone == {(a, b) for a in same for b in same if a != b}
     # "small" is never built: a pair of two presets differs in more than the variant
-    assert sorted(built) == [("mini", "gpt_base"), ("mini", "oelm_freeze"), ("mini", "oelm_freeze_gaussian"),
-                             ("mini", "oelm_nofreeze"), ("mini", "synth_random")]
+    assert sorted(built) == [
+        ("mini", "gpt_base"),
+        ("mini", "oelm_freeze"),
+        ("mini", "oelm_freeze_gaussian"),
+        ("mini", "oelm_nofreeze"),
+        ("mini", "synth_random"),
+    ]
 
 
 def test_variant_alone_follows_a_variant_registered_again(monkeypatch, cold_variant_models):
@@ -413,6 +525,7 @@ def test_the_global_batch_is_grad_accum_times_the_processes(tmp_path):
 
 # --- results table and tests between groups ---------------------------------------------------
 
+
 def test_results_table_gaps_and_per_parameter(tmp_path):
     table = A.results_table(study_runs(tmp_path))
     rows = {r["variant"]: r for r in table["rows"]}
@@ -470,8 +583,9 @@ def test_the_results_table_names_the_runs_whose_settings_it_assumed(tmp_path, re
     (row,) = A.results_table(A.load_runs(tmp_path))["rows"]
     assert (row["seeds"], row["val_ppl"]) == (3, pytest.approx(51.2 / 3))
     (warning,) = [str(w.message) for w in recwarn.list if "config.yaml" in str(w.message)]
-    assert warning.startswith(f"GPT-Base: {lost} without config.yaml, averaged as seeds of its variant's "
-                              f"default settings")
+    assert warning.startswith(
+        f"GPT-Base: {lost} without config.yaml, averaged as seeds of its variant's default settings"
+    )
 
 
 def test_a_run_without_an_evaluation_is_left_out_of_the_figures_and_named(tmp_path):
@@ -485,8 +599,9 @@ def test_a_run_without_an_evaluation_is_left_out_of_the_figures_and_named(tmp_pa
     cut = tmp_path / "gpt_base_s2"
     (cut / "summary.json").unlink()
     rows = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
-    (cut / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("val_")})
-                                               + "\n" for r in rows))
+    (cut / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("val_")}) + "\n" for r in rows)
+    )
     runs = A.load_runs(tmp_path)
     with pytest.warns(UserWarning, match="gpt_base_s2 ended before its first evaluation"):
         table = A.results_table(runs)
@@ -503,7 +618,9 @@ def test_which_other_than_final_or_best_is_refused(tmp_path):
     assertion in the analysis notebook caught."""
     runs = study_runs(tmp_path)
     for call in (A.results_table, A.hypotheses, lambda r, w: A.write_results(r, tmp_path / "out", w)):
-        with pytest.raises(ConfigError, match=r"which='bestt' names no validation figures; pass one of 'final', 'best'"):
+        with pytest.raises(
+            ConfigError, match=r"which='bestt' names no validation figures; pass one of 'final', 'best'"
+        ):
             call(runs, "bestt")
     assert not (tmp_path / "out").exists()
     assert A.results_table(runs, "best")["rows"][2]["val_ppl"] == pytest.approx(10.5)
@@ -513,8 +630,11 @@ def test_best_and_final_figures_are_told_apart(tmp_path):
     """Every run's validation loss turned up after its best evaluation: the table, hypotheses and
     tests of which='best' read the best figures, those of 'final' the last evaluation's (a
     version reading the final figures for both passed every other test)."""
-    figures = {"gpt_base": [(10.0, 9.0), (10.4, 9.2)], "oelm_nofreeze": [(10.2, 9.1), (10.6, 9.3)],
-               "oelm_freeze": [(11.6, 9.5), (11.8, 9.7)]}   # per seed: (final PPL, best PPL)
+    figures = {
+        "gpt_base": [(10.0, 9.0), (10.4, 9.2)],
+        "oelm_nofreeze": [(10.2, 9.1), (10.6, 9.3)],
+        "oelm_freeze": [(11.6, 9.5), (11.8, 9.7)],
+    }  # per seed: (final PPL, best PPL)
     for variant, seeds in figures.items():
         for seed, (final, best) in enumerate(seeds):
             make_run(tmp_path / "runs", variant, final, seed=seed, best=best)
@@ -532,7 +652,10 @@ def test_best_and_final_figures_are_told_apart(tmp_path):
         assert hyps["H2"]["value"] == pytest.approx(geometric_gap(ppl["oelm_freeze"], ppl["oelm_nofreeze"]))
         sig = A.significance_tests(runs, f"{which}_val_ppl")
         assert [(t["a"], t["mean_a"], t["mean_b"]) for t in sig][0] == (
-            "OELM-Freeze", pytest.approx(mean["oelm_freeze"]), pytest.approx(mean["gpt_base"]))
+            "OELM-Freeze",
+            pytest.approx(mean["oelm_freeze"]),
+            pytest.approx(mean["gpt_base"]),
+        )
         written = A.write_results(runs, tmp_path / which, which)
         assert written["table"][0]["val_ppl"] == pytest.approx(mean["gpt_base"])
         assert written["significance"][0]["metric"] == f"{which}_val_ppl"
@@ -542,12 +665,18 @@ def test_best_and_final_figures_are_told_apart(tmp_path):
     # the 95% intervals of either span the thresholds, and of final's lie higher
     final, best = ({h["id"]: h for h in A.hypotheses(runs, w)} for w in ("final", "best"))
     for hyps in (final, best):
-        assert {k: h["verdict"] for k, h in hyps.items()} == {"H1": A.FAILS, "H2": A.UNDECIDED, "H3": A.HOLDS,
-                                                              "H3t": A.HOLDS, "H4": A.UNDECIDED}
+        assert {k: h["verdict"] for k, h in hyps.items()} == {
+            "H1": A.FAILS,
+            "H2": A.UNDECIDED,
+            "H3": A.HOLDS,
+            "H3t": A.HOLDS,
+            "H4": A.UNDECIDED,
+        }
     assert final["H4"]["interval"][1] > best["H4"]["interval"][1] > 0.10
 
 
 # --- hypotheses -------------------------------------------------------------------------------
+
 
 def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
     hyps = A.hypotheses(study_runs(tmp_path / "a"))
@@ -558,12 +687,11 @@ def test_hypotheses_judged_honestly_and_flip_with_the_data(tmp_path):
     assert "7.0%" in hyps[0]["evidence"]
     assert verdicts(hyps) == {"H1": False, "H2": True, "H3": True, "H3t": True, "H4": True}
     # Freeze 8% worse than NoFreeze, 12% worse than Base, 10% slower: H2, H3, H3t, H4 flip
-    bad = A.hypotheses(study_runs(tmp_path / "b", base=10.0, nofreeze=10.37, freeze=11.2,
-                                  tok=(1000, 1000, 900)))
+    bad = A.hypotheses(study_runs(tmp_path / "b", base=10.0, nofreeze=10.37, freeze=11.2, tok=(1000, 1000, 900)))
     assert verdicts(bad) == {"H1": False, "H2": False, "H3": False, "H3t": False, "H4": False}
     # one run a side: no interval, the point estimates decide, and the evidence says so
     assert bad[2]["interval"] is None and "one run a side" in bad[2]["evidence"]
-    assert bad[3]["value"] == pytest.approx(1000 / 900)   # seconds to the same evaluation at 900 vs 1000 tokens/s
+    assert bad[3]["value"] == pytest.approx(1000 / 900)  # seconds to the same evaluation at 900 vs 1000 tokens/s
     assert bad[1]["value"] == pytest.approx(11.2 / 10.37 - 1)
     # H1 holds with a claim that matches the data
     assert A.hypotheses(study_runs(tmp_path / "c"), h1_claim=0.07)[0]["holds"] is True
@@ -578,7 +706,7 @@ def test_hypotheses_judgeable_only_for_the_three_groups_trained_alike(tmp_path):
     assert not A.hypotheses_judgeable(A.load_runs(tmp_path / "two"))
     for v, ppl in (("gpt_base", 10.0), ("oelm_nofreeze", 10.2)):
         make_run(tmp_path / "lr", v, ppl)
-    make_run(tmp_path / "lr", "oelm_freeze", 10.5, train={"lr": 2e-3})   # another learning rate
+    make_run(tmp_path / "lr", "oelm_freeze", 10.5, train={"lr": 2e-3})  # another learning rate
     runs = A.load_runs(tmp_path / "lr")
     assert not A.hypotheses_judgeable(runs)
     assert all(h["holds"] is None for h in A.hypotheses(runs))
@@ -594,7 +722,7 @@ def test_unjudged_names_what_the_04_notebook_must_not_leave_unjudged(tmp_path):
     assert [h["id"] for h in A.unjudged(dropped, runs)] == ["H2", "H3t"]
     assert [h["id"] for h in A.unjudged(dropped, runs, timed_alone=False)] == ["H2"]
     for variant, ppl in (("gpt_base", 10.0), ("oelm_nofreeze", 10.2), ("oelm_freeze", 10.5)):
-        make_run(tmp_path / "old", variant, ppl, timed_alone=None)      # trained before the record
+        make_run(tmp_path / "old", variant, ppl, timed_alone=None)  # trained before the record
     old = A.load_runs(tmp_path / "old")
     hyps = A.hypotheses(old)
     assert [h["id"] for h in hyps if h["verdict"] == A.NOT_JUDGED] == ["H3", "H3t"] and A.unjudged(hyps, old) == []
@@ -613,6 +741,7 @@ def test_h3_uses_its_threshold(tmp_path):
 
 # --- results.md and its markdown tables -------------------------------------------------------
 
+
 def test_checkpoint_note_and_samples_section_of_results_md(tmp_path):
     assert A.checkpoint_note("final").endswith("The table reads the final evaluation, which may be a later step.")
     assert A.checkpoint_note("best").endswith("The table reads the best evaluation.")
@@ -621,9 +750,11 @@ def test_checkpoint_note_and_samples_section_of_results_md(tmp_path):
     assert A.samples_markdown([], "final") == ""
     samples = [{"model": "GPT-Base", "prompt": "Once", "text": " upon a time"}]
     section = A.samples_markdown(samples, "best")
-    assert section == ("## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
-                       "validation loss (its first seed that has one). The table reads the best evaluation.\n\n"
-                       "| model | prompt | text |\n|---|---|---|\n| GPT-Base | Once |  upon a time |")
+    assert section == (
+        "## Samples\n\nAttention maps and samples: each group's best.pt, the weights of its lowest "
+        "validation loss (its first seed that has one). The table reads the best evaluation.\n\n"
+        "| model | prompt | text |\n|---|---|---|\n| GPT-Base | Once |  upon a time |"
+    )
     A.write_results(study_runs(tmp_path), tmp_path / "out", "best", extra_markdown=section)
     assert (tmp_path / "out" / "results.md").read_text().endswith("\n" + section + "\n")
 
@@ -638,8 +769,11 @@ def test_a_cells_line_breaks_and_bars_stay_inside_its_row():
     """A generated story's lines broke the Samples table of results.md: each line after the first
     began a row of its own."""
     table = A.markdown_table([{"model": "GPT-Base", "text": "They ran.\nOne day | a dog\r\nsaid hi.\rEnd"}])
-    assert table.splitlines() == ["| model | text |", "|---|---|",
-                                  r"| GPT-Base | They ran.<br>One day \| a dog<br>said hi.<br>End |"]
+    assert table.splitlines() == [
+        "| model | text |",
+        "|---|---|",
+        r"| GPT-Base | They ran.<br>One day \| a dog<br>said hi.<br>End |",
+    ]
     assert A.markdown_table([{"a|b": 1}]).splitlines()[0] == r"| a\|b |"
 
 
@@ -650,7 +784,7 @@ def test_committed_results_tables_have_one_line_per_row(path):
     for i, line in enumerate(lines):
         if line.startswith("|---"):
             cells = lines[i - 1].count(" | ") + 1
-            for row in lines[i + 1:]:
+            for row in lines[i + 1 :]:
                 if not row.strip():
                     break
                 assert row.startswith("| ") and row.endswith(" |"), f"{path}: {row[:80]}"
@@ -659,13 +793,17 @@ def test_committed_results_tables_have_one_line_per_row(path):
 
 # --- curves -----------------------------------------------------------------------------------
 
+
 def test_curves_name_groups_of_one_variant_apart(tmp_path):
     make_run(tmp_path, "gpt_base", 20.0)
     make_run(tmp_path, "oelm_freeze", 30.0, name="freeze_lr_low", train={"lr": 5e-4})
     make_run(tmp_path, "oelm_freeze", 21.0, name="freeze_lr_high", train={"lr": 5e-3})
     for ax in A.plot_curves(A.load_runs(tmp_path)).axes:
         assert [line.get_label() for line in ax.lines] == [
-            "GPT-Base (seed 42)", "OELM-Freeze (freeze_lr_high) (seed 42)", "OELM-Freeze (freeze_lr_low) (seed 42)"]
+            "GPT-Base (seed 42)",
+            "OELM-Freeze (freeze_lr_high) (seed 42)",
+            "OELM-Freeze (freeze_lr_low) (seed 42)",
+        ]
         assert len({line.get_color() for line in ax.lines}) == 3
 
 

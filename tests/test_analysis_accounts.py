@@ -21,7 +21,7 @@ def test_parameter_and_flops_tables_take_list_overrides():
     """freeze_qk=[0] (a list of layers) is a valid override, but was unhashable for the cache."""
     rows = A.parameter_table("tiny", ["gpt_base", "oelm_freeze"], freeze_qk=[0])
     d = model_config("tiny").d_model
-    assert [r["frozen"] for r in rows] == [2 * d * d, 2 * d * d]   # one layer's Q/K, whatever the variant
+    assert [r["frozen"] for r in rows] == [2 * d * d, 2 * d * d]  # one layer's Q/K, whatever the variant
     flops = A.flops_table("tiny", ["oelm_freeze"], freeze_qk=[0])
     assert flops[0]["frozen_saving_flops"] > 0 and flops[0]["state_saving_mb"] > 0
     assert A.parameter_table("tiny", ["oelm_freeze"])[0]["frozen"] == 2 * 2 * d * d  # both layers
@@ -33,13 +33,14 @@ def test_the_parameter_table_follows_a_variant_registered_again(monkeypatch):
     monkeypatch.setattr(config, "_VARIANT_SPECS", dict(config._VARIANT_SPECS))  # undone after the test
     d = model_config("tiny").d_model
     config.register_variant("late", "Late: Q/K frozen in every layer", qk_init="qr", freeze_qk="all")
-    assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * 2 * d * d   # both layers' Q/K
+    assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * 2 * d * d  # both layers' Q/K
     config.register_variant("late", "Late: Q/K frozen in the first layer", qk_init="qr", freeze_qk=[0])
     assert A.parameter_table("tiny", ["late"])[0]["frozen"] == 2 * d * d
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False},
-                                       {"bias": False, "attn_bias": True, "tie_embeddings": False}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"tie_embeddings": False}, {"bias": False, "attn_bias": True, "tie_embeddings": False}]
+)
 @pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze"])
 def test_analytic_parameters_equal_count_parameters(variant, overrides):
     """At a vocabulary that pads (100 ids, 128 rows): the padding rows of the embedding and of an
@@ -59,10 +60,13 @@ def test_analytic_parameters_equal_count_parameters(variant, overrides):
     assert rows[2]["trainable"] == 41_751_040 and rows[2]["trainable_reduction_pct"] == pytest.approx(7.0, abs=0.01)
 
 
-@pytest.mark.parametrize("variant, message", [
-    ("oelm_poet", r"POET \(poet_block_size=32\) learns Q/K through R and P"),
-    ("synth_random", "attention 'synth_random' has no Q/K"),
-])
+@pytest.mark.parametrize(
+    "variant, message",
+    [
+        ("oelm_poet", r"POET \(poet_block_size=32\) learns Q/K through R and P"),
+        ("synth_random", "attention 'synth_random' has no Q/K"),
+    ],
+)
 def test_analytic_parameters_refuse_what_they_do_not_count(variant, message):
     """POET trains R, P and freezes W0; the Synthesizer has logit tables instead of Q/K: the
     plain-Q/K formula gave wrong counts for both, without a word."""
@@ -94,5 +98,3 @@ def test_gradient_flow_check_catches_trainable_qk_in_a_frozen_layer(monkeypatch)
     assert flow["frozen_qk"] == ["blocks.0.attn.qk.weight"]
     assert flow["trainable_qk_in_frozen_layers"] == ["blocks.1.attn.qk.weight"]
     assert flow["trainable_with_grad"]  # the trainable copy does get its gradient
-
-

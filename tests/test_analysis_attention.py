@@ -73,8 +73,10 @@ def test_uniform_reference_is_the_summary_of_uniform_attention(t):
 
 
 def test_attention_figure_and_samples_with_gpt2_vocab(tmp_path):
-    models = {"GPT-Base": build_model("smoke", "gpt_base").eval(),
-              "OELM-Freeze": build_model("smoke", "oelm_freeze").eval()}
+    models = {
+        "GPT-Base": build_model("smoke", "gpt_base").eval(),
+        "OELM-Freeze": build_model("smoke", "oelm_freeze").eval(),
+    }
     fig = A.attention_figure(models, "Once upon a time there was a cat.", 1, 3, 12, tmp_path / "att.png")
     assert len(fig.axes) == 2 and (tmp_path / "att.png").is_file()
     samples = A.sample_generations(models, "Once upon a time", max_new_tokens=5, seed=1)

@@ -10,10 +10,10 @@ import statistics
 import numpy as np
 import pytest
 from scipy import stats
+from test_analysis import make_run
 
 from oelm_core import analysis as A
 from oelm_core.config import ConfigError
-from test_analysis import make_run
 
 LR = {"gpt_base": 2e-3, "oelm_nofreeze": 1e-3, "oelm_freeze": 4e-3}
 
@@ -31,6 +31,7 @@ def losses(runs, key):
 
 # --- which="report": the held-out half -------------------------------------------------------
 
+
 def held_out_study(root, report: dict, best_shift: float = -0.05, **kwargs):
     """The three groups, a run per seed of ``report[variant]`` (held-out PPLs); the best PPL on
     the selection half is exp(``best_shift``) times it, the final PPL 1.02 times that."""
@@ -47,14 +48,18 @@ def test_report_figures_are_the_held_out_half_everywhere_which_is_accepted(tmp_p
     assert "report" in A.WHICH
     rows = {r["variant"]: r for r in A.results_table(runs, "report")["rows"]}
     assert rows["oelm_freeze"]["val_ppl"] == pytest.approx(statistics.fmean(report["oelm_freeze"]))
-    assert rows["oelm_freeze"]["val_bpb"] == pytest.approx(statistics.fmean(math.log(p) / 3 for p in report["oelm_freeze"]))
+    assert rows["oelm_freeze"]["val_bpb"] == pytest.approx(
+        statistics.fmean(math.log(p) / 3 for p in report["oelm_freeze"])
+    )
     pairs = {(p["a"], p["b"]): p for p in A.gap_table(runs, "report")["pairs"]}
     freeze, base = np.log(report["oelm_freeze"]), np.log(report["gpt_base"])
     gap = pairs[("OELM-Freeze", "GPT-Base")]
     assert gap["gap_pct"] == pytest.approx(100 * math.expm1(freeze.mean() - base.mean()))
     ci = stats.ttest_ind(freeze, base, equal_var=False).confidence_interval(0.95)
-    assert (gap["welch_low_pct"], gap["welch_high_pct"]) == (pytest.approx(100 * math.expm1(ci.low)),
-                                                           pytest.approx(100 * math.expm1(ci.high)))
+    assert (gap["welch_low_pct"], gap["welch_high_pct"]) == (
+        pytest.approx(100 * math.expm1(ci.low)),
+        pytest.approx(100 * math.expm1(ci.high)),
+    )
     hyps = {h["id"]: h for h in A.hypotheses(runs, "report")}
     assert hyps["H4"]["value"] == pytest.approx(math.expm1(freeze.mean() - base.mean()))
     assert hyps["H4"]["evidence"].startswith("held-out validation PPL")
@@ -72,25 +77,31 @@ def test_report_figures_are_the_held_out_half_everywhere_which_is_accepted(tmp_p
 
 def test_report_figures_of_runs_trained_before_the_holdout_are_refused_by_name(tmp_path):
     make_run(tmp_path / "runs", "gpt_base", 10.0, report=10.1)
-    make_run(tmp_path / "runs", "oelm_freeze", 10.5)                    # trained before report_holdout
+    make_run(tmp_path / "runs", "oelm_freeze", 10.5)  # trained before report_holdout
     runs = A.load_runs(tmp_path / "runs")
-    message = (r"which='report' reads summary.json's report_val_loss, which oelm_freeze_s42 lack\(s\): trained "
-               r"before report_holdout .* use which=best, and say the figures were chosen on the data they report")
+    message = (
+        r"which='report' reads summary.json's report_val_loss, which oelm_freeze_s42 lack\(s\): trained "
+        r"before report_holdout .* use which=best, and say the figures were chosen on the data they report"
+    )
     for call in (A.results_table, A.gap_table, A.hypotheses, lambda r, w: A.write_results(r, tmp_path / "out", w)):
         with pytest.raises(ConfigError, match=message):
             call(runs, "report")
     assert not (tmp_path / "out").exists()
-    assert A.results_table(runs, "best")["rows"]                           # best still reads them
+    assert A.results_table(runs, "best")["rows"]  # best still reads them
 
 
 # --- equivalence in the gap tables ------------------------------------------------------------
+
 
 def test_gap_tables_say_no_difference_only_where_tost_shows_equivalence(tmp_path):
     """Within ±2% of PPL on TOST: "no difference"; the 90% interval wholly beyond: "differs by more
     than the margin"; otherwise "not decided at this n", also where the gap's interval holds 0."""
     base = [2.170, 2.181, 2.162, 2.175, 2.168]
-    cases = {"near": [2.176, 2.183, 2.171, 2.181, 2.177], "far": [2.310, 2.335, 2.322, 2.351, 2.327],
-             "spread": [2.12, 2.25, 2.15, 2.23, 2.19]}
+    cases = {
+        "near": [2.176, 2.183, 2.171, 2.181, 2.177],
+        "far": [2.310, 2.335, 2.322, 2.351, 2.327],
+        "spread": [2.12, 2.25, 2.15, 2.23, 2.19],
+    }
     verdicts = {}
     for name, nofreeze in cases.items():
         for seed, (b, n) in enumerate(zip(base, nofreeze)):
@@ -103,7 +114,7 @@ def test_gap_tables_say_no_difference_only_where_tost_shows_equivalence(tmp_path
         verdicts[name] = row["equivalent"]
         assert "| Equivalent within ±2%? (TOST) | TOST p |" in table["markdown"]
         if name == "spread":
-            assert row["welch_low_pct"] < 0 < row["welch_high_pct"]      # an interval holding 0 is not "no difference"
+            assert row["welch_low_pct"] < 0 < row["welch_high_pct"]  # an interval holding 0 is not "no difference"
     assert verdicts == {"near": A.EQUIVALENT, "far": A.NOT_EQUIVALENT, "spread": A.UNDECIDED}
     # the margin is a parameter, and the header says which
     wide = A.gap_table(A.load_runs(tmp_path / "spread"), "final", margin=0.10)
@@ -128,8 +139,9 @@ def test_the_ablation_rows_carry_the_equivalence_test(tmp_path):
         for name in ("config.yaml", "summary.json"):
             text = (run / name).read_text().replace("oelm_freeze", "oelm_freeze_gaussian")
             (run / name).write_text(text)
-        (run / "sweep_point.json").write_text(json.dumps({"label": "gaussian", "variant": "oelm_freeze_gaussian",
-                                                          "seed": seed}))
+        (run / "sweep_point.json").write_text(
+            json.dumps({"label": "gaussian", "variant": "oelm_freeze_gaussian", "seed": seed})
+        )
     row = next(r for r in ablation_gaps(root, study, "final")["rows"] if r["label"] == "gaussian")
     assert row["oelm_freeze_equivalent"] == A.EQUIVALENT
     assert "vs OELM-Freeze: Equivalent within ±2%? (TOST)" in ablation_gaps(root, study, "final")["markdown"]
@@ -139,11 +151,12 @@ def test_the_ablation_rows_carry_the_equivalence_test(tmp_path):
 
 # --- smoke budgets ----------------------------------------------------------------------------
 
+
 def test_a_smoke_budget_says_so_at_the_top_and_beside_every_verdict(tmp_path):
     ppl = {"gpt_base": [10.0, 10.1], "oelm_nofreeze": [10.2, 10.3], "oelm_freeze": [10.4, 10.5]}
     for variant, values in ppl.items():
         for seed, p in enumerate(values):
-            make_run(tmp_path / "smoke", variant, p, seed=seed)                 # 40 steps of 512 tokens
+            make_run(tmp_path / "smoke", variant, p, seed=seed)  # 40 steps of 512 tokens
             full_budget(make_run(tmp_path / "real", variant, p, seed=seed))
             full_budget(make_run(tmp_path / "few_tokens", variant, p, seed=seed), tokens=800_000)
     smoke = A.load_runs(tmp_path / "smoke")
@@ -155,7 +168,8 @@ def test_a_smoke_budget_says_so_at_the_top_and_beside_every_verdict(tmp_path):
     result = A.write_results(smoke, tmp_path / "out")
     md = (tmp_path / "out" / "results.md").read_text()
     assert md.splitlines()[2].startswith("**A smoke budget (fewer than 1,000 steps") and md.splitlines()[2].endswith(
-        "none of the verdicts below is evidence about the models.**")
+        "none of the verdicts below is evidence about the models.**"
+    )
     judged = [h for h in result["hypotheses"] if h["verdict"] != A.NOT_JUDGED]
     assert judged and all(h["note"].startswith(A.SMOKE_NOTE) for h in result["hypotheses"])
     assert md.count(f" ({A.SMOKE_NOTE}) |") == len(result["hypotheses"])
@@ -168,9 +182,14 @@ def test_a_smoke_budget_says_so_at_the_top_and_beside_every_verdict(tmp_path):
 
 # Held-out PPLs per (variant, dropout), three seeds; a group's learning rate is its own (LR), the
 # dropout-0 GPT-Base at a lower one (what a tuning at each dropout might choose).
-PROTOCOL = {("gpt_base", 0.0): [9.60, 9.70, 9.65], ("gpt_base", 0.1): [9.30, 9.35, 9.25],
-            ("oelm_nofreeze", 0.0): [9.70, 9.75, 9.68], ("oelm_nofreeze", 0.1): [9.40, 9.45, 9.38],
-            ("oelm_freeze", 0.0): [10.05, 10.10, 10.00], ("oelm_freeze", 0.1): [10.50, 10.60, 10.45]}
+PROTOCOL = {
+    ("gpt_base", 0.0): [9.60, 9.70, 9.65],
+    ("gpt_base", 0.1): [9.30, 9.35, 9.25],
+    ("oelm_nofreeze", 0.0): [9.70, 9.75, 9.68],
+    ("oelm_nofreeze", 0.1): [9.40, 9.45, 9.38],
+    ("oelm_freeze", 0.0): [10.05, 10.10, 10.00],
+    ("oelm_freeze", 0.1): [10.50, 10.60, 10.45],
+}
 OWN = {"gpt_base": 0.1, "oelm_nofreeze": 0.1, "oelm_freeze": 0.0}
 
 
@@ -178,13 +197,33 @@ def protocol_study(root):
     for (variant, dropout), values in PROTOCOL.items():
         lr = LR[variant] / (2 if (variant, dropout) == ("gpt_base", 0.0) else 1)
         for seed, p in enumerate(values):
-            full_budget(make_run(root, variant, p * 1.05, best=p * 1.01, seed=seed, report=p,
-                                 name=f"{variant}_d{dropout:g}", model={"dropout": dropout},
-                                 train={"lr": lr, "min_lr": lr / 10}))
+            full_budget(
+                make_run(
+                    root,
+                    variant,
+                    p * 1.05,
+                    best=p * 1.01,
+                    seed=seed,
+                    report=p,
+                    name=f"{variant}_d{dropout:g}",
+                    model={"dropout": dropout},
+                    train={"lr": lr, "min_lr": lr / 10},
+                )
+            )
     # seed 1 of Freeze at dropout 0 trained again: the same configuration, another result
-    again = full_budget(make_run(root, "oelm_freeze", 10.3 * 1.05, best=10.3 * 1.01, seed=1, report=10.3,
-                                 name="oelm_freeze_d0_rerun", model={"dropout": 0.0},
-                                 train={"lr": LR["oelm_freeze"], "min_lr": LR["oelm_freeze"] / 10}))
+    again = full_budget(
+        make_run(
+            root,
+            "oelm_freeze",
+            10.3 * 1.05,
+            best=10.3 * 1.01,
+            seed=1,
+            report=10.3,
+            name="oelm_freeze_d0_rerun",
+            model={"dropout": 0.0},
+            train={"lr": LR["oelm_freeze"], "min_lr": LR["oelm_freeze"] / 10},
+        )
+    )
     return A.load_runs(root), again
 
 
@@ -198,15 +237,21 @@ def test_protocol_report_gives_own_best_and_each_equal_dropout_view(tmp_path):
     runs, _ = protocol_study(tmp_path / "study")
     result = A.protocol_report(runs, tmp_path / "out", OWN)
     assert list(result["views"]) == ["own best", "dropout=0", "dropout=0.1"]
-    for view, dropouts in (("own best", OWN), ("dropout=0", dict.fromkeys(OWN, 0.0)),
-                           ("dropout=0.1", dict.fromkeys(OWN, 0.1))):
+    for view, dropouts in (
+        ("own best", OWN),
+        ("dropout=0", dict.fromkeys(OWN, 0.0)),
+        ("dropout=0.1", dict.fromkeys(OWN, 0.1)),
+    ):
         pairs = {(p["a"], p["b"]): p for p in result["views"][view]["gaps"]["pairs"]}
         assert len(pairs) == 3, view
         for a, b in (("oelm_freeze", "gpt_base"), ("oelm_nofreeze", "gpt_base"), ("oelm_freeze", "oelm_nofreeze")):
             row = pairs[(A.GROUP_LABELS[a], A.GROUP_LABELS[b])]
             gap, low, high = expected_gap((a, dropouts[a]), (b, dropouts[b]))
             assert (row["gap_pct"], row["welch_low_pct"], row["welch_high_pct"]) == (
-                pytest.approx(gap), pytest.approx(low), pytest.approx(high)), (view, a, b)
+                pytest.approx(gap),
+                pytest.approx(low),
+                pytest.approx(high),
+            ), (view, a, b)
             la, lb = np.log(PROTOCOL[(a, dropouts[a])]), np.log(PROTOCOL[(b, dropouts[b])])
             assert row["hedges_g"] == pytest.approx(A.hedges_g(la, lb))
         hyps = {h["id"]: h for h in result["views"][view]["hypotheses"]}
@@ -221,8 +266,12 @@ def test_protocol_report_gives_own_best_and_each_equal_dropout_view(tmp_path):
     assert result["views"]["own best"]["hypotheses"][4]["verdict"] == A.HOLDS
     assert result["views"]["dropout=0.1"]["hypotheses"][4]["verdict"] == A.FAILS
     md = (tmp_path / "out" / "results.md").read_text()
-    for title in ("## (a) Each group at its own best setting", "## (b) All groups at dropout 0",
-                  "## (c) All groups at dropout 0.1", "## Re-run spread"):
+    for title in (
+        "## (a) Each group at its own best setting",
+        "## (b) All groups at dropout 0",
+        "## (c) All groups at dropout 0.1",
+        "## Re-run spread",
+    ):
         assert title in md
     assert "the tuning sweep's choice (GPT-Base 0.1, OELM-NoFreeze 0.1, OELM-Freeze 0)" in md
     assert json.loads((tmp_path / "out" / "results.json").read_text())["tuning_choice"] == OWN
@@ -231,8 +280,9 @@ def test_protocol_report_gives_own_best_and_each_equal_dropout_view(tmp_path):
 def test_the_rerun_spread_sits_beside_the_seed_spread(tmp_path):
     runs, again = protocol_study(tmp_path / "study")
     kept, reruns = A.split_reruns(runs)
-    assert len(kept) == 18 and [(a.name, b.name) for a, b in reruns] == [("oelm_freeze_d0_s1",
-                                                                          "oelm_freeze_d0_rerun_s1")]
+    assert len(kept) == 18 and [(a.name, b.name) for a, b in reruns] == [
+        ("oelm_freeze_d0_s1", "oelm_freeze_d0_rerun_s1")
+    ]
     spread = A.rerun_spread(runs, "report")
     (row,) = spread["rows"]
     assert row["difference"] == pytest.approx(math.log(10.3) - math.log(10.10))
@@ -250,14 +300,17 @@ def test_protocol_report_takes_tunings_choice_and_refuses_a_view_it_cannot_fill(
     with pytest.raises(ConfigError, match="tuning_choice has no dropout for oelm_freeze"):
         A.protocol_report(runs, tmp_path / "b", {k: v for k, v in OWN.items() if k != "oelm_freeze"})
     no_freeze_at_01 = [r for r in runs if not (r.variant == "oelm_freeze" and r.settings()["model.dropout"] == 0.1)]
-    with pytest.raises(ConfigError, match=r"the view 'dropout=0.1' needs one group of each of the three variants, "
-                                          r"and finds OELM-Freeze: none"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the view 'dropout=0.1' needs one group of each of the three variants, "
+        r"and finds OELM-Freeze: none",
+    ):
         A.protocol_report(no_freeze_at_01, tmp_path / "c", OWN)
 
 
 # --- the scaling curve ------------------------------------------------------------------------
 
-SHAPES = [(128, 2, 2), (256, 4, 4), (384, 6, 6), (512, 8, 8)]   # d_model, n_layer, n_head (64-dimensional heads)
+SHAPES = [(128, 2, 2), (256, 4, 4), (384, 6, 6), (512, 8, 8)]  # d_model, n_layer, n_head (64-dimensional heads)
 TOKENS = 20_000_000
 
 
@@ -271,13 +324,30 @@ def scaling_studies(root, gaps: dict, by_component: bool = True):
         for variant in A.GROUP_LABELS:
             for seed, noise in enumerate((-0.1, 0.0, 0.1)):
                 ppl = (10.0 + noise) * (1 + gaps.get(variant, [0.0] * len(SHAPES))[i])
-                run = make_run(study, variant, ppl, seed=seed, preset="mini", report=ppl,
-                               model={"d_model": d, "n_layer": n_layer, "n_head": n_head, "d_ff": 4 * d})
+                run = make_run(
+                    study,
+                    variant,
+                    ppl,
+                    seed=seed,
+                    preset="mini",
+                    report=ppl,
+                    model={"d_model": d, "n_layer": n_layer, "n_head": n_head, "d_ff": 4 * d},
+                )
                 summary = json.loads((run / "summary.json").read_text())
                 parts = {"embedding": 50_304 * d, "position": 256 * d, "blocks": 12 * d * d * n_layer}
-                summary.update(steps=3000, tokens_seen=TOKENS, epochs=TOKENS / 3_700_000,
-                               params={**summary["params"], **({"by_component": {
-                                   k: {"trainable": v, "frozen": 0} for k, v in parts.items()}} if by_component else {})})
+                summary.update(
+                    steps=3000,
+                    tokens_seen=TOKENS,
+                    epochs=TOKENS / 3_700_000,
+                    params={
+                        **summary["params"],
+                        **(
+                            {"by_component": {k: {"trainable": v, "frozen": 0} for k, v in parts.items()}}
+                            if by_component
+                            else {}
+                        ),
+                    },
+                )
                 (run / "summary.json").write_text(json.dumps(summary))
         studies.append(study)
     return studies
@@ -286,7 +356,7 @@ def scaling_studies(root, gaps: dict, by_component: bool = True):
 def test_scaling_table_has_a_row_per_shape_with_the_gaps_and_their_intervals(tmp_path):
     gaps = {"oelm_freeze": [0.02, 0.05, 0.08, 0.12], "oelm_nofreeze": [0.0, 0.01, -0.01, 0.005]}
     studies = scaling_studies(tmp_path, gaps)
-    table = A.scaling_table(reversed(studies))                     # sorted by size whatever the order given
+    table = A.scaling_table(reversed(studies))  # sorted by size whatever the order given
     rows = table["rows"]
     assert [(r["d_model"], r["n_layer"]) for r in rows] == [(d, n) for d, n, _ in SHAPES]
     for row, (d, n_layer, _), i in zip(rows, SHAPES, range(4)):
@@ -300,7 +370,9 @@ def test_scaling_table_has_a_row_per_shape_with_the_gaps_and_their_intervals(tmp
             ci = stats.ttest_ind(other, base, equal_var=False).confidence_interval(0.95)
             assert row[f"{variant}_gap_pct"] == pytest.approx(100 * gaps[variant][i], abs=1e-9)
             assert (row[f"{variant}_welch_low_pct"], row[f"{variant}_welch_high_pct"]) == (
-                pytest.approx(100 * math.expm1(ci.low)), pytest.approx(100 * math.expm1(ci.high)))
+                pytest.approx(100 * math.expm1(ci.low)),
+                pytest.approx(100 * math.expm1(ci.high)),
+            )
     assert "| d128 | 128 | 2 | 393,216 |" in table["markdown"]
     paths = A.write_scaling(studies, tmp_path / "out")
     assert [p.name for p in paths] == ["scaling.md", "scaling.json", "scaling.png"]
@@ -315,20 +387,29 @@ def test_scaling_figure_draws_both_gaps_against_non_embedding_parameters(tmp_pat
     fig.canvas.draw()
     assert ax.get_xscale() == "log" and ax.get_xlabel() == "non-embedding parameters (log scale)"
     assert ax.get_ylabel() == "report validation PPL gap vs GPT-Base (%)"
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["393k\nd128 L2", "3.15M\nd256 L4", "10.6M\nd384 L6",
-                                                            "25.2M\nd512 L8"]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["OELM-Freeze (95% Welch interval)",
-                                                                  "OELM-NoFreeze (95% Welch interval)"]
-    freeze, nofreeze = ax.containers                                  # errorbar's: (line, caps, bars)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "393k\nd128 L2",
+        "3.15M\nd256 L4",
+        "10.6M\nd384 L6",
+        "25.2M\nd512 L8",
+    ]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "OELM-Freeze (95% Welch interval)",
+        "OELM-NoFreeze (95% Welch interval)",
+    ]
+    freeze, nofreeze = ax.containers  # errorbar's: (line, caps, bars)
     xs = freeze.lines[0].get_xdata()
     assert list(freeze.lines[0].get_ydata()) == pytest.approx([r["oelm_freeze_gap_pct"] for r in table["rows"]])
-    assert all(x / r["non_embedding"] == pytest.approx(xs[0] / table["rows"][0]["non_embedding"])
-               for x, r in zip(xs, table["rows"]))                  # one sideways shift, not a different x
-    bars = freeze.lines[2][0].get_segments()                        # the Welch interval of each point
-    assert [tuple(s[:, 1]) for s in bars] == [pytest.approx((r["oelm_freeze_welch_low_pct"], r["oelm_freeze_welch_high_pct"]))
-                                              for r in table["rows"]]
+    assert all(
+        x / r["non_embedding"] == pytest.approx(xs[0] / table["rows"][0]["non_embedding"])
+        for x, r in zip(xs, table["rows"])
+    )  # one sideways shift, not a different x
+    bars = freeze.lines[2][0].get_segments()  # the Welch interval of each point
+    assert [tuple(s[:, 1]) for s in bars] == [
+        pytest.approx((r["oelm_freeze_welch_low_pct"], r["oelm_freeze_welch_high_pct"])) for r in table["rows"]
+    ]
     assert len(nofreeze.lines[0].get_xdata()) == 4
-    assert freeze.lines[0].get_color() == "C2" and nofreeze.lines[0].get_color() == "C1"   # the curves' colours
+    assert freeze.lines[0].get_color() == "C2" and nofreeze.lines[0].get_color() == "C1"  # the curves' colours
 
 
 def test_scaling_counts_the_shape_without_params_by_component_and_refuses_a_study_short_of_a_group(tmp_path):
@@ -352,11 +433,13 @@ def test_scaling_counts_the_shape_without_params_by_component_and_refuses_a_stud
 
 # --- figures: readable axes, dropout noted, wall-clock named ----------------------------------
 
+
 def test_the_training_panel_has_readable_log_ticks_and_notes_unequal_dropout(tmp_path):
     for variant, dropout in (("gpt_base", 0.1), ("oelm_nofreeze", 0.1), ("oelm_freeze", 0.0)):
         for seed in (0, 1):
-            d = make_run(tmp_path / "runs", variant, 10.0, seed=seed, model={"dropout": dropout},
-                         train={"lr": LR[variant]})
+            d = make_run(
+                tmp_path / "runs", variant, 10.0, seed=seed, model={"dropout": dropout}, train={"lr": LR[variant]}
+            )
             summary = json.loads((d / "summary.json").read_text())
             summary["val_windows"] = {"selection": 100, "report": 100}
             (d / "summary.json").write_text(json.dumps(summary))
@@ -365,12 +448,14 @@ def test_the_training_panel_has_readable_log_ticks_and_notes_unequal_dropout(tmp
     fig.canvas.draw()
     train, val, zoom, wall = fig.axes[:4]
     low, high = train.get_ylim()
-    labels = [(t.get_position()[1], t.get_text()) for t in train.get_yticklabels() if low <= t.get_position()[1] <= high]
+    labels = [
+        (t.get_position()[1], t.get_text()) for t in train.get_yticklabels() if low <= t.get_position()[1] <= high
+    ]
     # make_run's training loss runs from 5.0 down to 2.0: ticks 2, 2.5, 3, 4, 5 (matplotlib's own: none)
     assert [text for _, text in labels] == ["2", "2.5", "3", "4", "5"]
     assert all(float(text) == pytest.approx(y) for y, text in labels)
     assert A.log_ticks(2.0, 5.0) == [2.0, 2.5, 3.0, 4.0, 5.0]
-    assert A.log_ticks(1.8, 11.0) == [2.0, 3.0, 5.0, 7.0, 10.0]      # a whole run's: from ~11 at step 1
+    assert A.log_ticks(1.8, 11.0) == [2.0, 3.0, 5.0, 7.0, 10.0]  # a whole run's: from ~11 at step 1
     note = " ".join(t.get_text().replace("\n", " ") for t in train.texts)
     assert "groups differ in dropout (GPT-Base 0.1, OELM-NoFreeze 0.1, OELM-Freeze 0)" in note
     assert "training loss is measured with dropout on" in note
@@ -384,10 +469,11 @@ def test_the_training_panel_has_readable_log_ticks_and_notes_unequal_dropout(tmp
 
 def test_an_empty_wall_clock_panel_says_why(tmp_path):
     for variant in ("gpt_base", "oelm_freeze"):
-        make_run(tmp_path / "old", variant, 10.0, timed_alone=None)       # before the record
+        make_run(tmp_path / "old", variant, 10.0, timed_alone=None)  # before the record
     wall = A.plot_study_curves(A.load_runs(tmp_path / "old")).axes[3]
     text = wall.texts[0].get_text().replace("\n", " ")
-    assert len(wall.lines) == 0 and text.startswith("not drawn: 2 of 2 runs do not record whether they had their "
-                                                    "device alone")
+    assert len(wall.lines) == 0 and text.startswith(
+        "not drawn: 2 of 2 runs do not record whether they had their device alone"
+    )
     forced = A.plot_study_curves(A.load_runs(tmp_path / "old"), timed_alone=False).axes[3]
     assert "timed_alone=False" in forced.texts[0].get_text().replace("\n", " ")

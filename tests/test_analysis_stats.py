@@ -58,9 +58,12 @@ def test_welch_interval_is_the_one_scipy_inverts_from_the_test(a, b, confidence)
 
 def test_welch_interval_leaves_out_missing_values_and_refuses_too_few():
     assert A.welch_interval(A4 + [None, math.nan], B3) == A.welch_interval(A4, B3)
-    assert all(math.isnan(x) for x in A.welch_interval([1.0, 1.0], [2.0, 2.0]))   # neither group varies
-    with pytest.raises(ValueError, match=r"welch_interval needs at least two values in each group \(None and NaN "
-                                         r"left out\); got 4 and 1"):
+    assert all(math.isnan(x) for x in A.welch_interval([1.0, 1.0], [2.0, 2.0]))  # neither group varies
+    with pytest.raises(
+        ValueError,
+        match=r"welch_interval needs at least two values in each group \(None and NaN "
+        r"left out\); got 4 and 1",
+    ):
         A.welch_interval(A4, [10.9, None])
     with pytest.raises(ValueError, match=r"confidence=95 is not a probability between 0 and 1; pass e.g. 0.95"):
         A.welch_interval(A4, B3, 95)
@@ -97,8 +100,11 @@ def test_bootstrap_interval_is_seeded_and_narrower_than_welch_at_a_few_seeds():
 
 
 def test_bootstrap_interval_refuses_what_it_cannot_compute():
-    with pytest.raises(ValueError, match=r"gap='ratio' is not a gap bootstrap_interval computes; pass one of "
-                                         r"'difference', 'relative'"):
+    with pytest.raises(
+        ValueError,
+        match=r"gap='ratio' is not a gap bootstrap_interval computes; pass one of "
+        r"'difference', 'relative'",
+    ):
         A.bootstrap_interval(A4, B3, "ratio")
     with pytest.raises(ValueError, match=r"bootstrap_interval needs at least two values in each group .*got 1 and 3"):
         A.bootstrap_interval([10.0, math.nan], B3)
@@ -139,12 +145,16 @@ def test_mean_std_is_the_sample_standard_deviation_of_the_values_that_exist():
 
 # --- equivalence: two one-sided tests --------------------------------------------------------
 
-@pytest.mark.parametrize("a, b, margin", [
-    ([2.170, 2.181, 2.162, 2.175, 2.168], [2.176, 2.183, 2.171, 2.181, 2.177], math.log(1.02)),   # near: equivalent
-    ([2.170, 2.181, 2.162, 2.175, 2.168], [2.310, 2.335, 2.322, 2.351, 2.327], math.log(1.02)),   # far apart
-    ([2.17, 2.23, 2.12], [2.18, 2.26, 2.14], math.log(1.02)),                                       # spread
-    (SLEEP_1, SLEEP_2, 1.0),
-])
+
+@pytest.mark.parametrize(
+    "a, b, margin",
+    [
+        ([2.170, 2.181, 2.162, 2.175, 2.168], [2.176, 2.183, 2.171, 2.181, 2.177], math.log(1.02)),  # near: equivalent
+        ([2.170, 2.181, 2.162, 2.175, 2.168], [2.310, 2.335, 2.322, 2.351, 2.327], math.log(1.02)),  # far apart
+        ([2.17, 2.23, 2.12], [2.18, 2.26, 2.14], math.log(1.02)),  # spread
+        (SLEEP_1, SLEEP_2, 1.0),
+    ],
+)
 def test_tost_is_two_one_sided_welch_tests_at_the_margin(a, b, margin):
     """Each one-sided p is scipy's Welch test of a shifted by the margin; equivalence is p < alpha,
     which is the 90% Welch interval lying within the margin."""
@@ -162,11 +172,11 @@ def test_tost_is_two_one_sided_welch_tests_at_the_margin(a, b, margin):
 
 def test_tost_decides_equivalence_only_where_the_data_show_it():
     near = [2.170, 2.181, 2.162, 2.175, 2.168], [2.176, 2.183, 2.171, 2.181, 2.177]
-    assert A.tost(*near, math.log(1.02))["equivalent"] is True     # 0.0064 nats apart, 5 tight seeds
-    assert A.tost(*near, 0.003)["equivalent"] is False            # a margin below the difference
+    assert A.tost(*near, math.log(1.02))["equivalent"] is True  # 0.0064 nats apart, 5 tight seeds
+    assert A.tost(*near, 0.003)["equivalent"] is False  # a margin below the difference
     spread = [2.17, 2.23, 2.12], [2.18, 2.26, 2.14]
     res = A.tost(*spread, math.log(1.02))
-    assert res["equivalent"] is False and res["p"] > 0.05           # 0.02 apart, but 3 spread seeds cannot show it
+    assert res["equivalent"] is False and res["p"] > 0.05  # 0.02 apart, but 3 spread seeds cannot show it
     # a group that does not vary: the difference itself decides
     assert A.tost([1.0, 1.0], [1.01, 1.01], 0.02)["p"] == 0.0
     assert A.tost([1.0, 1.0], [1.05, 1.05], 0.02)["p"] == 1.0

@@ -31,21 +31,29 @@ def test_the_jl_checks_are_judged_only_where_their_sizes_can_order_the_means():
     for seed in range(10):
         small = A.jl_checks(A.jl_curve(64, 16, trials=1, seed=seed), 16, 1)
         assert small["holds"] is None and small["k"] == 32
-        assert small["why"].startswith("not judged: 16 points x 1 trial(s) are too few to order these means "
-                                       "(it takes jl_points >= 32 and jl_points x jl_trials >= 64); at k = 32")
+        assert small["why"].startswith(
+            "not judged: 16 points x 1 trial(s) are too few to order these means "
+            "(it takes jl_points >= 32 and jl_points x jl_trials >= 64); at k = 32"
+        )
         judged = A.jl_checks(A.jl_curve(63, 32, trials=2, seed=seed), 32, 2)
         assert judged["holds"] is True and judged["k"] == 31 and judged["qr"] < 0.95 * judged["gaussian"]
         assert judged["why"].endswith("every check holds")
-    assert A.jl_checks(A.jl_curve(64, 48, trials=1), 48, 1)["holds"] is None   # 48 point-projections
+    assert A.jl_checks(A.jl_curve(64, 48, trials=1), 48, 1)["holds"] is None  # 48 point-projections
     # what does not hold is named
-    rows = [{"method": m, "k": k, "mean": mean, "max": 1.0} for m, k, mean in
-            (("qr", 8, 0.3), ("qr", 32, 0.12), ("gaussian", 8, 0.1), ("gaussian", 32, 0.1))]
+    rows = [
+        {"method": m, "k": k, "mean": mean, "max": 1.0}
+        for m, k, mean in (("qr", 8, 0.3), ("qr", 32, 0.12), ("gaussian", 8, 0.1), ("gaussian", 32, 0.1))
+    ]
     verdict = A.jl_checks(rows, 64, 3)
-    assert verdict["holds"] is False and verdict["failed"] == ["gaussian distortion lower at k = 32 than at k = 8",
-                                                              "qr distortion lower than gaussian at k = 32"]
-    assert verdict["why"] == ("at k = 32, orthonormal rows distort distances by 0.1200 on average, Gaussian ones by "
-                              "0.1000; does NOT hold: gaussian distortion lower at k = 32 than at k = 8; qr "
-                              "distortion lower than gaussian at k = 32")
+    assert verdict["holds"] is False and verdict["failed"] == [
+        "gaussian distortion lower at k = 32 than at k = 8",
+        "qr distortion lower than gaussian at k = 32",
+    ]
+    assert verdict["why"] == (
+        "at k = 32, orthonormal rows distort distances by 0.1200 on average, Gaussian ones by "
+        "0.1000; does NOT hold: gaussian distortion lower at k = 32 than at k = 8; qr "
+        "distortion lower than gaussian at k = 32"
+    )
 
 
 def test_normal_init_is_rescaled_by_the_std_it_was_drawn_with(monkeypatch):
@@ -58,5 +66,3 @@ def test_normal_init_is_rescaled_by_the_std_it_was_drawn_with(monkeypatch):
     after = {r["method"]: r for r in A.isometry_table(64, 32)}["normal"]
     assert after["isometry_error"] == pytest.approx(before["isometry_error"], rel=1e-9)
     assert after["condition_number"] == pytest.approx(before["condition_number"], rel=1e-9)
-
-

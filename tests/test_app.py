@@ -44,9 +44,14 @@ def make_checkpoints(folder: Path, variants=GROUPS) -> dict[str, Path]:
     for i, variant in enumerate(variants):
         model = build_model("smoke", variant, seed=i)
         paths[variant] = save_checkpoint(
-            {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg), "step": 100 * (i + 1),
-             "metrics": {"val_loss": 3.0 + i, "val_ppl": 20.0 + i}},
-            folder / f"{variant}.pt")
+            {
+                "model": model.state_dict(),
+                "model_config": dataclasses.asdict(model.cfg),
+                "step": 100 * (i + 1),
+                "metrics": {"val_loss": 3.0 + i, "val_ppl": 20.0 + i},
+            },
+            folder / f"{variant}.pt",
+        )
     return paths
 
 
@@ -94,6 +99,7 @@ def generate(client, prompt=PROMPT, max_new=16, temperature=0.9, top_k=50, top_p
 
 # ---- loading and the model cards ------------------------------------------------------------
 
+
 def test_cards_show_shape_parameters_and_metrics(served, checkpoints):
     demo, _ = served
     from app.demo import model_card
@@ -103,12 +109,23 @@ def test_cards_show_shape_parameters_and_metrics(served, checkpoints):
     frozen = lab.models[2]
     assert frozen.counts["frozen"] == 2 * 2 * 64 * 64  # W_q and W_k of both layers
     card = model_card(frozen, lab.device)
-    for text in ("OELM-Freeze", "2 layers", "d_model 64", "4 heads", "context 64",
-                 f"{frozen.counts['total']:,}", f"{frozen.counts['trainable']:,}", "16,384", "22.00", "| step | 300"):
+    for text in (
+        "OELM-Freeze",
+        "2 layers",
+        "d_model 64",
+        "4 heads",
+        "context 64",
+        f"{frozen.counts['total']:,}",
+        f"{frozen.counts['trainable']:,}",
+        "16,384",
+        "22.00",
+        "| step | 300",
+    ):
         assert text in card, text
 
 
 # ---- generation -----------------------------------------------------------------------------
+
 
 def test_generation_streams_three_deterministic_texts(served):
     _, client = served
@@ -132,7 +149,8 @@ def test_generation_streams_three_deterministic_texts(served):
 def test_generation_matches_oelm_core(served):
     """The app adds nothing to sampling: each column is oelm_core.generate's text for that model."""
     demo, client = served
-    from oelm_core.generate import SamplingConfig, generate as core_generate
+    from oelm_core.generate import SamplingConfig
+    from oelm_core.generate import generate as core_generate
 
     texts = generate(client, max_new=12, seed=3)
     for m, text in zip(demo.oelm.lab.models, texts):
@@ -151,13 +169,15 @@ def test_the_pages_sampling_defaults_draw_the_analysis_samples(served):
     sliders = {c.label: c.value for c in demo.blocks.values() if isinstance(c, gr.Slider)}
     assert sliders["temperature"] == SamplingConfig.temperature and sliders["top-p"] == SamplingConfig.top_p
     assert sliders["top-k"] == A.SAMPLE_TOP_K
-    texts = generate(client, max_new=12, temperature=sliders["temperature"], top_k=sliders["top-k"],
-                     top_p=sliders["top-p"], seed=3)
+    texts = generate(
+        client, max_new=12, temperature=sliders["temperature"], top_k=sliders["top-k"], top_p=sliders["top-p"], seed=3
+    )
     models = {m.label: m.model for m in demo.oelm.lab.models}
     assert [s["text"] for s in A.sample_generations(models, PROMPT, 12, seed=3)] == list(texts)
 
 
 # ---- attention ------------------------------------------------------------------------------
+
 
 def test_attention_endpoint_returns_t_by_t_maps(served):
     """Over the prompt's ids and the ids the model sampled (kept in the session), not the text
@@ -170,7 +190,8 @@ def test_attention_endpoint_returns_t_by_t_maps(served):
     enc = demo.oelm.enc
     for group, layer, head in (("oelm_freeze", 1, "2"), ("gpt_base", 0, "mean")):
         heat, compare, summary, table, details = client.predict(
-            PROMPT, group, layer, head, *texts, api_name="/attention")
+            PROMPT, group, layer, head, *texts, api_name="/attention"
+        )
         cfg = SamplingConfig(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=11)
         ids = enc.encode_ordinary(PROMPT)
         ids += list(stream_tokens(demo.oelm.lab.by_group(group).model, ids, cfg))
@@ -278,20 +299,24 @@ def test_attention_maps_the_sampled_ids_where_encoding_the_text_again_merges_oth
 
 # ---- input checks ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, message", [
-    (dict(prompt="   "), "The prompt is empty"),
-    (dict(prompt="dog " * 80), "shorten it to fewer than 64 tokens"),
-    (dict(prompt=123), "prompt must be text, got int 123"),
-    (dict(temperature=5.0), "temperature must be between 0.0 and 2.0, got 5.0"),
-    (dict(top_p=0.0), "top_p must be between 0.01 and 1.0, got 0.0"),
-    (dict(max_new=0), "max_new_tokens must be between 1 and 512, got 0"),
-    (dict(seed=-1), "seed must be between 0 and 2147483647, got -1"),
-    (dict(top_k=2.5), "top_k must be a whole number between 0 and 1000, got 2.5"),
-    (dict(max_new="abc"), "max_new_tokens must be a number between 1 and 512, got 'abc'"),
-    (dict(top_k=[3]), "top_k must be a number between 0 and 1000, got [3]"),
-    (dict(seed=True), "seed must be a number between 0 and 2147483647, got True"),
-    (dict(temperature=None), "temperature is empty: enter a number between 0.0 and 2.0"),
-])
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(prompt="   "), "The prompt is empty"),
+        (dict(prompt="dog " * 80), "shorten it to fewer than 64 tokens"),
+        (dict(prompt=123), "prompt must be text, got int 123"),
+        (dict(temperature=5.0), "temperature must be between 0.0 and 2.0, got 5.0"),
+        (dict(top_p=0.0), "top_p must be between 0.01 and 1.0, got 0.0"),
+        (dict(max_new=0), "max_new_tokens must be between 1 and 512, got 0"),
+        (dict(seed=-1), "seed must be between 0 and 2147483647, got -1"),
+        (dict(top_k=2.5), "top_k must be a whole number between 0 and 1000, got 2.5"),
+        (dict(max_new="abc"), "max_new_tokens must be a number between 1 and 512, got 'abc'"),
+        (dict(top_k=[3]), "top_k must be a number between 0 and 1000, got [3]"),
+        (dict(seed=True), "seed must be a number between 0 and 2147483647, got True"),
+        (dict(temperature=None), "temperature is empty: enter a number between 0.0 and 2.0"),
+    ],
+)
 def test_bad_generation_inputs_get_clear_messages(served, args, message):
     """Through the API every value reaches the app's own checks, whose message names the setting,
     the value and its range: Gradio's slider check answered first ("Value 0 is less than minimum
@@ -303,14 +328,17 @@ def test_bad_generation_inputs_get_clear_messages(served, args, message):
     assert "minimum value" not in str(err.value) and "preprocess" not in str(err.value)
 
 
-@pytest.mark.parametrize("args, message", [
-    (dict(prompt=""), "prompt is empty"),
-    (dict(temperature=-1), "temperature must be between 0.0 and 2.0"),
-    (dict(top_p=1.5), "top_p must be between 0.01 and 1.0"),
-    (dict(top_k=2.5), "top_k must be a whole number"),
-    (dict(max_new_tokens=None), "max_new_tokens is empty"),
-    (dict(seed="x"), "seed must be a number"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(temperature=-1), "temperature must be between 0.0 and 2.0"),
+        (dict(top_p=1.5), "top_p must be between 0.01 and 1.0"),
+        (dict(top_k=2.5), "top_k must be a whole number"),
+        (dict(max_new_tokens=None), "max_new_tokens is empty"),
+        (dict(seed="x"), "seed must be a number"),
+    ],
+)
 def test_handler_names_the_bad_value(served, args, message):
     """Called directly (scripts, other front ends), the handler checks every value by name."""
     demo, _ = served
@@ -319,14 +347,17 @@ def test_handler_names_the_bad_value(served, args, message):
         next(demo.oelm.generate(*values.values()))
 
 
-@pytest.mark.parametrize("model, layer, head, message", [
-    ("gpt_base", 2, "mean", "GPT-Base has layers 0..1; layer 2 does not exist"),
-    ("gpt_base", -1, "mean", "GPT-Base has layers 0..1; layer -1 does not exist"),
-    ("gpt_base", "x", "mean", "layer must be a layer number 0..1, got 'x'"),
-    ("gpt_base", 0, "4", "GPT-Base has heads 0..3; head 4 does not exist"),
-    ("gpt_base", 0, "x", "head must be 'mean' or a head number 0..3, got 'x'"),
-    ("gpt2", 0, "mean", "unknown model 'gpt2'; choose one of gpt_base, oelm_nofreeze, oelm_freeze"),
-])
+@pytest.mark.parametrize(
+    "model, layer, head, message",
+    [
+        ("gpt_base", 2, "mean", "GPT-Base has layers 0..1; layer 2 does not exist"),
+        ("gpt_base", -1, "mean", "GPT-Base has layers 0..1; layer -1 does not exist"),
+        ("gpt_base", "x", "mean", "layer must be a layer number 0..1, got 'x'"),
+        ("gpt_base", 0, "4", "GPT-Base has heads 0..3; head 4 does not exist"),
+        ("gpt_base", 0, "x", "head must be 'mean' or a head number 0..3, got 'x'"),
+        ("gpt2", 0, "mean", "unknown model 'gpt2'; choose one of gpt_base, oelm_nofreeze, oelm_freeze"),
+    ],
+)
 def test_bad_attention_inputs(served, model, layer, head, message):
     """The handler names the setting, the value and the range, called directly and through the
     API (where the slider's and the dropdowns' own checks answered first, naming neither)."""
@@ -348,8 +379,11 @@ def test_stop_cancels_generation_from_the_button_and_from_enter(served):
             by_trigger.setdefault((elem.get(target), event), []).append(dep.get("id", i))
     [click] = by_trigger[("generate-btn", "click")]
     [submit] = by_trigger[("prompt", "submit")]
-    stops = [dep for dep in config["dependencies"] if ("stop-btn", "click") in
-             {(elem.get(t), e) for t, e in dep["targets"]} and dep.get("cancels")]
+    stops = [
+        dep
+        for dep in config["dependencies"]
+        if ("stop-btn", "click") in {(elem.get(t), e) for t, e in dep["targets"]} and dep.get("cancels")
+    ]
     assert [sorted(dep["cancels"]) for dep in stops] == [sorted([click, submit])]
 
 
@@ -371,6 +405,7 @@ def test_queue_limits_concurrency(served):
 
 # ---- where checkpoints come from, and the error page ----------------------------------------
 
+
 def test_study_resolution(tmp_path, checkpoints):
     from app.demo import lab_from_args, newest_study, study_checkpoints
 
@@ -384,11 +419,17 @@ def test_study_resolution(tmp_path, checkpoints):
             run_dir = new / f"{group}_s{seed}"
             run_dir.mkdir()
             (run_dir / "best.pt").write_bytes(checkpoints[group].read_bytes())
-            entries.append({"name": f"{group}_s{seed}", "variant": group, "preset": "smoke", "seed": seed,
-                            "run_dir": f"{group}_s{seed}"})
+            entries.append(
+                {
+                    "name": f"{group}_s{seed}",
+                    "variant": group,
+                    "preset": "smoke",
+                    "seed": seed,
+                    "run_dir": f"{group}_s{seed}",
+                }
+            )
     (old / "study.json").write_text(json.dumps({"name": "old", "runs": []}))
-    (new / "study.json").write_text(json.dumps({"name": "smoke", "created": "now", "status": "done",
-                                                "runs": entries}))
+    (new / "study.json").write_text(json.dumps({"name": "smoke", "created": "now", "status": "done", "runs": entries}))
     os.utime(old / "study.json", (time.time() - 100, time.time() - 100))
     assert newest_study(runs) == new / "study.json"
     paths = study_checkpoints(new)
@@ -412,8 +453,14 @@ def trained_checkpoints(folder: Path, step: int = 3000, ppl: float = 18.5) -> di
     for i, variant in enumerate(GROUPS):
         model = build_model("smoke", variant, d_model=128, seed=i)
         paths[variant] = save_checkpoint(
-            {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg), "step": step,
-             "metrics": {"val_ppl": ppl}}, folder / f"{variant}_trained.pt")
+            {
+                "model": model.state_dict(),
+                "model_config": dataclasses.asdict(model.cfg),
+                "step": step,
+                "metrics": {"val_ppl": ppl},
+            },
+            folder / f"{variant}_trained.pt",
+        )
     return paths
 
 
@@ -490,7 +537,8 @@ def test_models_load_from_run_folders_and_both_export_formats(tmp_path, checkpoi
     from app.demo import load_lab, model_card
     from oelm_core.checkpoint import load_model
     from oelm_core.export import to_safetensors, to_transformers
-    from oelm_core.generate import SamplingConfig, generate as core_generate
+    from oelm_core.generate import SamplingConfig
+    from oelm_core.generate import generate as core_generate
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -504,7 +552,9 @@ def test_models_load_from_run_folders_and_both_export_formats(tmp_path, checkpoi
     cfg = SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=50, seed=5)
     for m in lab.models:
         assert core_generate(m.model, PROMPT, cfg) == core_generate(models[m.group][0], PROMPT, cfg)
-        steps, ppl = {"gpt_base": (100, "20.00"), "oelm_nofreeze": (200, "21.00"), "oelm_freeze": (300, "22.00")}[m.group]
+        steps, ppl = {"gpt_base": (100, "20.00"), "oelm_nofreeze": (200, "21.00"), "oelm_freeze": (300, "22.00")}[
+            m.group
+        ]
         text = model_card(m, "cpu")
         assert f"| step | {steps} |" in text and f"| validation perplexity | {ppl} |" in text
     empty = tmp_path / "empty"
@@ -587,6 +637,7 @@ def test_importing_the_app_turns_gradio_analytics_off():
 def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):
     """Not reported as a checkpoint that cannot be loaded."""
     import torch
+
     from app.demo import SetupError, lab_from_args, load_lab, pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -596,7 +647,9 @@ def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):
     with pytest.raises(SetupError, match=r"^--device 'mps' is not supported: OELM Lab runs on the CPU or on CUDA GPUs"):
         pick_device("mps")
     for device in ("cuda", "cuda:1"):
-        with pytest.raises(SetupError, match=rf"^--device is '{device}', but PyTorch finds no CUDA GPU.*set --device to cpu"):
+        with pytest.raises(
+            SetupError, match=rf"^--device is '{device}', but PyTorch finds no CUDA GPU.*set --device to cpu"
+        ):
             pick_device(device)
     lab = lab_from_args(ckpt=[f"gpt_base={checkpoints['gpt_base']}"], device="cuda")
     assert not lab.ok and lab.models == [] and len(lab.errors) == 1 and lab.errors[0].startswith("--device is 'cuda'")
@@ -609,6 +662,7 @@ def test_the_demo_checks_a_device_as_the_trainer_does(monkeypatch, gpus):
     """pick_device had its own copy of the trainer's resolve_device checks, worded apart: both now
     run config.check_device, whose message names the demo's --device instead of train.device."""
     import torch
+
     from app.demo import SetupError, pick_device
     from oelm_core.config import ConfigError
     from oelm_core.distributed import resolve_device
@@ -656,26 +710,34 @@ def test_error_page_replaces_the_panels_where_no_model_loads(tmp_path, checkpoin
 def checkpoint_of_another_shape(folder: Path, variant: str) -> Path:
     """A checkpoint whose weights (d_model 32) do not fit the model it describes (smoke: 64)."""
     narrow = build_model("smoke", variant, d_model=32, seed=5)
-    return save_checkpoint({"model": narrow.state_dict(), "step": 1,
-                            "model_config": dataclasses.asdict(model_config("smoke", variant))},
-                           folder / f"{variant}_narrow.pt")
+    return save_checkpoint(
+        {"model": narrow.state_dict(), "step": 1, "model_config": dataclasses.asdict(model_config("smoke", variant))},
+        folder / f"{variant}_narrow.pt",
+    )
 
 
 def component(config: dict, elem_id: str) -> dict:
     return next(c["props"] for c in config["components"] if c.get("props", {}).get("elem_id") == elem_id)
 
 
-@pytest.mark.parametrize("fault, reason", [
-    ("missing", "missing.pt not found; train a run first"),
-    ("another shape", "oelm_nofreeze_narrow.pt holds weights that do not fit its model_config: model_config."
-                      "d_model is 64 in the checkpoint, 32 in the weights (wte.weight (50304, 32))"),
-])
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        ("missing", "missing.pt not found; train a run first"),
+        (
+            "another shape",
+            "oelm_nofreeze_narrow.pt holds weights that do not fit its model_config: model_config."
+            "d_model is 64 in the checkpoint, 32 in the weights (wte.weight (50304, 32))",
+        ),
+    ],
+)
 def test_one_bad_checkpoint_leaves_the_other_models_usable(tmp_path, checkpoints, fault, reason):
     """One of three checkpoints missing or of another shape replaced the whole page by the error
     page, and the two that loaded could not be used. Now that model's column says what went
     wrong and how to fix it, and the others generate and map attention through the API."""
     from app.demo import load_lab
-    from oelm_core.generate import SamplingConfig, generate as core_generate
+    from oelm_core.generate import SamplingConfig
+    from oelm_core.generate import generate as core_generate
 
     bad = tmp_path / "missing.pt" if fault == "missing" else checkpoint_of_another_shape(tmp_path, "oelm_nofreeze")
     lab = load_lab({**checkpoints, "oelm_nofreeze": bad}, "cpu", "test checkpoints")
@@ -697,9 +759,11 @@ def test_one_bad_checkpoint_leaves_the_other_models_usable(tmp_path, checkpoints
         assert "load-error" not in {c.get("props", {}).get("elem_id") for c in config["components"]}
         card = component(config, "card-oelm_nofreeze")["value"]
         assert card.startswith("### OELM-NoFreeze\n`oelm_nofreeze` \u2014 **not loaded**") and reason in card
-        assert ("**How to fix it:** start the demo again with a working checkpoint for oelm_nofreeze: "
-                "`python -m app --ckpt oelm_nofreeze=PATH`, with `--ckpt GROUP=PATH` for each of the others. "
-                "The other models work meanwhile.") in card
+        assert (
+            "**How to fix it:** start the demo again with a working checkpoint for oelm_nofreeze: "
+            "`python -m app --ckpt oelm_nofreeze=PATH`, with `--ckpt GROUP=PATH` for each of the others. "
+            "The other models work meanwhile."
+        ) in card
         assert "did not load" in component(config, "out-oelm_nofreeze-missing")["value"]
         assert [component(config, f"card-{g}")["value"].startswith("### ") for g in GROUPS] == [True] * 3
     finally:
@@ -715,10 +779,25 @@ def test_missing_or_unreadable_checkpoint_shows_error_page(tmp_path, checkpoints
     port = free_port()
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--ckpt", f"gpt_base={tmp_path / 'missing.pt'}",
-         "--ckpt", f"oelm_nofreeze={truncated}", "--ckpt", f"oelm_freeze={checkpoints['oelm_freeze']}",
-         "--port", str(port)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "--ckpt",
+            f"gpt_base={tmp_path / 'missing.pt'}",
+            "--ckpt",
+            f"oelm_nofreeze={truncated}",
+            "--ckpt",
+            f"oelm_freeze={checkpoints['oelm_freeze']}",
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 90
         config = None
@@ -767,8 +846,9 @@ def test_an_app_that_cannot_start_says_why_in_one_line(monkeypatch, capsys, chec
     monkeypatch.setattr(app.demo, "launch", lambda *a, **k: pytest.fail("launched without a tokenizer"))
     args = [f"--ckpt={g}={checkpoints[g]}" for g in GROUPS] + ["--device", "cpu", "--port", str(free_port())]
     assert main(args) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == ("error: tiktoken could not load the 'gpt2' encoding; "
-                                                        "set TIKTOKEN_CACHE_DIR")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: tiktoken could not load the 'gpt2' encoding; set TIKTOKEN_CACHE_DIR"
+    )
 
     def no_study(*a, **k):
         raise app.demo.SetupError("no study found under runs")
@@ -779,6 +859,7 @@ def test_an_app_that_cannot_start_says_why_in_one_line(monkeypatch, capsys, chec
 
 
 # ---- the port, the start lines, the CPU route -----------------------------------------------
+
 
 def test_a_port_in_use_is_named_with_the_apps_port_option(tmp_path, checkpoints):
     """The demo's port taken (a second demo) ended in Gradio's traceback naming its launch()
@@ -792,13 +873,20 @@ def test_a_port_in_use_is_named_with_the_apps_port_option(tmp_path, checkpoints)
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "app", "--port", str(port), "--ckpt",
-                               f"gpt_base={checkpoints['gpt_base']}"], cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "app", "--port", str(port), "--ckpt", f"gpt_base={checkpoints['gpt_base']}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=120,
+        )
         assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr == (f"error: port {port} on 127.0.0.1 is in use (another demo or server is running "
-                               f"there): start the app with another port, python -m app --port {port + 1} (make "
-                               f"demo PORT={port + 1}), or stop the other one\n")
+        assert proc.stderr == (
+            f"error: port {port} on 127.0.0.1 is in use (another demo or server is running "
+            f"there): start the app with another port, python -m app --port {port + 1} (make "
+            f"demo PORT={port + 1}), or stop the other one\n"
+        )
         assert "oelm app: loaded" not in proc.stderr and time.monotonic() - start < 60
         demo = build_demo(load_lab({"gpt_base": checkpoints["gpt_base"]}, "cpu"))
         with pytest.raises(SetupError, match=rf"^port {port} on 127\.0\.0\.1 is in use"):
@@ -809,14 +897,30 @@ def test_the_app_says_where_it_serves_and_names_its_share_option(checkpoints):
     """Gradio's start lines told the user to "set `share=True` in `launch()`"; the app's option
     is --share. A real server: its first lines, then a page request."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--device", "cpu",
-                             "--ckpt", f"gpt_base={checkpoints['gpt_base']}"], cwd=REPO, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--ckpt",
+            f"gpt_base={checkpoints['gpt_base']}",
+        ],
+        cwd=REPO,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         lines = [proc.stdout.readline(), proc.stdout.readline()]
-        assert lines == [f"* Running on local URL:  http://127.0.0.1:{port}/\n",
-                         "* To create a public link, start the app with --share.\n"], lines
+        assert lines == [
+            f"* Running on local URL:  http://127.0.0.1:{port}/\n",
+            "* To create a public link, start the app with --share.\n",
+        ], lines
         assert "OELM Lab" in _get(f"http://127.0.0.1:{port}/", timeout=30)
     finally:
         proc.terminate()
@@ -826,13 +930,15 @@ def test_the_app_says_where_it_serves_and_names_its_share_option(checkpoints):
 def test_make_demo_takes_the_port_as_a_setting():
     if shutil.which("make") is None:
         pytest.skip("no make")
-    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "demo", "PORT=7999"], cwd=REPO,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", "demo", "PORT=7999"], cwd=REPO, capture_output=True, text=True
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("-m app --train-mini --port 7999"), out.stdout
 
 
-def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, monkeypatch, capsys, checkpoints,
-                                                                    request):
+def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(
+    tmp_path, monkeypatch, capsys, checkpoints, request
+):
     """`make demo` on a CPU served the smoke study, whose page said to run make demo: a loop. It now
     says what the mini study costs: its FLOPs (the accounting's, for its three groups) at this
     CPU's measured speed, and the route to bring it from a GPU; then it serves the newest study,
@@ -846,7 +952,7 @@ def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, m
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(oelm_core.preflight, "device_flops", lambda device: (2.0e10, "a test's"))
-    mini_study_cost.cache_clear()   # measured once per process: here with the speed above
+    mini_study_cost.cache_clear()  # measured once per process: here with the speed above
     request.addfinalizer(mini_study_cost.cache_clear)
     calls = []
     monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
@@ -854,16 +960,21 @@ def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(tmp_path, m
     runs.mkdir()
     assert trained_or_mini_study(str(runs)) == (None, 2)
     err = capsys.readouterr().err
-    flops = sum(flops_per_token(model_config("mini", group, dropout=0.0))["total"] * 32 * 256 * 3000 for group in GROUPS)
-    route = (f"The tuned mini study, whose models write readable stories, trains 3 models for up to 3,000 steps of "
-             f"8,192 tokens: at least {flops / 2e10 / 3600:,.0f} h on this CPU ({flops / 1e15:.1f} PFLOP at its "
-             f"measured 20.0 GFLOP/s), about two minutes on one GPU. Train it on a GPU machine (`python -m "
-             f"oelm_core run parameters/study_tuned_mini.yaml --set 'experiment.seeds=[0]'`) and copy its "
-             f"`runs/tuned_mini` into `runs/` here: `make demo` serves it then.")
+    flops = sum(
+        flops_per_token(model_config("mini", group, dropout=0.0))["total"] * 32 * 256 * 3000 for group in GROUPS
+    )
+    route = (
+        f"The tuned mini study, whose models write readable stories, trains 3 models for up to 3,000 steps of "
+        f"8,192 tokens: at least {flops / 2e10 / 3600:,.0f} h on this CPU ({flops / 1e15:.1f} PFLOP at its "
+        f"measured 20.0 GFLOP/s), about two minutes on one GPU. Train it on a GPU machine (`python -m "
+        f"oelm_core run parameters/study_tuned_mini.yaml --set 'experiment.seeds=[0]'`) and copy its "
+        f"`runs/tuned_mini` into `runs/` here: `make demo` serves it then."
+    )
     assert err.splitlines() == [
         f"oelm app: no trained study under {runs}/ and no GPU here. {route}",
         f"error: no study under {runs}/ to serve meanwhile: `make study` trains the smoke study (several minutes "
-        f"on 2 cores; its models write gibberish, the page says so)"]
+        f"on 2 cores; its models write gibberish, the page says so)",
+    ]
     write_study(runs / "smoke", {g: {"steps": 150, "best_val_ppl": 900.0} for g in GROUPS})
     assert trained_or_mini_study(str(runs)) == (None, 0) and calls == []
     notice = undertrained_notice(load_lab({"gpt_base": checkpoints["gpt_base"]}, "cpu"))
@@ -885,8 +996,9 @@ def test_a_checkpoint_of_another_shape_says_which_model_it_holds_and_which_was_e
     for group in GROUPS:
         run_dir = study / f"{group}_s0"
         run_dir.mkdir(parents=True)
-        save_run_config(run_config_from_dict({"name": group, "preset": "mini", "variant": group}),
-                        run_dir / "config.yaml")
+        save_run_config(
+            run_config_from_dict({"name": group, "preset": "mini", "variant": group}), run_dir / "config.yaml"
+        )
         (run_dir / "best.pt").write_bytes(checkpoints[group].read_bytes())  # smoke models
         entries.append({"variant": group, "seed": 0, "run_dir": f"{group}_s0"})
     (study / "study.json").write_text(json.dumps({"name": "mini", "runs": entries}))
@@ -896,24 +1008,28 @@ def test_a_checkpoint_of_another_shape_says_which_model_it_holds_and_which_was_e
         f"{study / 'oelm_freeze_s0' / 'best.pt'} holds a smoke model (2 layers, d_model 64, 4 heads, context 64), "
         f"but the study trained a mini model (4 layers, d_model 256, 4 heads, context 256) there (its config.yaml): "
         f"the checkpoint was replaced or comes from another run; train the run again, or pass a checkpoint of "
-        f"that shape with --ckpt oelm_freeze=PATH")
+        f"that shape with --ckpt oelm_freeze=PATH"
+    )
 
     state = torch.load(checkpoints["gpt_base"], weights_only=True)
     state["model_config"] = dataclasses.asdict(model_config("mini", "gpt_base"))
     save_checkpoint({k: v for k, v in state.items() if k != "format_version"}, tmp_path / "edited.pt")
     lab = lab_from_args(ckpt=[f"gpt_base={tmp_path / 'edited.pt'}"], device="cpu")
     said = lab.failed["gpt_base"]
-    assert said.startswith(f"{tmp_path / 'edited.pt'} holds weights that do not fit its model_config: "
-                           f"model_config.n_layer is 4 in the checkpoint, 2 in the weights (blocks.0 .. blocks.1); "
-                           f"model_config.d_model is 256 in the checkpoint, 64 in the weights (wte.weight (50304, 64))"), said
+    assert said.startswith(
+        f"{tmp_path / 'edited.pt'} holds weights that do not fit its model_config: "
+        f"model_config.n_layer is 4 in the checkpoint, 2 in the weights (blocks.0 .. blocks.1); "
+        f"model_config.d_model is 256 in the checkpoint, 64 in the weights (wte.weight (50304, 64))"
+    ), said
     assert "(the weights are a smoke model's)" in said and "Unexpected key" not in said
 
 
 def test_a_typed_end_of_text_in_the_prompt_is_the_token(served):
     demo, _ = served
     ids = demo.oelm.check_prompt("The end.<|endoftext|>Once upon a time")
-    assert ids.count(50256) == 1 and ids == demo.oelm.enc.encode("The end.<|endoftext|>Once upon a time",
-                                                                 allowed_special={"<|endoftext|>"})
+    assert ids.count(50256) == 1 and ids == demo.oelm.enc.encode(
+        "The end.<|endoftext|>Once upon a time", allowed_special={"<|endoftext|>"}
+    )
 
 
 def test_attention_over_text_with_dollar_signs(served):
@@ -921,7 +1037,8 @@ def test_attention_over_text_with_dollar_signs(served):
     (ParseException), found by 150 requests against one server: token labels are text."""
     _, client = served
     heat, compare, summary, table, details = client.predict(
-        "The toy cost $5 and the ball $$ 6 $", "gpt_base", 0, "mean", "", "", "", api_name="/attention")
+        "The toy cost $5 and the ball $$ 6 $", "gpt_base", 0, "mean", "", "", "", api_name="/attention"
+    )
     assert "$5" in "".join(details["tokens"]) and served_image(heat).std() > 10
 
 
@@ -952,8 +1069,14 @@ def test_an_idle_server_gives_back_what_its_requests_freed():
     blocks in a process of its own, and trimming returns what freeing kept."""
     if not os.path.exists("/proc/self/status") or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
         pytest.skip("glibc and /proc: the heap trimmed and the RSS read")
-    out = subprocess.run([sys.executable, "-c", RETURNS_FREED_MEMORY], cwd=REPO, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", RETURNS_FREED_MEMORY],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     before, kept, trimmed = map(float, out.stdout.split())
-    assert kept - before > 20, (before, kept)           # freeing alone gave little back
+    assert kept - before > 20, (before, kept)  # freeing alone gave little back
     assert trimmed - before < 0.25 * (kept - before), (before, kept, trimmed)

@@ -17,16 +17,35 @@ BENCH = REPO / "benchmarks" / "bench_train.py"
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(BENCH), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.slow
 def test_bench_train_times_the_trainers_step_with_each_fast_path_off(tmp_path):
     out = tmp_path / "train.json"
-    proc = _run("--preset", "smoke", "--batch", "2", "--steps", "2", "--blocks", "2", "--warmup", "0",
-                "--groups", "reference", "gpt_base", "--off", "fused_loss", "fused_logits", "--check",
-                "--json", str(out))
+    proc = _run(
+        "--preset",
+        "smoke",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--blocks",
+        "2",
+        "--warmup",
+        "0",
+        "--groups",
+        "reference",
+        "gpt_base",
+        "--off",
+        "fused_loss",
+        "fused_logits",
+        "--check",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     written = json.loads(out.read_text())
     rows = {r["label"]: r for r in written["results"]}
@@ -45,7 +64,7 @@ def test_bench_train_times_the_trainers_step_with_each_fast_path_off(tmp_path):
         assert check["loss_abs_diff"] < 1e-5 and check["max_grad_rel_diff"] < 1e-5, (name, check)
     table = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("variant"))
-    assert [line.split()[0] for line in table[header + 1:]] == list(rows)  # the table comes last
+    assert [line.split()[0] for line in table[header + 1 :]] == list(rows)  # the table comes last
     assert table[header + 2].split()[-2] == "1.000"  # gpt_base against itself, all fast paths on
 
 
@@ -53,22 +72,37 @@ def test_bench_train_expands_the_variants_and_refuses_an_option_saying_which():
     sys.path.insert(0, str(BENCH.parent))
     import bench_train
 
-    variants = bench_train.expand(["reference", "oelm_freeze:cuda_graph=0", "gpt_base:compile=max-autotune,chunk=4096"],
-                                  ["0", "1"], ["fused_logits", "cuda_graph"])
+    variants = bench_train.expand(
+        ["reference", "oelm_freeze:cuda_graph=0", "gpt_base:compile=max-autotune,chunk=4096"],
+        ["0", "1"],
+        ["fused_logits", "cuda_graph"],
+    )
     assert [v["label"] for v in variants] == [
-        "reference:compile=0", "reference:compile=1",
-        "oelm_freeze:cuda_graph=0,compile=0", "oelm_freeze:cuda_graph=0,compile=0,fused_logits=0",
-        "oelm_freeze:cuda_graph=0,compile=1", "oelm_freeze:cuda_graph=0,compile=1,fused_logits=0",
-        "gpt_base:compile=max-autotune,chunk=4096", "gpt_base:compile=max-autotune,chunk=4096,fused_logits=0",
-        "gpt_base:compile=max-autotune,chunk=4096,cuda_graph=0"]
+        "reference:compile=0",
+        "reference:compile=1",
+        "oelm_freeze:cuda_graph=0,compile=0",
+        "oelm_freeze:cuda_graph=0,compile=0,fused_logits=0",
+        "oelm_freeze:cuda_graph=0,compile=1",
+        "oelm_freeze:cuda_graph=0,compile=1,fused_logits=0",
+        "gpt_base:compile=max-autotune,chunk=4096",
+        "gpt_base:compile=max-autotune,chunk=4096,fused_logits=0",
+        "gpt_base:compile=max-autotune,chunk=4096,cuda_graph=0",
+    ]
     tc = bench_train.train_config(variants[-1])
-    assert (tc.compile, tc.loss_chunk_tokens, tc.cuda_graph, tc.fused_loss, tc.fused_logits) == (True, 4096, False, True, True)
+    assert (tc.compile, tc.loss_chunk_tokens, tc.cuda_graph, tc.fused_loss, tc.fused_logits) == (
+        True,
+        4096,
+        False,
+        True,
+        True,
+    )
     reference = bench_train.train_config(variants[0])
     assert (reference.compile, reference.cuda_graph) == (False, False)
     for specs, compiles, message in (
-            (["gpt_base:gemm=torch"], ["0"], r"unknown option 'gemm'; a variant's options are fused_loss, fused_logits"),
-            (["reference:fused_logits=0"], ["0"], "the reference takes only compile, cuda_graph, pad"),
-            (["gpt_base:chunk=0"], ["0"], "chunk=0 must be a positive integer"),
-            (["gpt_base"], ["fastest"], "compile=fastest is not 0, 1 or a torch.compile mode")):
+        (["gpt_base:gemm=torch"], ["0"], r"unknown option 'gemm'; a variant's options are fused_loss, fused_logits"),
+        (["reference:fused_logits=0"], ["0"], "the reference takes only compile, cuda_graph, pad"),
+        (["gpt_base:chunk=0"], ["0"], "chunk=0 must be a positive integer"),
+        (["gpt_base"], ["fastest"], "compile=fastest is not 0, 1 or a torch.compile mode"),
+    ):
         with pytest.raises(ValueError, match=message):
             bench_train.expand(specs, compiles, [])

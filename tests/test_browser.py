@@ -17,13 +17,23 @@ import pytest
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
-                       "(apt-get update && apt-get install -y chromium)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium at /usr/bin/chromium (apt-get update && apt-get install -y chromium)",
+    ),
 ]
 
 pytest.importorskip("gradio")
@@ -57,8 +67,9 @@ def test_generate_and_attention_in_browser(tmp_path, browser):
     from oelm_core.export import to_safetensors
 
     paths = make_checkpoints(tmp_path)
-    paths["oelm_freeze"] = to_safetensors(load_model(paths["oelm_freeze"])[0], tmp_path / "freeze_export",
-                                          card={"step": 300, "val_ppl": 22.0})
+    paths["oelm_freeze"] = to_safetensors(
+        load_model(paths["oelm_freeze"])[0], tmp_path / "freeze_export", card={"step": 300, "val_ppl": 22.0}
+    )
     demo, url = start_app(load_lab(paths, "cpu", "browser test checkpoints"))
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})

@@ -45,10 +45,14 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_a_run_folder_is_named_as_a_folder_with_the_file_to_pass(tmp_path):
     run = tmp_path / "run"
     (run / "ckpt").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match=r"run is a folder, not a checkpoint file: pass a \.pt file such as .*ckpt/step_\*\.pt"):
+    with pytest.raises(
+        CheckpointError, match=r"run is a folder, not a checkpoint file: pass a \.pt file such as .*ckpt/step_\*\.pt"
+    ):
         load_checkpoint(run)
     save_checkpoint(state_of(build_model("tiny", seed=1)), run / "best.pt")
-    with pytest.raises(CheckpointError, match=r"run is a folder, not a checkpoint file: pass a \.pt file such as .*run/best\.pt$"):
+    with pytest.raises(
+        CheckpointError, match=r"run is a folder, not a checkpoint file: pass a \.pt file such as .*run/best\.pt$"
+    ):
         load_checkpoint(run)
 
 
@@ -60,9 +64,12 @@ def test_a_checkpoint_holding_arbitrary_objects_is_refused(tmp_path):
     """torch's message runs on for lines of advice; the error names the refused object."""
     path = tmp_path / "pickled.pt"
     torch.save({"format_version": 1, **state_of(build_model("tiny", seed=1)), "extra": NotAllowed()}, path)
-    with pytest.raises(CheckpointError, match=rf"^checkpoint {path} holds code, not only weights: it names the "
-                                              r"Python object `\S*NotAllowed`, which unpickling would import and "
-                                              r"call \(weights-only loading allows no such object\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^checkpoint {path} holds code, not only weights: it names the "
+        r"Python object `\S*NotAllowed`, which unpickling would import and "
+        r"call \(weights-only loading allows no such object\)",
+    ):
         load_checkpoint(path)
 
 
@@ -94,7 +101,8 @@ def test_a_malicious_checkpoint_names_the_blocked_call_and_runs_nothing(tmp_path
         f"files); weights-only loading refused it, so nothing in the file "
         f"ran. OELM checkpoints hold tensors, numbers, strings, lists and dicts only: do not load this one with "
         f"weights_only=False unless you trust where it came from; use a checkpoint of a run folder (best.pt "
-        f"or ckpt/step_*.pt) or train again")
+        f"or ckpt/step_*.pt) or train again"
+    )
     assert isinstance(exc.value.__cause__, pickle.UnpicklingError)
     assert not marker.exists()  # nothing ran
     with pytest.raises(CheckpointError, match=rf"names the Python object `{blocked}`"):
@@ -106,8 +114,10 @@ def test_a_truncated_checkpoint_names_torchs_first_sentence_whole(tmp_path):
     path.write_bytes(path.read_bytes()[:-100])  # its end, the zip's central directory, is missing
     with pytest.raises(CheckpointError) as exc:
         load_checkpoint(path)
-    assert ("could not be read (RuntimeError: PytorchStreamReader failed reading zip archive: failed "
-            "finding central directory.); the file is truncated") in str(exc.value)
+    assert (
+        "could not be read (RuntimeError: PytorchStreamReader failed reading zip archive: failed "
+        "finding central directory.); the file is truncated"
+    ) in str(exc.value)
     path.write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"could not be read \(EOFError\); "):
         load_checkpoint(path)
@@ -122,7 +132,9 @@ def test_other_formats_and_shapes_are_refused(tmp_path):
     bad_shape = state_of(model)
     bad_shape["model_config"]["n_head"] = 3  # does not divide d_model: no model to rebuild
     save_checkpoint(bad_shape, tmp_path / "bad.pt")
-    with pytest.raises(CheckpointError, match=r"bad.pt holds no model this oelm_core can rebuild \(n_head=3 does not divide"):
+    with pytest.raises(
+        CheckpointError, match=r"bad.pt holds no model this oelm_core can rebuild \(n_head=3 does not divide"
+    ):
         load_model(tmp_path / "bad.pt")
 
 
@@ -131,13 +143,15 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tmp_path):
     cfg = dataclasses.asdict(m.cfg)
     cfg["tie_embeddings"] = False  # lm_head.weight is missing from the state
     save_checkpoint({"model": m.state_dict(), "model_config": cfg}, tmp_path / "x.pt")
-    with pytest.raises(CheckpointError, match=r"x.pt holds weights that do not fit its model_config: model_config"
-                                            r"\.tie_embeddings is false in the checkpoint, true in the weights \(lm_head\.weight\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"x.pt holds weights that do not fit its model_config: model_config"
+        r"\.tie_embeddings is false in the checkpoint, true in the weights \(lm_head\.weight\)",
+    ):
         load_model(tmp_path / "x.pt")
 
 
-def test_a_full_disk_while_saving_says_where_and_how_much_and_loses_nothing(tmp_path, folded, capsys,
-                                                                            monkeypatch):
+def test_a_full_disk_while_saving_says_where_and_how_much_and_loses_nothing(tmp_path, folded, capsys, monkeypatch):
     """The disk filled while a checkpoint was written: chained tracebacks ending in torch's
     "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos". On a real 2 MB
     tmpfs the run now ends with one line naming the device, the file and what it needs (the
@@ -158,16 +172,19 @@ def test_a_full_disk_while_saving_says_where_and_how_much_and_loses_nothing(tmp_
         assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 1
         err = capsys.readouterr().err
         out, ckpt = disk.path / "run", disk.path / "run" / "ckpt"
-        said = re.fullmatch(rf"error: no space left on {re.escape(device_of(disk.path))} while writing "
-                            rf"{re.escape(str(out))}/(best\.pt|ckpt/step_\d{{7}}\.pt); about (\d\.\d) MB needed, "
-                            rf"(\d\.\d) MB free there: free some space on it, or set out_dir to a folder on "
-                            rf"another disk\n", err)
+        said = re.fullmatch(
+            rf"error: no space left on {re.escape(device_of(disk.path))} while writing "
+            rf"{re.escape(str(out))}/(best\.pt|ckpt/step_\d{{7}}\.pt); about (\d\.\d) MB needed, "
+            rf"(\d\.\d) MB free there: free some space on it, or set out_dir to a folder on "
+            rf"another disk\n",
+            err,
+        )
         assert said and "Traceback" not in err and device_of(disk.path).startswith("tmpfs (mounted at"), err
         # What it needs: the size of that file in the uninterrupted run, and more than there was.
         size = (tmp_path / "full" / said.group(1)).stat().st_size / 1e6
         assert float(said.group(2)) == pytest.approx(size, abs=0.1) and float(said.group(3)) < size
         saved = sorted(p.name for p in ckpt.iterdir())
-        assert saved and all(not n.startswith(".") for n in saved)   # no temporary left
+        assert saved and all(not n.startswith(".") for n in saved)  # no temporary left
         load_checkpoint(ckpt / saved[-1])
         disk.resize(16384)
         done = run(values, resume=True)

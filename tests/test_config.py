@@ -2,8 +2,17 @@
 
 import pytest
 
-from oelm_core.config import (REMOVED_TRAIN_KEYS, ConfigError, SamplingConfig, TrainConfig, apply_overrides,
-                              load_run_config, model_config, read_yaml, run_config_from_dict)
+from oelm_core.config import (
+    REMOVED_TRAIN_KEYS,
+    ConfigError,
+    SamplingConfig,
+    TrainConfig,
+    apply_overrides,
+    load_run_config,
+    model_config,
+    read_yaml,
+    run_config_from_dict,
+)
 
 
 def test_defaults_are_the_original_study():
@@ -26,8 +35,11 @@ def test_yaml_file_and_overrides(tmp_path):
 
 
 def test_unknown_key_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) params\.train\.stepz; valid keys in "
-                                          r"params\.train: .*steps"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key\(s\) params\.train\.stepz; valid keys in "
+        r"params\.train: .*steps",
+    ):
         run_config_from_dict({"train": {"stepz": 5}})
 
 
@@ -47,10 +59,12 @@ def test_the_sampling_settings_are_checked_by_the_same_builder():
         run_config_from_dict({"train": {"steps": 2.5}})
     with pytest.raises(ConfigError) as sampling_error:
         SamplingConfig(max_new_tokens=2.5).validate()
-    assert str(file_error.value) == ("params.train.steps should be int, got float 2.5; fix the value in "
-                                     "the parameter file or --set")
-    assert str(sampling_error.value) == ("sampling.max_new_tokens should be int, got float 2.5; pass one as "
-                                         "SamplingConfig(max_new_tokens=...)")
+    assert str(file_error.value) == (
+        "params.train.steps should be int, got float 2.5; fix the value in the parameter file or --set"
+    )
+    assert str(sampling_error.value) == (
+        "sampling.max_new_tokens should be int, got float 2.5; pass one as SamplingConfig(max_new_tokens=...)"
+    )
     cfg = run_config_from_dict({"train": {"steps": np.int64(7), "lr": np.float32(0.5)}})
     assert type(cfg.train.steps) is int and cfg.train.steps == 7 and type(cfg.train.lr) is float
     with pytest.raises(ConfigError, match=r"^sampling\.seed should be int or None, got str 'x'"):
@@ -70,33 +84,44 @@ def test_missing_file_and_bad_override(tmp_path):
         apply_overrides({}, ["train.steps"])
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("train.beta1", 1.5, r"train\.beta1 must be in \[0, 1\)"),
-    ("train.eps", -1, r"train\.eps must be positive"),
-    ("train.lr", 0, r"train\.lr must be positive"),
-    ("train.lr", float("nan"), r"train\.lr must be positive"),
-    ("train.dtype", "fp64", r"train\.dtype must be one of \('auto', 'float32', 'bf16'\)"),
-    ("train.min_lr", 1e-3, r"train\.min_lr=0\.001 exceeds train\.lr=0\.0003: the cosine schedule decays "
-                           r"from lr to min_lr, so min_lr must be at most lr"),
-    ("train.unfreeze_schedule", {200: [9]}, r"unfreeze_schedule\[200\] must be 'all' or a list of layer indices in 0\.\.5"),
-    ("data.num_proc", -1, r"data\.num_proc must be 0 or positive"),
-    ("model.freeze_qk", ["a"], r"model\.freeze_qk must list layer indices as integers"),
-    ("model.freeze_qk", [1.7], r"model\.freeze_qk must list layer indices as integers"),
-    ("model.freeze_qk", True, r"model\.freeze_qk should be str or list, got bool True"),
-    ("train.loss_chunk_tokens", 0, r"train\.loss_chunk_tokens must be at least 1, got 0"),
-    ("train.loss_chunk_tokens", -1, r"train\.loss_chunk_tokens must be at least 1, got -1"),
-    # moved from model to train: an old file's value is checked under its new name
-    ("model.loss_chunk_tokens", -1, r"train\.loss_chunk_tokens must be at least 1, got -1"),
-    ("model.synth_rank", 0, r"model\.synth_rank must be positive"),
-    ("model.vocab_pad_multiple", 0, r"model\.vocab_pad_multiple must be positive"),
-    ("model.poet_merge_every", -5, r"model\.poet_merge_every must be 0 \(off\) or positive"),
-    ("model.n_head", 0, r"model\.n_head must be positive, got 0"),
-    ("model.d_model", 0, r"model\.d_model must be positive, got 0"),
-    ("model.qk_gain", 0, r"model\.qk_gain must be a finite positive scale"),
-    ("model.qk_gain", -1.0, r"model\.qk_gain must be a finite positive scale"),
-    ("model.qk_gain", float("nan"), r"model\.qk_gain must be a finite positive scale"),
-    ("model.qk_gain", float("inf"), r"model\.qk_gain must be a finite positive scale"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("train.beta1", 1.5, r"train\.beta1 must be in \[0, 1\)"),
+        ("train.eps", -1, r"train\.eps must be positive"),
+        ("train.lr", 0, r"train\.lr must be positive"),
+        ("train.lr", float("nan"), r"train\.lr must be positive"),
+        ("train.dtype", "fp64", r"train\.dtype must be one of \('auto', 'float32', 'bf16'\)"),
+        (
+            "train.min_lr",
+            1e-3,
+            r"train\.min_lr=0\.001 exceeds train\.lr=0\.0003: the cosine schedule decays "
+            r"from lr to min_lr, so min_lr must be at most lr",
+        ),
+        (
+            "train.unfreeze_schedule",
+            {200: [9]},
+            r"unfreeze_schedule\[200\] must be 'all' or a list of layer indices in 0\.\.5",
+        ),
+        ("data.num_proc", -1, r"data\.num_proc must be 0 or positive"),
+        ("model.freeze_qk", ["a"], r"model\.freeze_qk must list layer indices as integers"),
+        ("model.freeze_qk", [1.7], r"model\.freeze_qk must list layer indices as integers"),
+        ("model.freeze_qk", True, r"model\.freeze_qk should be str or list, got bool True"),
+        ("train.loss_chunk_tokens", 0, r"train\.loss_chunk_tokens must be at least 1, got 0"),
+        ("train.loss_chunk_tokens", -1, r"train\.loss_chunk_tokens must be at least 1, got -1"),
+        # moved from model to train: an old file's value is checked under its new name
+        ("model.loss_chunk_tokens", -1, r"train\.loss_chunk_tokens must be at least 1, got -1"),
+        ("model.synth_rank", 0, r"model\.synth_rank must be positive"),
+        ("model.vocab_pad_multiple", 0, r"model\.vocab_pad_multiple must be positive"),
+        ("model.poet_merge_every", -5, r"model\.poet_merge_every must be 0 \(off\) or positive"),
+        ("model.n_head", 0, r"model\.n_head must be positive, got 0"),
+        ("model.d_model", 0, r"model\.d_model must be positive, got 0"),
+        ("model.qk_gain", 0, r"model\.qk_gain must be a finite positive scale"),
+        ("model.qk_gain", -1.0, r"model\.qk_gain must be a finite positive scale"),
+        ("model.qk_gain", float("nan"), r"model\.qk_gain must be a finite positive scale"),
+        ("model.qk_gain", float("inf"), r"model\.qk_gain must be a finite positive scale"),
+    ],
+)
 def test_unusable_values_fail_at_load_time(key, value, message):
     """Every entry point (CLI, study, sweep, notebooks) loads through here: a value the loop or
     the model cannot use fails before anything runs, naming the key."""
@@ -118,8 +143,11 @@ def test_the_loss_switches_of_older_files_are_read_as_train_settings(caplog):
     assert run_config_from_dict({"model": {"loss_impl": "chunked"}}).train.fused_loss is True
     # the train section's own value wins over a moved one
     assert run_config_from_dict({"model": {"loss_impl": "full"}, "train": {"fused_loss": True}}).train.fused_loss
-    with pytest.raises(ConfigError, match=r"model\.loss_impl is no longer a model setting: .* train\.fused_loss "
-                                          r"and train\.loss_chunk_tokens \(from Python: oelm_core\.fast\.loss"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.loss_impl is no longer a model setting: .* train\.fused_loss "
+        r"and train\.loss_chunk_tokens \(from Python: oelm_core\.fast\.loss",
+    ):
         model_config("tiny", "gpt_base", loss_impl="full")
 
 
@@ -127,8 +155,9 @@ def test_the_switches_of_removed_fast_paths_are_dropped_with_a_note(caplog):
     """train.cublaslt, train.fused_clip, train.tied_grad_split and train.compile_tuning switched
     fast paths that were removed: a run folder or parameter file that sets them still loads,
     with a note; every other unknown train key is still refused."""
-    old = {"train": {"cublaslt": False, "fused_clip": True, "tied_grad_split": True, "compile_tuning": True,
-                     "lr": 1e-3}}
+    old = {
+        "train": {"cublaslt": False, "fused_clip": True, "tied_grad_split": True, "compile_tuning": True, "lr": 1e-3}
+    }
     with caplog.at_level("INFO", logger="oelm_core.config"):
         cfg = run_config_from_dict(old)
     assert cfg.train.lr == 1e-3 and not hasattr(cfg.train, "cublaslt")
@@ -185,9 +214,11 @@ def test_a_tab_in_yaml_gets_the_tab_hint(tmp_path):
     tabbed.write_text("name: x\ntrain:\n\tsteps: 3\n")
     with pytest.raises(ConfigError) as exc:
         load_run_config(tabbed)
-    assert str(exc.value) == (f"{tabbed} is not valid YAML: found character '\\t' that cannot start any token at "
-                              f"line 3, column 1; fix the syntax there (YAML indents with spaces, never tabs: "
-                              f"replace the tab with spaces)")
+    assert str(exc.value) == (
+        f"{tabbed} is not valid YAML: found character '\\t' that cannot start any token at "
+        f"line 3, column 1; fix the syntax there (YAML indents with spaces, never tabs: "
+        f"replace the tab with spaces)"
+    )
     bracket = tmp_path / "bracket.yaml"
     bracket.write_text("name: x\ntrain: {steps: 3\n")
     with pytest.raises(ConfigError, match=r"\(an unclosed bracket or quote is the usual cause\)$"):
@@ -201,8 +232,10 @@ def test_read_yaml_names_the_file_and_what_is_wrong(tmp_path):
     path.write_text("study:\n  runs: [a.yaml\n  seeds: [1]\n")
     with pytest.raises(ConfigError) as exc:
         read_yaml(path)
-    assert str(exc.value).startswith(f"{path} is not valid YAML: expected ',' or ']', but got ':' at line 3, "
-                                     f"column 8 (while parsing a flow sequence from line 2, column 9)")
+    assert str(exc.value).startswith(
+        f"{path} is not valid YAML: expected ',' or ']', but got ':' at line 3, "
+        f"column 8 (while parsing a flow sequence from line 2, column 9)"
+    )
     path.write_text("- train.steps: 3\n")
     with pytest.raises(ConfigError, match=r"f.yaml must hold a YAML mapping at the top level .*got a list"):
         read_yaml(path)
@@ -212,17 +245,22 @@ def test_read_yaml_names_the_file_and_what_is_wrong(tmp_path):
     path.write_text("# all commented out\n")
     assert read_yaml(path) == {}
     path.write_text("train:\n  lr: 3e-4\n")
-    assert read_yaml(path) == {"train": {"lr": "3e-4"}}   # as PyYAML reads it: _build makes it a number
+    assert read_yaml(path) == {"train": {"lr": "3e-4"}}  # as PyYAML reads it: _build makes it a number
 
 
 def test_overrides_as_set_strings_or_a_mapping_are_the_same():
     base = {"model": {"n_layer": 2}, "train": None}
-    as_sets = apply_overrides(base, ["model.n_layer=4", "train.lr=1e-3", "model.freeze_qk=[0, 1]",
-                                     "data.source='2024'"])
-    as_mapping = apply_overrides(base, {"model.n_layer": 4, "train.lr": "1e-3", "model.freeze_qk": [0, 1],
-                                        "data.source": "2024"})
-    assert as_sets == as_mapping == {"model": {"n_layer": 4, "freeze_qk": [0, 1]}, "train": {"lr": "1e-3"},
-                                     "data": {"source": "2024"}}
+    as_sets = apply_overrides(
+        base, ["model.n_layer=4", "train.lr=1e-3", "model.freeze_qk=[0, 1]", "data.source='2024'"]
+    )
+    as_mapping = apply_overrides(
+        base, {"model.n_layer": 4, "train.lr": "1e-3", "model.freeze_qk": [0, 1], "data.source": "2024"}
+    )
+    assert (
+        as_sets
+        == as_mapping
+        == {"model": {"n_layer": 4, "freeze_qk": [0, 1]}, "train": {"lr": "1e-3"}, "data": {"source": "2024"}}
+    )
     assert base == {"model": {"n_layer": 2}, "train": None}
 
 
@@ -235,8 +273,12 @@ def test_trained_settings_compare_what_a_run_learns():
     # the same model written as GPT-Base with OELM-Freeze's overrides
     assert trained_settings({"preset": "tiny", "model": {"qk_init": "qr", "freeze_qk": "all"}}) == freeze
     assert freeze["train.seed"] == 42 and freeze["model.freeze_qk"] == "all" and freeze["train.steps"] == 100_000
-    executed = {"preset": "tiny", "variant": "oelm_freeze",
-                "train": {"device": "cpu", "compile": True, "stop_after": 3}, "data": {"source": "/elsewhere"}}
+    executed = {
+        "preset": "tiny",
+        "variant": "oelm_freeze",
+        "train": {"device": "cpu", "compile": True, "stop_after": 3},
+        "data": {"source": "/elsewhere"},
+    }
     assert trained_settings(executed) == freeze
     assert not EXECUTION_KEYS & set(freeze)
     assert trained_settings({"preset": "tiny", "variant": "oelm_freeze", "train": {"lr": 1e-3}}) != freeze
@@ -256,8 +298,11 @@ def test_preset_and_variant_inside_model_name_the_top_level_keys(tmp_path):
     TypeError. They are top-level keys, and the error says where to write them."""
     path = tmp_path / "p.yaml"
     path.write_text("name: x\nmodel:\n  preset: smoke\n  variant: oelm_freeze\n")
-    with pytest.raises(ConfigError, match=r"^model\.preset is not a model key: preset and variant are top-level "
-                                          r"keys; write `preset: smoke` beside `model:` \(or --set preset=smoke\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.preset is not a model key: preset and variant are top-level "
+        r"keys; write `preset: smoke` beside `model:` \(or --set preset=smoke\)$",
+    ):
         load_run_config(path)
     with pytest.raises(ConfigError, match=r"model\.preset is not a model key.*`preset: smoke` beside `model:`"):
         load_run_config(None, ["model.preset=smoke"])
@@ -273,14 +318,20 @@ def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path):
     first one's steps."""
     path = tmp_path / "p.yaml"
     path.write_text("name: x\ntrain:\n  steps: 5\nmodel:\n  n_layer: 2\ntrain:\n  lr: 0.001\n")
-    with pytest.raises(ConfigError, match=r"^.*p\.yaml: the key 'train' appears twice in one mapping \(on lines 2 "
-                                          r"and 6\); YAML would keep only the second silently: merge the two"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^.*p\.yaml: the key 'train' appears twice in one mapping \(on lines 2 "
+        r"and 6\); YAML would keep only the second silently: merge the two",
+    ):
         load_run_config(path)
     path.write_text("train:\n  steps: 5\n  lr: 0.001\n  steps: 6\n")
     with pytest.raises(ConfigError, match=r"the key 'steps' appears twice in one mapping \(on lines 2 and 4\)"):
         read_yaml(path)
-    with pytest.raises(ConfigError, match=r"^--set 'model=\{n_layer: 2, n_layer: 3\}': the key 'n_layer' appears "
-                                          r"twice in one mapping \(on line 1\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--set 'model=\{n_layer: 2, n_layer: 3\}': the key 'n_layer' appears "
+        r"twice in one mapping \(on line 1\)",
+    ):
         load_run_config(None, ["model={n_layer: 2, n_layer: 3}"])
     # A merge key's values may be overridden: that is what it is for, not a repeated key.
     path.write_text("base: &b {steps: 5, lr: 0.001}\ntrain:\n  <<: *b\n  steps: 7\n")
@@ -288,22 +339,34 @@ def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path):
     assert apply_overrides({}, ["model={n_layer: 2, d_model: 64}"]) == {"model": {"n_layer": 2, "d_model": 64}}
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("model.dropout", 1.0, r"model\.dropout must be in \[0, 1\)"),          # K2
-    ("train.beta2", 1.0, r"train\.beta2 must be in \[0, 1\)"),             # K3
-    ("train.steps", 0, r"train\.steps must be at least 1, got 0"),        # K4
-    ("train.batch_size", 0, r"train\.batch_size must be at least 1"),     # K4
-    ("train.steps", True, r"params\.train\.steps should be int, got bool True"),  # K5
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("model.dropout", 1.0, r"model\.dropout must be in \[0, 1\)"),  # K2
+        ("train.beta2", 1.0, r"train\.beta2 must be in \[0, 1\)"),  # K3
+        ("train.steps", 0, r"train\.steps must be at least 1, got 0"),  # K4
+        ("train.batch_size", 0, r"train\.batch_size must be at least 1"),  # K4
+        ("train.steps", True, r"params\.train\.steps should be int, got bool True"),  # K5
+    ],
+)
 def test_more_unusable_values(key, value, message):
     from oelm_core.config import run_config_from_dict
+
     section, name = key.split(".")
     with pytest.raises(ConfigError, match=message):
         run_config_from_dict({section: {name: value}})
 
 
-@pytest.mark.parametrize("text", ["", "# only a comment\n", "name: x\ntrain:\n  steps: 10\n",
-                                  "preset: smoke\n", "variant: oelm_freeze\nmodel:\n  n_layer: 2\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "# only a comment\n",
+        "name: x\ntrain:\n  steps: 10\n",
+        "preset: smoke\n",
+        "variant: oelm_freeze\nmodel:\n  n_layer: 2\n",
+    ],
+)
 def test_a_parameter_file_without_preset_or_variant_is_refused(tmp_path, text):
     """An empty file silently trained the Medium-512 defaults (a 539 MB checkpoint on a CPU): a
     parameter file must say which model it trains. Built from defaults or a mapping (studies,
@@ -318,8 +381,9 @@ def test_a_parameter_file_without_preset_or_variant_is_refused(tmp_path, text):
     message = str(exc.value)
     given = [k for k in ("preset", "variant") if f"{k}:" in text]
     missing = [k for k in ("preset", "variant") if k not in given]
-    assert message.startswith(f"{path} does not say which model to train: it has no "
-                              f"{' or '.join(f'`{k}:`' for k in missing)}; ")
+    assert message.startswith(
+        f"{path} does not say which model to train: it has no {' or '.join(f'`{k}:`' for k in missing)}; "
+    )
     assert "a parameter file holds at least `preset:` and `variant:`" in message
     assert f"presets: {', '.join(PRESETS)}" in message and f"variants: {', '.join(variants())}" in message
     assert "see parameters/smoke/oelm_freeze.yaml" in message and "\n" not in message
@@ -334,11 +398,17 @@ def test_a_study_or_sweep_file_passed_as_a_parameter_file_names_its_runner(tmp_p
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    with pytest.raises(ConfigError, match=r"study_smoke\.yaml is a plan file \(it has the `experiment:` section\): "
-                                          r"run it with python -m oelm_core run "):
+    with pytest.raises(
+        ConfigError,
+        match=r"study_smoke\.yaml is a plan file \(it has the `experiment:` section\): "
+        r"run it with python -m oelm_core run ",
+    ):
         load_run_config(repo / "parameters" / "study_smoke.yaml")
     sweep = tmp_path / "s.yaml"
     sweep.write_text("sweep:\n  variants: [gpt_base]\n")
-    with pytest.raises(ConfigError, match=r"s\.yaml is a plan file \(it has the `sweep:` section\): run it "
-                                          r"with python -m oelm_core run "):
+    with pytest.raises(
+        ConfigError,
+        match=r"s\.yaml is a plan file \(it has the `sweep:` section\): run it "
+        r"with python -m oelm_core run ",
+    ):
         load_run_config(sweep)

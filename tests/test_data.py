@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import STORIES
+
 from oelm_core import data
 from oelm_core.config import ConfigError, DataConfig
 
@@ -45,6 +45,7 @@ def cfg_for(source, out, **kw):
 
 # --- story splitting ----------------------------------------------------------------------
 
+
 def test_split_stories_separators():
     assert data.split_stories("a<|endoftext|>b") == ["a", "b"]
     assert data.split_stories("a\n<|endoftext|>\nb\n<|endoftext|>\n") == ["a", "b"]
@@ -57,6 +58,7 @@ def test_known_ids():
 
 
 # --- every source format prepares to exactly the direct encoding ---------------------------
+
 
 def test_txt_folder(story_folder, tmp_path):
     meta = data.prepare(cfg_for(story_folder, tmp_path / "out"), progress=False)
@@ -81,8 +83,7 @@ def test_txt_without_separator_is_one_stream(tmp_path):
     (root / "val" / "v.txt").write_text("One story.\n\nAnother story.\n")
     data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
     assert read_bin(tmp_path / "out/train.bin").tolist() == [15496, 50256, 15496, 995, 50256]
-    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"),
-                                  expected_ids(["One story.\n\nAnother story."]))
+    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"), expected_ids(["One story.\n\nAnother story."]))
 
 
 def test_jsonl(tmp_path):
@@ -91,8 +92,7 @@ def test_jsonl(tmp_path):
         (root / split).mkdir(parents=True)
         rows = [json.dumps({"story": s, "id": i}) for i, s in enumerate(stories)]
         (root / split / "part.jsonl").write_text("\n".join(rows) + "\n\n")
-    meta = data.prepare(cfg_for(root, tmp_path / "out", text_field="story", max_val_stories=1),
-                        progress=False)
+    meta = data.prepare(cfg_for(root, tmp_path / "out", text_field="story", max_val_stories=1), progress=False)
     train = read_bin(tmp_path / "out/train.bin")
     assert train[:3].tolist() == [15496, 995, 50256]
     np.testing.assert_array_equal(train, expected_ids(["Hello world", *STORIES]))
@@ -114,7 +114,9 @@ def test_a_field_that_is_not_text_names_the_file_and_line(tmp_path):
     for split in ("train", "validation"):
         (root / split).mkdir(parents=True)
         (root / split / "p.jsonl").write_text(json.dumps({"text": "A story."}) + "\n" + json.dumps({"text": 42}) + "\n")
-    with pytest.raises(ConfigError, match=r"p\.jsonl:2: field 'text' holds int 42, not a story's text; set data\.text_field"):
+    with pytest.raises(
+        ConfigError, match=r"p\.jsonl:2: field 'text' holds int 42, not a story's text; set data\.text_field"
+    ):
         data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
 
 
@@ -134,14 +136,17 @@ def test_parquet(tmp_path):
 
 def test_save_to_disk(tmp_path):
     datasets = pytest.importorskip("datasets")
-    dd = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"text": ["Hello world", *STORIES, "  "]}),
-        "validation": datasets.Dataset.from_dict({"text": STORIES[:2]}),
-    })
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["Hello world", *STORIES, "  "]}),
+            "validation": datasets.Dataset.from_dict({"text": STORIES[:2]}),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "saved"))
     meta = data.prepare(cfg_for(tmp_path / "saved", tmp_path / "out"), progress=False)
-    np.testing.assert_array_equal(read_bin(tmp_path / "out/train.bin"),
-                                  expected_ids(["Hello world", *STORIES]))  # blank row dropped
+    np.testing.assert_array_equal(
+        read_bin(tmp_path / "out/train.bin"), expected_ids(["Hello world", *STORIES])
+    )  # blank row dropped
     np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"), expected_ids(STORIES[:2]))
     assert meta["train_stories"] == 7
 
@@ -169,7 +174,8 @@ def test_env_overrides_source(story_folder, tmp_path, monkeypatch, caplog):
     assert meta["source"] == str(story_folder.resolve())
     assert [r.getMessage() for r in caplog.records] == [
         f"data.source {tmp_path / 'not-there'} is overridden by the environment variable "
-        f"OELM_DATA={story_folder}; unset OELM_DATA to read {tmp_path / 'not-there'}"]
+        f"OELM_DATA={story_folder}; unset OELM_DATA to read {tmp_path / 'not-there'}"
+    ]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="oelm_core.data"):
         data.prepare(cfg_for(data.HUB_NAME, tmp_path / "out"), progress=False)
@@ -177,6 +183,7 @@ def test_env_overrides_source(story_folder, tmp_path, monkeypatch, caplog):
 
 
 # --- caching ------------------------------------------------------------------------------
+
 
 def test_prepare_skips_when_unchanged_and_redoes_on_change(story_folder, tmp_path):
     cfg = cfg_for(story_folder, tmp_path / "out")
@@ -196,13 +203,26 @@ def test_prepare_skips_when_unchanged_and_redoes_on_change(story_folder, tmp_pat
     assert forced["content_hash"] == second["content_hash"]
     assert os.stat(tmp_path / "out/meta.json").st_mtime_ns != mtimes["meta.json"]
     # A different cap is different content.
-    assert data.prepare(cfg_for(story_folder, tmp_path / "out", max_train_stories=5),
-                        progress=False)["train_stories"] == 5
+    assert (
+        data.prepare(cfg_for(story_folder, tmp_path / "out", max_train_stories=5), progress=False)["train_stories"] == 5
+    )
 
 
 def test_cli(story_folder, tmp_path, capsys):
-    assert data.main(["--source", str(story_folder), "--out-dir", str(tmp_path / "out"),
-                      "--max-train-stories", "7", "--no-progress"]) == 0
+    assert (
+        data.main(
+            [
+                "--source",
+                str(story_folder),
+                "--out-dir",
+                str(tmp_path / "out"),
+                "--max-train-stories",
+                "7",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     meta = json.loads(capsys.readouterr().out)
     assert meta["train_stories"] == 7 and meta["vocab_size"] == 50257
     assert meta == json.loads((tmp_path / "out" / "meta.json").read_text())
@@ -214,15 +234,20 @@ def test_cli_error_is_one_line_and_exit_code_2(tmp_path):
     import sys
 
     missing = tmp_path / "nonexistent" / "x"
-    proc = subprocess.run([sys.executable, "-m", "oelm_core.data", "--source", str(missing),
-                           "--out-dir", str(tmp_path / "out")], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "oelm_core.data", "--source", str(missing), "--out-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"error: data folder {missing} does not exist; set data.source")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 # --- samplers -----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def bin_file(tmp_path):
@@ -282,6 +307,7 @@ def test_eval_batches(bin_file):
 
 # --- errors name the fix ------------------------------------------------------------------
 
+
 def test_missing_data_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"does not exist.*OELM_DATA.*train/ and validation/"):
         data.prepare(cfg_for(tmp_path / "nowhere", tmp_path / "out"), progress=False)
@@ -310,8 +336,10 @@ def test_an_empty_or_odd_sized_token_file_names_the_fix(tmp_path):
     path = tmp_path / "train.bin"
     for size in (0, 21):
         path.write_bytes(b"\1" * size)
-        message = (rf"train\.bin holds {size} bytes, not a whole number of 2-byte \(uint16\) tokens \(an "
-                   rf"interrupted or foreign write\); rebuild with `python -m oelm_core\.data .* --force`")
+        message = (
+            rf"train\.bin holds {size} bytes, not a whole number of 2-byte \(uint16\) tokens \(an "
+            rf"interrupted or foreign write\); rebuild with `python -m oelm_core\.data .* --force`"
+        )
         with pytest.raises(ConfigError, match=message):
             data.TokenSampler(path, block_size=4, batch_size=2, seed=0)
         with pytest.raises(ConfigError, match=message):
@@ -330,8 +358,10 @@ def test_tokenizer_offline_is_one_config_error_line(story_folder, tmp_path, monk
     import tiktoken.registry
 
     def offline(url):
-        raise ConnectionError(f"HTTPSConnectionPool(host='openaipublic.blob.core.windows.net'): Max "
-                              f"retries exceeded with url: {url}\n(Caused by NameResolutionError)")
+        raise ConnectionError(
+            f"HTTPSConnectionPool(host='openaipublic.blob.core.windows.net'): Max "
+            f"retries exceeded with url: {url}\n(Caused by NameResolutionError)"
+        )
 
     empty = tmp_path / "empty_cache"
     empty.mkdir()
@@ -343,9 +373,11 @@ def test_tokenizer_offline_is_one_config_error_line(story_folder, tmp_path, monk
         with pytest.raises(ConfigError) as exc:
             data.get_tokenizer()
         message = str(exc.value)
-        assert message.startswith(f"tiktoken could not load the 'gpt2' BPE files: TIKTOKEN_CACHE_DIR={empty} "
-                                  f"does not hold them and downloading them failed (ConnectionError: "
-                                  f"HTTPSConnectionPool(host='openaipublic.blob.core.windows.net')")
+        assert message.startswith(
+            f"tiktoken could not load the 'gpt2' BPE files: TIKTOKEN_CACHE_DIR={empty} "
+            f"does not hold them and downloading them failed (ConnectionError: "
+            f"HTTPSConnectionPool(host='openaipublic.blob.core.windows.net')"
+        )
         assert "set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files (see the README)" in message
         assert "\n" not in message and exc.value.__suppress_context__ and exc.value.__cause__ is None
         monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
@@ -364,6 +396,7 @@ def test_tokenizer_offline_is_one_config_error_line(story_folder, tmp_path, monk
 
 # --- damaged inputs name the file and the fix -----------------------------------------------
 
+
 def story_files(root, name, train_bytes, val_text="A story."):
     """A source folder whose train/ holds ``name`` with ``train_bytes``."""
     (root / "train").mkdir(parents=True)
@@ -375,8 +408,11 @@ def story_files(root, name, train_bytes, val_text="A story."):
 
 def test_a_story_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
     root = story_files(tmp_path / "txt", "part.txt", b"One story.\n<|endoftext|>\nA caf\xe9 story.\n")
-    with pytest.raises(ConfigError, match=r"^.*train/part\.txt:3: not UTF-8 text \(byte 0xe9\); save the story "
-                                          r"files as UTF-8 text$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^.*train/part\.txt:3: not UTF-8 text \(byte 0xe9\); save the story "
+        r"files as UTF-8 text$",
+    ):
         data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
     rows = b'{"text": "One story."}\n{"text": "A caf\xe9 story."}\n'
     root = story_files(tmp_path / "jsonl", "p.jsonl", rows)
@@ -387,9 +423,12 @@ def test_a_story_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
 def test_a_jsonl_line_that_is_not_json_names_the_file_and_line(tmp_path):
     rows = b'{"text": "One story."}\n\n{"text": "Cut short\n{"text": "Another."}\n'
     root = story_files(tmp_path / "src", "p.jsonl", rows)
-    with pytest.raises(ConfigError, match=r"train/p\.jsonl:3: not a JSON object \(Invalid control character at "
-                                          r"column 20\); a \.jsonl file holds one JSON object per line, e\.g\. "
-                                          r"\{\"text\": \"Once upon a time\.\.\.\"\}$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train/p\.jsonl:3: not a JSON object \(Invalid control character at "
+        r"column 20\); a \.jsonl file holds one JSON object per line, e\.g\. "
+        r"\{\"text\": \"Once upon a time\.\.\.\"\}$",
+    ):
         data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
 
 
@@ -401,8 +440,11 @@ def test_a_damaged_parquet_file_is_named(tmp_path):
     pq.write_table(pa.table({"text": ["One story.", "Another story."]}), good)
     for label, damaged in (("garbage", b"PAR1 not a parquet file PAR1"), ("cut", good.read_bytes()[:-20])):
         root = story_files(tmp_path / label, "0.parquet", damaged)
-        with pytest.raises(ConfigError, match=r"train/0\.parquet is not a readable parquet file \(.+\); replace it "
-                                              r"with a readable one .*or remove it$"):
+        with pytest.raises(
+            ConfigError,
+            match=r"train/0\.parquet is not a readable parquet file \(.+\); replace it "
+            r"with a readable one .*or remove it$",
+        ):
             data.prepare(cfg_for(root, tmp_path / "out"), progress=False)
 
 
@@ -418,11 +460,14 @@ def test_a_damaged_meta_json_is_rebuilt_by_prepare_and_refused_by_load_meta(stor
             match = r"the token files in .*out do not match its meta\.json"
         else:
             match = r"out/meta\.json is damaged \(empty, not JSON or not a mapping"
-        with pytest.raises(ConfigError, match=match + r".*rebuild with `python -m oelm_core\.data --source "
-                                                       r"<folder or roneneldan/TinyStories> --out-dir .*out --force`"):
+        with pytest.raises(
+            ConfigError,
+            match=match + r".*rebuild with `python -m oelm_core\.data --source "
+            r"<folder or roneneldan/TinyStories> --out-dir .*out --force`",
+        ):
             data.load_meta(out)
         meta = data.prepare(cfg, progress=False)
-        when = ("created", "train_mtime_ns", "val_mtime_ns")   # the rebuild's own times
+        when = ("created", "train_mtime_ns", "val_mtime_ns")  # the rebuild's own times
         assert {k: v for k, v in meta.items() if k not in when} == {k: v for k, v in first.items() if k not in when}
         assert data.load_meta(out) == meta
 
@@ -498,6 +543,7 @@ def test_a_second_preparer_waits_and_then_finds_the_folder_prepared(story_folder
 
 # --- the hub, faked -----------------------------------------------------------------------
 
+
 def test_hub_source_uses_load_dataset(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     calls = []
@@ -507,37 +553,40 @@ def test_hub_source_uses_load_dataset(tmp_path, monkeypatch):
         return iter([{"text": f"{split} story {i}."} for i in range(5)])
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    monkeypatch.setattr("oelm_core.offline.hub_unreachable", lambda: None)   # the simulated hub answers
+    monkeypatch.setattr("oelm_core.offline.hub_unreachable", lambda: None)  # the simulated hub answers
     cfg = DataConfig(out_dir=str(tmp_path / "out"), max_train_stories=3, max_val_stories=2)
     meta = data.prepare(cfg, progress=False)
     assert cfg.source == "roneneldan/TinyStories" and meta["source"] == "roneneldan/TinyStories"
     assert calls == [("roneneldan/TinyStories", "train", True), ("roneneldan/TinyStories", "validation", True)]
-    np.testing.assert_array_equal(read_bin(tmp_path / "out/train.bin"),
-                                  expected_ids([f"train story {i}." for i in range(3)]))
-    np.testing.assert_array_equal(read_bin(tmp_path / "out/val.bin"),
-                                  expected_ids(["validation story 0.", "validation story 1."]))
+    np.testing.assert_array_equal(
+        read_bin(tmp_path / "out/train.bin"), expected_ids([f"train story {i}." for i in range(3)])
+    )
+    np.testing.assert_array_equal(
+        read_bin(tmp_path / "out/val.bin"), expected_ids(["validation story 0.", "validation story 1."])
+    )
     # Already prepared: no hub access needed (works offline).
     assert data.prepare(cfg, progress=False) == meta and len(calls) == 2
     # Without caps the whole split is loaded normally, not streamed.
     data.prepare(DataConfig(out_dir=str(tmp_path / "full")), progress=False)
-    assert calls[2:] == [("roneneldan/TinyStories", "train", False),
-                         ("roneneldan/TinyStories", "validation", False)]
+    assert calls[2:] == [("roneneldan/TinyStories", "train", False), ("roneneldan/TinyStories", "validation", False)]
     assert data.load_meta(tmp_path / "full")["train_stories"] == 5
 
 
 def fake_hub(datasets, monkeypatch, rows: dict) -> None:
     """The hub's TinyStories, offline: split ("train", "validation") -> its story texts."""
-    monkeypatch.setattr(datasets, "load_dataset",
-                        lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]]))
-    monkeypatch.setattr("oelm_core.offline.hub_unreachable", lambda: None)   # and it answers
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]])
+    )
+    monkeypatch.setattr("oelm_core.offline.hub_unreachable", lambda: None)  # and it answers
 
 
 def text_hash(splits: dict) -> str:
     """The text hash of split ("train", "val") -> stories: the token layout (format version and
     tokenizer, as JSON), then each split's mark, then each story's UTF-8 length (8 bytes,
     little-endian) and bytes."""
-    h = hashlib.sha256(json.dumps({"format": data.FORMAT_VERSION, "tokenizer": data.TOKENIZER},
-                                  sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps({"format": data.FORMAT_VERSION, "tokenizer": data.TOKENIZER}, sort_keys=True).encode()
+    )
     for split, stories in splits.items():
         h.update(f"\0split:{split}\0".encode())
         for story in stories:
@@ -581,10 +630,10 @@ def test_a_new_token_layout_changes_the_text_hash(story_folder, tmp_path, monkey
 
 
 TRICKY_STORIES = [
-    "Mia ate cr\u00e8me br\u00fbl\u00e9e \U0001F36E and said \u201cyum\u201d.",  # bytes split across tokens
+    "Mia ate cr\u00e8me br\u00fbl\u00e9e \U0001f36e and said \u201cyum\u201d.",  # bytes split across tokens
     "A story that says <|endoftext|> in its text, and goes on.",  # plain text, not an EOT
     "Two lines.\r\n\n  Indented, then \u732b (a cat) and a combining e\u0301.",
-    "\U0001F600",
+    "\U0001f600",
 ]
 
 
@@ -643,7 +692,7 @@ def test_missing_local_folder_is_not_sent_to_the_hub(tmp_path, monkeypatch):
 
 
 def test_hub_failure_of_a_path_like_source_names_the_missing_folder(tmp_path, monkeypatch):
-    """"mydata/tinystories" may be a hub id or a folder meant relative to the working directory:
+    """ "mydata/tinystories" may be a hub id or a folder meant relative to the working directory:
     when the hub fails, the error says that no such folder exists either."""
     datasets = pytest.importorskip("datasets")
 
@@ -658,6 +707,7 @@ def test_hub_failure_of_a_path_like_source_names_the_missing_folder(tmp_path, mo
 
 # --- metrics ------------------------------------------------------------------------------
 
+
 def test_bits_per_byte_and_perplexity():
     # 2.0 nats/token, 1000 tokens over 4000 bytes: 2000 nats / 4000 bytes = 0.5 nats/byte
     # = 0.5 / ln 2 = 0.72135 bits/byte.
@@ -668,6 +718,7 @@ def test_bits_per_byte_and_perplexity():
 
 
 # --- the real offline TinyStories ---------------------------------------------------------
+
 
 @pytest.mark.skipif(not SHARED_STORIES.is_dir(), reason="needs ../shared/data/tinystories")
 def test_real_tinystories(tmp_path):
@@ -720,16 +771,21 @@ def test_a_token_file_with_ids_past_the_vocabulary_is_refused_on_opening(tmp_pat
     tokens = np.arange(1000, dtype=np.uint16)
     tokens[700] = 65535
     tokens.tofile(path)
-    message = (r"train\.bin holds 1 token id\(s\) past the 50257-token vocabulary it was prepared with "
-               r"\(ids 0\.\.50256\), the largest 65535, the first at position 700: the file was damaged or "
-               r"written by something else; rebuild with `python -m oelm_core\.data .* --force`")
+    message = (
+        r"train\.bin holds 1 token id\(s\) past the 50257-token vocabulary it was prepared with "
+        r"\(ids 0\.\.50256\), the largest 65535, the first at position 700: the file was damaged or "
+        r"written by something else; rebuild with `python -m oelm_core\.data .* --force`"
+    )
     with pytest.raises(ConfigError, match=message):
         data.TokenSampler(path, block_size=16, batch_size=2, seed=0)
     with pytest.raises(ConfigError, match=message):
         data.eval_batches(path, block_size=16, batch_size=2, n_batches=1)
     # The vocabulary is the one the file was prepared with, not always GPT-2's.
-    with pytest.raises(ConfigError, match=r"holds 488 token id\(s\) past the 512-token vocabulary .*, the "
-                                          r"largest 65535, the first at position 512: the file was damaged"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds 488 token id\(s\) past the 512-token vocabulary .*, the "
+        r"largest 65535, the first at position 512: the file was damaged",
+    ):
         data.TokenSampler(path, block_size=16, batch_size=2, seed=0, vocab_size=512)
     tokens[700] = 50256  # GPT-2's end-of-text, the largest id there is
     tokens.tofile(path)
@@ -737,6 +793,7 @@ def test_a_token_file_with_ids_past_the_vocabulary_is_refused_on_opening(tmp_pat
 
 
 # --- a preparation that fails or is killed leaves the folder as it was ---------------------
+
 
 def folder_state(out: Path) -> dict:
     """Every file under ``out`` (hidden ones too) and its bytes."""
@@ -778,8 +835,7 @@ def fails_at(monkeypatch, stage: str) -> None:
 
 
 @pytest.mark.parametrize("stage", ["stories", "tokenizer", "train.bin", "val.bin", "meta.json"])
-def test_a_preparation_that_fails_at_any_stage_leaves_the_cache_as_it_was(story_folder, tmp_path, monkeypatch,
-                                                                           stage):
+def test_a_preparation_that_fails_at_any_stage_leaves_the_cache_as_it_was(story_folder, tmp_path, monkeypatch, stage):
     """A failed run (offline, without the tokenizer files) deleted meta.json and left
     .prepare.lock behind. Stories edited since the cache was prepared need a rebuild; whether it
     fails reading the stories, loading the tokenizer, or is killed while writing either token
@@ -833,9 +889,13 @@ def test_a_preparation_killed_by_sigkill_leaves_the_cache_whole(story_folder, tm
     before = folder_state(out)
     with open(story_folder / "train" / "part.txt", "a") as f:
         f.write("\n<|endoftext|>\nA new story about a dog who could sing.\n")
-    proc = subprocess.run([sys.executable, "-c", KILLED_PREPARATION, str(story_folder), str(out)],
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_PREPARATION, str(story_folder), str(out)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     after = folder_state(out)
     left = sorted(set(after) - set(before))
@@ -844,8 +904,10 @@ def test_a_preparation_killed_by_sigkill_leaves_the_cache_whole(story_folder, tm
     with caplog.at_level(logging.INFO, logger="oelm_core.data"):
         assert data.prepare(cfg, progress=False)["train_stories"] == 121
     assert sorted(folder_state(out)) == ["meta.json", "train.bin", "val.bin"]
-    assert f"preparing {out} from {story_folder}: the stories of {story_folder} changed since it was prepared" \
-           in caplog.text
+    assert (
+        f"preparing {out} from {story_folder}: the stories of {story_folder} changed since it was prepared"
+        in caplog.text
+    )
 
 
 def test_a_rebuild_says_why(story_folder, tmp_path, caplog):
@@ -856,17 +918,28 @@ def test_a_rebuild_says_why(story_folder, tmp_path, caplog):
     meta = data.prepare(cfg, progress=False)
     tokens = meta["train_tokens"]
     cases = [
-        (lambda: (out / "train.bin").write_bytes((out / "train.bin").read_bytes()[:-3]), "WARNING",
-         f"train.bin holds {2 * tokens - 3:,} bytes where meta.json records {tokens:,} tokens "
-         f"({2 * tokens:,} bytes): damaged, or written by something else"),
-        (lambda: (out / "meta.json").write_text(json.dumps({**meta, "content_hash": "edited"})), "INFO",
-         f"the stories of {story_folder} changed since it was prepared (content hash edited... recorded, "
-         f"{meta['content_hash'][:12]}... now)"),
-        (lambda: (out / "meta.json").write_text(json.dumps({**meta, "val_tokens": meta["val_tokens"] + 1})),
-         "WARNING", f"val.bin holds {2 * meta['val_tokens']:,} bytes where meta.json records "
-                    f"{meta['val_tokens'] + 1:,} tokens"),
-        (lambda: (out / "meta.json").write_text("{"), "WARNING",
-         "its meta.json is damaged (empty, not JSON or not a mapping)"),
+        (
+            lambda: (out / "train.bin").write_bytes((out / "train.bin").read_bytes()[:-3]),
+            "WARNING",
+            f"train.bin holds {2 * tokens - 3:,} bytes where meta.json records {tokens:,} tokens "
+            f"({2 * tokens:,} bytes): damaged, or written by something else",
+        ),
+        (
+            lambda: (out / "meta.json").write_text(json.dumps({**meta, "content_hash": "edited"})),
+            "INFO",
+            f"the stories of {story_folder} changed since it was prepared (content hash edited... recorded, "
+            f"{meta['content_hash'][:12]}... now)",
+        ),
+        (
+            lambda: (out / "meta.json").write_text(json.dumps({**meta, "val_tokens": meta["val_tokens"] + 1})),
+            "WARNING",
+            f"val.bin holds {2 * meta['val_tokens']:,} bytes where meta.json records {meta['val_tokens'] + 1:,} tokens",
+        ),
+        (
+            lambda: (out / "meta.json").write_text("{"),
+            "WARNING",
+            "its meta.json is damaged (empty, not JSON or not a mapping)",
+        ),
         (lambda: (out / "meta.json").unlink(), "WARNING", "it has train.bin and val.bin but no meta.json"),
     ]
     for damage, level, why in cases:
@@ -902,8 +975,11 @@ def test_a_full_disk_while_preparing_says_where_and_how_much_and_keeps_the_cache
         err = capsys.readouterr().err
         assert folder_state(out) == before
     expected = 2 * len(expected_ids(STORIES * 1000)) / 1e6
-    said = re.fullmatch(rf"error: no space left on tmpfs \(mounted at {re.escape(str(disk.path))}\) while writing "
-                        rf"{re.escape(str(out))}/train\.bin; about ([\d.]+) MB needed, ([\d.]+) MB free there: free "
-                        rf"some space on it, or set data.out_dir to a folder on another disk\n", err)
+    said = re.fullmatch(
+        rf"error: no space left on tmpfs \(mounted at {re.escape(str(disk.path))}\) while writing "
+        rf"{re.escape(str(out))}/train\.bin; about ([\d.]+) MB needed, ([\d.]+) MB free there: free "
+        rf"some space on it, or set data.out_dir to a folder on another disk\n",
+        err,
+    )
     assert said, err
     assert float(said.group(1)) == pytest.approx(expected, abs=0.051) and float(said.group(2)) < 0.25  # MB to 0.1

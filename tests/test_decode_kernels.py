@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
 
 from conftest import run_in_triton_interpreter, run_interpreter_checks  # noqa: E402
+
 from oelm_core import build_model  # noqa: E402
 from oelm_core.fast.decode import decode_step as torch_step  # noqa: E402
 from oelm_core.fast.decode_kernels import DecodeScratch, decode_step, supports  # noqa: E402
@@ -65,8 +66,8 @@ def check_equal_to_reference(name: str, device: str) -> None:
 
     def step(t: int) -> None:
         pos = torch.tensor([t], device=device)
-        expect = torch_step(model, idx[:, t:t + 1], pos, ref_cache)
-        got = decode_step(model, idx[:, t:t + 1], pos, cache, scratch)
+        expect = torch_step(model, idx[:, t : t + 1], pos, ref_cache)
+        got = decode_step(model, idx[:, t : t + 1], pos, cache, scratch)
         assert got.shape == (1, model.cfg.vocab_size) and got.dtype == torch.float32
         assert (got - expect).abs().max().item() < 1e-4, (name, t)
         for layer in range(model.cfg.n_layer):  # written at t, and nowhere else
@@ -80,7 +81,7 @@ def check_equal_to_reference(name: str, device: str) -> None:
             step(t)
         for c in (ref_cache, cache):  # fill up to the last position through the ordinary path
             c.length = POSITIONS[-1] + 1
-            model(idx[:, c.length:block - 1], cache=c)
+            model(idx[:, c.length : block - 1], cache=c)
         step(block - 1)
         # A new scratch per call, and a one-token prompt at position 0 (no cached keys at all).
         zero = torch.tensor([0], device=device)
@@ -183,16 +184,15 @@ def test_fused_decode_step_replays_in_a_cuda_graph():
         with torch.cuda.graph(graph):
             logits = decode_step(model, token, pos, cache, scratch)
         for t in range(4, 12):  # new token and position through the captured tensors only
-            token.copy_(idx[:, t:t + 1])
+            token.copy_(idx[:, t : t + 1])
             pos.fill_(t)
             graph.replay()
-            expect = torch_step(model, idx[:, t:t + 1], torch.tensor([t], device="cuda"), ref_cache)
+            expect = torch_step(model, idx[:, t : t + 1], torch.tensor([t], device="cuda"), ref_cache)
             assert (logits - expect).abs().max().item() < 1e-4, t
 
 
 # What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
-INTERPRETER_CHECKS = [*(("check_equal_to_reference", name) for name in CASES), ("check_supports",),
-                      ("check_decoder",)]
+INTERPRETER_CHECKS = [*(("check_equal_to_reference", name) for name in CASES), ("check_supports",), ("check_decoder",)]
 
 if __name__ == "__main__":  # the interpreter subprocess: python test_decode_kernels.py RESULTS.json
     run_interpreter_checks(globals(), sys.argv[1])

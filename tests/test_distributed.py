@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from train_helpers import REPO, losses, metric_rows, outputs, params, run, torchrun_nodes, torchrun_train, write_params
 
 from oelm_core import fast
 from oelm_core.accounting import flops_per_token
@@ -19,7 +20,6 @@ from oelm_core.distributed import resolve_device
 from oelm_core.model import build_model
 from oelm_core.step import configure_optimizer
 from oelm_core.train import main
-from train_helpers import REPO, losses, metric_rows, outputs, params, run, torchrun_nodes, torchrun_train, write_params
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -32,8 +32,10 @@ def assert_mfu(values: dict, world_size: int, unfreeze_at: int) -> None:
     own tokens/s (global: all ranks' tokens), with the accounting's FLOPs of the model as it was
     then (Q/K frozen until the step ``unfreeze_at``), and the summary's is their median."""
     cfg = run_config_from_dict(values).model_config()
-    fpt = {True: flops_per_token(cfg)["total"],
-           False: flops_per_token(dataclasses.replace(cfg, freeze_qk="none"))["total"]}
+    fpt = {
+        True: flops_per_token(cfg)["total"],
+        False: flops_per_token(dataclasses.replace(cfg, freeze_qk="none"))["total"],
+    }
     assert fpt[True] < fpt[False]
     rows = metric_rows(values["out_dir"])
     for step, row in rows.items():
@@ -89,7 +91,7 @@ def test_two_nodes_match_single_process(tmp_path, folded):
     # process's accumulated); a wrong exchange moves the loss by far more within a step or two.
     a, b = metric_rows(single["out_dir"]), metric_rows(nodes["out_dir"])
     assert a.keys() == b.keys() == set(range(1, 5))  # metric_rows would hide a row written twice:
-    losses(nodes["out_dir"])                           # losses() refuses duplicate steps
+    losses(nodes["out_dir"])  # losses() refuses duplicate steps
     for step in a:
         assert abs(a[step]["train_loss"] - b[step]["train_loss"]) < 1e-5, (step, a[step], b[step])
     for step in (2, 4):
@@ -97,16 +99,19 @@ def test_two_nodes_match_single_process(tmp_path, folded):
     assert outputs(Path(single["out_dir"])).keys() == outputs(Path(nodes["out_dir"])).keys()
     summary = json.loads((Path(nodes["out_dir"]) / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["gradients_by"] == "ddp"
-    assert summary["global_batch_tokens"] == json.loads((Path(single["out_dir"]) / "summary.json")
-                                                        .read_text())["global_batch_tokens"]
+    assert (
+        summary["global_batch_tokens"]
+        == json.loads((Path(single["out_dir"]) / "summary.json").read_text())["global_batch_tokens"]
+    )
     # Rank 0 alone prints the summary; the other node's worker prints nothing on stdout.
     assert sorted('"world_size": 2' in proc.stdout for proc in procs) == [False, True]
 
 
 def test_ddp_on_one_rank(tmp_path):
-    """DDP on one rank leaves no hook on the fused loss. DDP gets train.ddp_bucket_mb as its bucket size, does not sync buffers before each
-    forward, and is built without a deprecation warning on the installed torch. The NVLink
-    exchange (grad_exchange auto) steps aside on the CPU; asked for by name (peer), it says why not."""
+    """DDP on one rank leaves no hook on the fused loss. DDP gets train.ddp_bucket_mb as its bucket
+    size, does not sync buffers before each forward, and is built without a deprecation warning on
+    the installed torch. The NVLink exchange (grad_exchange auto) steps aside on the CPU; asked for
+    by name (peer), it says why not."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     cpu = torch.device("cpu")
     try:
@@ -119,8 +124,11 @@ def test_ddp_on_one_rank(tmp_path):
         assert step.module.bucket_bytes_cap == 12.5 * 2**20
         assert step.module.broadcast_buffers is False
         tc = TrainConfig(grad_exchange="peer")
-        with pytest.raises(ConfigError, match=r"grad_exchange: peer needs two CUDA GPUs of one host with "
-                                              r"peer access \(NVLink\) under NCCL \(here on cpu\)"):
+        with pytest.raises(
+            ConfigError,
+            match=r"grad_exchange: peer needs two CUDA GPUs of one host with "
+            r"peer access \(NVLink\) under NCCL \(here on cpu\)",
+        ):
             fast.make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)
         fresh = fast.apply(build_model("tiny", "gpt_base"), tc)
         assert [type(m) for m in model.modules()] == [type(m) for m in fresh.modules()]
@@ -140,22 +148,34 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("exchange, one_rank_fails, batch, accum, compile, unfreeze", [
-    ("ddp", False, 4, 1, False, {}),
-    # the tied weight's rows; the sends inside the compiled backward; a new exchange for the
-    # parameters that unfreezing adds at step 5 (captured after 11 more eager steps)
-    ("peer", False, 4, 1, True, {5: "all"}),
-    ("peer", True, 8, 2, False, {}),   # the tied weight dense; accumulated micro-steps
-    ("peer", False, 8, 2, False, {}),  # the same, captured: no side-stream work to wait for
-])
-def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(tmp_path, folded, exchange, one_rank_fails,
-                                                                    batch, accum, compile, unfreeze):
+@pytest.mark.parametrize(
+    "exchange, one_rank_fails, batch, accum, compile, unfreeze",
+    [
+        ("ddp", False, 4, 1, False, {}),
+        # the tied weight's rows; the sends inside the compiled backward; a new exchange for the
+        # parameters that unfreezing adds at step 5 (captured after 11 more eager steps)
+        ("peer", False, 4, 1, True, {5: "all"}),
+        ("peer", True, 8, 2, False, {}),  # the tied weight dense; accumulated micro-steps
+        ("peer", False, 8, 2, False, {}),  # the same, captured: no side-stream work to wait for
+    ],
+)
+def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(
+    tmp_path, folded, exchange, one_rank_fails, batch, accum, compile, unfreeze
+):
     """2 NCCL ranks x grad_accum A == 1 GPU x grad_accum 2A (float32), both with the whole step in
     a CUDA graph: on two ranks the gradient exchange (DDP's all-reduce, or the NVLink copies) is
     captured after 11 eager steps, and the later steps replay it. If one rank cannot capture,
     neither replays (no hang): both go on eagerly, with the same losses."""
-    common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32",
-                  batch_size=batch, compile=compile, unfreeze_schedule=unfreeze)
+    common = dict(
+        steps=20,
+        eval_every=10,
+        ckpt_every=10,
+        device="cuda",
+        dtype="float32",
+        batch_size=batch,
+        compile=compile,
+        unfreeze_schedule=unfreeze,
+    )
     single = params(tmp_path, folded, out="single", grad_accum=2 * accum, **common)
     run(single)
     ddp = params(tmp_path, folded, out="ddp", grad_accum=accum, grad_exchange=exchange, **common)
@@ -201,11 +221,17 @@ def test_a_gpu_index_past_the_machines_gpus_is_a_config_error(tmp_path, monkeypa
     assert resolve_device("cuda", local_rank=1) == torch.device("cuda", 1)
     assert resolve_device("auto") == torch.device("cuda", 0)
     assert chosen == [torch.device("cuda", 1), torch.device("cuda", 1), torch.device("cuda", 0)]
-    with pytest.raises(ConfigError, match=r"^train.device is 'cuda:2', but this machine has 2 CUDA GPU\(s\), "
-                                          r"cuda:0..cuda:1: choose one of them, or auto$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.device is 'cuda:2', but this machine has 2 CUDA GPU\(s\), "
+        r"cuda:0..cuda:1: choose one of them, or auto$",
+    ):
         resolve_device("cuda:2")
-    with pytest.raises(ConfigError, match=r"^train.device 'cuda' puts local rank 2 on cuda:2, but this machine "
-                                          r"has 2 CUDA GPU\(s\), .*: start at most 2 processes per node$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.device 'cuda' puts local rank 2 on cuda:2, but this machine "
+        r"has 2 CUDA GPU\(s\), .*: start at most 2 processes per node$",
+    ):
         resolve_device("cuda", local_rank=2)
     with pytest.raises(ConfigError, match=r"^train.device 'auto' puts local rank 3 on cuda:3"):
         resolve_device("auto", local_rank=3)
@@ -221,8 +247,11 @@ def test_a_gpu_index_past_the_machines_gpus_is_a_config_error(tmp_path, monkeypa
 
 @pytest.mark.parametrize("name", ["mps", "xla", "meta", "xpu:0"])
 def test_devices_the_trainer_does_not_run_on_are_refused(name):
-    with pytest.raises(ConfigError, match=rf"^train.device '{name}' is not supported: OELM Lab runs on "
-                                          rf"the CPU or on CUDA GPUs; choose auto, cpu, cuda or cuda:N$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^train.device '{name}' is not supported: OELM Lab runs on "
+        rf"the CPU or on CUDA GPUs; choose auto, cpu, cuda or cuda:N$",
+    ):
         resolve_device(name)
 
 
@@ -240,14 +269,33 @@ def test_a_rank_that_stops_answering_is_named_after_the_timeout(tmp_path, folded
 
     from train_helpers import free_port
 
-    values = params(tmp_path, folded, steps=100_000, eval_every=100_000, ckpt_every=100_000, log_every=1,
-                    ddp_timeout_s=4.0)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "oelm_core.train",
-           "--params", str(write_params(tmp_path / "ddp.yaml", values))]
+    values = params(
+        tmp_path, folded, steps=100_000, eval_every=100_000, ckpt_every=100_000, log_every=1, ddp_timeout_s=4.0
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "oelm_core.train",
+        "--params",
+        str(write_params(tmp_path / "ddp.yaml", values)),
+    ]
     err = open(tmp_path / "err", "w")
-    agent = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                             stderr=err, start_new_session=True)
+    agent = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        start_new_session=True,
+    )
     rank_1 = None
     try:
         deadline = time.monotonic() + 180
@@ -276,9 +324,11 @@ def test_a_rank_that_stops_answering_is_named_after_the_timeout(tmp_path, folded
         err.close()
     text = (tmp_path / "err").read_text()
     assert agent.returncode != 0
-    assert (f"error: rank 1 (host {socket.gethostname()}, pid {rank_1}) did not answer for 4 s (train.ddp_timeout_s), "
-            f"and rank 0 stopped waiting: the process was stopped (SIGSTOP, a debugger), hangs, or its node is "
-            f"gone; the run resumes from its latest checkpoint with --resume.") in text, text[-3000:]
+    assert (
+        f"error: rank 1 (host {socket.gethostname()}, pid {rank_1}) did not answer for 4 s (train.ddp_timeout_s), "
+        f"and rank 0 stopped waiting: the process was stopped (SIGSTOP, a debugger), hangs, or its node is "
+        f"gone; the run resumes from its latest checkpoint with --resume."
+    ) in text, text[-3000:]
     assert 4 < took < 60, took
 
 
@@ -287,4 +337,4 @@ def test_a_ddp_timeout_that_is_no_time_is_refused(tmp_path, value):
     values = params(tmp_path, tmp_path, ddp_timeout_s=value)
     with pytest.raises(ConfigError, match=rf"^train\.ddp_timeout_s must be positive, got {float(value)}$"):
         run_config_from_dict(values).validate()
-    assert TrainConfig().ddp_timeout_s == 600.0   # 10 minutes, NCCL's own default, a third of gloo's
+    assert TrainConfig().ddp_timeout_s == 600.0  # 10 minutes, NCCL's own default, a third of gloo's

@@ -21,17 +21,29 @@ from safetensors import safe_open
 from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import save_checkpoint
 from oelm_core.data import EOT
-from oelm_core.export import (ExportError, find_gpt2_tokenizer, load_export, load_safetensors, load_transformers,
-                              main, to_safetensors, to_transformers)
+from oelm_core.export import (
+    ExportError,
+    find_gpt2_tokenizer,
+    load_export,
+    load_safetensors,
+    load_transformers,
+    main,
+    to_safetensors,
+    to_transformers,
+)
 from oelm_core.generate import SamplingConfig, stream_tokens
 from oelm_core.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
-STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
-         "sunshine. One day, she saw a big, red ball in the park.")
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "sunshine. One day, she saw a big, red ball in the park."
+)
 # Unicode, digits, contractions and whitespace runs: where BPE pre-tokenisers differ.
-SAMPLE = ("Tom's dog isn't big -- it's   tiny!\n\n  He said: \"Ça va?\" 3.14159 apples 🍎🐶, naïve "
-          "café\t\ttabs  and  spaces\r\nend.   ")
+SAMPLE = (
+    "Tom's dog isn't big -- it's   tiny!\n\n  He said: \"Ça va?\" 3.14159 apples 🍎🐶, naïve "
+    "café\t\ttabs  and  spaces\r\nend.   "
+)
 
 
 def perturbed(preset: str, variant: str, **overrides):
@@ -58,12 +70,12 @@ def gpt2_bpe():
 # safetensors
 # --------------------------------------------------------------------------------------------
 
+
 def refuse_pickle(*args, **kwargs):
     raise AssertionError("load_safetensors unpickled something")
 
 
-@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze", "oelm_poet", "synth_factorized",
-                                     "oelm_freeze_deep"])
+@pytest.mark.parametrize("variant", ["gpt_base", "oelm_freeze", "oelm_poet", "synth_factorized", "oelm_freeze_deep"])
 def test_safetensors_round_trip_is_bit_exact_without_pickle(tmp_path, monkeypatch, variant):
     model = perturbed("tiny", variant)
     folder = to_safetensors(model, tmp_path / "export")
@@ -82,7 +94,11 @@ def test_safetensors_round_trip_is_bit_exact_without_pickle(tmp_path, monkeypatc
     assert torch.equal(loaded(x), model(x)) and not loaded.training
     info = json.loads((folder / "config.json").read_text())
     assert (info["format"], info["format_version"], info["preset"], info["variant"]) == (
-        "oelm-core/safetensors", 1, "tiny", variant)
+        "oelm-core/safetensors",
+        1,
+        "tiny",
+        variant,
+    )
     assert info["parameters"] == {k: count_parameters(model)[k] for k in ("trainable", "frozen", "total")}
     card = (folder / "README.md").read_text()
     assert f"| variant | `{variant}`" in card and f"{count_parameters(model)['total']:,} total" in card
@@ -140,8 +156,10 @@ GPT2_CASES = {
     "gpt_base": ("gpt_base", {}),
     "oelm_freeze": ("oelm_freeze", {}),
     "oelm_poet": ("oelm_poet", {}),
-    "gaussian_gain2_biases_untied": ("oelm_freeze_gaussian",
-                                     dict(qk_gain=2.0, attn_bias=True, bias=False, tie_embeddings=False)),
+    "gaussian_gain2_biases_untied": (
+        "oelm_freeze_gaussian",
+        dict(qk_gain=2.0, attn_bias=True, bias=False, tie_embeddings=False),
+    ),
 }
 
 
@@ -162,9 +180,10 @@ def test_transformers_gpt2_gives_our_logits_and_greedy_tokens(tmp_path, gpt2_bpe
     prompt = ids[:, :12]
     want = list(stream_tokens(model, prompt[0].tolist(), SamplingConfig(temperature=0.0, max_new_tokens=24)))
     with torch.no_grad():
-        out = gpt2.generate(prompt, max_new_tokens=24, do_sample=False,
-                            attention_mask=torch.ones_like(prompt), pad_token_id=EOT)
-    got = out[0, prompt.shape[1]:].tolist()
+        out = gpt2.generate(
+            prompt, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=EOT
+        )
+    got = out[0, prompt.shape[1] :].tolist()
     if got and got[-1] == EOT:  # transformers keeps the end token it stopped at; ours does not
         got = got[:-1]
     assert got == want and len(want) > 0
@@ -208,8 +227,14 @@ def test_transformers_tokenizer_is_tiktoken_gpt2(tmp_path, gpt2_bpe):
     transformers = pytest.importorskip("transformers")
     folder = to_transformers(build_model("smoke", "oelm_freeze"), tmp_path / "hf")
     assert sorted(p.name for p in folder.iterdir()) == [
-        "README.md", "config.json", "generation_config.json", "merges.txt", "model.safetensors",
-        "tokenizer_config.json", "vocab.json"]
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "merges.txt",
+        "model.safetensors",
+        "tokenizer_config.json",
+        "vocab.json",
+    ]
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     for text in (STORY, SAMPLE):
         assert tokenizer(text)["input_ids"] == gpt2_bpe.encode_ordinary(text)
@@ -241,8 +266,11 @@ def test_tokenizer_files_come_from_a_folder_or_tiktoken_cache_or_a_clear_error(t
     shutil.copyfile(vocab, named / "vocab.json")
     shutil.copyfile(merges, named / "merges.txt")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
-    with pytest.raises(ExportError, match=r"no GPT-2 tokenizer files: TIKTOKEN_CACHE_DIR=.*empty lacks "
-                                          r"6c7ea1a7e38e3a7f062df639a5b80947f075ffe6, .*--tokenizer-dir"):
+    with pytest.raises(
+        ExportError,
+        match=r"no GPT-2 tokenizer files: TIKTOKEN_CACHE_DIR=.*empty lacks "
+        r"6c7ea1a7e38e3a7f062df639a5b80947f075ffe6, .*--tokenizer-dir",
+    ):
         find_gpt2_tokenizer()
     assert find_gpt2_tokenizer(named) == (named / "vocab.json", named / "merges.txt")
     (named / "vocab.json").write_text(json.dumps({"a": 0}))
@@ -254,17 +282,26 @@ def test_tokenizer_files_come_from_a_folder_or_tiktoken_cache_or_a_clear_error(t
 # The CLI
 # --------------------------------------------------------------------------------------------
 
+
 def run_folder(tmp_path, variant: str):
     """A run folder as the trainer leaves it: best.pt (with its run config and figures) and
     summary.json."""
     model = perturbed("smoke", variant)
     run = tmp_path / "run"
-    state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg),
-             "run_config": {"name": "smoke_s0", "preset": "smoke", "variant": variant,
-                            "train": {"seed": 7}, "data": {"source": "roneneldan/TinyStories"}},
-             "step": 40, "data": {"train_tokens": 3_700_000},
-             "metrics": {"val_loss": 3.25, "val_ppl": 25.79, "val_bpb": 1.1234, "tokens_seen": 81_920,
-                         "epochs": 0.022}}
+    state = {
+        "model": model.state_dict(),
+        "model_config": dataclasses.asdict(model.cfg),
+        "run_config": {
+            "name": "smoke_s0",
+            "preset": "smoke",
+            "variant": variant,
+            "train": {"seed": 7},
+            "data": {"source": "roneneldan/TinyStories"},
+        },
+        "step": 40,
+        "data": {"train_tokens": 3_700_000},
+        "metrics": {"val_loss": 3.25, "val_ppl": 25.79, "val_bpb": 1.1234, "tokens_seen": 81_920, "epochs": 0.022},
+    }
     save_checkpoint(state, run / "best.pt")
     (run / "summary.json").write_text(json.dumps({"status": "completed", "steps": 50}))
     return model, run
@@ -278,11 +315,16 @@ def test_cli_exports_a_run_folder_in_both_formats(tmp_path, capsys, gpt2_bpe):
     assert capsys.readouterr().out.split() == [str(out / "safetensors"), str(out / "transformers")]
     assert torch.equal(load_safetensors(out / "safetensors")(torch.tensor([[1, 2]])), model(torch.tensor([[1, 2]])))
     card = (out / "safetensors" / "README.md").read_text()
-    for row in ("# smoke_s0", "| preset | `smoke` |", "| seed | `7` |", "datasets: [roneneldan/TinyStories]",
-                "| data | roneneldan/TinyStories (3,700,000 training tokens) |",
-                "| trained | 40 steps of the run's 50 (completed), 81,920 tokens seen (0.02 epochs); weights: best.pt |",
-                "| validation | loss 3.2500 nats/token, PPL 25.79, 1.1234 bits/byte (the run's lowest) |",
-                "frozen (buffers) in layers [0, 1]"):
+    for row in (
+        "# smoke_s0",
+        "| preset | `smoke` |",
+        "| seed | `7` |",
+        "datasets: [roneneldan/TinyStories]",
+        "| data | roneneldan/TinyStories (3,700,000 training tokens) |",
+        "| trained | 40 steps of the run's 50 (completed), 81,920 tokens seen (0.02 epochs); weights: best.pt |",
+        "| validation | loss 3.2500 nats/token, PPL 25.79, 1.1234 bits/byte (the run's lowest) |",
+        "frozen (buffers) in layers [0, 1]",
+    ):
         assert row in card, row
     assert "| seed | `7` |" in (out / "transformers" / "README.md").read_text()
     assert main([str(run), "--out", str(out), "--format", "both"]) == 0  # an earlier export is replaced
@@ -318,6 +360,7 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
 # Edited, interrupted and shared exports
 # --------------------------------------------------------------------------------------------
 
+
 def edit(path, change) -> None:
     info = json.loads(path.read_text())
     change(info)
@@ -340,7 +383,8 @@ def test_a_config_json_edited_without_changing_shapes_is_refused_naming_the_fiel
     assert str(refused.value) == (
         f"{folder}/config.json does not describe model.safetensors: model_config.{field} is {json.dumps(value)} "
         f"there, {json.dumps(saved)} in the weights. config.json was edited (or comes from another export): put "
-        f"back the weights' values, or export the model again from its checkpoint")
+        f"back the weights' values, or export the model again from its checkpoint"
+    )
     edit(folder / "config.json", lambda info: info["model_config"].update({field: saved}))
     assert torch.equal(load_safetensors(folder)(torch.tensor([[1, 2, 3]])), model(torch.tensor([[1, 2, 3]])))
 
@@ -351,13 +395,19 @@ def test_a_transformers_config_json_edited_is_refused_naming_the_field(tmp_path,
     pytest.importorskip("transformers")
     folder = to_transformers(perturbed("smoke", "oelm_freeze"), tmp_path / "hf")
     edit(folder / "config.json", lambda info: info["oelm"]["model_config"].update(freeze_qk="none"))
-    with pytest.raises(ExportError, match=r"config\.json does not describe model\.safetensors: model_config\."
-                                          r"freeze_qk is \"none\" there, \"all\" in the weights"):
+    with pytest.raises(
+        ExportError,
+        match=r"config\.json does not describe model\.safetensors: model_config\."
+        r"freeze_qk is \"none\" there, \"all\" in the weights",
+    ):
         load_transformers(folder)
     edit(folder / "config.json", lambda info: info["oelm"]["model_config"].update(freeze_qk="all"))
     edit(folder / "config.json", lambda info: info.update(n_head=8))
-    with pytest.raises(ExportError, match=r"config\.json disagrees with itself: n_head is 8 there, "
-                                          r"model_config\.n_head 4 \(its 'oelm' entry\)"):
+    with pytest.raises(
+        ExportError,
+        match=r"config\.json disagrees with itself: n_head is 8 there, "
+        r"model_config\.n_head 4 \(its 'oelm' entry\)",
+    ):
         load_transformers(folder)
 
 
@@ -368,14 +418,21 @@ def strip_config_metadata(weights) -> None:
     save_file(load_file(weights), weights, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("field, value, shown", [
-    ("d_model", 128, "model_config.d_model is 128 in config.json, 64 in the weights (wte.weight (50304, 64))"),
-    ("n_layer", 3, "model_config.n_layer is 3 in config.json, 2 in the weights (blocks.0 .. blocks.1)"),
-    ("block_size", 128, "model_config.block_size is 128 in config.json, 64 in the weights (wpe.weight (64, 64))"),
-    ("d_ff", 512, "model_config.d_ff is 512 in config.json, 256 in the weights (blocks.0.mlp.fc.weight (256, 64))"),
-    ("vocab_size", 60000, "model_config.vocab_size is 60032 in config.json, 50304 in the weights (wte.weight "
-                          "(50304, 64): its rows are the vocabulary padded to vocab_pad_multiple)"),
-])
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("d_model", 128, "model_config.d_model is 128 in config.json, 64 in the weights (wte.weight (50304, 64))"),
+        ("n_layer", 3, "model_config.n_layer is 3 in config.json, 2 in the weights (blocks.0 .. blocks.1)"),
+        ("block_size", 128, "model_config.block_size is 128 in config.json, 64 in the weights (wpe.weight (64, 64))"),
+        ("d_ff", 512, "model_config.d_ff is 512 in config.json, 256 in the weights (blocks.0.mlp.fc.weight (256, 64))"),
+        (
+            "vocab_size",
+            60000,
+            "model_config.vocab_size is 60032 in config.json, 50304 in the weights (wte.weight "
+            "(50304, 64): its rows are the vocabulary padded to vocab_pad_multiple)",
+        ),
+    ],
+)
 def test_config_shapes_that_disagree_with_the_tensors_name_the_key(tmp_path, field, value, shown):
     """PyTorch's load_state_dict message, cut at 300 characters, named no config key. An export
     without the ModelConfig in its weights (an earlier one) is checked against the tensors'
@@ -389,7 +446,8 @@ def test_config_shapes_that_disagree_with_the_tensors_name_the_key(tmp_path, fie
         f"{folder}/config.json does not fit the tensors of model.safetensors: {shown} (the weights are a smoke "
         f"model's). config.json was edited "
         f"(or comes from another export): put back the weights' values, or export the model again from its "
-        f"checkpoint")
+        f"checkpoint"
+    )
 
 
 KILLED_EXPORT = """import os, signal, sys
@@ -418,8 +476,14 @@ def test_an_export_killed_mid_way_does_not_block_the_same_command(tmp_path, caps
     model, run = run_folder(tmp_path, "oelm_freeze")
     out = tmp_path / "exported"
     argv = [str(run), "--out", str(out), "--format", fmt]
-    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, *argv], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_EXPORT, *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     left = sorted(p.name for p in (out if fmt == "both" else tmp_path).iterdir() if p.name.startswith("."))
     assert left and all(re.fullmatch(r"\.(safetensors|exported)\.(\w+\.tmp|lock)", n) for n in left), left

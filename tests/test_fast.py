@@ -8,18 +8,30 @@ import subprocess
 import sys
 
 import pytest
+from import_graph import PACKAGE, imports
 
 from oelm_core import build_model, fast
 from oelm_core.config import TrainConfig
 from oelm_core.fast.loss import ChunkedOutputLoss
 from oelm_core.model import OutputLoss
-from import_graph import PACKAGE, imports
 
-REFERENCE_MODULES = ["oelm_core", "oelm_core.model", "oelm_core.config", "oelm_core.generate", "oelm_core.data",
-                     "oelm_core.accounting", "oelm_core.checkpoint"]
+REFERENCE_MODULES = [
+    "oelm_core",
+    "oelm_core.model",
+    "oelm_core.config",
+    "oelm_core.generate",
+    "oelm_core.data",
+    "oelm_core.accounting",
+    "oelm_core.checkpoint",
+]
 # What loads Triton kernels (or is Triton).
-LOADERS = ["triton", "oelm_core.fast.ce_kernels", "oelm_core.fast.logits_gemm", "oelm_core.fast.decode_kernels",
-           "oelm_core.fast.sample_kernels"]
+LOADERS = [
+    "triton",
+    "oelm_core.fast.ce_kernels",
+    "oelm_core.fast.logits_gemm",
+    "oelm_core.fast.decode_kernels",
+    "oelm_core.fast.sample_kernels",
+]
 IMPORTS = "\n".join(f"import {m}" for m in REFERENCE_MODULES + ["oelm_core.fast", "oelm_core.fast.loss"])
 # A fresh interpreter: which LOADERS it holds after importing the reference modules and the fast
 # package, after a CPU training step with the fast paths installed, and after the fast decoder's
@@ -102,10 +114,15 @@ def test_the_import_reader_sees_imports_at_any_depth(tmp_path):
     string one are each found (a reader that missed them would pass any module)."""
     assert "oelm_core.fast.graph_step" in {m for _, m in imports(PACKAGE / "fast" / "__init__.py")}
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from . import decode\n    from .. import step\n"
-                     "    importlib.import_module('oelm_core.fast.heap')\n")
+    probe.write_text(
+        "def f():\n    from . import decode\n    from .. import step\n"
+        "    importlib.import_module('oelm_core.fast.heap')\n"
+    )
     assert imports(probe, "oelm_core.fast.probe") == [
-        (2, "oelm_core.fast.decode"), (3, "oelm_core.step"), (4, "oelm_core.fast.heap")]
+        (2, "oelm_core.fast.decode"),
+        (3, "oelm_core.step"),
+        (4, "oelm_core.fast.heap"),
+    ]
 
 
 @pytest.mark.parametrize("name", REFERENCE)

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from oelm_core import build_model
-from oelm_core.fast import decode
+from oelm_core.fast import decode, stream_tokens
 from oelm_core.fast.cpu_decode import CPUCopies
 from oelm_core.fast.decode import GraphDecoder, acquire_decoder, decode_step, forget_decoder, release_decoder
-from oelm_core.fast import stream_tokens
 from oelm_core.generate import SamplingConfig, gumbel_noise, sample, sample_from_noise, seed_tensor
 
 CUDA = torch.cuda.is_available()
@@ -53,6 +52,7 @@ def _reference(model, prompt, **kw):
 # The fixed-shape one-token step
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("copies", [False, True])
 @pytest.mark.parametrize("fixed_shape", [True, False])
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
@@ -73,19 +73,20 @@ def test_decode_step_equals_the_full_forward_at_every_step(variant, fixed_shape,
         prefix = model(idx[:, :5], cache=cache)[0]
         assert (prefix - full[:5]).abs().max().item() < 1e-5
         for t in range(5, block):  # up to the last position of the context
-            logits = decode_step(model, idx[:, t:t + 1], torch.tensor([t]), cache, fixed_shape, copies)
+            logits = decode_step(model, idx[:, t : t + 1], torch.tensor([t]), cache, fixed_shape, copies)
             assert logits.shape == (1, model.cfg.vocab_size)
             assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
         # From an empty cache too (a one-token prompt starts at position 0).
         cache = model.new_cache()
         for t in range(block):
-            logits = decode_step(model, idx[:, t:t + 1], torch.tensor([t]), cache, fixed_shape, copies)
+            logits = decode_step(model, idx[:, t : t + 1], torch.tensor([t]), cache, fixed_shape, copies)
             assert (logits[0] - full[t]).abs().max().item() < 1e-5, t
 
 
 # --------------------------------------------------------------------------------------------
 # The decoder's tokens against the reference loop (CPU)
 # --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
 def test_decoder_tokens_equal_the_reference_past_the_context(variant):
@@ -138,8 +139,11 @@ def test_sample_on_the_cpu_is_the_torch_draw():
     for cfg in (SamplingConfig(temperature=1.0, top_k=5), SamplingConfig(temperature=0.0)):
         for step in range(5):
             seed_t, step_t = seed_tensor(9, "cpu"), torch.tensor([step])
-            expect = sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 10)[0]) \
-                if not cfg.greedy else logits.argmax(-1)
+            expect = (
+                sample_from_noise(logits, cfg, gumbel_noise(seed_t, step_t, 1, 10)[0])
+                if not cfg.greedy
+                else logits.argmax(-1)
+            )
             assert torch.equal(decode.sample(logits, cfg, seed_t, step_t), expect)
             assert torch.equal(sample(logits, cfg, seed_t, step_t), expect)
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -223,6 +227,7 @@ def test_decoder_falls_back_when_the_fixed_shape_step_or_the_capture_fails(monke
 # --------------------------------------------------------------------------------------------
 # The CPU's transposed weight copies: the plain products' numbers, never stale
 # --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_one_row_logits_on_the_cpu_follow_the_weight(tie):
@@ -339,8 +344,10 @@ def test_models_made_under_inference_mode_decode_on_the_cpu():
     "Inference tensors do not track version counter" at the first one-token step), and inside
     that mode load_state_dict writes them in place: decoding must follow such a write too."""
     kw = dict(max_new_tokens=40, temperature=0.0, stop_at_eot=False)
-    expect = {s: list(stream_tokens(build_model("tiny", "gpt_base", seed=s).eval(), [1, 2, 3],
-                                    SamplingConfig(**kw))) for s in (3, 4)}
+    expect = {
+        s: list(stream_tokens(build_model("tiny", "gpt_base", seed=s).eval(), [1, 2, 3], SamplingConfig(**kw)))
+        for s in (3, 4)
+    }
     assert expect[3] != expect[4]
     with torch.inference_mode():
         model = build_model("tiny", "gpt_base", seed=3).eval()
@@ -357,6 +364,7 @@ def test_models_made_under_inference_mode_decode_on_the_cpu():
 # On a GPU: the CUDA-graph decoder with the Triton kernels against the reference loop
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def float32_matmuls():
     """Full float32 GEMMs for the reference (a training run in this process may have turned
@@ -367,10 +375,14 @@ def float32_matmuls():
     torch.set_float32_matmul_precision(precision)
 
 
-SWITCHES = [dict(zip(("graph", "decode_kernels", "sample_kernels"), on))
-            for on in itertools.product([True, False], repeat=3)]
-SAMPLINGS = {"greedy": dict(temperature=0.0), "top_k": dict(temperature=0.9, top_k=40, seed=7),
-             "top_p": dict(temperature=0.8, top_k=50, top_p=0.9, seed=3)}
+SWITCHES = [
+    dict(zip(("graph", "decode_kernels", "sample_kernels"), on)) for on in itertools.product([True, False], repeat=3)
+]
+SAMPLINGS = {
+    "greedy": dict(temperature=0.0),
+    "top_k": dict(temperature=0.9, top_k=40, seed=7),
+    "top_p": dict(temperature=0.8, top_k=50, top_p=0.9, seed=3),
+}
 _GPU_REFERENCE: dict = {}
 
 
@@ -397,8 +409,13 @@ def test_gpu_decoder_tokens_equal_the_reference_past_the_context(variant, switch
     fused = switches["decode_kernels"] and TRITON and variant in ("gpt_base", "oelm_freeze")
     assert decoder.kernels == ("triton" if fused else "torch")
     cfg = SamplingConfig(**SAMPLINGS[sampling])
-    assert decoder.sampler(cfg) == ("triton" if switches["sample_kernels"] and TRITON and (switches["graph"] or not cfg.greedy)
-                                    else "argmax" if cfg.greedy else "torch")
+    assert decoder.sampler(cfg) == (
+        "triton"
+        if switches["sample_kernels"] and TRITON and (switches["graph"] or not cfg.greedy)
+        else "argmax"
+        if cfg.greedy
+        else "torch"
+    )
 
 
 @pytest.mark.gpu

@@ -150,8 +150,10 @@ def test_apply_slices_the_models_loss_by_train_loss_chunk_tokens(monkeypatch):
 def test_fused_loss_refuses_the_targets_cross_entropy_refuses(bad):
     """Only -1 is ignored, as by F.cross_entropy(ignore_index=-1): other negative ids and ids
     past the vocabulary (the padding rows' 100..127 included) are an IndexError in both paths."""
-    for model in (fused(build_model("tiny", "gpt_base", vocab_size=100)),
-                  build_model("tiny", "gpt_base", vocab_size=100)):
+    for model in (
+        fused(build_model("tiny", "gpt_base", vocab_size=100)),
+        build_model("tiny", "gpt_base", vocab_size=100),
+    ):
         x, y = _batch(model.cfg)
         y[1, 3] = bad
         with pytest.raises(IndexError, match=f"{bad} is out of bounds"):
@@ -196,8 +198,10 @@ def test_grad_hook_hands_over_the_output_share_of_the_tied_gradient():
     model(idx, tgt).backward()
     assert torch.equal(model.wte.weight.grad, plain)
     assert len(shares) == 1
-    for model in (fused(build_model("tiny", "gpt_base", tie_embeddings=False)),  # nothing to split
-                  build_model("tiny", "gpt_base")):
+    for model in (
+        fused(build_model("tiny", "gpt_base", tie_embeddings=False)),  # nothing to split
+        build_model("tiny", "gpt_base"),
+    ):
         assert split_tied_gradient(model, shares.append) is None
         assert getattr(model.output_loss, "grad_hook", None) is None
 
@@ -223,10 +227,12 @@ def test_float16_autocast_keeps_the_loss_in_range():
 # runs this file: ``python tests/test_fast_loss.py CHECK``)
 # --------------------------------------------------------------------------------------------
 
+
 def check_loss_kernel(device: str) -> None:
     """The CUDA loss path (Triton kernel, slices, float32 weight-gradient accumulation) against
     F.cross_entropy: loss and both gradients."""
     from oelm_core.fast import ce_kernels
+
     g = torch.Generator().manual_seed(0)
     n, d, vocab, padded = 37, 16, 301, 320  # 3 slices of 16 rows; vocab not a multiple of BLOCK
     x = torch.randn(n, d, generator=g).to(device)
@@ -248,8 +254,9 @@ def check_loss_kernel(device: str) -> None:
     assert abs(float(loss) - float(ref)) < 1e-5, (float(loss), float(ref))
     assert float((gx - xr.grad).abs().max()) < 1e-5 and float((gw.double().cpu() - wr.grad).abs().max()) < 1e-5
     # Every target ignored: NaN (0/0) and zero gradients, as F.cross_entropy gives.
-    loss, gx, gw, row_scale = ce_kernels.forward(x, w, torch.full_like(t, -1), vocab, 16, torch.float32, True,
-                                                 **switches)
+    loss, gx, gw, row_scale = ce_kernels.forward(
+        x, w, torch.full_like(t, -1), vocab, 16, torch.float32, True, **switches
+    )
     assert loss.isnan() and float((gx * row_scale[:, None]).abs().max()) == 0 and float(gw.abs().max()) == 0
 
 
@@ -259,6 +266,7 @@ def check_loss_kernel_offsets(device: str) -> None:
     early or late, losses up to ~400 nats, and an ignored row: loss, E * row_scale against float64
     softmax - one_hot, and the input rows times the row scale."""
     from oelm_core.fast.ce_kernels import _ce_rows_kernel
+
     g = torch.Generator().manual_seed(1)
     vocab, padded, block = 150, 160, 16  # 10 blocks, the last one partly padding
     logits = torch.randn(6, padded, generator=g, dtype=torch.float64)
@@ -274,8 +282,23 @@ def check_loss_kernel_offsets(device: str) -> None:
     inv_n = torch.tensor([1.0 / n_valid], device=device)
     h = torch.randn(6, 24, generator=g).to(device)  # the rows of the output layer's input, d = 24
     h_scaled = torch.empty_like(h)
-    _ce_rows_kernel[(6,)](x, x.stride(0), targets.to(device), loss, scale, inv_n, h, h_scaled, 24, vocab,
-                          padded, WRITE_GRAD=True, BLOCK=block, BLOCK_D=32, num_warps=1)
+    _ce_rows_kernel[(6,)](
+        x,
+        x.stride(0),
+        targets.to(device),
+        loss,
+        scale,
+        inv_n,
+        h,
+        h_scaled,
+        24,
+        vocab,
+        padded,
+        WRITE_GRAD=True,
+        BLOCK=block,
+        BLOCK_D=32,
+        num_warps=1,
+    )
     ref = logits.clone()
     ref[:, vocab:] = float("-inf")
     lse = torch.logsumexp(ref, 1)
@@ -302,8 +325,23 @@ def check_loss_kernel_offsets(device: str) -> None:
     loss16, scale16 = torch.empty(3, device=device), torch.empty(3, device=device)
     inv16 = torch.tensor([1.0 / 3], device=device)
     h16 = torch.zeros(3, 24, device=device)
-    _ce_rows_kernel[(3,)](x16, x16.stride(0), t16, loss16, scale16, inv16, h16, h16.clone(), 24, vocab,
-                          padded, WRITE_GRAD=True, BLOCK=block, BLOCK_D=32, num_warps=1)
+    _ce_rows_kernel[(3,)](
+        x16,
+        x16.stride(0),
+        t16,
+        loss16,
+        scale16,
+        inv16,
+        h16,
+        h16.clone(),
+        24,
+        vocab,
+        padded,
+        WRITE_GRAD=True,
+        BLOCK=block,
+        BLOCK_D=32,
+        num_warps=1,
+    )
     ref16 = half.double()
     ref16[:, vocab:] = float("-inf")
     want16 = torch.logsumexp(ref16, 1) - ref16.gather(1, targets[rows][:, None])[:, 0]
@@ -312,7 +350,7 @@ def check_loss_kernel_offsets(device: str) -> None:
     got16 = x16.double().cpu() * scale16.double().cpu()[:, None]
     grad16 = torch.softmax(ref16, 1)
     grad16[torch.arange(3), targets[rows]] -= 1.0
-    assert float((got16 - grad16 / 3).abs().max()) < 2 ** -8
+    assert float((got16 - grad16 / 3).abs().max()) < 2**-8
 
 
 def check_scale_rows(device: str) -> None:
@@ -320,6 +358,7 @@ def check_scale_rows(device: str) -> None:
     a dtype change (bf16 -> float32), or the factor alone; the source left as it was."""
     from oelm_core.fast.ce_kernels import scale_rows
     from oelm_core.fast.loss import _scale_rows
+
     g = torch.Generator().manual_seed(2)
     src = torch.randn(5, 700, generator=g).to(device)
     row_scale, factor = torch.rand(5, generator=g).to(device), torch.tensor(0.25).to(device)
@@ -338,7 +377,7 @@ def _far_rows(w, x, targets):
     GEMM stored); row 4: one logit 200, the target far below (S overflows: recomputed)."""
     for row, top, k in ((3, 50.0, 5), (4, 200.0, 7)):
         x[row] = w[k] * (top / float(w[k].norm() ** 2))
-        targets[row] = int((w[:len(w) - 19] @ x[row]).argmin())  # the lowest real logit
+        targets[row] = int((w[: len(w) - 19] @ x[row]).argmin())  # the lowest real logit
 
 
 def check_logits_gemm(device: str) -> None:
@@ -347,6 +386,7 @@ def check_logits_gemm(device: str) -> None:
     far above the target's (rescaled from what the GEMM stored, or recomputed from x and w), with the
     library's tiles and (in the interpreter) with small ones, so that each program walks many tiles."""
     from oelm_core.fast import logits_gemm
+
     _logits_gemm_loss_and_grad(device)
     if device == "cpu":  # 3 row tiles x 10 column tiles, 15 a program (the interpreter runs 2)
         logits_gemm.BLOCK_M, logits_gemm.BLOCK_N, logits_gemm.BLOCK_K = 16, 32, 16
@@ -355,6 +395,7 @@ def check_logits_gemm(device: str) -> None:
 
 def _logits_gemm_loss_and_grad(device: str) -> None:
     from oelm_core.fast import logits_gemm
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # (the interpreter's bf16 dot is wrong)
     g = torch.Generator().manual_seed(0)
     n, d, vocab, padded = 37, 64, 301, 320  # a partial row tile and a partial column tile
@@ -384,7 +425,7 @@ def _logits_gemm_loss_and_grad(device: str) -> None:
     got = e * scale[:, None]
 
     # nats, whatever the loss: the far rows' losses are 70-280 nats, and bf16 E in the rescaled row
-    loss_tol, grad_tol = (2e-4, 1e-7) if dtype == torch.float32 else (5e-3, 2 ** -8 / n_valid)
+    loss_tol, grad_tol = (2e-4, 1e-7) if dtype == torch.float32 else (5e-3, 2**-8 / n_valid)
     assert float((loss - ref_loss).abs().max()) < loss_tol
     assert float((got[:, :vocab] - ref_grad).abs().max()) < grad_tol
     assert float(e[:, vocab:].abs().max()) == 0.0
@@ -402,6 +443,7 @@ def check_logits_gemm_finish_tiers(device: str) -> None:
     logit 88.72 nats above the target's leaves it (recomputed from x and w: a logit 100 over 0s),
     row 2 many entries of e^25 (rescaled), row 3 ignored with a NaN sum (left alone)."""
     from oelm_core.fast import logits_gemm
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     n, d, vocab, padded, target = 4, 64, 301, 320, 5
     e = torch.zeros(n, padded, dtype=torch.float64)
@@ -424,9 +466,27 @@ def check_logits_gemm_finish_tiers(device: str) -> None:
     x_d, x_scaled = x.to(dtype).to(**dev), torch.empty(n, d, dtype=dtype, **dev)
     inv_n = torch.tensor([1 / 3], **dev)
     c = torch.zeros(n, **dev)  # the target's logit
-    logits_gemm._finish_kernel[(n,)](e_d, part.float().to(**dev), col_tiles, targets.to(**dev), c, x_d,
-                                     w.to(dtype).to(**dev), d, vocab, padded, loss, scale, inv_n, x_scaled,
-                                     BLOCK_T=4, BLOCK=128, BLOCK_D=64, BLOCK_V=16, num_warps=4)
+    logits_gemm._finish_kernel[(n,)](
+        e_d,
+        part.float().to(**dev),
+        col_tiles,
+        targets.to(**dev),
+        c,
+        x_d,
+        w.to(dtype).to(**dev),
+        d,
+        vocab,
+        padded,
+        loss,
+        scale,
+        inv_n,
+        x_scaled,
+        BLOCK_T=4,
+        BLOCK=128,
+        BLOCK_D=64,
+        BLOCK_V=16,
+        num_warps=4,
+    )
     got, loss, scale = e_d.double().cpu(), loss.double().cpu(), scale.double().cpu()
     stored = e_q.double()
     want = torch.zeros(n, padded, dtype=torch.float64)
@@ -440,15 +500,23 @@ def check_logits_gemm_finish_tiers(device: str) -> None:
     want[:3, target] = target_entry
     assert float((loss[:3] - want_loss).abs().max()) < 1e-4, (loss, want_loss)
     assert float((scale[:3] - 1 / 3 / s).abs().max() / (1 / 3 / s).max()) < 1e-5
-    assert float((got[:3] - want[:3]).abs().max()) < 2 ** -8
+    assert float((got[:3] - want[:3]).abs().max()) < 2**-8
     assert float(got[0].max()) == 1.0 and float(got[2].max()) == 1.0 and float(got[1, 10]) == 1.0
     assert float(got[3].abs().max()) == 0.0 and float(loss[3]) == 0.0 and float(scale[3]) == 0.0
 
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
-@pytest.mark.parametrize("check", ["check_loss_kernel", "check_loss_kernel_offsets", "check_scale_rows",
-                                   "check_logits_gemm", "check_logits_gemm_finish_tiers"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        "check_loss_kernel",
+        "check_loss_kernel_offsets",
+        "check_scale_rows",
+        "check_logits_gemm",
+        "check_logits_gemm_finish_tiers",
+    ],
+)
 def test_the_triton_kernels_of_the_loss(check):
     """Each check on a GPU here (the fused logits GEMM's where it runs: Hopper); without one, on the
     CPU through Triton's interpreter (skipped without Triton, or with one whose interpreter cannot
@@ -460,14 +528,18 @@ def test_the_triton_kernels_of_the_loss(check):
         globals()[check]("cuda")
     else:
         from conftest import run_in_triton_interpreter
+
         run_in_triton_interpreter(Path(__file__), check)
 
 
 def _skip_without_the_logits_gemm():
     from oelm_core.fast import logits_gemm
+
     if not logits_gemm.available(torch.device("cuda"), torch.bfloat16, 512, 50304):
-        pytest.skip("the fused logits GEMM does not run here (it needs Triton >= 3.4 and compute "
-                    "capability 9+ with ~216 KB of shared memory a program)")
+        pytest.skip(
+            "the fused logits GEMM does not run here (it needs Triton >= 3.4 and compute "
+            "capability 9+ with ~216 KB of shared memory a program)"
+        )
 
 
 @pytest.mark.gpu
@@ -479,6 +551,7 @@ def test_the_fused_logits_gemm_agrees_with_the_loss_kernel():
     pytest.importorskip("triton")
     _skip_without_the_logits_gemm()
     from oelm_core.fast import ce_kernels
+
     g = torch.Generator().manual_seed(1)
     n, d, vocab, padded = 2500, 512, 50257, 50304
     x = torch.randn(n, d, generator=g).cuda()
@@ -487,8 +560,9 @@ def test_the_fused_logits_gemm_agrees_with_the_loss_kernel():
     t[::11] = -1
     out = {}
     for fused_logits in (True, False):
-        loss, gx, gw, row_scale = ce_kernels.forward(x, w, t, vocab, 1024, torch.bfloat16, True,
-                                                     fused_logits=fused_logits)
+        loss, gx, gw, row_scale = ce_kernels.forward(
+            x, w, t, vocab, 1024, torch.bfloat16, True, fused_logits=fused_logits
+        )
         out[fused_logits] = (float(loss), (gx.float() * row_scale[:, None]), gw.float())
     (l1, gx1, gw1), (l0, gx0, gw0) = out[True], out[False]
     assert abs(l1 - l0) < 1e-3 * l0, (l1, l0)
@@ -497,9 +571,15 @@ def test_the_fused_logits_gemm_agrees_with_the_loss_kernel():
 
 
 # What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
-INTERPRETER_CHECKS = [("check_loss_kernel",), ("check_loss_kernel_offsets",), ("check_scale_rows",),
-                      ("check_logits_gemm",), ("check_logits_gemm_finish_tiers",)]
+INTERPRETER_CHECKS = [
+    ("check_loss_kernel",),
+    ("check_loss_kernel_offsets",),
+    ("check_scale_rows",),
+    ("check_logits_gemm",),
+    ("check_logits_gemm_finish_tiers",),
+]
 
 if __name__ == "__main__":  # the interpreter subprocess: python test_fast_loss.py RESULTS.json
     from conftest import run_interpreter_checks
+
     run_interpreter_checks(globals(), sys.argv[1])

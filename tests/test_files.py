@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from oelm_core.files import (LockHeld, atomic_folder, atomic_write, exclusive_lock, temporary_files,
-                             temporary_folders, write_text_atomic)
+from oelm_core.files import (
+    LockHeld,
+    atomic_folder,
+    atomic_write,
+    exclusive_lock,
+    temporary_files,
+    temporary_folders,
+    write_text_atomic,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,8 +66,11 @@ def test_temporary_files_are_those_of_writes_killed_mid_way(tmp_path):
     write_text_atomic(tmp_path / "metrics.jsonl", "{}\n")
     for name in ("notes.tmp", ".hidden", ".step_0000004.pt"):
         (tmp_path / name).write_text("keep")
-    proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path / "step_0000004.pt")],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path / "step_0000004.pt")],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 9
     left = temporary_files(tmp_path)
     assert len(left) == 1 and left[0].name.startswith(".step_0000004.pt.") and left[0].suffix == ".tmp"
@@ -98,6 +108,7 @@ def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):
 # Two holders in one process: flock locks belong to an open file description, and each
 # exclusive_lock (a filelock.FileLock of its own) opens its own, so the second contends with the
 # first as another process would.
+
 
 def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
     pytest.importorskip("fcntl")

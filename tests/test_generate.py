@@ -19,8 +19,18 @@ from oelm_core import build_model
 from oelm_core.config import ConfigError
 from oelm_core.data import get_tokenizer
 from oelm_core.fast import stream_tokens
-from oelm_core.generate import (EOT, SamplingConfig, _uniform, detokenize, generate, gumbel_noise, sample,
-                                sample_from_noise, seed_tensor, stream)
+from oelm_core.generate import (
+    EOT,
+    SamplingConfig,
+    _uniform,
+    detokenize,
+    generate,
+    gumbel_noise,
+    sample,
+    sample_from_noise,
+    seed_tensor,
+    stream,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +54,7 @@ def test_cached_logits_equal_uncached(variant):
     full = model(idx)
     cache = model.new_cache()
     prefix = model(idx[:, :10], cache=cache)  # a prefill, then one token at a time
-    steps = [model(idx[:, t:t + 1], cache=cache) for t in range(10, 24)]
+    steps = [model(idx[:, t : t + 1], cache=cache) for t in range(10, 24)]
     cached = torch.cat([prefix] + steps, dim=1)
     assert (cached - full).abs().max().item() < 1e-5
 
@@ -54,8 +64,9 @@ def test_generation_is_the_same_with_and_without_cache_past_the_context(smoke_mo
     # 100 new tokens with a 64-token context: the window slides, and every path must agree.
     prompt = list(range(1000, 1010))
     kw = dict(max_new_tokens=100, stop_at_eot=False, **sampling)
-    tokens = {name: list(stream_tokens(smoke_model, prompt, SamplingConfig(**kw, **path)))
-              for name, path in PATHS.items()}
+    tokens = {
+        name: list(stream_tokens(smoke_model, prompt, SamplingConfig(**kw, **path))) for name, path in PATHS.items()
+    }
     assert len(tokens["uncached"]) == 100 and tokens["fast"] == tokens["cached"] == tokens["uncached"]
 
 
@@ -200,8 +211,11 @@ def test_generation_stops_at_end_of_text(path):
         model.ln_f.bias.copy_(model.wte.weight[EOT] * 100)
     out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0, **PATHS[path])))
     assert out == []
-    out = list(stream_tokens(model, [10, 11], SamplingConfig(temperature=0.0, stop_at_eot=False,
-                                                             max_new_tokens=3, **PATHS[path])))
+    out = list(
+        stream_tokens(
+            model, [10, 11], SamplingConfig(temperature=0.0, stop_at_eot=False, max_new_tokens=3, **PATHS[path])
+        )
+    )
     assert out == [EOT] * 3
 
 
@@ -216,42 +230,51 @@ def test_limits_give_clear_errors(smoke_model):
     with pytest.raises(ConfigError, match=r"^sampling\.top_k must be >= 0 \(0 disables it\), got -1; use e\.g\. 50"):
         list(stream_tokens(smoke_model, [1], SamplingConfig(top_k=-1)))
     for bad in (math.nan, math.inf, -math.inf, -0.5):  # NaN passed every comparison
-        with pytest.raises(ConfigError, match=rf"^sampling\.temperature must be a finite number >= 0 \(0 is greedy\), "
-                                              rf"got {re.escape(repr(bad))}; use e\.g\. 0\.8"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^sampling\.temperature must be a finite number >= 0 \(0 is greedy\), "
+            rf"got {re.escape(repr(bad))}; use e\.g\. 0\.8",
+        ):
             list(stream_tokens(smoke_model, [1], SamplingConfig(temperature=bad)))
     for bad in (math.nan, math.inf):
         with pytest.raises(ConfigError, match=r"^sampling\.top_p must be in \(0, 1\]"):
             list(stream_tokens(smoke_model, [1], SamplingConfig(top_p=bad)))
 
 
-@pytest.mark.parametrize("name, value, kind", [
-    ("max_new_tokens", 2.5, "int"),   # the cached path never stopped: no count equals 2.5
-    ("max_new_tokens", True, "int"),
-    ("top_k", 2.5, "int"),            # a bare TypeError from torch.topk
-    ("top_k", "50", "int"),
-    ("temperature", "0.8", "float"),  # a string is no number here (a YAML file's 3e-4 is read as one)
-    ("top_p", None, "float"),
-    ("seed", 1.5, "int or None"),
-    ("stop_at_eot", 1, "bool"),
-    ("use_cache", "no", "bool"),
-    ("fast", 0, "bool"),
-])
+@pytest.mark.parametrize(
+    "name, value, kind",
+    [
+        ("max_new_tokens", 2.5, "int"),  # the cached path never stopped: no count equals 2.5
+        ("max_new_tokens", True, "int"),
+        ("top_k", 2.5, "int"),  # a bare TypeError from torch.topk
+        ("top_k", "50", "int"),
+        ("temperature", "0.8", "float"),  # a string is no number here (a YAML file's 3e-4 is read as one)
+        ("top_p", None, "float"),
+        ("seed", 1.5, "int or None"),
+        ("stop_at_eot", 1, "bool"),
+        ("use_cache", "no", "bool"),
+        ("fast", 0, "bool"),
+    ],
+)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_sampling_settings_of_the_wrong_type_are_refused_by_name(smoke_model, name, value, kind, path):
     """The schema's builder checks the sampling settings as it checks every other: a ConfigError
     naming the setting, the value and the fix."""
     cfg = SamplingConfig(temperature=1.0, seed=1, stop_at_eot=False, **PATHS[path])
     setattr(cfg, name, value)
-    message = (f"sampling.{name} should be {kind}, got {type(value).__name__} {value!r}; "
-               f"pass one as SamplingConfig({name}=...)")
+    message = (
+        f"sampling.{name} should be {kind}, got {type(value).__name__} {value!r}; "
+        f"pass one as SamplingConfig({name}=...)"
+    )
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         list(itertools.islice(stream_tokens(smoke_model, [1, 2], cfg), 50))
 
 
 def test_numpy_integers_are_whole_numbers(smoke_model):
     np = pytest.importorskip("numpy")
-    cfg = SamplingConfig(max_new_tokens=np.int64(7), top_k=np.int32(5), temperature=np.float32(0.9),
-                         seed=np.int64(2), stop_at_eot=False)
+    cfg = SamplingConfig(
+        max_new_tokens=np.int64(7), top_k=np.int32(5), temperature=np.float32(0.9), seed=np.int64(2), stop_at_eot=False
+    )
     assert len(list(stream_tokens(smoke_model, [1, 2], cfg))) == 7
 
 
@@ -260,11 +283,17 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(smoke_model, path):
     tiny = build_model("tiny", "gpt_base").eval()  # 128 ids
     cfg = SamplingConfig(max_new_tokens=3, temperature=0.0, stop_at_eot=False, **PATHS[path])
     for ids in ([5, 500], [-1]):
-        with pytest.raises(ValueError, match=r"outside this model's vocabulary of 128 ids \(0\.\.127\).*"
-                                             r"encode it with the tokenizer the model was trained with"):
+        with pytest.raises(
+            ValueError,
+            match=r"outside this model's vocabulary of 128 ids \(0\.\.127\).*"
+            r"encode it with the tokenizer the model was trained with",
+        ):
             list(stream_tokens(tiny, ids, cfg))
-    with pytest.raises(ValueError, match=r"empty prompt starts from <\|endoftext\|> \(id 50256\).*"
-                                         r"at least one token id below 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"empty prompt starts from <\|endoftext\|> \(id 50256\).*"
+        r"at least one token id below 128",
+    ):
         list(stream_tokens(tiny, [], cfg))
     assert len(list(stream_tokens(tiny, [127], cfg))) == 3
     # With the GPT-2 vocabulary an empty prompt starts after <|endoftext|>, as before.
@@ -348,7 +377,7 @@ def _greedy_with_window(model, prompt: list[int], n: int, keep: int) -> list[int
             if len(ids) - start > block:
                 start = len(ids) - keep
             ids.append(int(model(torch.tensor([ids[start:]]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("variant", WINDOW_VARIANTS)
@@ -366,12 +395,14 @@ def test_greedy_text_past_the_context_follows_the_window(variant, one_thread):
         expected = _greedy_with_window(model, prompt, n, keep=block // 2)
         for keep in (block // 2 - 1, block // 2 + 1):
             other = _greedy_with_window(model, prompt, n, keep=keep)
-            assert other != expected and other[:block - len(prompt) + 1] == expected[:block - len(prompt) + 1]
+            assert other != expected and other[: block - len(prompt) + 1] == expected[: block - len(prompt) + 1]
         for path, switches in PATHS.items():
             tokens = list(stream_tokens(model, prompt, SamplingConfig(**kw, **switches)))
             wrong = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
-            assert tokens == expected, (f"{path} path, prompt {prompt}: token {wrong} is {tokens[wrong]}, "
-                                        f"the window's forward gives {expected[wrong]}")
+            assert tokens == expected, (
+                f"{path} path, prompt {prompt}: token {wrong} is {tokens[wrong]}, "
+                f"the window's forward gives {expected[wrong]}"
+            )
 
 
 def test_the_reference_imports_no_fast_path():
@@ -394,8 +425,15 @@ def test_the_reference_imports_no_fast_path():
         "cfg.fast = True\n"
         "list(fast.stream_tokens(m, [1], cfg))\n"
         "assert 'oelm_core.fast.decode' in sys.modules and 'oelm_core.fast.cpu_decode' in sys.modules\n"
-        "assert 'triton' not in sys.modules and 'oelm_core.fast.decode_kernels' not in sys.modules\n")
+        "assert 'triton' not in sys.modules and 'oelm_core.fast.decode_kernels' not in sys.modules\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr

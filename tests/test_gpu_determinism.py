@@ -8,11 +8,13 @@ import json
 
 import pytest
 import torch
-
 from train_helpers import params, run
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_data_override"),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="the nondeterministic kernels are CUDA's")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.usefixtures("no_data_override"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the nondeterministic kernels are CUDA's"),
+]
 
 
 def test_two_deterministic_runs_are_bit_identical(tmp_path, folded):
@@ -20,8 +22,17 @@ def test_two_deterministic_runs_are_bit_identical(tmp_path, folded):
     loss (the CLI's defaults): every logged loss, gradient norm and validation loss, and the best
     weights, equal between two runs of one configuration. (The validation file holds one window
     of 513 tokens: no held-out half.)"""
-    common = dict(steps=40, batch_size=8, eval_every=10, eval_batches=2, ckpt_every=40, device="cuda",
-                  log_every=1, deterministic=True, report_holdout=False)
+    common = dict(
+        steps=40,
+        batch_size=8,
+        eval_every=10,
+        eval_batches=2,
+        ckpt_every=40,
+        device="cuda",
+        log_every=1,
+        deterministic=True,
+        report_holdout=False,
+    )
     runs = []
     for name in ("first", "second"):
         values = params(tmp_path, folded, out=name, **common)

@@ -5,13 +5,13 @@ import dataclasses
 
 import pytest
 import torch
+from train_helpers import losses, params, run
 
 from oelm_core import fast
 from oelm_core.config import TrainConfig
 from oelm_core.fast.graph_step import GraphStep, capturable, feed
 from oelm_core.model import build_model
 from oelm_core.step import TrainStep, configure_optimizer, lr_at
-from train_helpers import losses, params, run
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -46,8 +46,10 @@ def test_make_step_captures_where_the_switch_says():
     assert curves[True] == pytest.approx(curves[False], rel=1e-4)
     tc = TrainConfig(cuda_graph=True)
     model = build_model("smoke", "gpt_base", block_size=32, vocab_size=256)
-    assert type(fast.make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc,
-                               torch.device("cpu"))) is TrainStep  # the CPU: no graphs
+    assert (
+        type(fast.make_step(model, configure_optimizer(model, tc, torch.device("cpu")), tc, torch.device("cpu")))
+        is TrainStep
+    )  # the CPU: no graphs
 
 
 def applied_lr(optimizer: torch.optim.Optimizer, before: list[torch.Tensor], tc: TrainConfig) -> float:
@@ -60,8 +62,8 @@ def applied_lr(optimizer: torch.optim.Optimizer, before: list[torch.Tensor], tc:
     for p, p0 in zip(optimizer.param_groups[1]["params"], before, strict=True):
         state = optimizer.state[p]
         t = float(state["step"])
-        m = state["exp_avg"].double() / (1 - tc.beta1 ** t)
-        v = state["exp_avg_sq"].double() / (1 - tc.beta2 ** t)
+        m = state["exp_avg"].double() / (1 - tc.beta1**t)
+        v = state["exp_avg_sq"].double() / (1 - tc.beta2**t)
         u = m / (v.sqrt() + tc.eps)
         keep = u.abs() > 0.1
         ratios.append((p0.double() - p.detach().double())[keep] / u[keep])
@@ -118,8 +120,9 @@ def test_a_replay_is_fed_its_batches_and_learning_rate_in_the_captured_tensors()
     captured = [group["lr"] for group in optimizers[0].param_groups]
     inputs = [(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)) for _ in range(2)]
     static = [t for pair in inputs for t in pair]
-    batches = [tuple(torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i)) for _ in "xy")
-               for i in range(2)]
+    batches = [
+        tuple(torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(i)) for _ in "xy") for i in range(2)
+    ]
     for lr in (0.025, 0.0375):
         feed(inputs, optimizers[0], batches, lr)
         assert all(group["lr"] is tensor for group, tensor in zip(optimizers[0].param_groups, captured))
@@ -144,8 +147,7 @@ def test_unfreezing_under_a_captured_step_matches_eager_steps(tmp_path, folded, 
     """One GPU, float32: the captured step (two warm-up steps, captured at step 3, re-captured
     after the unfreeze at step 5) against eager steps. The first eager step after an unfreeze once
     added the last replay's gradients to its own (1.2e-3 apart at step 7)."""
-    common = dict(steps=9, eval_every=10, ckpt_every=10, device="cuda", dtype="float32",
-                  unfreeze_schedule={5: "all"})
+    common = dict(steps=9, eval_every=10, ckpt_every=10, device="cuda", dtype="float32", unfreeze_schedule={5: "all"})
     graph = params(tmp_path, folded, out="graph", cuda_graph=True, **common)
     eager = params(tmp_path, folded, out="eager", cuda_graph=False, **common)
     with caplog.at_level("INFO", logger="oelm_core"):

@@ -4,9 +4,9 @@ import ctypes
 import os
 
 import pytest
+from train_helpers import params, run
 
 from oelm_core.fast.heap import keep_large_blocks_in_heap
-from train_helpers import params, run
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -50,4 +50,3 @@ def test_cpu_training_keeps_large_blocks_in_the_heap(tmp_path, folded, monkeypat
     monkeypatch.delattr(os, "confstr")  # Windows
     assert keep_large_blocks_in_heap() is False
     assert calls == []
-

@@ -13,7 +13,7 @@ def test_the_graph_reader_finds_a_cycle_it_is_given():
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     real = import_graph()
-    assert "oelm_core.runner.plan" in real["oelm_core.runner.local"]   # read from the source
+    assert "oelm_core.runner.plan" in real["oelm_core.runner.local"]  # read from the source
 
 
 def test_oelm_core_has_no_import_cycle():

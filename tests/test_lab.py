@@ -22,17 +22,26 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
-                       "(apt-get update && apt-get install -y chromium; make test does it as root)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium at /usr/bin/chromium "
+        "(apt-get update && apt-get install -y chromium; make test does it as root)",
+    ),
 ]
 
 pytest.importorskip("jupyterlab", reason="needs JupyterLab (the notebooks extra: pip install -e '.[notebooks]')")
@@ -61,8 +70,13 @@ def _wait_for_server(proc: subprocess.Popen, log: Path, port: int, timeout: floa
 
 
 def _git(root: Path, *args: str) -> str:
-    proc = subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.org", *args], cwd=root,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["git", "-c", "user.name=test", "-c", "user.email=test@example.org", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -88,22 +102,52 @@ def lab(tmp_path):
     _git(root, "add", "-A")
     _git(root, "commit", "-q", "-m", "the notebook's source")
     venv = Path(sys.executable).parent.parent
-    made = subprocess.run(["make", "-f", str(REPO / "Makefile"), "-C", str(root), f"VENV={venv}", "-o",
-                           f"{venv}/.installed", "notebooks"], capture_output=True, text=True, timeout=300)
+    made = subprocess.run(
+        [
+            "make",
+            "-f",
+            str(REPO / "Makefile"),
+            "-C",
+            str(root),
+            f"VENV={venv}",
+            "-o",
+            f"{venv}/.installed",
+            "notebooks",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert made.returncode == 0 and (root / "notebooks" / "02_model.ipynb").is_file(), made.stdout + made.stderr
-    assert _git(root, "status", "--porcelain", "notebooks/") == ""   # the made .ipynb is ignored
+    assert _git(root, "status", "--porcelain", "notebooks/") == ""  # the made .ipynb is ignored
     port, token, log = _free_port(), secrets.token_hex(16), tmp_path / "lab.log"
     # The server's settings, workspaces and runtime files in tmp_path: none read or left in ~/.jupyter.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "IPYTHONDIR": str(tmp_path / "ipython")}
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
-           f"--LabApp.user_settings_dir={tmp_path / 'settings'}", f"--LabApp.workspaces_dir={tmp_path / 'ws'}",
-           "--LabApp.expose_app_in_browser=True", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-    cmd += ["--allow-root"] if os.geteuid() == 0 else []   # CI runs as root
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "IPYTHONDIR": str(tmp_path / "ipython"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--ServerApp.port_retries=0",
+        f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+        f"--LabApp.workspaces_dir={tmp_path / 'ws'}",
+        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
+    cmd += ["--allow-root"] if os.geteuid() == 0 else []  # CI runs as root
     news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
-    news.write_text('{"fetchNews": "false"}')   # no "get notified about Jupyter news?" toast over the page
+    news.write_text('{"fetchNews": "false"}')  # no "get notified about Jupyter news?" toast over the page
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
     try:
@@ -159,8 +203,10 @@ def test_notebook_02_runs_in_jupyterlab_and_its_explorer_follows_a_slider(lab, b
     written = source.stat().st_mtime_ns
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url, wait_until="domcontentloaded", timeout=120_000)
-    kernel = ("() => { const nb = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
-              " return !!(nb && nb.sessionContext && nb.sessionContext.session && nb.sessionContext.session.kernel); }")
+    kernel = (
+        "() => { const nb = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+        " return !!(nb && nb.sessionContext && nb.sessionContext.session && nb.sessionContext.session.kernel); }"
+    )
     page.wait_for_function(kernel, timeout=120_000)
     assert len(_code_cells(page)) == 8
     # JupyterLab's own command, as Run > Run All Cells; its promise settles when every cell has run.
@@ -172,13 +218,16 @@ def test_notebook_02_runs_in_jupyterlab_and_its_explorer_follows_a_slider(lab, b
     assert page.locator(".widget-slider").count() == 6
     start, more = shape_account(), shape_account(n_layer=7)
     table = _explorer_table(page)
-    assert all(f"{r['trainable']:,}" in table for r in start), table   # at 6 layers
+    assert all(f"{r['trainable']:,}" in table for r in start), table  # at 6 layers
     layers = page.locator(".widget-slider").filter(has_text="layers")
     assert layers.locator(".widget-readout").inner_text().strip() == "6"
     layers.locator(".noUi-handle").focus()
-    page.keyboard.press("ArrowRight")   # one step: 7 layers
-    page.wait_for_function("want => document.querySelector('.widget-output').innerText.includes(want)",
-                           arg=f"{more[0]['trainable']:,}", timeout=60_000)
+    page.keyboard.press("ArrowRight")  # one step: 7 layers
+    page.wait_for_function(
+        "want => document.querySelector('.widget-output').innerText.includes(want)",
+        arg=f"{more[0]['trainable']:,}",
+        timeout=60_000,
+    )
     assert layers.locator(".widget-readout").inner_text().strip() == "7"
     table = _explorer_table(page)
     assert all(f"{r['trainable']:,}" in table for r in more) and f"{start[0]['trainable']:,}" not in table, table
@@ -192,5 +241,5 @@ def test_notebook_02_runs_in_jupyterlab_and_its_explorer_follows_a_slider(lab, b
     saved = nbformat.read(notebook, as_version=4)
     assert [c.execution_count for c in saved.cells if c.cell_type == "code"] == list(range(1, 9))
     assert any(c.outputs for c in saved.cells if c.cell_type == "code")
-    assert source.stat().st_mtime_ns != written   # jupytext wrote the pair's .py too ...
-    assert _git(root, "status", "--porcelain", "notebooks/") == ""   # ... which is the committed one
+    assert source.stat().st_mtime_ns != written  # jupytext wrote the pair's .py too ...
+    assert _git(root, "status", "--porcelain", "notebooks/") == ""  # ... which is the committed one

@@ -12,10 +12,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from train_helpers import free_port, kill_at, metric_rows, params, run
 
 from oelm_core.live_metrics import FOLDER, TAGS
 from oelm_core.train import Trainer
-from train_helpers import free_port, kill_at, metric_rows, params, run
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -49,8 +49,22 @@ def test_a_tensorboard_server_shows_the_runs_curves(tmp_path, folded, monkeypatc
     rows = metric_rows(values["out_dir"])
     assert len(list((Path(values["out_dir"]) / FOLDER).glob("events.out.tfevents.*"))) == 2
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--port", str(port),
-                               "--host", "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run_name = f"run/{FOLDER}"
     try:
         deadline = time.monotonic() + 180
@@ -62,10 +76,10 @@ def test_a_tensorboard_server_shows_the_runs_curves(tmp_path, folded, monkeypatc
         for key, tag in TAGS.items():
             expected = {step: row[key] for step, row in rows.items() if row.get(key) is not None}
             if not expected:
-                assert scalars(port, run_name, tag) in (None, []), tag   # mfu: no peak known on a CPU
+                assert scalars(port, run_name, tag) in (None, []), tag  # mfu: no peak known on a CPU
                 continue
             served = scalars(port, run_name, tag)
-            assert [step for _, step, _ in served] == sorted(expected), tag   # each step once, resumed or not
+            assert [step for _, step, _ in served] == sorted(expected), tag  # each step once, resumed or not
             for _, step, value in served:
                 assert value == pytest.approx(expected[step], rel=1e-6, abs=1e-12), (tag, step)
             checked += 1

@@ -136,8 +136,11 @@ def test_over_long_input_errors_say_what_helps():
         model(torch.zeros(1, 33, dtype=torch.long))
     cache = model.new_cache()
     model(torch.zeros(1, 30, dtype=torch.long), cache=cache)
-    with pytest.raises(ValueError, match=r"the KV cache holds 30 of 32 positions, no room for 3 more tokens; "
-                                         r"reset it .* and prefill again with at most the last 32 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"the KV cache holds 30 of 32 positions, no room for 3 more tokens; "
+        r"reset it .* and prefill again with at most the last 32 tokens",
+    ):
         model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
     cache.length = 0  # the advice works
     assert model(torch.zeros(1, 32, dtype=torch.long), cache=cache).shape == (1, 32, 128)
@@ -184,8 +187,8 @@ def test_the_model_matches_the_nanogpt_reference(variant, pad_vocab):
 def test_cached_decoding_matches_the_full_forward(variant, chunks):
     model = build_model("tiny", variant).eval()
     x, _ = _batch(model.cfg, b=2, seed=3)
-    x = x[:, :sum(chunks)]
-    ends = [sum(chunks[:i + 1]) for i in range(len(chunks))]
+    x = x[:, : sum(chunks)]
+    ends = [sum(chunks[: i + 1]) for i in range(len(chunks))]
     with torch.no_grad():
         full = model(x)
         cache = model.new_cache(batch=2)
@@ -250,20 +253,27 @@ def test_freezing_removes_exactly_the_frozen_weight_gradients_from_the_backward(
 
 
 def test_presets_have_the_roadmap_shapes():
-    for preset, shape in {"small": (6, 512, 8, 2048), "base": (12, 768, 12, 3072),
-                          "large": (24, 1024, 16, 4096), "medium512": (6, 512, 8, 2048)}.items():
+    for preset, shape in {
+        "small": (6, 512, 8, 2048),
+        "base": (12, 768, 12, 3072),
+        "large": (24, 1024, 16, 4096),
+        "medium512": (6, 512, 8, 2048),
+    }.items():
         cfg = model_config(preset)
         assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff) == shape
         assert cfg.vocab_size == 50_257 and cfg.tie_embeddings
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(preset="nope"), "unknown preset 'nope'"),
-    (dict(variant="nope"), "unknown variant 'nope'"),
-    (dict(n_head=7), "n_head=7 does not divide d_model=512"),
-    (dict(freeze_qk=[9]), "layers 0..5"),
-    (dict(qk_init="lu"), "unknown model.qk_init"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(preset="nope"), "unknown preset 'nope'"),
+        (dict(variant="nope"), "unknown variant 'nope'"),
+        (dict(n_head=7), "n_head=7 does not divide d_model=512"),
+        (dict(freeze_qk=[9]), "layers 0..5"),
+        (dict(qk_init="lu"), "unknown model.qk_init"),
+    ],
+)
 def test_bad_configs_raise_clear_errors(kwargs, message):
     preset = kwargs.pop("preset", "medium512")
     variant = kwargs.pop("variant", "gpt_base")
@@ -273,6 +283,7 @@ def test_bad_configs_raise_clear_errors(kwargs, message):
 
 def test_residual_projections_start_scaled_by_depth():
     import math
+
     model = build_model("mini", "gpt_base", vocab_size=128)  # 4 layers: 0.02 / sqrt(8) = 0.00707
     for b in model.blocks:
         assert b.attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.03)
@@ -282,5 +293,6 @@ def test_residual_projections_start_scaled_by_depth():
 
 def test_synthesizer_logits_start_at_unit_row_scale():
     import math
+
     m = build_model("tiny", "synth_random", block_size=32)
     assert m.blocks[0].attn.synth_0.std().item() == pytest.approx(1 / math.sqrt(32), rel=0.05)

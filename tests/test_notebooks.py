@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 nbformat = pytest.importorskip("nbformat")  # the notebooks extra; a bare GPU machine may lack it
@@ -36,14 +35,24 @@ def cells(name: str) -> list[tuple[str, str]]:
 
 
 def kinds(nb) -> list[tuple[str, str]]:
-    return [("md" if c.cell_type == "markdown" else "params" if "parameters" in c.metadata.get("tags", [])
-             else "code", c.source) for c in nb.cells]
+    return [
+        (
+            "md" if c.cell_type == "markdown" else "params" if "parameters" in c.metadata.get("tags", []) else "code",
+            c.source,
+        )
+        for c in nb.cells
+    ]
 
 
 def code(name: str) -> str:
     """The code cells of notebooks/<name>.py, as the kernel runs them (IPython magics left out)."""
-    return "\n".join(line for kind, src in cells(name) if kind != "md" for line in src.splitlines()
-                     if not line.lstrip().startswith("%"))
+    return "\n".join(
+        line
+        for kind, src in cells(name)
+        if kind != "md"
+        for line in src.splitlines()
+        if not line.lstrip().startswith("%")
+    )
 
 
 def output_text(nb) -> str:
@@ -65,8 +74,22 @@ def make_notebooks(folder: Path) -> Path:
     for path in [*FOLDER.glob("[0-9][0-9]_*.py"), FOLDER / "jupytext.toml"]:
         shutil.copy(path, folder / "notebooks")
     venv = Path(sys.executable).parent.parent
-    proc = subprocess.run(["make", "-f", str(REPO / "Makefile"), "-C", str(folder), f"VENV={venv}",
-                           "-o", f"{venv}/.installed", "notebooks"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            "make",
+            "-f",
+            str(REPO / "Makefile"),
+            "-C",
+            str(folder),
+            f"VENV={venv}",
+            "-o",
+            f"{venv}/.installed",
+            "notebooks",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return folder / "notebooks"
 
@@ -142,8 +165,9 @@ def test_saving_either_file_of_a_pair_rewrites_neither(tmp_path, made):
         _sync(tmp_path, *[f"{n}.{newer}" for n in ALL])
         for name in ALL:
             for ext in ("ipynb", "py"):
-                assert (tmp_path / f"{name}.{ext}").read_text() == (made / f"{name}.{ext}").read_text(), \
+                assert (tmp_path / f"{name}.{ext}").read_text() == (made / f"{name}.{ext}").read_text(), (
                     f"saving {name}.{newer} rewrote {name}.{ext}"
+                )
 
 
 def test_an_edit_saved_in_either_file_is_the_change_in_the_other(tmp_path, made):
@@ -173,14 +197,16 @@ def test_an_edit_saved_in_either_file_is_the_change_in_the_other(tmp_path, made)
     os.utime(py, (1e9, 1e9))
     _sync(tmp_path, "02_model.ipynb")
     assert py.read_text() == (FOLDER / "02_model.py").read_text().replace(
-        "# ## Variants\n", "# ## Variants, as JupyterLab saved them\n")
+        "# ## Variants\n", "# ## Variants, as JupyterLab saved them\n"
+    )
 
 
 def setup_lines(notebook_cells: list[tuple[str, str]]) -> str:
     """The lines of a notebook's first cell after its parameters that find the repository root
     (up to its first import from oelm_core), magics left out."""
-    first = next(src for kind, src in notebook_cells[[k for k, _ in notebook_cells].index("params") + 1:]
-                 if kind == "code")
+    first = next(
+        src for kind, src in notebook_cells[[k for k, _ in notebook_cells].index("params") + 1 :] if kind == "code"
+    )
     lines = first.splitlines()
     end = next(i for i, line in enumerate(lines) if line.startswith(("from oelm_core", "import oelm_core")))
     return "\n".join(line for line in lines[:end] if not line.startswith("%"))
@@ -189,8 +215,12 @@ def setup_lines(notebook_cells: list[tuple[str, str]]) -> str:
 def _names(source: str) -> tuple[set[str], set[str]]:
     """(names imported, names read) of notebook code (IPython magics left out)."""
     tree = ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith("%")))
-    imported = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
-                if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    imported = {
+        (a.asname or a.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for a in node.names
+    }
     read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     return imported, read
 
@@ -215,7 +245,7 @@ def test_default_output_folders_are_ignored_by_git(name):
     defaults = notebook_defaults(name)
     folders = [ROOT / defaults[k] for k in ("fig_dir", "out_dir") if defaults.get(k)]
     if name == "04_analysis":
-        assert defaults["fig_dir"] is None    # <out_dir>/figures
+        assert defaults["fig_dir"] is None  # <out_dir>/figures
         folders.append(ROOT / defaults["out_dir"] / "figures")
     assert folders and ROOT == REPO
     for folder in folders:
@@ -230,12 +260,20 @@ def test_a_notebook_started_in_its_folder_works_in_the_repository_root(start, tm
     notebooks/runs and notebooks/data_cache, while 01 and 04 wrote from the root. The setup cell
     moves to the root; started in the root it stays there."""
     setup = setup_lines(cells("03_training"))
-    probe = ("import oelm_core\nfrom oelm_core.config import load_run_config\n"
-             "print(os.getcwd())\nprint(Path(oelm_core.__file__).parent.parent)\n"
-             "print(Path(load_run_config('parameters/smoke/oelm_freeze.yaml').out_dir).resolve())")
+    probe = (
+        "import oelm_core\nfrom oelm_core.config import load_run_config\n"
+        "print(os.getcwd())\nprint(Path(oelm_core.__file__).parent.parent)\n"
+        "print(Path(load_run_config('parameters/smoke/oelm_freeze.yaml').out_dir).resolve())"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", setup + "\n" + probe], cwd=REPO / start, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", setup + "\n" + probe],
+        cwd=REPO / start,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     cwd, package_root, run_dir = proc.stdout.splitlines()
     assert Path(cwd) == REPO and Path(package_root) == REPO
@@ -246,30 +284,51 @@ def test_theory_holds_or_says_it_cannot_judge_for_every_seed_of_small_settings(t
     """01 asserted that orthogonal projections distort less than Gaussian ones whatever the
     sizes: at d 64, 16 points and one trial it failed for seeds 0 and 9. Its code cells, run
     here as the kernel runs them, pass for every seed; the JL comparison says it is not judged."""
-    source = "\n".join(line for kind, src in cells("01_theory") if kind == "code"
-                       for line in src.splitlines() if not line.startswith("%"))
-    parameters = {"d": 64, "n_head": 4, "n_vectors": 8, "n_tokens": 16, "jl_points": 16, "jl_trials": 1,
-                  "construction_repeats": 1, "fig_dir": str(tmp_path)}
+    source = "\n".join(
+        line
+        for kind, src in cells("01_theory")
+        if kind == "code"
+        for line in src.splitlines()
+        if not line.startswith("%")
+    )
+    parameters = {
+        "d": 64,
+        "n_head": 4,
+        "n_vectors": 8,
+        "n_tokens": 16,
+        "jl_points": 16,
+        "jl_trials": 1,
+        "construction_repeats": 1,
+        "fig_dir": str(tmp_path),
+    }
     for seed in range(10):
         exec(compile(source, "01_theory", "exec"), {**parameters, "seed": seed})
         assert "not judged: 16 points x 1 trial(s) are too few" in capsys.readouterr().out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,args,message", [
-    # papermill -p passes text: `-p d abc` failed deep inside torch.randn
-    ("01_theory", ["-p", "d", "abc"],
-     "notebook 01_theory: parameter d must be a whole number (int) (the notebook's default is 512); got 'abc'"),
-    # issue 44: a misspelt name trained the default run for minutes and exited 0 (papermill only warns);
-    # a count of 0 or a missing file failed in the launch cell, inside papermill's traceback. Each
-    # problem is named, every one at once.
-    ("03_training", ["-p", "param", "parameters/smoke/gpt_base.yaml", "-p", "nproc", "0",
-                     "-p", "params", "missing.yaml"],
-     "notebook 03_training: parameter param is not a parameter of 03_training (did you mean params?); its "
-     "parameters are params, overrides, nproc, cuda_visible_devices, run_dir, resume, progress_bar\n"
-     "notebook 03_training: parameter nproc must be at least 1 (one training process at least); got 0\n"
-     "notebook 03_training: parameter params names no file: 'missing.yaml' is neither in"),
-])
+@pytest.mark.parametrize(
+    "name,args,message",
+    [
+        # papermill -p passes text: `-p d abc` failed deep inside torch.randn
+        (
+            "01_theory",
+            ["-p", "d", "abc"],
+            "notebook 01_theory: parameter d must be a whole number (int) (the notebook's default is 512); got 'abc'",
+        ),
+        # issue 44: a misspelt name trained the default run for minutes and exited 0 (papermill only warns);
+        # a count of 0 or a missing file failed in the launch cell, inside papermill's traceback. Each
+        # problem is named, every one at once.
+        (
+            "03_training",
+            ["-p", "param", "parameters/smoke/gpt_base.yaml", "-p", "nproc", "0", "-p", "params", "missing.yaml"],
+            "notebook 03_training: parameter param is not a parameter of 03_training (did you mean params?); its "
+            "parameters are params, overrides, nproc, cuda_visible_devices, run_dir, resume, progress_bar\n"
+            "notebook 03_training: parameter nproc must be at least 1 (one training process at least); got 0\n"
+            "notebook 03_training: parameter params names no file: 'missing.yaml' is neither in",
+        ),
+    ],
+)
 def test_a_bad_papermill_parameter_is_named_in_the_first_cell(name, args, message, made, tmp_path):
     """papermill by hand (its command line, on the .ipynb `make notebooks` writes): the cell after
     the parameters refuses the value or the name, saying what it must be, and nothing runs."""
@@ -277,23 +336,51 @@ def test_a_bad_papermill_parameter_is_named_in_the_first_cell(name, args, messag
     if name == "03_training":
         args = [*args, "-p", "run_dir", str(run_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "papermill", str(made / f"{name}.ipynb"), str(out), *args,
-                           "--cwd", str(FOLDER), "--log-level", "WARNING"],
-                          cwd=FOLDER, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "papermill",
+            str(made / f"{name}.ipynb"),
+            str(out),
+            *args,
+            "--cwd",
+            str(FOLDER),
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=FOLDER,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     nb = nbformat.read(out, as_version=4)
     error = next(o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error")
     assert error.ename == "ConfigError" and error.evalue.startswith(message), error.evalue
     ran = [c for c in nb.cells if c.cell_type == "code" and c.execution_count]
-    assert "check_kernel_parameters" in ran[-1].source   # the first cell after the parameters
+    assert "check_kernel_parameters" in ran[-1].source  # the first cell after the parameters
     assert not run_dir.exists()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,parameters", [
-    ("01_theory", {"d": 64, "n_vectors": 32, "jl_points": 32, "jl_trials": 3, "construction_repeats": 1,
-                   "fig_dir": "FIGURES"}),
-])
+@pytest.mark.parametrize(
+    "name,parameters",
+    [
+        (
+            "01_theory",
+            {
+                "d": 64,
+                "n_vectors": 32,
+                "jl_points": 32,
+                "jl_trials": 3,
+                "construction_repeats": 1,
+                "fig_dir": "FIGURES",
+            },
+        ),
+    ],
+)
 def test_notebook_runs_standalone(name, parameters, tmp_path, made):
     """papermill raises on a failed cell; beyond that, every cell ran with the injected values
     and the notebook showed what it exists to show: 01 its verdicts and its figure (02 is shown
@@ -302,15 +389,22 @@ def test_notebook_runs_standalone(name, parameters, tmp_path, made):
 
     out = tmp_path / f"{name}.ipynb"
     parameters = {k: str(tmp_path / "figures") if v == "FIGURES" else v for k, v in parameters.items()}
-    pm.execute_notebook(str(made / f"{name}.ipynb"), str(out), parameters=parameters,
-                        cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3",
-                        execution_timeout=600)
+    pm.execute_notebook(
+        str(made / f"{name}.ipynb"),
+        str(out),
+        parameters=parameters,
+        cwd=str(REPO / "notebooks"),
+        progress_bar=False,
+        kernel_name="python3",
+        execution_timeout=600,
+    )
     nb = nbformat.read(out, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code), "a cell did not run"
     injected = next(c.source for c in code if "injected-parameters" in c.metadata.get("tags", []))
-    assert all((f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}") in injected
-               for k, v in parameters.items()), injected
+    assert all((f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}") in injected for k, v in parameters.items()), (
+        injected
+    )
     shown = output_text(nb)
     for text in STANDALONE_OUTPUTS[name]:
         assert text in shown, (name, text)
@@ -323,15 +417,18 @@ def test_notebook_runs_standalone(name, parameters, tmp_path, made):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_study_executed_every_notebook(smoke_study, name):
     out, _ = smoke_study
-    paths = ([out / "notebooks" / f"{name}.ipynb"] if name != "03_training"
-             else sorted((out / "runs").glob("*/03_training.ipynb")))
+    paths = (
+        [out / "notebooks" / f"{name}.ipynb"]
+        if name != "03_training"
+        else sorted((out / "runs").glob("*/03_training.ipynb"))
+    )
     assert paths and all(p.is_file() for p in paths)
     for path in paths:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert all(c.execution_count for c in code), f"{path}: a cell did not run"
         injected = next(c.source for c in code if "injected-parameters" in c.metadata.get("tags", []))
-        if name == "02_model":   # the study's exact counts for the preset it was given
+        if name == "02_model":  # the study's exact counts for the preset it was given
             assert 'preset = "medium512"' in injected and "all_variants = False" in injected, injected
             shown = output_text(nb)
             assert all(text in shown for text in STANDALONE_OUTPUTS[name]), shown[-3000:]
@@ -348,13 +445,22 @@ def test_sweep_notebook_runs_the_smoke_sweep(tmp_path, story_folder, monkeypatch
 
     monkeypatch.setenv("OELM_DATA", str(story_folder))
     out = tmp_path / "05.ipynb"
-    pm.execute_notebook(str(made / "05_sweep.ipynb"), str(out),
-                        parameters={"smoke": True, "out_root": str(tmp_path / "runs"),
-                                    "overrides": {"data.out_dir": str(tmp_path / "data"), "train.device": "cpu"}},
-                        cwd=str(REPO / "notebooks"), progress_bar=False, kernel_name="python3")
+    pm.execute_notebook(
+        str(made / "05_sweep.ipynb"),
+        str(out),
+        parameters={
+            "smoke": True,
+            "out_root": str(tmp_path / "runs"),
+            "overrides": {"data.out_dir": str(tmp_path / "data"), "train.device": "cpu"},
+        },
+        cwd=str(REPO / "notebooks"),
+        progress_bar=False,
+        kernel_name="python3",
+    )
     nb = nbformat.read(out, as_version=4)
-    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                if o.get("output_type") == "error"]
+    assert not [
+        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
     # A smoke sweep's figure sits with its runs, apart from the full sweep's folder.
     assert (tmp_path / "runs" / "a6_layers_smoke" / "sweep.png").is_file()
     assert not (tmp_path / "runs" / "a6_layers").exists()

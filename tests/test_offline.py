@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from oelm_core import envfile, offline
 
 # The variables that would point a child process at data or put the hub libraries offline.
@@ -34,13 +34,28 @@ def test_offline_training_fails_at_once_with_the_fix(tmp_path):
     line that says what to do, within seconds of starting (datasets' retries took ~26 s)."""
     if offline.hub_unreachable() is None:
         pytest.skip("the Hugging Face hub answers here: this test needs it unreachable")
-    main = ("import sys, time; import oelm_core.train as t; start = time.perf_counter(); "
-            "code = t.main(sys.argv[1:]); print(f'seconds: {time.perf_counter() - start:.2f}', file=sys.stderr); "
-            "sys.exit(code)")
-    proc = subprocess.run([sys.executable, "-c", main, "--params", str(REPO / "parameters/smoke/oelm_freeze.yaml"),
-                           "--set", f"out_dir={tmp_path / 'run'}", f"data.out_dir={tmp_path / 'data'}"],
-                          cwd=tmp_path, env=bare_env(TIKTOKEN_CACHE_DIR=str(tiktoken_cache()), **{envfile.VARIABLE: ""}),
-                          capture_output=True, text=True, timeout=300)
+    main = (
+        "import sys, time; import oelm_core.train as t; start = time.perf_counter(); "
+        "code = t.main(sys.argv[1:]); print(f'seconds: {time.perf_counter() - start:.2f}', file=sys.stderr); "
+        "sys.exit(code)"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            main,
+            "--params",
+            str(REPO / "parameters/smoke/oelm_freeze.yaml"),
+            "--set",
+            f"out_dir={tmp_path / 'run'}",
+            f"data.out_dir={tmp_path / 'data'}",
+        ],
+        cwd=tmp_path,
+        env=bare_env(TIKTOKEN_CACHE_DIR=str(tiktoken_cache()), **{envfile.VARIABLE: ""}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     error = next(line for line in lines if line.startswith("error: "))
@@ -48,7 +63,7 @@ def test_offline_training_fails_at_once_with_the_fix(tmp_path):
     assert "did not answer" in error and "python -m oelm_core.offline ../shared/data" in error
     assert not any("retry" in line.lower() or "Traceback" in line for line in lines), proc.stderr
     seconds = float(lines[-1].removeprefix("seconds: "))
-    assert seconds < offline.PROBE_TIMEOUT_S + 3, proc.stderr   # after the imports, which load decides
+    assert seconds < offline.PROBE_TIMEOUT_S + 3, proc.stderr  # after the imports, which load decides
 
 
 def test_a_plain_command_reads_the_settings_file(tmp_path, story_folder):
@@ -61,10 +76,20 @@ def test_a_plain_command_reads_the_settings_file(tmp_path, story_folder):
     settings.parent.mkdir()
     assert offline.main([str(story_folder.parent), "--stories", str(story_folder), "--file", str(settings)]) == 0
     written = envfile.read(settings)
-    assert written == {"OELM_DATA": str(story_folder.resolve()), "TIKTOKEN_CACHE_DIR": str(cache.resolve()),
-                       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "oelm_core.data", "--out-dir", str(tmp_path / "data"), "--no-progress"],
-                          cwd=settings.parent, env=bare_env(), capture_output=True, text=True, timeout=300)
+    assert written == {
+        "OELM_DATA": str(story_folder.resolve()),
+        "TIKTOKEN_CACHE_DIR": str(cache.resolve()),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "oelm_core.data", "--out-dir", str(tmp_path / "data"), "--no-progress"],
+        cwd=settings.parent,
+        env=bare_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads(proc.stdout)
     assert meta["source"] == str(story_folder.resolve()) and meta["train_stories"] == 120

@@ -61,9 +61,12 @@ def haar_statistics(method: str, n: int = 8, draws: int = 2000, seed: int = 2) -
     g = gen(seed)
     W = torch.stack([orthogonal(n, n, method, generator=g, dtype=torch.float64) for _ in range(draws)])
     tr = W.diagonal(dim1=1, dim2=2).sum(-1)
-    return {"p_det_positive": (torch.linalg.det(W) > 0).double().mean().item(),
-            "mean_trace": tr.mean().item(), "mean_trace_sq": tr.pow(2).mean().item(),
-            "max_abs_entry_mean": W.mean(0).abs().max().item()}
+    return {
+        "p_det_positive": (torch.linalg.det(W) > 0).double().mean().item(),
+        "mean_trace": tr.mean().item(),
+        "mean_trace_sq": tr.pow(2).mean().item(),
+        "max_abs_entry_mean": W.mean(0).abs().max().item(),
+    }
 
 
 @pytest.mark.parametrize("method", ["qr", "svd"])
@@ -89,8 +92,11 @@ def test_the_haar_statistics_reject_the_non_haar_constructions(method):
 def test_jl_distortion_shrinks_with_k():
     d, n = 512, 50
     X = torch.randn(n, d, generator=gen(3))
-    stats = {(m, k): jl_distortion(random_projection(k, d, m, generator=gen(k)), X)
-             for m in ("qr", "gaussian") for k in (32, 256)}
+    stats = {
+        (m, k): jl_distortion(random_projection(k, d, m, generator=gen(k)), X)
+        for m in ("qr", "gaussian")
+        for k in (32, 256)
+    }
     assert set(stats["qr", 256]) == {"max", "mean", "std"}
     assert stats["qr", 256]["mean"] < 0.1
     for m in ("qr", "gaussian"):
@@ -126,8 +132,9 @@ def test_attention_logit_scale_at_init():
     x = torch.randn(64, d, generator=gen(5))
     g = gen(6)
     ortho = attention_logit_stats(orthogonal(d, d, generator=g), orthogonal(d, d, generator=g), x, n_head)
-    normal = attention_logit_stats(init_qk(d, d, "normal", generator=g), init_qk(d, d, "normal", generator=g),
-                                   x, n_head)
+    normal = attention_logit_stats(
+        init_qk(d, d, "normal", generator=g), init_qk(d, d, "normal", generator=g), x, n_head
+    )
     assert 0.8 < ortho["std"] < 1.25
     assert normal["std"] < 0.5 * ortho["std"]
     # Smaller logits mean flatter attention, closer to the uniform entropy log(64).
@@ -136,8 +143,14 @@ def test_attention_logit_scale_at_init():
 
 def test_condition_number_is_inf_for_rank_deficient_matrices():
     u, v = torch.randn(6, 1, generator=gen(9)), torch.randn(1, 6, generator=gen(10))
-    for W in (torch.zeros(4, 4), torch.ones(4, 4), u @ v, u.double() @ v.double(),
-              torch.zeros(2, 5), torch.eye(5, 3) @ torch.eye(3, 5)):
+    for W in (
+        torch.zeros(4, 4),
+        torch.ones(4, 4),
+        u @ v,
+        u.double() @ v.double(),
+        torch.zeros(2, 5),
+        torch.eye(5, 3) @ torch.eye(3, 5),
+    ):
         assert condition_number(W) == float("inf"), W
     assert condition_number(torch.eye(3, 5)) == 1.0
     W = torch.diag(torch.tensor([1.0, 1e-3], dtype=torch.float64))
@@ -153,14 +166,16 @@ def test_random_projection_refuses_k_above_d():
 
 def test_gaussian_rectangular_uses_fan_in():
     from oelm_core.orthogonal import gaussian
+
     G = gaussian(64, 512, generator=gen(0))
-    assert abs(G.double().pow(2).sum(1).mean().item() - 1) < 0.05   # 1.012; var 1/rows gives 8
+    assert abs(G.double().pow(2).sum(1).mean().item() - 1) < 0.05  # 1.012; var 1/rows gives 8
     X = torch.randn(50, 512, generator=gen(3))
     assert jl_distortion(random_projection(32, 512, "gaussian", generator=gen(32)), X)["mean"] < 0.2  # 0.097
 
 
 def test_orthogonality_and_isometry_errors_known_values():
     from oelm_core.orthogonal import isometry_error
+
     assert orthogonality_error(0.5 * torch.eye(4)) == pytest.approx(0.75)
     assert orthogonality_error(torch.diag(torch.tensor([2.0, 1.0]))) == pytest.approx(3.0)
     assert isometry_error(torch.diag(torch.tensor([2.0, 1.0])), torch.eye(2)) == pytest.approx(1.0)
@@ -168,6 +183,7 @@ def test_orthogonality_and_isometry_errors_known_values():
 
 def test_attention_logit_stats_splits_heads_by_feature():
     from oelm_core.orthogonal import attention_logit_stats
+
     x = torch.arange(24, dtype=torch.float64).reshape(3, 8) / 10
     eye = torch.eye(8, dtype=torch.float64)
     s = attention_logit_stats(eye, eye, x, 2)
@@ -178,6 +194,7 @@ def test_cayley_eigen_angles_stay_below_pi():
     import math
 
     from oelm_core.orthogonal import orthogonal
+
     W = orthogonal(64, 64, "cayley", generator=gen(0), dtype=torch.float64)
     ang = torch.linalg.eigvals(W).angle().abs()
     assert 100 < math.degrees(ang.max().item()) < 135 and 55 < math.degrees(ang.mean().item()) < 85

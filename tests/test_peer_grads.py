@@ -125,8 +125,10 @@ class InProcessPair:
 
             def _buffer(self, numel, dtype):
                 i, self._allocated = self._allocated, self._allocated + 1
-                return tuple(pair.buffers.setdefault((r, i), torch.full((numel,), -1).to(dtype))
-                             for r in (self.rank, 1 - self.rank))
+                return tuple(
+                    pair.buffers.setdefault((r, i), torch.full((numel,), -1).to(dtype))
+                    for r in (self.rank, 1 - self.rank)
+                )
 
             def _send(self, dst, src):
                 dst.copy_(src.reshape(-1))
@@ -190,21 +192,24 @@ class InProcessPair:
 
 def micro_batches(model, rank, n_micro, batch):
     g = torch.Generator().manual_seed(100 + rank)
-    ids = [torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.block_size + 1), generator=g)
-           for _ in range(n_micro)]
+    ids = [
+        torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.block_size + 1), generator=g) for _ in range(n_micro)
+    ]
     return [(t[:, :-1], t[:, 1:]) for t in ids]
 
 
-@pytest.mark.parametrize("variant, n_micro, batch, rows, vocab", [
-    ("oelm_freeze", 1, 2, True, 128),    # 2 ranks x 64 tokens <= 128 rows: the tied weight as rows
-    ("oelm_freeze", 1, 2, True, 100),    # the repeats' rows gathered from a padding row (100 -> 128)
-    ("gpt_base", 1, 4, False, 128),      # 2 x 128 > 128: the tied weight's shares in one, densely
-    ("oelm_nofreeze", 2, 1, True, 128),  # two micro-steps: the last sends the accumulated gradient
-    ("oelm_nofreeze", 2, 1, True, 100),
-    ("oelm_poet", 2, 2, False, 128),
-])
-def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(variant, n_micro, batch, rows,
-                                                                             vocab):
+@pytest.mark.parametrize(
+    "variant, n_micro, batch, rows, vocab",
+    [
+        ("oelm_freeze", 1, 2, True, 128),  # 2 ranks x 64 tokens <= 128 rows: the tied weight as rows
+        ("oelm_freeze", 1, 2, True, 100),  # the repeats' rows gathered from a padding row (100 -> 128)
+        ("gpt_base", 1, 4, False, 128),  # 2 x 128 > 128: the tied weight's shares in one, densely
+        ("oelm_nofreeze", 2, 1, True, 128),  # two micro-steps: the last sends the accumulated gradient
+        ("oelm_nofreeze", 2, 1, True, 100),
+        ("oelm_poet", 2, 2, False, 128),
+    ],
+)
+def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(variant, n_micro, batch, rows, vocab):
     """The exchange's arithmetic (tapped sends, the tied weight's shares, finish) against the
     gradients of the two ranks' batches computed apart: .grad = their sum, the same on both."""
     base = fused(build_model("tiny", variant, seed=0, vocab_size=vocab))
@@ -251,13 +256,16 @@ def test_grad_exchange_setting_is_checked():
         cfg.validate()
 
 
-@pytest.mark.parametrize("device, world, backend, local, why", [
-    ("cpu", 2, "gloo", 2, "here on cpu"),
-    ("cuda:0", 4, "nccl", 4, "here 4 ranks"),           # bench_ddp's peer row on four GPUs
-    ("cuda:0", 2, "gloo", 2, "here under gloo"),
-    ("cuda:0", 2, "nccl", 1, "here the two ranks are on different nodes"),  # torchrun --nnodes 2
-    ("cuda:0", 2, "nccl", 2, None),
-])
+@pytest.mark.parametrize(
+    "device, world, backend, local, why",
+    [
+        ("cpu", 2, "gloo", 2, "here on cpu"),
+        ("cuda:0", 4, "nccl", 4, "here 4 ranks"),  # bench_ddp's peer row on four GPUs
+        ("cuda:0", 2, "gloo", 2, "here under gloo"),
+        ("cuda:0", 2, "nccl", 1, "here the two ranks are on different nodes"),  # torchrun --nnodes 2
+        ("cuda:0", 2, "nccl", 2, None),
+    ],
+)
 def test_the_exchange_says_where_it_cannot_run(monkeypatch, device, world, backend, local, why):
     """Why the NVLink exchange steps aside, from what every rank knows alike (no collective): the
     reason the trainer logs, and that grad_exchange: peer's refusal names. Two nodes of one GPU

@@ -77,7 +77,7 @@ def test_block_rotation_equals_the_dense_matrix():
     blocks = cayley_exact(rand_skew(d // b, b, 0.5))
     perm = torch.randperm(d, generator=torch.Generator().manual_seed(0))
     dense_blocks = torch.block_diag(*blocks)
-    pi = torch.eye(d, dtype=torch.float64)[perm]          # (Pi x) = x[perm]
+    pi = torch.eye(d, dtype=torch.float64)[perm]  # (Pi x) = x[perm]
     r = pi.T @ dense_blocks @ pi
     m = torch.randn(d, 5, dtype=torch.float64)
     assert torch.allclose(apply_block_rotation(blocks, perm, m), r @ m, atol=1e-12)
@@ -89,19 +89,19 @@ def test_starts_at_w0_and_has_the_qk_interface():
     qk = model.blocks[0].attn.qk
     assert isinstance(qk, POETProjection)
     assert qk.weight.shape == (64, 32)
-    assert torch.equal(qk.weight, torch.cat([qk.w0_q, qk.w0_k]))   # Q = 0: R = P = I exactly
+    assert torch.equal(qk.weight, torch.cat([qk.w0_q, qk.w0_k]))  # Q = 0: R = P = I exactly
     x = torch.randn(2, 5, 32)
     assert torch.allclose(qk(x), x @ qk.weight.T, atol=1e-6)
     assert orthogonality_error(qk.w0_q) < 1e-5 and orthogonality_error(qk.w0_k) < 1e-5
     names = [n for n, _ in model.named_parameters()]
-    assert model.unfreeze_qk("all") == []   # nothing frozen to unfreeze: R and P always train
+    assert model.unfreeze_qk("all") == []  # nothing frozen to unfreeze: R and P always train
     assert [n for n, _ in model.named_parameters()] == names
 
 
 def test_accounting_counts_the_skew_generators():
     model = poet()
     c = count_parameters(model)
-    skew = 2 * 4 * 2 * (16 * 15 // 2)          # layers * factors * blocks * b(b-1)/2 = 1,920
+    skew = 2 * 4 * 2 * (16 * 15 // 2)  # layers * factors * blocks * b(b-1)/2 = 1,920
     assert c["by_component"]["attn_qk"] == {"trainable": skew, "frozen": 2 * 2 * 32 * 32}
     frozen_ref = count_parameters(build_model("tiny", "oelm_freeze"))
     assert c["frozen"] == frozen_ref["frozen"] and c["trainable"] == frozen_ref["trainable"] + skew
@@ -116,9 +116,9 @@ def test_training_keeps_the_spectrum_with_five_terms_and_drifts_with_one(gain):
     w_start = five.blocks[0].attn.qk.weight.detach().clone()
     err5, loss5, _ = train(five, 50)
     err1, _, _ = train(one, 50)
-    assert max(err5) < 1e-3                      # ~2e-5 measured
-    assert max(err1) > 1e-2 and max(err1) > 100 * max(err5)   # ~4e-2 measured
-    assert sum(loss5[-5:]) / 5 < sum(loss5[:5]) / 5 - 0.05   # a real loss that really went down
+    assert max(err5) < 1e-3  # ~2e-5 measured
+    assert max(err1) > 1e-2 and max(err1) > 100 * max(err5)  # ~4e-2 measured
+    assert sum(loss5[-5:]) / 5 < sum(loss5[:5]) / 5 - 0.05  # a real loss that really went down
     w_end = five.blocks[0].attn.qk.weight.detach()
     assert (w_end - w_start).abs().max() > 1e-2  # ...while Q/K really moved
 
@@ -131,7 +131,11 @@ def test_gradients_reach_only_the_skew_generators():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in qk.skew_parameters())
     assert not qk.w0_q.requires_grad and qk.w0_q.grad is None
     assert {n.split(".")[-1] for n, _ in qk.named_parameters()} == {
-        "skew_q_left", "skew_q_right", "skew_k_left", "skew_k_right"}
+        "skew_q_left",
+        "skew_q_right",
+        "skew_k_left",
+        "skew_k_right",
+    }
 
 
 def test_merge_folds_r_and_p_into_w0_and_resets():
@@ -184,7 +188,7 @@ def test_state_dict_round_trip_restores_weights_and_permutations():
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     for a, b in zip(poet_modules(model), poet_modules(fresh)):
         assert torch.equal(a.weight, b.weight) and torch.equal(a.perm_k_right, b.perm_k_right)
-        a.merge(), b.merge()   # the next merge draws the same permutations on both
+        a.merge(), b.merge()  # the next merge draws the same permutations on both
         assert torch.equal(a.perm_k_right, b.perm_k_right)
 
 
@@ -197,11 +201,14 @@ def test_bf16_autocast_builds_the_weight_in_float32():
     assert spectrum_error(model.blocks[0].attn.qk) < 1e-6
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(poet_block_size=12), "must divide"),
-    (dict(freeze_qk="all"), "freeze_qk: none"),
-    (dict(poet_neumann_terms=0), "at least 1"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(poet_block_size=12), "must divide"),
+        (dict(freeze_qk="all"), "freeze_qk: none"),
+        (dict(poet_neumann_terms=0), "at least 1"),
+    ],
+)
 def test_bad_poet_configs(overrides, message):
     with pytest.raises(ConfigError, match=message):
         model_config("tiny", "oelm_poet", **overrides)
@@ -209,6 +216,7 @@ def test_bad_poet_configs(overrides, message):
 
 def test_block_sizes_that_divide_every_preset():
     from oelm_core import PRESETS
+
     for name, shape in PRESETS.items():
         cfg = model_config(name, "oelm_poet")
         assert shape["d_model"] % cfg.poet_block_size == 0, name

@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
+from train_helpers import REPO, params, run, write_params
 
 from oelm_core.preemption import exit_status
-from train_helpers import REPO, params, run, write_params
 
 # A training process each, stopped by real signals: end to end.
 pytestmark = [pytest.mark.usefixtures("no_data_override"), pytest.mark.slow]
@@ -42,9 +42,14 @@ sys.exit(main(["--params", sys.argv[1]]))
 
 def stuck_training(tmp_path, values, wait_s: float) -> subprocess.Popen:
     """The training of ``values`` in a process of its own, returned once it is inside step 3."""
-    proc = subprocess.Popen([sys.executable, "-c", STUCK_AT_STEP_3, str(write_params(tmp_path / "p.yaml", values)),
-                             str(wait_s)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK_AT_STEP_3, str(write_params(tmp_path / "p.yaml", values)), str(wait_s)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if line.strip() == "inside step 3":
             return proc
@@ -74,8 +79,10 @@ def test_a_stop_signal_that_no_step_boundary_answers_ends_the_process_in_its_wai
     status, err, took = ended(proc, within=60)
     assert status == exit_status(signal.SIGTERM) == 143
     assert 2.5 < took < 30, took
-    assert err.endswith("stopped at once by SIGTERM (no step boundary came within 3 s of it): the run resumes from "
-                        "its latest checkpoint with --resume; exit status 143\n"), err[-2000:]
+    assert err.endswith(
+        "stopped at once by SIGTERM (no step boundary came within 3 s of it): the run resumes from "
+        "its latest checkpoint with --resume; exit status 143\n"
+    ), err[-2000:]
     assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir()) == ["step_0000002.pt"]
     assert run(values, resume=True)["status"] == "completed"
 
@@ -90,7 +97,9 @@ def test_a_second_sigint_ends_the_process_at_once(tmp_path, folded):
     proc.send_signal(signal.SIGINT)
     status, err, took = ended(proc, within=30)
     assert status == exit_status(signal.SIGINT) == 130 and took < 20, (status, took)
-    assert err.endswith("stopped at once by SIGINT (the second SIGINT): the run resumes from its latest checkpoint "
-                        "with --resume; exit status 130\n"), err[-2000:]
+    assert err.endswith(
+        "stopped at once by SIGINT (the second SIGINT): the run resumes from its latest checkpoint "
+        "with --resume; exit status 130\n"
+    ), err[-2000:]
     summary = tmp_path / "run" / "summary.json"
     assert not summary.exists() or json.loads(summary.read_text())["status"] != "completed"

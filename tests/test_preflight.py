@@ -2,16 +2,14 @@
 top speed would take longer than train.max_step_s over is refused before anything runs, unless
 that setting is 0; the figures in the message are the estimate's."""
 
-import re
-
 import pytest
 import torch
+from train_helpers import params, run, write_params
 
 from oelm_core import preflight
 from oelm_core.config import ConfigError, model_config
 from oelm_core.preflight import device_flops, step_flops
 from oelm_core.train import main
-from train_helpers import params, run, write_params
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -36,7 +34,8 @@ def test_a_step_that_would_take_hours_is_refused_unless_allowed(tmp_path, story_
         f"error: one training step of this run needs {flops / 1e12:.1f} TFLOP: at least {flops / 2e10 / 3600:.1f} h "
         f"on this CPU (20.0 GFLOP/s, a CPU's speed), more than train.max_step_s (300 s), and no log line or "
         f"checkpoint comes before it ends: lower model.block_size (100000; the smoke preset's is 64) or "
-        f"train.batch_size (8), or set train.max_step_s: 0 to run it anyway\n")
+        f"train.batch_size (8), or set train.max_step_s: 0 to run it anyway\n"
+    )
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
     monkeypatch.setattr(T, "Trainer", lambda *a: pytest.fail("started"))
@@ -47,9 +46,12 @@ def test_a_step_that_would_take_hours_is_refused_unless_allowed(tmp_path, story_
 
     monkeypatch.undo()
     monkeypatch.setattr(preflight, "device_memory", lambda device: (2**50, "the RAM of a large machine"))
-    values["model"] = {"block_size": 1_000_000}   # 10 PFLOP a step: past 300 s at 30 TFLOP/s
-    with pytest.raises(ConfigError, match=r"^one training step of this run needs [\d.]+ TFLOP: at least [\d.]+ (h|min) on "
-                                          r"this CPU \([\d.]+ [GT]FLOP/s, its speed measured on a 512 x 512 matmul\)"):
+    values["model"] = {"block_size": 1_000_000}  # 10 PFLOP a step: past 300 s at 30 TFLOP/s
+    with pytest.raises(
+        ConfigError,
+        match=r"^one training step of this run needs [\d.]+ TFLOP: at least [\d.]+ (h|min) on "
+        r"this CPU \([\d.]+ [GT]FLOP/s, its speed measured on a 512 x 512 matmul\)",
+    ):
         run(values)
 
 
@@ -61,6 +63,7 @@ def test_the_estimate_is_a_lower_bound_of_a_real_step(tmp_path, folded):
     summary = run(values)
     step_s = summary["global_batch_tokens"] / summary["tokens_per_s"]
     from oelm_core.config import run_config_from_dict
+
     rate, how = device_flops(torch.device("cpu"))
     assert how == "its speed measured on a 512 x 512 matmul" and rate > 1e8
     estimate = step_flops(run_config_from_dict(values)) / rate

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from train_helpers import REPO, params, run
 
 from oelm_core import occupancy, provenance
 from oelm_core.config import DataConfig
 from oelm_core.data import prepare, real_source, with_real_source
-from train_helpers import REPO, params, run
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -53,7 +53,9 @@ def test_the_commit_is_the_checkouts_and_dirty_flips_with_a_tracked_file(clone, 
     dirty = provenance.code_version(clone / "oelm_core")
     assert dirty["dirty"] is True and dirty["changed"] == ["oelm_core/model.py"] and dirty["n_changed"] == 1
     assert dirty["commit"] == clean["commit"]
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "edit"], cwd=clone, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "edit"], cwd=clone, check=True
+    )
     committed = provenance.code_version(clone / "oelm_core")
     assert committed["dirty"] is False and committed["commit"] == git(clone, "rev-parse", "HEAD") != clean["commit"]
     # A copy outside any checkout (an installed package): no commit, and the reason
@@ -72,7 +74,7 @@ def test_a_token_file_rewritten_in_place_is_hashed_again(tmp_path, story_folder)
     record = provenance.data_record(real_source(data.source), data.out_dir, meta)
     assert record["train_sha256"] == meta["train_sha256"] and record["fingerprint"].startswith("meta.json")
     tokens = np.fromfile(train, dtype=np.uint16)
-    tokens[0] ^= 1   # same size, other bytes: meta.json's hash no longer describes the file
+    tokens[0] ^= 1  # same size, other bytes: meta.json's hash no longer describes the file
     time.sleep(0.01)
     tokens.tofile(train)
     again = provenance.data_record(real_source(data.source), data.out_dir, meta)
@@ -85,8 +87,17 @@ def test_a_runs_summary_config_and_card_record_its_provenance(tmp_path, story_fo
     and the model card name the folder; the commit is this checkout's; the fingerprints are the
     token files' sha256; a resumed session carries the earlier session's occupancy."""
     monkeypatch.setenv("OELM_DATA", str(story_folder))
-    values = params(tmp_path, Path("roneneldan/TinyStories"), vocab=50257, steps=4, eval_every=4,
-                    ckpt_every=4, keep_last=1, stop_after=2, fused_loss=False)
+    values = params(
+        tmp_path,
+        Path("roneneldan/TinyStories"),
+        vocab=50257,
+        steps=4,
+        eval_every=4,
+        ckpt_every=4,
+        keep_last=1,
+        stop_after=2,
+        fused_loss=False,
+    )
     values["data"]["source"] = "roneneldan/TinyStories"
     first = run(values)
     summary = run(values, resume=True)
@@ -124,8 +135,13 @@ def test_a_runs_summary_config_and_card_record_its_provenance(tmp_path, story_fo
     # Other stories: the token files change, and so does the fingerprint
     with open(story_folder / "train" / "part.txt", "a") as f:
         f.write("A new story about a red kite.\n<|endoftext|>\n")
-    other = run({**values, "out_dir": str(tmp_path / "other"),
-                 "train": {**values["train"], "steps": 1, "eval_every": 1, "stop_after": 0, "tensorboard": False}})
+    other = run(
+        {
+            **values,
+            "out_dir": str(tmp_path / "other"),
+            "train": {**values["train"], "steps": 1, "eval_every": 1, "stop_after": 0, "tensorboard": False},
+        }
+    )
     assert other["provenance"]["data"]["train_sha256"] == sha256(data / "train.bin") != prov["data"]["train_sha256"]
 
 
@@ -134,10 +150,10 @@ def test_params_yaml_names_the_folder_that_oelm_data_gives(monkeypatch, tmp_path
     monkeypatch.delenv("OELM_DATA", raising=False)
     assert with_real_source(planned)["data"]["source"] == "roneneldan/TinyStories"
     monkeypatch.chdir(tmp_path)
-    assert real_source("stories") == str(story_folder.resolve())   # a relative folder, made absolute
+    assert real_source("stories") == str(story_folder.resolve())  # a relative folder, made absolute
     monkeypatch.setenv("OELM_DATA", "stories")
     assert with_real_source(planned) == {"name": "x", "data": {"source": str(story_folder.resolve()), "out_dir": "d"}}
-    assert planned["data"]["source"] == "roneneldan/TinyStories"   # not changed in place
+    assert planned["data"]["source"] == "roneneldan/TinyStories"  # not changed in place
 
 
 def spinner() -> subprocess.Popen:
@@ -150,12 +166,12 @@ def test_cpu_occupancy_counts_another_process_and_not_this_one():
     watch = occupancy.Occupancy(torch.device("cpu"), {os.getpid()})
     busy = spinner()
     try:
-        time.sleep(0.3)   # let it start
+        time.sleep(0.3)  # let it start
         own0, other0 = os.times(), occupancy.own_ticks({busy.pid})
-        watch.sample(final=True)                       # the window starts
+        watch.sample(final=True)  # the window starts
         x = torch.randn(256, 256)
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 1.5:           # this process works too
+        while time.perf_counter() - t0 < 1.5:  # this process works too
             x = torch.tanh(x @ x)
         watch.sample(final=True)
         own1, other1 = os.times(), occupancy.own_ticks({busy.pid})
@@ -189,14 +205,20 @@ def test_the_verdict_joins_ranks_and_sessions():
     shared = {"timed_alone": False, "method": "m", "samples": 2, "evidence": "pid 7"}
     unknown = {"timed_alone": None, "method": "", "samples": 0, "evidence": "no tool"}
     assert occupancy.verdict([alone, alone])["timed_alone"] is True
-    assert occupancy.verdict([alone, shared]) == {"timed_alone": False, "method": "m", "samples": 5, "evidence": "pid 7"}
+    assert occupancy.verdict([alone, shared]) == {
+        "timed_alone": False,
+        "method": "m",
+        "samples": 5,
+        "evidence": "pid 7",
+    }
     assert occupancy.verdict([alone, unknown])["timed_alone"] is None
     assert occupancy.verdict([unknown, shared])["timed_alone"] is False
     killed = occupancy.earlier_sessions({"steps": 40, "timed_alone": True}, 60)
     assert killed["timed_alone"] is None and "not of step 60" in killed["evidence"]
     assert occupancy.verdict([alone], killed)["timed_alone"] is None
-    paused = occupancy.earlier_sessions({"steps": 60, "timed_alone": False,
-                                         "provenance": {"occupancy": {"evidence": "pid 9"}}}, 60)
+    paused = occupancy.earlier_sessions(
+        {"steps": 60, "timed_alone": False, "provenance": {"occupancy": {"evidence": "pid 9"}}}, 60
+    )
     assert occupancy.verdict([alone], paused)["evidence"] == "pid 9"
 
 
@@ -205,19 +227,27 @@ def test_gpu_occupancy_sees_another_process_and_the_device_is_recorded():
     """Run on a GPU no other job uses: a second process holding 3 GiB there makes the verdict
     False; the device record names the card and the driver."""
     device = torch.device("cuda", 0)
-    torch.zeros(1, device=device)   # this process's context: the listing shows it
+    torch.zeros(1, device=device)  # this process's context: the listing shows it
     record = provenance.device_record(device, world_size=1)
     assert record["name"] == torch.cuda.get_device_name(device)
     if shutil.which("nvidia-smi"):
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True).stdout.split()[0]
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.split()[0]
         assert record["driver"] == driver
     alone = occupancy.Occupancy(device, {os.getpid()})
     alone.sample(final=True)
     before = alone.result()
-    holder = subprocess.Popen([sys.executable, "-c", "import torch, time; x = torch.empty(3 * 2**30, dtype=torch.uint8, "
-                               "device='cuda:0'); print('ready', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import torch, time; x = torch.empty(3 * 2**30, dtype=torch.uint8, "
+            "device='cuda:0'); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         watch = occupancy.Occupancy(device, {os.getpid()})

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import STORIES
+from train_helpers import REPO, kill_at, losses, metric_rows, outputs, params, run, torchrun_train, write_params
+
 from oelm_core.checkpoint import load_checkpoint, model_from_state, save_checkpoint
 from oelm_core.config import ConfigError, DataConfig
 from oelm_core.data import prepare
 from oelm_core.preemption import EXIT_PREEMPTED
 from oelm_core.train import Trainer, main
-from train_helpers import REPO, kill_at, losses, metric_rows, outputs, params, run, torchrun_train, write_params
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -52,6 +52,7 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path, folded, monkeypatch):
     killed["model"]["dropout"] = 0.1
 
     from oelm_core.step import TrainStep
+
     real_call = TrainStep.__call__
 
     def dies_at_step_7(self, batches, lr, step):
@@ -110,6 +111,7 @@ def test_a_run_killed_while_writing_best_pt_resumes_to_the_same_best_pt(tmp_path
     run(params(tmp_path, folded, out="full", **common))
     values = params(tmp_path, folded, out="killed", **common)
     import oelm_core.train as T
+
     kill_at(monkeypatch, T, "save_checkpoint", lambda state, path: Path(path).name == "best.pt" and state["step"] == 12)
     with pytest.raises(KeyboardInterrupt):
         run(values)
@@ -136,8 +138,10 @@ def test_a_pause_changes_neither_evaluations_nor_early_stopping(tmp_path, folded
     assert all(s % 5 == 0 for s in a if "val_loss" in a[s])
     for key in ("status", "steps", "best_val_loss"):
         assert straight[key] == resumed[key], key
-    assert (load_checkpoint(Path(full["out_dir"]) / "best.pt")["step"]
-            == load_checkpoint(Path(split["out_dir"]) / "best.pt")["step"])
+    assert (
+        load_checkpoint(Path(full["out_dir"]) / "best.pt")["step"]
+        == load_checkpoint(Path(split["out_dir"]) / "best.pt")["step"]
+    )
 
 
 def test_resuming_a_run_that_ended_changes_nothing(tmp_path, folded):
@@ -194,8 +198,20 @@ def test_resume_refuses_settings_that_shape_the_curve(tmp_path, folded, capsys):
     capsys.readouterr()
     data = Path(values["data"]["out_dir"])
     prepared = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
-    assert main(["--params", str(good), "--resume", "--set", "train.batch_size=2", "train.seed=7",
-                 "data.max_train_stories=5"]) == 2
+    assert (
+        main(
+            [
+                "--params",
+                str(good),
+                "--resume",
+                "--set",
+                "train.batch_size=2",
+                "train.seed=7",
+                "data.max_train_stories=5",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "train.seed: 42 -> 7" in err and "train.batch_size: 4 -> 2" in err and "config.yaml" in err
     assert "data.max_train_stories: 0 -> 5" in err
@@ -245,8 +261,7 @@ def test_resume_refuses_other_stories_and_accepts_the_same_ones_moved(tmp_path, 
     file changed (one name: the token counts stay), --resume is refused, naming both; the same
     stories in another folder, prepared into another data folder, resume (data.source and
     data.out_dir may change)."""
-    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=2,
-                    eval_every=2)
+    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=2, eval_every=2)
     good = write_params(tmp_path / "p.yaml", values)
     assert main(["--params", str(good), "--set", "train.stop_after=2"]) == 0
     trained = json.loads((tmp_path / "data" / "meta.json").read_text())
@@ -261,16 +276,29 @@ def test_resume_refuses_other_stories_and_accepts_the_same_ones_moved(tmp_path, 
     err = capsys.readouterr().err
     now = json.loads((tmp_path / "data" / "meta.json").read_text())  # prepared from the changed stories
     assert now["text_hash"] != trained["text_hash"] and now["train_tokens"] == trained["train_tokens"]
-    assert err.startswith(f"error: cannot resume {tmp_path / 'run' / 'ckpt' / 'step_0000002.pt'}: it was "
-                          f"trained on other data (text hash {trained['text_hash'][:12]}..., "
-                          f"{trained['train_tokens']} train / {trained['val_tokens']} val tokens, from "
-                          f"{story_folder}) than {tmp_path / 'data'} holds now (text hash "
-                          f"{now['text_hash'][:12]}..., {now['train_tokens']} train / "), err
+    assert err.startswith(
+        f"error: cannot resume {tmp_path / 'run' / 'ckpt' / 'step_0000002.pt'}: it was "
+        f"trained on other data (text hash {trained['text_hash'][:12]}..., "
+        f"{trained['train_tokens']} train / {trained['val_tokens']} val tokens, from "
+        f"{story_folder}) than {tmp_path / 'data'} holds now (text hash "
+        f"{now['text_hash'][:12]}..., {now['train_tokens']} train / "
+    ), err
     assert "out_dir set to a new folder" in err and err.count("\n") == 1
     assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir()) == ["step_0000002.pt"]
 
-    assert main(["--params", str(good), "--resume", "--set", f"data.source={moved}",
-                 f"data.out_dir={tmp_path / 'moved_data'}"]) == 0
+    assert (
+        main(
+            [
+                "--params",
+                str(good),
+                "--resume",
+                "--set",
+                f"data.source={moved}",
+                f"data.out_dir={tmp_path / 'moved_data'}",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
 
 
@@ -278,17 +306,18 @@ def hub_params(tmp_path: Path, story_folder: Path, datasets, monkeypatch) -> Pat
     """The parameter file of a 4-step run on the hub's TinyStories (into tmp_path/hub_data), a
     checkpoint every step; the hub is simulated: it serves story_folder's stories."""
     rows = {"train": STORIES * 20, "validation": STORIES[:3] * 10}  # story_folder's, see conftest
-    monkeypatch.setattr(datasets, "load_dataset",
-                        lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]]))
-    monkeypatch.setattr("oelm_core.offline.hub_unreachable", lambda: None)   # and it answers
-    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=1,
-                    eval_every=2)
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda name, split, streaming=False: iter([{"text": t} for t in rows[split]])
+    )
+    monkeypatch.setattr("oelm_core.offline.hub_unreachable", lambda: None)  # and it answers
+    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=4, ckpt_every=1, eval_every=2)
     values["data"] = {"source": "roneneldan/TinyStories", "out_dir": str(tmp_path / "hub_data"), "num_proc": 1}
     return write_params(tmp_path / "p.yaml", values)
 
 
-def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(tmp_path, story_folder,
-                                                                            monkeypatch, capsys):
+def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(
+    tmp_path, story_folder, monkeypatch, capsys
+):
     """The content hash of hub data is one of (name, column, caps), that of a folder one of its
     texts: a run trained from the hub was refused when resumed offline from a local copy of the
     same stories. Resume compares the stories' text hash, the same from either source (the hub
@@ -309,15 +338,28 @@ def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(tm
     part = other / "train" / "part.txt"
     part.write_text(part.read_text().replace("Tom", "Tim"))
     capsys.readouterr()
-    assert main(["--params", str(good), "--resume", "--set", f"data.source={other}",
-                 f"data.out_dir={tmp_path / 'other_data'}"]) == 2
+    assert (
+        main(
+            [
+                "--params",
+                str(good),
+                "--resume",
+                "--set",
+                f"data.source={other}",
+                f"data.out_dir={tmp_path / 'other_data'}",
+            ]
+        )
+        == 2
+    )
     assert f"trained on other data (text hash {from_hub['text_hash'][:12]}...," in capsys.readouterr().err
 
     local = ["--set", f"data.source={story_folder}", f"data.out_dir={tmp_path / 'local_data'}"]
     assert main(["--params", str(good), "--resume", *local, *once]) == 0
     from_folder = load_checkpoint(ckpt / "step_0000002.pt")["data"]
     assert from_folder["content_hash"] != from_hub["content_hash"] and from_folder == {
-        **from_hub, "content_hash": from_folder["content_hash"]}
+        **from_hub,
+        "content_hash": from_folder["content_hash"],
+    }
     assert main(["--params", str(good), "--resume", *once]) == 0  # back to the hub's data, cached
 
     # A checkpoint written before checkpoints recorded the text hash.
@@ -328,8 +370,7 @@ def test_a_run_from_the_hub_resumes_from_a_local_copy_of_its_stories_and_back(tm
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
 
 
-def test_data_prepared_before_text_hashes_resumes_from_the_hub_or_a_folder(tmp_path, story_folder,
-                                                                             monkeypatch):
+def test_data_prepared_before_text_hashes_resumes_from_the_hub_or_a_folder(tmp_path, story_folder, monkeypatch):
     """Data folders prepared before meta.json held a text hash kept their meta, so a run on the
     hub's stories recorded no text hash and a resume from a local copy compared content hashes
     (one of the hub's name, one of the folder's texts): refused as "other data". prepare now adds
@@ -355,8 +396,9 @@ def test_data_prepared_before_text_hashes_resumes_from_the_hub_or_a_folder(tmp_p
     assert recorded == [hub["text_hash"]] * 2
 
 
-def test_a_checkpoint_from_before_text_hashes_says_how_to_move_to_another_source(tmp_path, story_folder,
-                                                                               monkeypatch, capsys):
+def test_a_checkpoint_from_before_text_hashes_says_how_to_move_to_another_source(
+    tmp_path, story_folder, monkeypatch, capsys
+):
     """A checkpoint that records only the content hash cannot tell the hub's stories from the
     same ones in a folder: the refusal said "other data". It says that the stories may be the
     same and how to go on; done as it says, the run then resumes from the folder."""
@@ -376,15 +418,17 @@ def test_a_checkpoint_from_before_text_hashes_says_how_to_move_to_another_source
     now = json.loads((tmp_path / "local_data" / "meta.json").read_text())
     err = capsys.readouterr().err
     fix = f"--set data.source=roneneldan/TinyStories data.out_dir={tmp_path / 'hub_data'}"
-    assert err == (f"error: cannot resume {path}: it predates text hashes and records only the content hash "
-                   f"of its data (content hash {trained['content_hash'][:12]}..., {trained['train_tokens']} "
-                   f"train / {trained['val_tokens']} val tokens, from roneneldan/TinyStories), which differs "
-                   f"from that of {tmp_path / 'local_data'} (content hash {now['content_hash'][:12]}..., "
-                   f"{now['train_tokens']} train / {now['val_tokens']} val tokens, prepared from "
-                   f"{story_folder}). The stories may be the same (from the hub once and from a folder now, "
-                   f"or the other way round), which that hash cannot tell. Resume once from the source it "
-                   f"was trained on ({fix}) until it writes a checkpoint: that one records the text hash, "
-                   f"which is the same from either source\n")
+    assert err == (
+        f"error: cannot resume {path}: it predates text hashes and records only the content hash "
+        f"of its data (content hash {trained['content_hash'][:12]}..., {trained['train_tokens']} "
+        f"train / {trained['val_tokens']} val tokens, from roneneldan/TinyStories), which differs "
+        f"from that of {tmp_path / 'local_data'} (content hash {now['content_hash'][:12]}..., "
+        f"{now['train_tokens']} train / {now['val_tokens']} val tokens, prepared from "
+        f"{story_folder}). The stories may be the same (from the hub once and from a folder now, "
+        f"or the other way round), which that hash cannot tell. Resume once from the source it "
+        f"was trained on ({fix}) until it writes a checkpoint: that one records the text hash, "
+        f"which is the same from either source\n"
+    )
     assert main(["--params", str(good), "--resume", *fix.split(), *once]) == 0
     assert main(["--params", str(good), "--resume", *local]) == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
@@ -395,8 +439,7 @@ def test_stray_files_in_ckpt_are_ignored_or_named(tmp_path, folded, capsys):
     crashed every start (ValueError); it is left alone now. A step_N.pt without the training
     state (a copy of best.pt, weights saved by hand) once failed with KeyError 'sampler' or
     'run_config'; it is named now, with what to do."""
-    good = write_params(tmp_path / "p.yaml", params(tmp_path, folded, steps=4, ckpt_every=2, eval_every=2,
-                                                    keep_last=1))
+    good = write_params(tmp_path / "p.yaml", params(tmp_path, folded, steps=4, ckpt_every=2, eval_every=2, keep_last=1))
     ckpt = tmp_path / "run" / "ckpt"
     ckpt.mkdir(parents=True)
     (ckpt / "step_0000021.bak.pt").write_bytes(b"a backup")
@@ -407,13 +450,15 @@ def test_stray_files_in_ckpt_are_ignored_or_named(tmp_path, folded, capsys):
     best = load_checkpoint(tmp_path / "run" / "best.pt")
     model = model_from_state(best)
     save_checkpoint({k: v for k, v in best.items() if k != "format_version"}, ckpt / "step_0000005.pt")
-    save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg)},
-                    ckpt / "step_0000006.pt")
+    save_checkpoint(
+        {"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg)}, ckpt / "step_0000006.pt"
+    )
     capsys.readouterr()
     for name in ("step_0000006.pt", "step_0000005.pt"):
         assert main(["--params", str(good), "--resume", "--set", "train.steps=8", "train.min_lr=3e-3"]) == 2
-        assert capsys.readouterr().err == (f"error: {ckpt / name} holds weights only, not a training "
-                                           f"checkpoint (best.pt?); remove it from {ckpt}\n")
+        assert capsys.readouterr().err == (
+            f"error: {ckpt / name} holds weights only, not a training checkpoint (best.pt?); remove it from {ckpt}\n"
+        )
         (ckpt / name).unlink()
 
 
@@ -427,10 +472,12 @@ def test_an_unreadable_only_checkpoint_says_that_deleting_it_restarts_the_run(tm
     capsys.readouterr()
     assert main(["--params", str(good), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert err.endswith(f"failed finding central directory.); the file is truncated or not an OELM "
-                        f"checkpoint: use another checkpoint of the run folder (best.pt or an earlier step) "
-                        f"or train again. It is the run's only checkpoint: deleting {only} makes --resume "
-                        f"start the run again from step 0\n"), err
+    assert err.endswith(
+        f"failed finding central directory.); the file is truncated or not an OELM "
+        f"checkpoint: use another checkpoint of the run folder (best.pt or an earlier step) "
+        f"or train again. It is the run's only checkpoint: deleting {only} makes --resume "
+        f"start the run again from step 0\n"
+    ), err
 
 
 def test_an_ended_run_says_what_lets_it_go_on(tmp_path, folded, caplog, monkeypatch):
@@ -438,6 +485,7 @@ def test_an_ended_run_says_what_lets_it_go_on(tmp_path, folded, caplog, monkeypa
     which --resume refuses for a cosine that reached min_lr. Now: a new out_dir for that one,
     more steps where the schedule allows them, the patience where the run stopped early; and
     each hint works."""
+
     def hint(values: dict) -> str:
         caplog.clear()
         with caplog.at_level("INFO", logger="oelm_core"):
@@ -450,10 +498,12 @@ def test_an_ended_run_says_what_lets_it_go_on(tmp_path, folded, caplog, monkeypa
     cosine = params(tmp_path, folded, out="cosine", steps=4, ckpt_every=2, eval_every=2)
     run(cosine)
     message = hint(cosine)
-    assert message.endswith("already ended (completed at step 4): nothing to train; its learning rate has "
-                            "decayed to train.min_lr at train.steps (4) and more steps would raise it again, "
-                            "which --resume refuses: to train longer, train from step 0 with a larger "
-                            "train.steps and out_dir set to a new folder"), message
+    assert message.endswith(
+        "already ended (completed at step 4): nothing to train; its learning rate has "
+        "decayed to train.min_lr at train.steps (4) and more steps would raise it again, "
+        "which --resume refuses: to train longer, train from step 0 with a larger "
+        "train.steps and out_dir set to a new folder"
+    ), message
     with pytest.raises(ConfigError, match="changes the learning rate of step 5"):
         run(longer(cosine, steps=6), resume=True)
 
@@ -463,12 +513,15 @@ def test_an_ended_run_says_what_lets_it_go_on(tmp_path, folded, caplog, monkeypa
     assert run(longer(constant, steps=6), resume=True)["steps"] == 6
 
     # Every evaluation worse than the one before: patience 1 stops at the second (step 4).
-    monkeypatch.setattr(Trainer, "evaluate", lambda self: {"val_loss": float(self.step), "val_ppl": 1.0,
-                                                           "val_bpb": 1.0})
+    monkeypatch.setattr(
+        Trainer, "evaluate", lambda self: {"val_loss": float(self.step), "val_ppl": 1.0, "val_bpb": 1.0}
+    )
     early = params(tmp_path, folded, out="early", steps=8, ckpt_every=2, eval_every=2, early_stop_patience=1)
     assert run(early)["status"] == "stopped_early"
-    assert hint(early).endswith("(stopped_early at step 4): nothing to train; raise "
-                                "train.early_stop_patience above 1 (0 turns early stopping off) to go on")
+    assert hint(early).endswith(
+        "(stopped_early at step 4): nothing to train; raise "
+        "train.early_stop_patience above 1 (0 turns early stopping off) to go on"
+    )
     assert run(longer(early, early_stop_patience=0), resume=True)["steps"] == 8
 
 
@@ -485,7 +538,7 @@ def test_resume_at_the_unfreeze_step(tmp_path, folded):
 def test_a_pause_keeps_the_count_of_evaluations_without_improvement(tmp_path, folded, monkeypatch):
     import math
 
-    scripted = {3: 3.0, 6: 3.5, 9: 3.6, 12: 3.7, 15: 3.8}   # best at 3, then only worse
+    scripted = {3: 3.0, 6: 3.5, 9: 3.6, 12: 3.7, 15: 3.8}  # best at 3, then only worse
 
     def evaluate(self):
         v = scripted[self.step]
@@ -495,7 +548,7 @@ def test_a_pause_keeps_the_count_of_evaluations_without_improvement(tmp_path, fo
     common = dict(steps=15, eval_every=3, ckpt_every=3, early_stop_patience=2)
     straight = run(params(tmp_path, folded, out="full", **common))
     split = params(tmp_path, folded, out="split", **common)
-    run({**split, "train": {**split["train"], "stop_after": 7}})   # paused with one bad evaluation
+    run({**split, "train": {**split["train"], "stop_after": 7}})  # paused with one bad evaluation
     resumed = run(split, resume=True)
     assert straight["status"] == resumed["status"] == "stopped_early"
     assert straight["steps"] == resumed["steps"] == 9
@@ -507,7 +560,6 @@ def test_every_session_ends_on_a_checkpoint(tmp_path, folded):
     run(values, resume=True)
     names = sorted(p.name for p in (Path(values["out_dir"]) / "ckpt").iterdir())
     assert names == ["step_0000004.pt", "step_0000005.pt", "step_0000007.pt"]
-
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
@@ -524,21 +576,22 @@ def test_a_stop_signal_ends_the_session_on_a_checkpoint_that_resumes_exactly(tmp
     file = write_params(tmp_path / "stopped.yaml", stopped)
 
     from oelm_core.step import TrainStep
+
     real_call = TrainStep.__call__
 
     def signalled_at_step_7(self, batches, lr, step):
         if step == 7:
-            os.kill(os.getpid(), signum)   # the real signal, to this process's handler
+            os.kill(os.getpid(), signum)  # the real signal, to this process's handler
         return real_call(self, batches, lr, step)
 
     monkeypatch.setattr(TrainStep, "__call__", signalled_at_step_7)
     assert main(["--params", str(file)]) == EXIT_PREEMPTED
     monkeypatch.setattr(TrainStep, "__call__", real_call)
-    assert signal.getsignal(signum) is signal.SIG_DFL   # the handler is gone after the session
+    assert signal.getsignal(signum) is signal.SIG_DFL  # the handler is gone after the session
     summary = json.loads((Path(stopped["out_dir"]) / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["steps"] == 7
     assert (Path(stopped["out_dir"]) / "ckpt" / "step_0000007.pt").is_file()
-    assert not (Path(stopped["out_dir"]) / "export").exists()   # the grace time is for the checkpoint
+    assert not (Path(stopped["out_dir"]) / "export").exists()  # the grace time is for the checkpoint
     done = run(stopped, resume=True)
 
     assert done["status"] == "completed"
@@ -583,9 +636,14 @@ def recording_cli(tmp_path: Path, values: dict, batches: Path, *args: str, **env
     script = tmp_path / "recording_cli.py"
     script.write_text(RECORDING_CLI)
     file = write_params(tmp_path / f"{Path(values['out_dir']).name}.yaml", values)
-    return subprocess.run([sys.executable, str(script), "--params", str(file), *args], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "BATCHES": str(batches), **env},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), "--params", str(file), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "BATCHES": str(batches), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_same_figures(a_dir: str, b_dir: str, tolerance: float) -> None:
@@ -637,17 +695,30 @@ def test_two_killed_ranks_accumulating_micro_batches_resume_to_the_same_batches_
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp = params(tmp_path, folded, out="ddp", grad_accum=2, **common)
     script = str(tmp_path / "recording_cli.py")
-    proc = torchrun_train(tmp_path, ddp, (script,), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-                          BATCHES=str(tmp_path / "killed"), KILL_AT_STEP="5")
+    proc = torchrun_train(
+        tmp_path,
+        ddp,
+        (script,),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        BATCHES=str(tmp_path / "killed"),
+        KILL_AT_STEP="5",
+    )
     assert proc.returncode != 0 and "Signal 9 (SIGKILL) received" in proc.stderr, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "ddp" / "ckpt").iterdir()) == ["step_0000004.pt"]
-    proc = torchrun_train(tmp_path, ddp, (script, "--resume"), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-                          BATCHES=str(tmp_path / "resumed"))
+    proc = torchrun_train(
+        tmp_path,
+        ddp,
+        (script, "--resume"),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        BATCHES=str(tmp_path / "resumed"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     uninterrupted = recorded_batches(tmp_path / "single")
     for rank in (0, 1):
         before, after = recorded_batches(tmp_path / "killed", rank), recorded_batches(tmp_path / "resumed", rank)
         assert list(before) == list(range(1, 5)) and list(after) == list(range(5, 9))
-        assert {**before, **after} == {step: hashes[2 * rank:2 * rank + 2] for step, hashes in uninterrupted.items()}
+        assert {**before, **after} == {step: hashes[2 * rank : 2 * rank + 2] for step, hashes in uninterrupted.items()}
     assert_same_figures(single["out_dir"], ddp["out_dir"], tolerance=1e-5)

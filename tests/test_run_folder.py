@@ -9,13 +9,13 @@ import socket
 
 import pytest
 import torch
+from train_helpers import params, run, write_params
 
 from oelm_core import run_folder
 from oelm_core.config import ConfigError
 from oelm_core.distributed import Dist
 from oelm_core.run_folder import hold_run_folder
 from oelm_core.train import main
-from train_helpers import params, run, write_params
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -34,8 +34,9 @@ def test_a_second_training_into_a_held_folder_is_refused_at_once(tmp_path, folde
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert main(["--params", str(good)]) == 2
-        assert capsys.readouterr().err == (f"error: another training (pid 4242) is writing to {out}; wait "
-                                           f"for it or choose another out_dir\n")
+        assert capsys.readouterr().err == (
+            f"error: another training (pid 4242) is writing to {out}; wait for it or choose another out_dir\n"
+        )
         assert [p.name for p in out.iterdir()] == [".lock"]
     assert main(["--params", str(good), "--set", "train.stop_after=1"]) == 0
     assert not (out / ".lock").exists()
@@ -69,7 +70,8 @@ def test_a_rank_that_sees_other_checkpoints_than_rank_0_is_refused(tmp_path, mon
         f"the ranks see different checkpoints in {out / 'ckpt'}: rank 0 (host node-a) finds "
         f"step_0000004.pt (10 bytes), rank 1 (host {socket.gethostname()}) finds none. Every rank reads "
         f"the checkpoint rank 0 writes: on several nodes set out_dir (and data.out_dir) to a folder on a "
-        f"file system that every node shares")
+        f"file system that every node shares"
+    )
 
 
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS])
@@ -92,8 +94,7 @@ def test_a_run_folder_without_locks_is_used_with_one_warning(tmp_path, caplog, m
             entered = True
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert entered and live.exists() and "removed" not in caplog.text
-    assert warned == [f"the file system of {out} has no locks: a second training into it would not "
-                      f"be stopped"]
+    assert warned == [f"the file system of {out} has no locks: a second training into it would not be stopped"]
     assert (out / ".lock").read_text() == ""
 
 
@@ -105,8 +106,12 @@ def test_a_session_removes_what_killed_writes_left(tmp_path, folded, caplog):
     run({**values, "train": {**values["train"], "stop_after": 2}})
     out = tmp_path / "run"
     (out / ".export.q1w2e3.tmp").mkdir()
-    left = [out / "ckpt" / ".step_0000004.pt.k1l2m3.tmp", out / ".best.pt.a1b2c3.tmp",
-            out / ".metrics.jsonl.x9y8z7.tmp", out / ".export.q1w2e3.tmp" / "model.safetensors"]
+    left = [
+        out / "ckpt" / ".step_0000004.pt.k1l2m3.tmp",
+        out / ".best.pt.a1b2c3.tmp",
+        out / ".metrics.jsonl.x9y8z7.tmp",
+        out / ".export.q1w2e3.tmp" / "model.safetensors",
+    ]
     kept = [out / "notes.tmp", out / "ckpt" / ".keep", out / "ckpt" / "step_0000002.pt.tmp"]
     for p in left + kept:
         p.write_bytes(b"\0" * 500_000)
@@ -122,16 +127,17 @@ def test_an_out_dir_that_is_a_file_is_refused_before_the_data_is_prepared(tmp_pa
     (tmp_path / "run").write_text("not a folder")
     good = write_params(tmp_path / "p.yaml", params(tmp_path, story_folder, variant="gpt_base", vocab=50257))
     assert main(["--params", str(good)]) == 2
-    assert capsys.readouterr().err == (f"error: out_dir {tmp_path / 'run'} is a file, not a folder: set "
-                                       f"out_dir to a folder\n")
+    assert capsys.readouterr().err == (
+        f"error: out_dir {tmp_path / 'run'} is a file, not a folder: set out_dir to a folder\n"
+    )
     assert not (tmp_path / "data").exists()
     assert main(["--params", str(good), "--set", f"out_dir={tmp_path / 'run' / 'inner'}"]) == 2
     assert f"out_dir {tmp_path / 'run' / 'inner'} lies under the file {tmp_path / 'run'}" in capsys.readouterr().err
     (tmp_path / "data").write_text("not a folder either")
     assert main(["--params", str(good), "--set", f"out_dir={tmp_path / 'run2'}"]) == 2
-    assert capsys.readouterr().err == (f"error: data.out_dir {tmp_path / 'data'} is a file, not a folder: "
-                                       f"set data.out_dir to a folder\n")
-
+    assert capsys.readouterr().err == (
+        f"error: data.out_dir {tmp_path / 'data'} is a file, not a folder: set data.out_dir to a folder\n"
+    )
 
 
 def files_of(folder) -> dict:
@@ -153,20 +159,25 @@ def test_a_run_writes_only_into_a_folder_of_its_own(tmp_path, folded, capsys, mo
     values = params(tmp_path, folded, steps=2, ckpt_every=2, eval_every=2)
     for out_dir in ("", "  "):
         assert main(["--params", str(write_params(tmp_path / "p.yaml", {**values, "out_dir": out_dir}))]) == 2
-        assert capsys.readouterr().err == ("error: out_dir is empty, which would put the run into the current "
-                                           "folder among its files: set out_dir to a folder of its own, e.g. "
-                                           "runs/train/test\n")
+        assert capsys.readouterr().err == (
+            "error: out_dir is empty, which would put the run into the current "
+            "folder among its files: set out_dir to a folder of its own, e.g. "
+            "runs/train/test\n"
+        )
     for out_dir in (str(project), "."):
         assert main(["--params", str(write_params(tmp_path / "p.yaml", {**values, "out_dir": out_dir}))]) == 2
         assert capsys.readouterr().err == (
             f"error: out_dir {out_dir} holds files that no training wrote (config.yaml, notes.txt, summary.json); "
             f"a run writes config.yaml, metrics.jsonl, summary.json, best.pt, ckpt/ and export/ into its folder "
-            f"and would write beside or over them: set out_dir to a new or empty folder\n")
+            f"and would write beside or over them: set out_dir to a new or empty folder\n"
+        )
     assert files_of(project) == mine
     empty_data = {**values, "data": {**values["data"], "out_dir": ""}}
     assert main(["--params", str(write_params(tmp_path / "p.yaml", empty_data))]) == 2
-    assert "error: data.out_dir is empty, which would put the token files into the current folder" in \
-           capsys.readouterr().err
+    assert (
+        "error: data.out_dir is empty, which would put the token files into the current folder"
+        in capsys.readouterr().err
+    )
     assert files_of(project) == mine
 
     prepared = tmp_path / "prepared"
@@ -179,8 +190,7 @@ def test_a_run_writes_only_into_a_folder_of_its_own(tmp_path, folded, capsys, mo
     older = tmp_path / "older"
     run({**values, "out_dir": str(older), "train": {**values["train"], "steps": 4, "stop_after": 2}})
     (older / ".oelm-run").unlink()
-    assert run({**values, "out_dir": str(older), "train": {**values["train"], "steps": 4}},
-               resume=True)["steps"] == 4
+    assert run({**values, "out_dir": str(older), "train": {**values["train"], "steps": 4}}, resume=True)["steps"] == 4
     assert (older / ".oelm-run").is_file()
 
 

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
 
 from conftest import run_in_triton_interpreter, run_interpreter_checks  # noqa: E402
+
 from oelm_core.fast import sample_kernels  # noqa: E402
 from oelm_core.fast.decode import sample  # noqa: E402
 from oelm_core.generate import SamplingConfig, gumbel_noise, sample_from_noise, seed_tensor  # noqa: E402
@@ -27,8 +28,14 @@ CUDA = torch.cuda.is_available()
 # (vocab, temperature, top_k, top_p): no cut; top-k small and large (20,000 / 2,048-column chunks
 # x 1,024 candidates would pass one sort's 8,192: the chunks widen); top-k then top-p; a hot
 # temperature, where the noise decides; top-k 1. (Small vocabularies: the interpreter is slow.)
-CONFIGS = [(3000, 0.8, 0, 1.0), (3000, 1.0, 50, 1.0), (20000, 0.7, 1000, 1.0), (3000, 0.7, 40, 0.9),
-           (3000, 5.0, 0, 1.0), (3000, 1.0, 1, 1.0)]
+CONFIGS = [
+    (3000, 0.8, 0, 1.0),
+    (3000, 1.0, 50, 1.0),
+    (20000, 0.7, 1000, 1.0),
+    (3000, 0.7, 40, 0.9),
+    (3000, 5.0, 0, 1.0),
+    (3000, 1.0, 1, 1.0),
+]
 
 
 def check_draws_equal_torch(device: str) -> None:
@@ -59,9 +66,9 @@ def check_greedy_is_argmax(device: str) -> None:
     largest logit, as torch.argmax."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 5000, generator=g).to(device)
-    logits[1, [7, 4000]] = 100.0            # a tie in two chunks: the first wins
-    logits[2, [2100, 2101]] = 100.0         # a tie inside one chunk
-    logits[3] = 0.0                         # all equal
+    logits[1, [7, 4000]] = 100.0  # a tie in two chunks: the first wins
+    logits[2, [2100, 2101]] = 100.0  # a tie inside one chunk
+    logits[3] = 0.0  # all equal
     for dtype in (torch.float32, torch.bfloat16):
         got = sample_kernels.sample(logits.to(dtype), 1.0, 0, 1.0, None, None)
         assert torch.equal(got, logits.to(dtype).argmax(-1)) and got.tolist()[1:] == [7, 2100, 0]
@@ -93,7 +100,7 @@ def check_ties_at_the_cut_are_kept(device: str) -> None:
 def check_supports(device: str) -> None:
     row = torch.empty(1, 5000, device=device)
     assert sample_kernels.supports(row, 0, 1.0) and sample_kernels.supports(row, 1024, 0.5)
-    assert not sample_kernels.supports(row, 0, 0.9)        # top-p alone sorts the whole vocabulary
+    assert not sample_kernels.supports(row, 0, 0.9)  # top-p alone sorts the whole vocabulary
     assert not sample_kernels.supports(row, 1025, 1.0)
     # Where they do not apply, the decoder's sample() is the torch draw.
     logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(2)).to(device)
@@ -127,8 +134,12 @@ def test_supports_plain_temperature_and_top_k_only():
 
 
 # What the CPU runs under the interpreter, in one process (conftest.run_in_triton_interpreter).
-INTERPRETER_CHECKS = [("check_draws_equal_torch",), ("check_greedy_is_argmax",),
-                      ("check_ties_at_the_cut_are_kept",), ("check_supports",)]
+INTERPRETER_CHECKS = [
+    ("check_draws_equal_torch",),
+    ("check_greedy_is_argmax",),
+    ("check_ties_at_the_cut_are_kept",),
+    ("check_supports",),
+]
 
 if __name__ == "__main__":  # the interpreter subprocess: python test_sample_kernels.py RESULTS.json
     run_interpreter_checks(globals(), sys.argv[1])

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, write_corpus
 from train_helpers import free_port, metric_rows
 
@@ -32,16 +31,17 @@ CLIENTS = ("sbatch", "squeue", "scontrol", "sinfo", "scancel")
 def _slurm_missing() -> str | None:
     missing = [b for b in DAEMONS + CLIENTS if shutil.which(b, path=SBIN) is None]
     if missing:
-        return (f"no SLURM here ({', '.join(missing)} missing): apt-get install slurmctld slurmd slurm-client "
-                f"munge (make test does, as root)")
+        return (
+            f"no SLURM here ({', '.join(missing)} missing): apt-get install slurmctld slurmd slurm-client "
+            f"munge (make test does, as root)"
+        )
     if os.geteuid() != 0:
         return "the throw-away SLURM needs root (slurmd starts each job as its user)"
     return None
 
 
 def _start(cmd: list[str], root: Path) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": SBIN})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": SBIN})
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(root.glob("*.log")))
         pytest.fail(f"{cmd[0]} did not start ({proc.returncode}): {proc.stderr}\n{logs}")
@@ -56,30 +56,60 @@ def slurm_cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm")
     (root / "state").mkdir()
     (root / "spool").mkdir()
-    key = root / "munge.key"   # munged refuses a key others may read
+    key = root / "munge.key"  # munged refuses a key others may read
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     socket_path = root / "munge.socket"
-    _start(["munged", "--force", f"--socket={socket_path}", f"--key-file={key}", f"--pid-file={root}/munged.pid",
-            f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"], root)
+    _start(
+        [
+            "munged",
+            "--force",
+            f"--socket={socket_path}",
+            f"--key-file={key}",
+            f"--pid-file={root}/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munged.seed",
+        ],
+        root,
+    )
     conf = root / "slurm.conf"
-    conf.write_text("\n".join([
-        f"ClusterName=oelmtest{os.getpid()}", "SlurmctldHost=localhost",
-        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-        "SlurmUser=root", "SlurmdUser=root",
-        # cred_expire: how long a requeued job waits before it may start again (SLURM's default: 120 s)
-        "AuthType=auth/munge", f"AuthInfo=socket={socket_path},cred_expire=5",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
-        # no cgroups in a container: processes tracked by their parents, no task binding
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "SchedulerType=sched/builtin",
-        "SchedulerParameters=sched_interval=1",   # a requeued job starts within a second of its BeginTime
-        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        "MpiDefault=none", "ReturnToService=2", "KillWait=5",
-        f"NodeName=localhost NodeHostname={socket.gethostname()} CPUs={os.cpu_count()} RealMemory=2000 State=UNKNOWN",
-        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""]))
+    conf.write_text(
+        "\n".join(
+            [
+                f"ClusterName=oelmtest{os.getpid()}",
+                "SlurmctldHost=localhost",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                # cred_expire: how long a requeued job waits before it may start again (SLURM's default: 120 s)
+                "AuthType=auth/munge",
+                f"AuthInfo=socket={socket_path},cred_expire=5",
+                f"StateSaveLocation={root}/state",
+                f"SlurmdSpoolDir={root}/spool",
+                f"SlurmctldPidFile={root}/slurmctld.pid",
+                f"SlurmdPidFile={root}/slurmd.pid",
+                f"SlurmctldLogFile={root}/slurmctld.log",
+                f"SlurmdLogFile={root}/slurmd.log",
+                # no cgroups in a container: processes tracked by their parents, no task binding
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "SchedulerType=sched/builtin",
+                "SchedulerParameters=sched_interval=1",  # a requeued job starts within a second of its BeginTime
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "MpiDefault=none",
+                "ReturnToService=2",
+                "KillWait=5",
+                f"NodeName=localhost NodeHostname={socket.gethostname()} CPUs={os.cpu_count()} "
+                "RealMemory=2000 State=UNKNOWN",
+                "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP",
+                "",
+            ]
+        )
+    )
     before = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)
     try:
@@ -106,16 +136,32 @@ def slurm_cluster(tmp_path_factory):
             os.environ["SLURM_CONF"] = before
 
 
-TINY = ["train.batch_size=2", "model.block_size=32", "train.eval_batches=1", "train.warmup_steps=1",
-        "train.log_every=1", "train.progress=false"]
+TINY = [
+    "train.batch_size=2",
+    "model.block_size=32",
+    "train.eval_batches=1",
+    "train.warmup_steps=1",
+    "train.log_every=1",
+    "train.progress=false",
+]
 
 
 def _runner(plan: Path, out: Path, base: Path, *args: str, popen: bool = False, threads: int | None = None):
     env = dict(os.environ, OELM_DATA=str(base / "stories"), PYTHONPATH=str(REPO))
-    if threads:   # the jobs' OMP_NUM_THREADS (slurm.cpus_per_task): the same arithmetic, bit for bit
+    if threads:  # the jobs' OMP_NUM_THREADS (slurm.cpus_per_task): the same arithmetic, bit for bit
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "oelm_core", "run", str(plan), "--out", str(out),
-           "--set", f"data.out_dir={base / 'data'}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "oelm_core",
+        "run",
+        str(plan),
+        "--out",
+        str(out),
+        "--set",
+        f"data.out_dir={base / 'data'}",
+        *args,
+    ]
     if popen:
         return subprocess.Popen(cmd, cwd=base, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=300)
@@ -130,23 +176,48 @@ def stories(tmp_path_factory) -> Path:
 
 def _losses(run_dir: Path) -> dict:
     """(step, "train_loss" or "val_loss") -> the loss of that step's metrics row."""
-    return {(s, k): r[k] for s, r in metric_rows(str(run_dir)).items() for k in ("train_loss", "val_loss")
-            if r.get(k) is not None}
+    return {
+        (s, k): r[k]
+        for s, r in metric_rows(str(run_dir)).items()
+        for k in ("train_loss", "val_loss")
+        if r.get(k) is not None
+    }
 
 
-@pytest.mark.slow   # ~45 s on 2 cores: three jobs, the analysis notebook, the same study locally
+@pytest.mark.slow  # ~45 s on 2 cores: three jobs, the analysis notebook, the same study locally
 def test_a_study_on_slurm_trains_as_jobs_and_tabulates_like_the_local_launcher(slurm_cluster, stories):
     """The smoke study's three trainings as SLURM jobs, then its analysis notebook: the same
     figures, run for run and in results.json's table, as the same study trained locally."""
     sets = [s for t in TINY + ["train.steps=4", "train.eval_every=2", "train.ckpt_every=4"] for s in ("--set", t)]
     study = REPO / "parameters" / "study_smoke.yaml"
-    on_slurm = _runner(study, stories / "slurm", stories, "--launcher", "slurm", *sets, "--set",
-                       "experiment.notebooks=[03_training,04_analysis]", "--set", "experiment.slurm.poll_s=0.5",
-                       "--set", "experiment.slurm.cpus_per_task=1",
-                       "--set", "experiment.parameters.04_analysis.max_new_tokens=4")
+    on_slurm = _runner(
+        study,
+        stories / "slurm",
+        stories,
+        "--launcher",
+        "slurm",
+        *sets,
+        "--set",
+        "experiment.notebooks=[03_training,04_analysis]",
+        "--set",
+        "experiment.slurm.poll_s=0.5",
+        "--set",
+        "experiment.slurm.cpus_per_task=1",
+        "--set",
+        "experiment.parameters.04_analysis.max_new_tokens=4",
+    )
     assert on_slurm.returncode == 0, on_slurm.stdout[-4000:] + on_slurm.stderr[-4000:]
-    local = _runner(study, stories / "local", stories, "--runner", "inprocess", *sets,
-                    "--set", "experiment.notebooks=[03_training]", threads=1)
+    local = _runner(
+        study,
+        stories / "local",
+        stories,
+        "--runner",
+        "inprocess",
+        *sets,
+        "--set",
+        "experiment.notebooks=[03_training]",
+        threads=1,
+    )
     assert local.returncode == 0, local.stdout[-4000:] + local.stderr[-4000:]
 
     out = on_slurm.stdout
@@ -159,9 +230,18 @@ def test_a_study_on_slurm_trains_as_jobs_and_tabulates_like_the_local_launcher(s
     assert "0 queued, 0 running, 3 done, 0 failed" in out and "step 2/2: 04_analysis" in out
 
     from oelm_core import analysis as A
+
     runs = A.load_runs(sorted((stories / "local" / "runs").iterdir()))
-    figures = ("seeds", "val_loss", "val_ppl", "val_bpb", "train_loss", "trainable_params", "loss_gap_pct",
-               "ppl_gap_pct")   # all but speed, which differs from run to run
+    figures = (
+        "seeds",
+        "val_loss",
+        "val_ppl",
+        "val_bpb",
+        "train_loss",
+        "trainable_params",
+        "loss_gap_pct",
+        "ppl_gap_pct",
+    )  # all but speed, which differs from run to run
 
     def cells(rows):
         return {(r["variant"], k): r[k] for r in rows for k in figures}
@@ -177,15 +257,23 @@ def test_a_warned_job_checkpoints_requeues_and_ends_with_the_uninterrupted_losse
     never stopped. The runner, killed after submitting, is started again and follows the same
     job instead of submitting a second one."""
     plan = stories / "one_run.yaml"
-    plan.write_text(yaml.safe_dump({
-        "experiment": {"name": "one", "slurm": {"poll_s": 0.5, "cpus_per_task": 1}},
-        "name": "one", "preset": "smoke", "variant": "oelm_freeze", "model": {"dropout": 0.1},
-        "train": {"steps": 30, "eval_every": 10, "ckpt_every": 30, "lr": 1e-3}}))
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "experiment": {"name": "one", "slurm": {"poll_s": 0.5, "cpus_per_task": 1}},
+                "name": "one",
+                "preset": "smoke",
+                "variant": "oelm_freeze",
+                "model": {"dropout": 0.1},
+                "train": {"steps": 30, "eval_every": 10, "ckpt_every": 30, "lr": 1e-3},
+            }
+        )
+    )
     sets = [s for t in TINY for s in ("--set", t)]
     run_dir = stories / "preempted" / "one"
 
     first = _runner(plan, run_dir.parent, stories, "--launcher", "slurm", *sets, popen=True)
-    for line in first.stdout:   # killed once its job is submitted: a runner that crashed
+    for line in first.stdout:  # killed once its job is submitted: a runner that crashed
         if "submitted" in line:
             break
     first.kill()
@@ -214,8 +302,17 @@ def test_a_warned_job_checkpoints_requeues_and_ends_with_the_uninterrupted_losse
 
 def test_a_partition_slurm_does_not_have_is_named_before_any_notebook_or_data(slurm_cluster, stories, tmp_path):
     """It was named only after the data was prepared and notebooks 01-02 had run."""
-    proc = _runner(REPO / "parameters" / "study_smoke.yaml", tmp_path / "bad", stories, "--launcher", "slurm",
-                   "--partition", "nosuch", "--set", f"data.out_dir={tmp_path / 'data'}")
+    proc = _runner(
+        REPO / "parameters" / "study_smoke.yaml",
+        tmp_path / "bad",
+        stories,
+        "--launcher",
+        "slurm",
+        "--partition",
+        "nosuch",
+        "--set",
+        f"data.out_dir={tmp_path / 'data'}",
+    )
     assert proc.returncode == 2
     assert "SLURM has no partition 'nosuch'" in proc.stderr, proc.stderr
     assert "one of this cluster's partitions: debug" in proc.stderr, proc.stderr
@@ -230,14 +327,32 @@ def test_an_unreachable_controller_is_named_with_the_fix_before_anything_runs(tm
     missing = [c for c in ("sbatch", "squeue", "scontrol", "sinfo") if shutil.which(c, path=SBIN) is None]
     if missing:
         pytest.skip(f"needs SLURM's client commands ({', '.join(missing)} missing)")
-    conf = tmp_path / "slurm.conf"   # a controller nothing listens for
-    conf.write_text(f"ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\n"
-                    f"AuthType=auth/munge\nAuthInfo=socket={tmp_path / 'munge.socket'}\n")
+    conf = tmp_path / "slurm.conf"  # a controller nothing listens for
+    conf.write_text(
+        f"ClusterName=nowhere\nSlurmctldHost=localhost\nSlurmctldPort={free_port()}\n"
+        f"AuthType=auth/munge\nAuthInfo=socket={tmp_path / 'munge.socket'}\n"
+    )
     env = dict(os.environ, PATH=SBIN, PYTHONPATH=str(REPO), SLURM_CONF=str(conf))
-    proc = subprocess.run([sys.executable, "-m", "oelm_core", "run", str(REPO / "parameters" / "study_smoke.yaml"),
-                           "--out", str(tmp_path / "out"), "--launcher", "slurm",
-                           "--set", f"data.out_dir={tmp_path / 'data'}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oelm_core",
+            "run",
+            str(REPO / "parameters" / "study_smoke.yaml"),
+            "--out",
+            str(tmp_path / "out"),
+            "--launcher",
+            "slurm",
+            "--set",
+            f"data.out_dir={tmp_path / 'data'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the SLURM controller does not answer (scontrol ping:" in proc.stderr
     assert f"SLURM_CONF (now {conf})" in proc.stderr and "`scontrol ping` answers UP" in proc.stderr
@@ -247,9 +362,25 @@ def test_an_unreachable_controller_is_named_with_the_fix_before_anything_runs(tm
 def test_without_sbatch_the_launcher_says_where_to_run(tmp_path):
     """No SLURM commands on PATH (a laptop): a clear error before anything is written."""
     env = dict(os.environ, PATH=str(Path(sys.executable).parent), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "oelm_core", "run", str(REPO / "parameters" / "study_smoke.yaml"),
-                           "--out", str(tmp_path / "out"), "--launcher", "slurm",
-                           "--set", "experiment.notebooks=[03_training]"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oelm_core",
+            "run",
+            str(REPO / "parameters" / "study_smoke.yaml"),
+            "--out",
+            str(tmp_path / "out"),
+            "--launcher",
+            "slurm",
+            "--set",
+            "experiment.notebooks=[03_training]",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "needs SLURM's sbatch" in proc.stderr and "--launcher local" in proc.stderr, proc.stderr

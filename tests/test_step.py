@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import FOLDED_VOCAB
+
 from oelm_core import fast
 from oelm_core.config import TrainConfig
 from oelm_core.model import build_model
@@ -74,6 +74,7 @@ def test_a_failed_compile_falls_back_to_eager_with_only_its_own_gradients(monkey
                 if p.requires_grad:
                     p.grad = torch.randn_like(p)
             raise RuntimeError("inductor said no")
+
         return call
 
     models = [build_model("smoke", "gpt_base", block_size=16, vocab_size=FOLDED_VOCAB) for _ in range(2)]
@@ -95,8 +96,7 @@ def test_the_steps_clip_equals_clip_grad_norm(grad_clip):
     clip binding (0.05 is far below this model's norm) and with it off."""
     x = torch.randint(0, FOLDED_VOCAB, (4, 17), generator=torch.Generator().manual_seed(0))
     batches = [(x[:, :-1], x[:, 1:])]
-    models = [build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3)
-              for _ in range(2)]
+    models = [build_model("smoke", "oelm_nofreeze", block_size=16, vocab_size=FOLDED_VOCAB, seed=3) for _ in range(2)]
     tc = TrainConfig(grad_clip=grad_clip, lr=1e-2)
     opt = configure_optimizer(models[0], tc, torch.device("cpu"))
     assert all(group["fused"] for group in opt.param_groups)
@@ -131,8 +131,10 @@ def test_accumulated_micro_batches_step_as_one_batch_of_them_all():
     float rounding."""
     k, b, cpu = 3, 2, torch.device("cpu")
     x = torch.randint(0, FOLDED_VOCAB, (k * b, 17), generator=torch.Generator().manual_seed(0))
-    ways = {"whole": [(x[:, :-1], x[:, 1:])],
-            "accumulated": [(x[i * b:(i + 1) * b, :-1], x[i * b:(i + 1) * b, 1:]) for i in range(k)]}
+    ways = {
+        "whole": [(x[:, :-1], x[:, 1:])],
+        "accumulated": [(x[i * b : (i + 1) * b, :-1], x[i * b : (i + 1) * b, 1:]) for i in range(k)],
+    }
     tc = TrainConfig(grad_clip=0.05, lr=1e-2)
     seen = {}
     for way, batches in ways.items():
@@ -185,18 +187,36 @@ def test_a_gradient_sum_over_two_ranks_steps_as_their_mean(fused):
 # What weight decay applies to, by name (the rule of configure_optimizer's docstring, written
 # out rather than derived from the tensors' shapes as the optimiser does): the matrices of the
 # mapping, embeddings, trainable Q/K and their POET generators, the Synthesizer's logit tables.
-DECAYED = (r"wte\.weight", r"wpe\.weight", r"lm_head\.weight", r"blocks\.\d+\.attn\.(qk|v|proj)\.weight",
-           r"blocks\.\d+\.mlp\.(fc|proj)\.weight", r"blocks\.\d+\.attn\.qk\.skew_[qk]_(left|right)",
-           r"blocks\.\d+\.attn\.synth_[01]")
+DECAYED = (
+    r"wte\.weight",
+    r"wpe\.weight",
+    r"lm_head\.weight",
+    r"blocks\.\d+\.attn\.(qk|v|proj)\.weight",
+    r"blocks\.\d+\.mlp\.(fc|proj)\.weight",
+    r"blocks\.\d+\.attn\.qk\.skew_[qk]_(left|right)",
+    r"blocks\.\d+\.attn\.synth_[01]",
+)
 # Never decayed: biases and LayerNorm gains and shifts.
-UNDECAYED = (r"blocks\.\d+\.ln_[12]\.(weight|bias)", r"ln_f\.(weight|bias)",
-             r"blocks\.\d+\.(attn\.(v|proj)|mlp\.(fc|proj))\.bias")
+UNDECAYED = (
+    r"blocks\.\d+\.ln_[12]\.(weight|bias)",
+    r"ln_f\.(weight|bias)",
+    r"blocks\.\d+\.(attn\.(v|proj)|mlp\.(fc|proj))\.bias",
+)
 
 
-@pytest.mark.parametrize("variant, overrides", [
-    ("gpt_base", {}), ("gpt_base", {"tie_embeddings": False, "attn_bias": True}),
-    ("oelm_freeze", {}), ("oelm_freeze", {"tie_embeddings": False}), ("oelm_freeze", {"freeze_qk": [1]}),
-    ("oelm_poet", {}), ("synth_random", {}), ("synth_factorized", {})])
+@pytest.mark.parametrize(
+    "variant, overrides",
+    [
+        ("gpt_base", {}),
+        ("gpt_base", {"tie_embeddings": False, "attn_bias": True}),
+        ("oelm_freeze", {}),
+        ("oelm_freeze", {"tie_embeddings": False}),
+        ("oelm_freeze", {"freeze_qk": [1]}),
+        ("oelm_poet", {}),
+        ("synth_random", {}),
+        ("synth_factorized", {}),
+    ],
+)
 def test_weight_decay_groups_by_parameter_name(variant, overrides):
     model = build_model("tiny", variant, **overrides)
     names = {id(p): n for n, p in model.named_parameters()}

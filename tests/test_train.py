@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import FOLDED_VOCAB
+from train_helpers import REPO, losses, params, qk_weights, run, write_params
+
 from oelm_core.accounting import count_parameters, flops_per_token
 from oelm_core.checkpoint import load_checkpoint, model_from_state
 from oelm_core.config import ConfigError, ModelConfig, run_config_from_dict
@@ -20,7 +21,6 @@ from oelm_core.data import eval_batches
 from oelm_core.export import load_safetensors
 from oelm_core.model import GPT, build_model
 from oelm_core.train import main
-from train_helpers import REPO, losses, params, qk_weights, run, write_params
 
 pytestmark = pytest.mark.usefixtures("no_data_override")
 
@@ -49,12 +49,13 @@ def test_throughput_window_ends_after_waiting_for_the_device(tmp_path, folded, m
 
 def test_loss_falls_and_run_folder(tmp_path, story_folder):
     """The real GPT-2 vocabulary: the loss starts near ln(50257) and falls."""
-    values = params(tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=30,
-                    eval_every=15, ckpt_every=15, keep_last=1)
+    values = params(
+        tmp_path, story_folder, variant="gpt_base", vocab=50257, steps=30, eval_every=15, ckpt_every=15, keep_last=1
+    )
     summary = run(values)
     curve = losses(values["out_dir"])
-    assert curve[1] > 10.0                      # ~ln(50257) at the start
-    assert curve[30] < curve[1] - 4.0, curve    # the tiny corpus is learned fast
+    assert curve[1] > 10.0  # ~ln(50257) at the start
+    assert curve[30] < curve[1] - 4.0, curve  # the tiny corpus is learned fast
     out = Path(values["out_dir"])
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_0000030.pt"]  # keep_last=1
     assert {"config.yaml", "metrics.jsonl", "summary.json", "best.pt"} <= {p.name for p in out.iterdir()}
@@ -106,7 +107,10 @@ def test_the_reported_loss_is_the_best_weights_on_the_held_out_half(tmp_path, fo
     model = model_from_state(best).eval()
     val = tmp_path / "data" / "val.bin"
     selection, report = (eval_batches(val, 32, 4, 2, part=p) for p in ("selection", "report"))
-    rows = lambda batches: {tuple(r.tolist()) for x, _ in batches for r in x}
+
+    def rows(batches):
+        return {tuple(r.tolist()) for x, _ in batches for r in x}
+
     assert not rows(selection) & rows(report)
     assert abs(summary["best_val_loss"] - _mean_loss(model, selection)) < 1e-6
     assert abs(summary["report_val_loss"] - _mean_loss(model, report)) < 1e-6
@@ -139,8 +143,7 @@ def test_frozen_qk_stay_fixed(tmp_path, folded):
 
 
 def test_progressive_unfreezing_and_resume_across_it(tmp_path, folded):
-    values = params(tmp_path, folded, out="full", steps=8, ckpt_every=1,
-                    unfreeze_schedule={5: "all"})
+    values = params(tmp_path, folded, out="full", steps=8, ckpt_every=1, unfreeze_schedule={5: "all"})
     run(values)
     cfg = run_config_from_dict(values)
     initial = qk_weights(build_model(cfg.model_config(), seed=cfg.train.seed))
@@ -155,8 +158,7 @@ def test_progressive_unfreezing_and_resume_across_it(tmp_path, folded):
 
     # Paused before the unfreeze (step 3) and after it (step 7), each resumed to the end.
     for stop in (3, 7):
-        split = params(tmp_path, folded, out=f"split{stop}", steps=8, ckpt_every=1,
-                       unfreeze_schedule={5: "all"})
+        split = params(tmp_path, folded, out=f"split{stop}", steps=8, ckpt_every=1, unfreeze_schedule={5: "all"})
         run({**split, "train": {**split["train"], "stop_after": stop}})
         run(split, resume=True)
         a, b = losses(values["out_dir"]), losses(split["out_dir"])
@@ -177,9 +179,17 @@ def assert_frozen_as_scheduled(out: Path) -> None:
     config; which Q/K weights the step moved; the optimizer's groups and the elements it keeps
     moments for, against a model built with those layers frozen; the FLOPs behind the row's MFU
     and the summary's parameter counts, against the accounting of that model."""
+
     def built(frozen: list[int]) -> GPT:  # the model with exactly these layers frozen, from its config
-        return build_model("smoke", "oelm_freeze", block_size=32, vocab_size=FOLDED_VOCAB, n_layer=3,
-                           freeze_qk=frozen or "none", seed=42)
+        return build_model(
+            "smoke",
+            "oelm_freeze",
+            block_size=32,
+            vocab_size=FOLDED_VOCAB,
+            n_layer=3,
+            freeze_qk=frozen or "none",
+            seed=42,
+        )
 
     before = {f"blocks.{i}.attn.qk.weight": w for i, w in enumerate(qk_weights(built([0, 1, 2])))}
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
@@ -187,8 +197,11 @@ def assert_frozen_as_scheduled(out: Path) -> None:
         state = load_checkpoint(out / "ckpt" / f"step_{step:07d}.pt")
         assert model_from_state(state).live_config().frozen_layers() == frozen, step
         assert ModelConfig(**state["model_config"]).frozen_layers() == frozen, step
-        moved = [i for i in range(3) if not torch.equal(state["model"][f"blocks.{i}.attn.qk.weight"],
-                                                        before[f"blocks.{i}.attn.qk.weight"])]
+        moved = [
+            i
+            for i in range(3)
+            if not torch.equal(state["model"][f"blocks.{i}.attn.qk.weight"], before[f"blocks.{i}.attn.qk.weight"])
+        ]
         assert moved == [i for i in range(3) if i not in frozen], (step, moved)
         before = {name: state["model"][name] for name in before}
         model = built(frozen)
@@ -237,8 +250,12 @@ def test_progressive_unfreezing_in_steps_agrees_everywhere_and_after_a_resume(tm
 def test_clear_errors(tmp_path, folded, capsys):
     # Unknown key, through a real subprocess: exit code 2, one line that names the key and the fix.
     good = write_params(tmp_path / "p.yaml", params(tmp_path, folded, steps=4, ckpt_every=2))
-    proc = subprocess.run([sys.executable, "-m", "oelm_core.train", "--params", str(good),
-                           "--set", "train.stepz=5"], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "oelm_core.train", "--params", str(good), "--set", "train.stepz=5"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "train.stepz" in proc.stderr and "valid keys" in proc.stderr and "steps" in proc.stderr
 
@@ -331,6 +348,7 @@ def test_tokens_seen_count_every_micro_batch(tmp_path, folded):
 
 # --- what a run is told before it starts (oelm_core.preflight) -------------------------------
 
+
 def test_token_ids_damaged_in_place_are_refused_before_the_first_step(tmp_path, folded, capsys):
     """Ids past the vocabulary, the file's size unchanged: once a bare IndexError from the model
     at the first step; now one line naming the file, the id and the rebuild."""
@@ -343,9 +361,11 @@ def test_token_ids_damaged_in_place_are_refused_before_the_first_step(tmp_path, 
     values["out_dir"] = str(tmp_path / "second")
     assert main(["--params", str(write_params(tmp_path / "p.yaml", values))]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {train_bin} holds 1 token id(s) past the 256-token vocabulary it was "
-                          f"prepared with (ids 0..255), the largest 300, the first at position 123: the file was "
-                          f"damaged or written by something else; rebuild with `python -m oelm_core.data")
+    assert err.startswith(
+        f"error: {train_bin} holds 1 token id(s) past the 256-token vocabulary it was "
+        f"prepared with (ids 0..255), the largest 300, the first at position 123: the file was "
+        f"damaged or written by something else; rebuild with `python -m oelm_core.data"
+    )
     assert f"--out-dir {tmp_path / 'data'} --force`" in err and err.count("\n") == 1
 
 
@@ -357,10 +377,12 @@ def test_a_warmup_longer_than_the_run_is_named_with_what_it_does(tmp_path, folde
     with caplog.at_level("INFO", logger="oelm_core.preflight"):
         run(values)
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warned == ["train.warmup_steps=50 is longer than the run (train.steps=10): the learning rate "
-                      "rises to 0.0006 at the last step and never reaches train.lr=0.003, nor decays to "
-                      "train.min_lr; set train.warmup_steps below train.steps (e.g. 1, a tenth of it) to train "
-                      "at train.lr"], warned
+    assert warned == [
+        "train.warmup_steps=50 is longer than the run (train.steps=10): the learning rate "
+        "rises to 0.0006 at the last step and never reaches train.lr=0.003, nor decays to "
+        "train.min_lr; set train.warmup_steps below train.steps (e.g. 1, a tenth of it) to train "
+        "at train.lr"
+    ], warned
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lrs == pytest.approx([0.003 / 50, 0.003 * 2 / 50])
     caplog.clear()
@@ -369,8 +391,9 @@ def test_a_warmup_longer_than_the_run_is_named_with_what_it_does(tmp_path, folde
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
-def test_a_context_far_beyond_the_preset_is_costed_and_refused_before_anything_runs(tmp_path, story_folder,
-                                                                                     monkeypatch, capsys, caplog):
+def test_a_context_far_beyond_the_preset_is_costed_and_refused_before_anything_runs(
+    tmp_path, story_folder, monkeypatch, capsys, caplog
+):
     """model.block_size=100000 on the smoke preset sat at step 0 for minutes using gigabytes. The
     step's memory (accounting.step_memory) is said before starting, and a step that cannot fit
     the machine is refused, before the data is prepared."""
@@ -391,12 +414,16 @@ def test_a_context_far_beyond_the_preset_is_costed_and_refused_before_anything_r
     monkeypatch.setattr(P, "device_memory", lambda device: (8 * 2**30, "the RAM available on this machine"))
     assert main(["--params", str(path)]) == 2
     err = capsys.readouterr().err
-    cost = (f"one training step of this run needs about {need['total'] / 2**30:.1f} GiB (weights, gradients "
-            f"and AdamW state {need['state'] / 2**20:.1f} MiB, activations of 16 x 100000 tokens "
-            f"{need['activations'] / 2**30:.1f} GiB) and {tflop:.1f} TFLOP a step")
-    assert err == (f"error: {cost}, more than the RAM available on this machine (8.0 GiB): lower "
-                   f"model.block_size (100000; the smoke preset's is 64) or train.batch_size (16; "
-                   f"train.grad_accum keeps the tokens a step with less memory)\n"), err
+    cost = (
+        f"one training step of this run needs about {need['total'] / 2**30:.1f} GiB (weights, gradients "
+        f"and AdamW state {need['state'] / 2**20:.1f} MiB, activations of 16 x 100000 tokens "
+        f"{need['activations'] / 2**30:.1f} GiB) and {tflop:.1f} TFLOP a step"
+    )
+    assert err == (
+        f"error: {cost}, more than the RAM available on this machine (8.0 GiB): lower "
+        f"model.block_size (100000; the smoke preset's is 64) or train.batch_size (16; "
+        f"train.grad_accum keeps the tokens a step with less memory)\n"
+    ), err
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
     # Close to what there is: a warning that names both, and the run goes on.
@@ -405,15 +432,20 @@ def test_a_context_far_beyond_the_preset_is_costed_and_refused_before_anything_r
     with caplog.at_level("INFO", logger="oelm_core.preflight"), pytest.raises(pytest.fail.Exception):
         run(values)
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warned == [f"{cost}: 91% of the RAM of a test ({need['total'] * 1.1 / 2**30:.1f} GiB); it may run "
-                      f"out of memory: lower model.block_size or train.batch_size (train.grad_accum keeps the "
-                      f"tokens a step with less memory)"]
+    assert warned == [
+        f"{cost}: 91% of the RAM of a test ({need['total'] * 1.1 / 2**30:.1f} GiB); it may run "
+        f"out of memory: lower model.block_size or train.batch_size (train.grad_accum keeps the "
+        f"tokens a step with less memory)"
+    ]
 
     # The machine's own figure: a step no machine has the memory for.
     monkeypatch.undo()
     values["model"] = {"block_size": 10_000_000}
-    with pytest.raises(ConfigError, match=r"^one training step of this run needs about \d+\.\d TiB .*, more than "
-                                          r"the RAM available on this machine \(\d+\.\d GiB\): lower model\.block_size"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^one training step of this run needs about \d+\.\d TiB .*, more than "
+        r"the RAM available on this machine \(\d+\.\d GiB\): lower model\.block_size",
+    ):
         run(values)
 
 
@@ -425,7 +457,9 @@ def test_every_run_logs_what_its_step_costs(tmp_path, folded, caplog):
         run(params(tmp_path, folded, steps=1, ckpt_every=1, eval_every=1))
     need = step_memory(model_config("smoke", "oelm_freeze", block_size=32, vocab_size=FOLDED_VOCAB), 4)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("one training step"))
-    assert line.startswith(f"one training step of this run needs about {need['total'] / 2**20:.1f} MiB "
-                           f"(weights, gradients and AdamW state {need['state'] / 2**20:.1f} MiB, activations "
-                           f"of 4 x 32 tokens {need['activations'] / 2**20:.1f} MiB) and "), line
+    assert line.startswith(
+        f"one training step of this run needs about {need['total'] / 2**20:.1f} MiB "
+        f"(weights, gradients and AdamW state {need['state'] / 2**20:.1f} MiB, activations "
+        f"of 4 x 32 tokens {need['activations'] / 2**20:.1f} MiB) and "
+    ), line
     assert " MFLOP a step; the RAM available on this machine: " in line and line.endswith(" GiB"), line

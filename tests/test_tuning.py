@@ -17,20 +17,38 @@ from oelm_core.tuning import main, tuned_study
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(root: Path, variant: str, lr: float, dropout: float, seed: int, losses: list[float],
-         status: str = "completed") -> Path:
+def _run(
+    root: Path, variant: str, lr: float, dropout: float, seed: int, losses: list[float], status: str = "completed"
+) -> Path:
     """A run folder as the trainer leaves it: config.yaml, metrics.jsonl (one evaluation per
     100 steps, ``losses``) and summary.json (its best validation loss)."""
     folder = root / f"lr={lr}" / f"{variant}_drop{dropout}" / f"seed{seed}"
     folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump({
-        "variant": variant, "preset": "mini", "model": {"dropout": dropout},
-        "train": {"seed": seed, "lr": lr, "min_lr": lr / 10}}))
+    (folder / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "variant": variant,
+                "preset": "mini",
+                "model": {"dropout": dropout},
+                "train": {"seed": seed, "lr": lr, "min_lr": lr / 10},
+            }
+        )
+    )
     rows = [{"step": 100 * (k + 1), "train_loss": v + 0.5, "val_loss": v} for k, v in enumerate(losses)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "summary.json").write_text(json.dumps({
-        "name": folder.name, "variant": variant, "preset": "mini", "status": status,
-        "steps": rows[-1]["step"], "best_val_loss": min(losses), "final_val_loss": losses[-1]}))
+    (folder / "summary.json").write_text(
+        json.dumps(
+            {
+                "name": folder.name,
+                "variant": variant,
+                "preset": "mini",
+                "status": status,
+                "steps": rows[-1]["step"],
+                "best_val_loss": min(losses),
+                "final_val_loss": losses[-1],
+            }
+        )
+    )
     return folder
 
 
@@ -68,19 +86,28 @@ def test_each_group_gets_the_setting_with_the_lowest_mean_best_loss(sweep):
 
 def test_the_study_is_written_at_each_groups_choice_and_trains_it(sweep, tmp_path):
     template = tmp_path / "study.yaml"
-    template.write_text("# a study\n# of two groups\nexperiment:\n  name: tuned\n  layout: study\n  runs:\n"
-                        f"  - {{params: {REPO}/parameters/medium512/gpt_base.yaml, overrides: [train.lr=0.1, train.steps=7]}}\n"
-                        f"  - {REPO}/parameters/medium512/oelm_freeze.yaml\n"
-                        "  seeds: [0, 1]\n  notebooks: [03_training]\n")
+    template.write_text(
+        "# a study\n# of two groups\nexperiment:\n  name: tuned\n  layout: study\n  runs:\n"
+        f"  - {{params: {REPO}/parameters/medium512/gpt_base.yaml, overrides: [train.lr=0.1, train.steps=7]}}\n"
+        f"  - {REPO}/parameters/medium512/oelm_freeze.yaml\n"
+        "  seeds: [0, 1]\n  notebooks: [03_training]\n"
+    )
     out = tmp_path / "elsewhere" / "tuned.yaml"
     out.parent.mkdir()
     out.write_text(tuned_study(template, tuning_table(sweep)["chosen"], "tune", out))
     text = out.read_text()
     assert text.startswith("# a study\n# of two groups\n# Learning rate and dropout per group")
     plan = load_plan(out)
-    got = {(r.variant, r.seed): (r.config["train"]["lr"], r.config["train"]["min_lr"], r.config["model"]["dropout"],
-                                 r.config["train"]["steps"]) for r in plan.runs}
-    assert got[("gpt_base", 1)] == (0.001, 0.0001, 0.0, 7)          # the template's other override stays
+    got = {
+        (r.variant, r.seed): (
+            r.config["train"]["lr"],
+            r.config["train"]["min_lr"],
+            r.config["model"]["dropout"],
+            r.config["train"]["steps"],
+        )
+        for r in plan.runs
+    }
+    assert got[("gpt_base", 1)] == (0.001, 0.0001, 0.0, 7)  # the template's other override stays
     assert got[("oelm_freeze", 0)] == (0.002, 0.0002, 0.1, 100000)
 
 
@@ -107,7 +134,10 @@ def test_the_figure_has_a_panel_per_dropout_and_rings_the_choice(sweep, tmp_path
     (no_dropout, dropout) = fig.axes
     assert (no_dropout.get_title(), dropout.get_title()) == ("dropout 0.0", "dropout 0.1")
     # GPT-Base's line without dropout: mean best losses at lr 1e-3 and 2e-3, then its ring at the choice
-    line, ring = no_dropout.lines[0], next(l for l in no_dropout.lines if l.get_marker() == "o" and l.get_markersize() == 13)
+    line, ring = (
+        no_dropout.lines[0],
+        next(line for line in no_dropout.lines if line.get_marker() == "o" and line.get_markersize() == 13),
+    )
     assert list(line.get_xdata()) == [0.001, 0.002]
     assert list(line.get_ydata()) == pytest.approx([2.0, 2.05])
     assert (list(ring.get_xdata()), list(ring.get_ydata())) == ([0.001], [pytest.approx(2.0)])
@@ -144,14 +174,16 @@ def test_each_dropout_gets_its_best_rate_and_the_study_trains_each_group_at_both
     table = tuning_table(sweep)
     assert table["per_dropout"][("gpt_base", 0.0)] is table["chosen"]["gpt_base"]
     assert table["per_dropout"][("oelm_freeze", 0.1)]["lr"] == 0.002
-    assert ("oelm_freeze", 0.0) not in table["per_dropout"]        # its only setting has an unfinished seed
+    assert ("oelm_freeze", 0.0) not in table["per_dropout"]  # its only setting has an unfinished seed
     strict = tuning_table(sweep, min_seeds=2)
     assert set(strict["chosen"]) == {"gpt_base"} and set(strict["per_dropout"]) == {("gpt_base", 0.0)}
     _run(sweep, "gpt_base", 0.001, 0.1, 0, [2.6, 2.2, 2.1])
     _run(sweep, "gpt_base", 0.004, 0.1, 0, [2.5, 2.15, 2.05])
     template = tmp_path / "study.yaml"
-    template.write_text(f"experiment:\n  name: equal\n  layout: study\n  runs:\n"
-                        f"  - {REPO}/parameters/medium512/gpt_base.yaml\n  seeds: [0]\n  notebooks: [03_training]\n")
+    template.write_text(
+        f"experiment:\n  name: equal\n  layout: study\n  runs:\n"
+        f"  - {REPO}/parameters/medium512/gpt_base.yaml\n  seeds: [0]\n  notebooks: [03_training]\n"
+    )
     out = tmp_path / "equal.yaml"
     table = tuning_table(sweep)
     out.write_text(tuned_study(template, table["chosen"], "tune", out, table["per_dropout"]))

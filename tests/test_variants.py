@@ -31,9 +31,18 @@ from oelm_core.runner import load_plan
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(n_layer=4, n_head=4, d_model=32, d_ff=64, block_size=24, vocab_size=128)
 
-NEW_VARIANTS = ["oelm_freeze_gaussian", "oelm_freeze_svd", "oelm_freeze_householder", "oelm_freeze_cayley",
-                "synth_random", "synth_random_fixed", "synth_factorized",
-                "oelm_freeze_shallow", "oelm_freeze_deep", "oelm_poet"]
+NEW_VARIANTS = [
+    "oelm_freeze_gaussian",
+    "oelm_freeze_svd",
+    "oelm_freeze_householder",
+    "oelm_freeze_cayley",
+    "synth_random",
+    "synth_random_fixed",
+    "synth_factorized",
+    "oelm_freeze_shallow",
+    "oelm_freeze_deep",
+    "oelm_poet",
+]
 ALL_VARIANTS = ["gpt_base", "oelm_nofreeze", "oelm_freeze"] + NEW_VARIANTS
 SYNTH = ["synth_random", "synth_random_fixed", "synth_factorized"]
 
@@ -54,7 +63,7 @@ SMALL_COUNTS = {
     "oelm_poet": (30_400 + 4 * 1_984, 8_192),
 }
 
-MEDIUM_TRAINABLE, MEDIUM_QK = 41_751_040, 3_145_728   # OELM-Freeze at medium512
+MEDIUM_TRAINABLE, MEDIUM_QK = 41_751_040, 3_145_728  # OELM-Freeze at medium512
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,6 +96,7 @@ def train_steps(model, steps: int = 3, lr: float = 1e-2, optimizer=None):
 # Registration and accounting
 # ---------------------------------------------------------------------------------------------
 
+
 def test_every_variant_is_registered_with_a_description():
     assert set(ALL_VARIANTS) <= set(VARIANTS)
     for name in ALL_VARIANTS:
@@ -98,8 +108,7 @@ def test_a_variant_registered_after_import_is_listed_where_the_app_and_analysis_
     from oelm_core import analysis, config
 
     monkeypatch.setattr(config, "_VARIANT_SPECS", dict(config._VARIANT_SPECS))  # undone after the test
-    config.register_variant("late_svd", "Late: frozen SVD Q/K, registered after import",
-                            qk_init="svd", freeze_qk="all")
+    config.register_variant("late_svd", "Late: frozen SVD Q/K, registered after import", qk_init="svd", freeze_qk="all")
     assert oelm_core.VARIANTS["late_svd"].startswith("Late:") and list(oelm_core.VARIANTS)[-1] == "late_svd"
     assert dict(oelm_core.VARIANTS) == config.variants()
     with pytest.raises(TypeError):
@@ -109,10 +118,10 @@ def test_a_variant_registered_after_import_is_listed_where_the_app_and_analysis_
     # The app (its import costs gradio's, seconds) reads the descriptions through that very
     # object: imported from oelm_core, never rebound or copied.
     tree = ast.parse((REPO / "app" / "demo.py").read_text())
-    imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-               and any(a.name == "VARIANTS" for a in n.names)]
-    assert [(n.module, [a.asname for a in n.names if a.name == "VARIANTS"]) for n in imports] == \
-        [("oelm_core", [None])]
+    imports = [
+        n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and any(a.name == "VARIANTS" for a in n.names)
+    ]
+    assert [(n.module, [a.asname for a in n.names if a.name == "VARIANTS"]) for n in imports] == [("oelm_core", [None])]
     uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "VARIANTS"]
     assert uses and all(isinstance(n.ctx, ast.Load) for n in uses)
 
@@ -135,16 +144,19 @@ def test_synth_counts_by_component():
     assert c["attn_synth"] == {"trainable": 4 * 2 * 4 * 24 * 8, "frozen": 0}
 
 
-@pytest.mark.parametrize("variant,trainable,frozen", [
-    ("oelm_freeze_gaussian", MEDIUM_TRAINABLE, MEDIUM_QK),
-    ("oelm_freeze_svd", MEDIUM_TRAINABLE, MEDIUM_QK),
-    ("oelm_freeze_householder", MEDIUM_TRAINABLE, MEDIUM_QK),
-    ("oelm_freeze_cayley", MEDIUM_TRAINABLE, MEDIUM_QK),
-    # 3 of 6 layers frozen: 3 * 2 * 512^2 = 1,572,864 move from trainable to frozen.
-    ("oelm_freeze_shallow", MEDIUM_TRAINABLE + 1_572_864, 1_572_864),
-    # POET: 6 layers * 4 factors * 16 blocks * 32*31/2 = 190,464 skew entries, W0 frozen.
-    ("oelm_poet", MEDIUM_TRAINABLE + 190_464, MEDIUM_QK),
-])
+@pytest.mark.parametrize(
+    "variant,trainable,frozen",
+    [
+        ("oelm_freeze_gaussian", MEDIUM_TRAINABLE, MEDIUM_QK),
+        ("oelm_freeze_svd", MEDIUM_TRAINABLE, MEDIUM_QK),
+        ("oelm_freeze_householder", MEDIUM_TRAINABLE, MEDIUM_QK),
+        ("oelm_freeze_cayley", MEDIUM_TRAINABLE, MEDIUM_QK),
+        # 3 of 6 layers frozen: 3 * 2 * 512^2 = 1,572,864 move from trainable to frozen.
+        ("oelm_freeze_shallow", MEDIUM_TRAINABLE + 1_572_864, 1_572_864),
+        # POET: 6 layers * 4 factors * 16 blocks * 32*31/2 = 190,464 skew entries, W0 frozen.
+        ("oelm_poet", MEDIUM_TRAINABLE + 190_464, MEDIUM_QK),
+    ],
+)
 def test_counts_at_medium512(variant, trainable, frozen):
     c = count_parameters(build_model("medium512", variant))
     assert (c["trainable"], c["frozen"], c["total"]) == (trainable, frozen, trainable + frozen)
@@ -155,11 +167,20 @@ def test_counts_at_medium512(variant, trainable, frozen):
 # Freezing
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant,frozen_layers", [
-    ("oelm_freeze", [0, 1, 2, 3]), ("oelm_freeze_gaussian", [0, 1, 2, 3]), ("oelm_freeze_svd", [0, 1, 2, 3]),
-    ("oelm_freeze_householder", [0, 1, 2, 3]), ("oelm_freeze_cayley", [0, 1, 2, 3]),
-    ("oelm_freeze_shallow", [0, 1]), ("oelm_freeze_deep", [2, 3]), ("oelm_nofreeze", []),
-])
+
+@pytest.mark.parametrize(
+    "variant,frozen_layers",
+    [
+        ("oelm_freeze", [0, 1, 2, 3]),
+        ("oelm_freeze_gaussian", [0, 1, 2, 3]),
+        ("oelm_freeze_svd", [0, 1, 2, 3]),
+        ("oelm_freeze_householder", [0, 1, 2, 3]),
+        ("oelm_freeze_cayley", [0, 1, 2, 3]),
+        ("oelm_freeze_shallow", [0, 1]),
+        ("oelm_freeze_deep", [2, 3]),
+        ("oelm_nofreeze", []),
+    ],
+)
 def test_frozen_qk_stay_frozen_and_the_rest_trains(variant, frozen_layers):
     model = small(variant)
     before = [b.attn.qk.weight.detach().clone() for b in model.blocks]
@@ -174,8 +195,9 @@ def test_frozen_qk_stay_frozen_and_the_rest_trains(variant, frozen_layers):
             assert w.grad is not None and not torch.equal(w, before[i]), f"layer {i} Q/K did not train"
 
 
-@pytest.mark.parametrize("n_layer,first,last", [(4, [0, 1], [2, 3]), (5, [0, 1], [3, 4]), (6, [0, 1, 2], [3, 4, 5]),
-                                                (1, [], [])])
+@pytest.mark.parametrize(
+    "n_layer,first,last", [(4, [0, 1], [2, 3]), (5, [0, 1], [3, 4]), (6, [0, 1, 2], [3, 4, 5]), (1, [], [])]
+)
 def test_layer_wise_freezing_any_depth(n_layer, first, last):
     assert model_config("tiny", "oelm_freeze_shallow", n_layer=n_layer).frozen_layers() == first
     assert model_config("tiny", "oelm_freeze_deep", n_layer=n_layer).frozen_layers() == last
@@ -188,8 +210,9 @@ def test_unknown_freeze_name_is_rejected():
         model_config("tiny", "oelm_freeze", freeze_qk="middle")
 
 
-@pytest.mark.parametrize("variant,layers", [("oelm_freeze", [1]), ("oelm_freeze_shallow", "all"),
-                                            ("oelm_freeze_gaussian", "all")])
+@pytest.mark.parametrize(
+    "variant,layers", [("oelm_freeze", [1]), ("oelm_freeze_shallow", "all"), ("oelm_freeze_gaussian", "all")]
+)
 def test_unfrozen_qk_start_training(variant, layers):
     model = small(variant)
     opt = train_steps(model, steps=1)
@@ -206,7 +229,7 @@ def test_unfrozen_qk_start_training(variant, layers):
     for i in set(range(4)) - set(expected) - set(frozen_before):
         assert not torch.equal(model.blocks[i].attn.qk.weight, before[i])  # was trainable all along
     for i in set(frozen_before) - set(expected):
-        assert torch.equal(model.blocks[i].attn.qk.weight, before[i])      # still frozen
+        assert torch.equal(model.blocks[i].attn.qk.weight, before[i])  # still frozen
 
 
 @pytest.mark.parametrize("variant", ["oelm_freeze", "oelm_freeze_shallow", "oelm_freeze_deep"])
@@ -228,8 +251,9 @@ def test_the_live_config_names_the_layers_frozen_now_and_rebuilds_the_model(vari
         assert dataclasses.replace(live, freeze_qk=model.cfg.freeze_qk) == model.cfg
         rebuilt = GPT(live)
         for kind in ("named_parameters", "named_buffers"):
-            assert ({n: t.shape for n, t in getattr(rebuilt, kind)()}
-                    == {n: t.shape for n, t in getattr(model, kind)()}), kind
+            assert {n: t.shape for n, t in getattr(rebuilt, kind)()} == {
+                n: t.shape for n, t in getattr(model, kind)()
+            }, kind
         rebuilt.load_state_dict(model.state_dict())
         assert count_parameters(rebuilt) == count_parameters(model)
 
@@ -255,6 +279,7 @@ def test_fixed_synthesizer_stays_fixed_and_learned_one_trains():
 # Causality, attention rows, KV cache
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_changing_a_future_token_leaves_earlier_logits(variant):
     model = small(variant).eval()
@@ -267,7 +292,7 @@ def test_changing_a_future_token_leaves_earlier_logits(variant):
         (fa, _), (fb, _) = model.forward_with_attention(x), model.forward_with_attention(x2)
     assert torch.allclose(a[:, :t], b[:, :t], atol=1e-6, rtol=0)
     assert torch.allclose(fa[:, :t], fb[:, :t], atol=1e-6, rtol=0)
-    assert not torch.allclose(a[:, t], b[:, t])   # the change itself is visible
+    assert not torch.allclose(a[:, t], b[:, t])  # the change itself is visible
 
 
 @pytest.mark.parametrize("variant", SYNTH + ["oelm_freeze", "oelm_poet"])
@@ -289,25 +314,26 @@ def test_attention_rows_sum_to_one_and_are_causal(variant):
 @pytest.mark.parametrize("variant", SYNTH + ["oelm_poet", "oelm_freeze_deep"])
 def test_kv_cached_logits_equal_uncached(variant):
     model = small(variant).eval()
-    train_steps(model, steps=2)   # trained weights: POET's R, P no longer the identity
+    train_steps(model, steps=2)  # trained weights: POET's R, P no longer the identity
     model.eval()
     x, _ = batch(model.cfg, n=2, seed=5)
     with torch.no_grad():
         full = model(x)
         cache = model.new_cache(batch=2)
-        steps = [model(x[:, i:i + 1], cache=cache) for i in range(x.size(1))]
+        steps = [model(x[:, i : i + 1], cache=cache) for i in range(x.size(1))]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
     # A prompt chunk followed by single tokens agrees too.
     with torch.no_grad():
         cache = model.new_cache(batch=2)
         head = model(x[:, :10], cache=cache)
-        tail = [model(x[:, i:i + 1], cache=cache) for i in range(10, x.size(1))]
+        tail = [model(x[:, i : i + 1], cache=cache) for i in range(10, x.size(1))]
     assert torch.allclose(torch.cat([head] + tail, dim=1), full, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------
 # A1: the Gaussian control has the orthogonal logit scale
 # ---------------------------------------------------------------------------------------------
+
 
 def test_gaussian_control_matches_the_orthogonal_logit_scale():
     d, h = 256, 4
@@ -333,8 +359,7 @@ def test_poet_and_synth_module_types():
 # The ablations' plan, parameters/ablations.yaml: one run per variant entry (seed 0)
 # ---------------------------------------------------------------------------------------------
 
-ABLATIONS = {run.info["label"]: run for run in load_plan(REPO / "parameters" / "ablations.yaml").runs
-             if run.seed == 0}
+ABLATIONS = {run.info["label"]: run for run in load_plan(REPO / "parameters" / "ablations.yaml").runs if run.seed == 0}
 
 
 def test_there_is_an_ablation_per_variant():

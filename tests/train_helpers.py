@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 import yaml
-
 from conftest import FOLDED_VOCAB
+
 from oelm_core.config import run_config_from_dict
 from oelm_core.model import GPT
 from oelm_core.train import train
@@ -25,16 +25,32 @@ from oelm_core.train import train
 REPO = Path(__file__).resolve().parents[1]
 
 
-def params(tmp_path: Path, source: Path, variant: str = "oelm_freeze", out: str = "run",
-           vocab: int = FOLDED_VOCAB, **train) -> dict:
+def params(
+    tmp_path: Path, source: Path, variant: str = "oelm_freeze", out: str = "run", vocab: int = FOLDED_VOCAB, **train
+) -> dict:
     """A small CPU run: preset smoke at context 32, 4 sequences per step, every step logged."""
     return {
-        "name": "test", "out_dir": str(tmp_path / out), "preset": "smoke", "variant": variant,
+        "name": "test",
+        "out_dir": str(tmp_path / out),
+        "preset": "smoke",
+        "variant": variant,
         "model": {"block_size": 32, "vocab_size": vocab},
         "data": {"source": str(source), "out_dir": str(tmp_path / "data"), "num_proc": 1},
-        "train": {"steps": 10, "batch_size": 4, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
-                  "eval_every": 5, "eval_batches": 2, "ckpt_every": 5, "keep_last": 10,
-                  "log_every": 1, "progress": False, "device": "cpu", **train},
+        "train": {
+            "steps": 10,
+            "batch_size": 4,
+            "lr": 3e-3,
+            "min_lr": 3e-4,
+            "warmup_steps": 2,
+            "eval_every": 5,
+            "eval_batches": 2,
+            "ckpt_every": 5,
+            "keep_last": 10,
+            "log_every": 1,
+            "progress": False,
+            "device": "cpu",
+            **train,
+        },
     }
 
 
@@ -61,8 +77,11 @@ def qk_weights(model: GPT) -> list[torch.Tensor]:
 def outputs(out: Path) -> dict[str, int]:
     """The run folder's files and their mtimes (ns), without .lock (each session writes its pid
     there) and tb/ (TensorBoard names its event files by time, host and pid)."""
-    return {p.name: p.stat().st_mtime_ns for p in out.rglob("*")
-            if p.is_file() and p.name != ".lock" and p.parent.name != "tb"}
+    return {
+        p.name: p.stat().st_mtime_ns
+        for p in out.rglob("*")
+        if p.is_file() and p.name != ".lock" and p.parent.name != "tb"
+    }
 
 
 def write_params(path: Path, values: dict) -> Path:
@@ -76,15 +95,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_train(tmp_path: Path, values: dict, entry: tuple = ("-m", "oelm_core.train"),
-                   **env: str) -> subprocess.CompletedProcess:
+def torchrun_train(
+    tmp_path: Path, values: dict, entry: tuple = ("-m", "oelm_core.train"), **env: str
+) -> subprocess.CompletedProcess:
     """The CLI (or the script ``entry`` names) under torchrun, 2 processes on a free local port,
     with ``env`` added."""
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-         "127.0.0.1", "--master_port", str(free_port()), *entry,
-         "--params", str(write_params(tmp_path / "ddp.yaml", values))],
-        cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            *entry,
+            "--params",
+            str(write_params(tmp_path / "ddp.yaml", values)),
+        ],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def kill_at(monkeypatch, obj, name: str, when) -> None:
@@ -100,9 +136,9 @@ def kill_at(monkeypatch, obj, name: str, when) -> None:
     monkeypatch.setattr(obj, name, dies)
 
 
-
-def torchrun_nodes(tmp_path: Path, values: dict, nodes: int = 2, timeout: float = 120,
-                   **env: str) -> list[subprocess.CompletedProcess]:
+def torchrun_nodes(
+    tmp_path: Path, values: dict, nodes: int = 2, timeout: float = 120, **env: str
+) -> list[subprocess.CompletedProcess]:
     """The CLI as a multi-node job on this host: ``nodes`` torchrun agents of one process each,
     started separately as on separate machines, that find each other by c10d rendezvous on a free
     local port (the first agent to bind it hosts the store; rendezvous numbers the nodes).
@@ -113,20 +149,35 @@ def torchrun_nodes(tmp_path: Path, values: dict, nodes: int = 2, timeout: float 
     or when the test is interrupted, is stopped with its worker, and its return code is then
     negative (the signal). The join timeout bounds how long an agent waits for one that
     never came."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc_per_node=1",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-           f"--rdzv_id=oelm-test-{os.getpid()}-{time.monotonic_ns()}", "--rdzv_conf=join_timeout=60",
-           # The address the workers' process group is reached at: without it the host's name,
-           # which a CI container need not resolve.
-           "--local_addr=127.0.0.1", "--monitor_interval=0.1",
-           "-m", "oelm_core.train", "--params", str(write_params(tmp_path / "nodes.yaml", values))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv_id=oelm-test-{os.getpid()}-{time.monotonic_ns()}",
+        "--rdzv_conf=join_timeout=60",
+        # The address the workers' process group is reached at: without it the host's name,
+        # which a CI container need not resolve.
+        "--local_addr=127.0.0.1",
+        "--monitor_interval=0.1",
+        "-m",
+        "oelm_core.train",
+        "--params",
+        str(write_params(tmp_path / "nodes.yaml", values)),
+    ]
     logs = [(tmp_path / f"node{i}.out", tmp_path / f"node{i}.err") for i in range(nodes)]
     procs = []
     try:
         for out, err in logs:
             with open(out, "w") as o, open(err, "w") as e:  # the child keeps its own descriptors
-                procs.append(subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env}, stdout=o, stderr=e,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        cmd, cwd=REPO, env={**os.environ, **env}, stdout=o, stderr=e, start_new_session=True
+                    )
+                )
         deadline = time.monotonic() + timeout
         for p in procs:
             try:
@@ -145,5 +196,7 @@ def torchrun_nodes(tmp_path: Path, values: dict, nodes: int = 2, timeout: float 
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
-            for p, (out, err) in zip(procs, logs)]
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
+        for p, (out, err) in zip(procs, logs)
+    ]

@@ -29,38 +29,89 @@ them when called.
 
 from pathlib import Path
 
-from oelm_core.analysis.accounts import (analytic_parameters, flops_table, gradient_flow_check, parameter_table,
-                                         shape_account, shape_explorer)
-from oelm_core.analysis.attention import (attention_figure, attention_maps, attention_summary, summarise_attention,
-                                          uniform_reference)
-from oelm_core.analysis.curves import BANDS, curve_band, plot_curves, plot_study_curves
-from oelm_core.analysis.figures import pyplot, save_figure
-from oelm_core.analysis.gaps import (FAILS, GAP_PAIRS, HOLDS, NOT_JUDGED, UNDECIDED, gap_table, group_figures,
-                                     ppl_gap, within_verdict)
-from oelm_core.analysis.groups import (TUNED_SETTINGS, Group, assumed_settings, evaluated_seeds, group_runs, seed_groups,
-                                       settings_apart, variant_alone)
-from oelm_core.analysis.hypotheses import hypotheses, hypotheses_judgeable, hypotheses_markdown
-from oelm_core.analysis.markdown import markdown_table
-from oelm_core.analysis.report import samples_markdown, write_results
-from oelm_core.analysis.runs import FINISHED, WHICH, Run, check_which, find_run_dirs, load_run, load_runs
-from oelm_core.analysis.samples import SAMPLE_TOP_K, checkpoint_note, load_models, sample_generations
-from oelm_core.analysis.stats import (bootstrap_interval, cohen_d, hedges_g, mean_std, significance,
-                                      welch_interval)
-from oelm_core.analysis.tables import RESULT_COLUMNS, results_table, significance_tests
-from oelm_core.analysis.theory import (JL_MIN_POINTS, JL_MIN_SAMPLES, construction_table, isometry_table,
-                                       jl_checks, jl_curve, jl_dimensions, jl_figure, logit_stats_table)
-from oelm_core.analysis.timing import loss_target, seconds_at, time_to_target, time_to_target_table, training_seconds
-from oelm_core.groups import BASELINE, GROUP_LABELS, GROUPS
-
+from oelm_core.analysis.accounts import (
+    analytic_parameters,
+    flops_table,
+    gradient_flow_check,
+    parameter_table,
+    shape_account,
+    shape_explorer,
+)
+from oelm_core.analysis.attention import (
+    attention_figure,
+    attention_maps,
+    attention_summary,
+    summarise_attention,
+    uniform_reference,
+)
 from oelm_core.analysis.budget import SMOKE_NOTE, smoke_budget
-from oelm_core.analysis.curves import log_ticks
-from oelm_core.analysis.gaps import EQUIVALENCE_MARGIN, EQUIVALENT, NOT_EQUIVALENT, equivalence, equivalence_columns
-from oelm_core.analysis.hypotheses import unjudged
+from oelm_core.analysis.curves import BANDS, curve_band, log_ticks, plot_curves, plot_study_curves
+from oelm_core.analysis.figures import pyplot, save_figure
+from oelm_core.analysis.gaps import (
+    EQUIVALENCE_MARGIN,
+    EQUIVALENT,
+    FAILS,
+    GAP_PAIRS,
+    HOLDS,
+    NOT_EQUIVALENT,
+    NOT_JUDGED,
+    UNDECIDED,
+    equivalence,
+    equivalence_columns,
+    gap_table,
+    group_figures,
+    ppl_gap,
+    within_verdict,
+)
+from oelm_core.analysis.groups import (
+    TUNED_SETTINGS,
+    Group,
+    assumed_settings,
+    evaluated_seeds,
+    group_runs,
+    seed_groups,
+    settings_apart,
+    variant_alone,
+)
+from oelm_core.analysis.hypotheses import hypotheses, hypotheses_judgeable, hypotheses_markdown, unjudged
+from oelm_core.analysis.markdown import markdown_table
 from oelm_core.analysis.protocol import protocol_report, rerun_spread, split_reruns
-from oelm_core.analysis.runs import WHICH_WORDS, check_figures
+from oelm_core.analysis.report import samples_markdown, write_results
+from oelm_core.analysis.runs import (
+    FINISHED,
+    WHICH,
+    WHICH_WORDS,
+    Run,
+    check_figures,
+    check_which,
+    find_run_dirs,
+    load_run,
+    load_runs,
+)
+from oelm_core.analysis.samples import SAMPLE_TOP_K, checkpoint_note, load_models, sample_generations
 from oelm_core.analysis.scaling import scaling_figure, scaling_table, write_scaling
-from oelm_core.analysis.stats import tost
-from oelm_core.analysis.timing import alone_record
+from oelm_core.analysis.stats import bootstrap_interval, cohen_d, hedges_g, mean_std, significance, tost, welch_interval
+from oelm_core.analysis.tables import RESULT_COLUMNS, results_table, significance_tests
+from oelm_core.analysis.theory import (
+    JL_MIN_POINTS,
+    JL_MIN_SAMPLES,
+    construction_table,
+    isometry_table,
+    jl_checks,
+    jl_curve,
+    jl_dimensions,
+    jl_figure,
+    logit_stats_table,
+)
+from oelm_core.analysis.timing import (
+    alone_record,
+    loss_target,
+    seconds_at,
+    time_to_target,
+    time_to_target_table,
+    training_seconds,
+)
+from oelm_core.groups import BASELINE, GROUP_LABELS, GROUPS
 
 # The repository root: the notebooks take relative output folders from here, so that their
 # defaults (under the git-ignored runs/) land in one place whether the kernel runs in notebooks/
@@ -70,29 +121,105 @@ REPO = Path(__file__).resolve().parents[2]
 __all__ = [
     "REPO",
     # theory
-    "JL_MIN_POINTS", "JL_MIN_SAMPLES", "construction_table", "isometry_table", "jl_checks", "jl_curve",
-    "jl_dimensions", "jl_figure", "logit_stats_table",
+    "JL_MIN_POINTS",
+    "JL_MIN_SAMPLES",
+    "construction_table",
+    "isometry_table",
+    "jl_checks",
+    "jl_curve",
+    "jl_dimensions",
+    "jl_figure",
+    "logit_stats_table",
     # accounts
-    "analytic_parameters", "flops_table", "gradient_flow_check", "parameter_table", "shape_account",
+    "analytic_parameters",
+    "flops_table",
+    "gradient_flow_check",
+    "parameter_table",
+    "shape_account",
     "shape_explorer",
     # runs and groups
-    "FINISHED", "WHICH", "Run", "check_which", "find_run_dirs", "load_run", "load_runs",
-    "BASELINE", "GROUPS", "GROUP_LABELS", "TUNED_SETTINGS", "Group", "assumed_settings", "evaluated_seeds", "group_runs", "seed_groups",
-    "settings_apart", "variant_alone",
+    "FINISHED",
+    "WHICH",
+    "Run",
+    "check_which",
+    "find_run_dirs",
+    "load_run",
+    "load_runs",
+    "BASELINE",
+    "GROUPS",
+    "GROUP_LABELS",
+    "TUNED_SETTINGS",
+    "Group",
+    "assumed_settings",
+    "evaluated_seeds",
+    "group_runs",
+    "seed_groups",
+    "settings_apart",
+    "variant_alone",
     # stats, tables, hypotheses, report
-    "bootstrap_interval", "cohen_d", "hedges_g", "mean_std", "significance", "welch_interval",
-    "RESULT_COLUMNS", "results_table", "significance_tests",
-    "FAILS", "GAP_PAIRS", "HOLDS", "NOT_JUDGED", "UNDECIDED", "gap_table", "group_figures", "ppl_gap",
+    "bootstrap_interval",
+    "cohen_d",
+    "hedges_g",
+    "mean_std",
+    "significance",
+    "welch_interval",
+    "RESULT_COLUMNS",
+    "results_table",
+    "significance_tests",
+    "FAILS",
+    "GAP_PAIRS",
+    "HOLDS",
+    "NOT_JUDGED",
+    "UNDECIDED",
+    "gap_table",
+    "group_figures",
+    "ppl_gap",
     "within_verdict",
-    "loss_target", "seconds_at", "time_to_target", "time_to_target_table", "training_seconds",
-    "hypotheses", "hypotheses_judgeable", "hypotheses_markdown",
-    "samples_markdown", "write_results",
+    "loss_target",
+    "seconds_at",
+    "time_to_target",
+    "time_to_target_table",
+    "training_seconds",
+    "hypotheses",
+    "hypotheses_judgeable",
+    "hypotheses_markdown",
+    "samples_markdown",
+    "write_results",
     # figures, samples, attention
-    "BANDS", "curve_band", "markdown_table", "plot_curves", "plot_study_curves", "pyplot", "save_figure",
-    "SAMPLE_TOP_K", "checkpoint_note", "load_models", "sample_generations",
-    "attention_figure", "attention_maps", "attention_summary", "summarise_attention", "uniform_reference",
+    "BANDS",
+    "curve_band",
+    "markdown_table",
+    "plot_curves",
+    "plot_study_curves",
+    "pyplot",
+    "save_figure",
+    "SAMPLE_TOP_K",
+    "checkpoint_note",
+    "load_models",
+    "sample_generations",
+    "attention_figure",
+    "attention_maps",
+    "attention_summary",
+    "summarise_attention",
+    "uniform_reference",
     # the protocol: held-out figures, equivalence, smoke budgets, timed-alone records, scaling
-    "WHICH_WORDS", "check_figures", "tost", "EQUIVALENCE_MARGIN", "EQUIVALENT", "NOT_EQUIVALENT", "equivalence",
-    "equivalence_columns", "SMOKE_NOTE", "smoke_budget", "alone_record", "unjudged", "log_ticks",
-    "protocol_report", "rerun_spread", "split_reruns", "scaling_figure", "scaling_table", "write_scaling",
+    "WHICH_WORDS",
+    "check_figures",
+    "tost",
+    "EQUIVALENCE_MARGIN",
+    "EQUIVALENT",
+    "NOT_EQUIVALENT",
+    "equivalence",
+    "equivalence_columns",
+    "SMOKE_NOTE",
+    "smoke_budget",
+    "alone_record",
+    "unjudged",
+    "log_ticks",
+    "protocol_report",
+    "rerun_spread",
+    "split_reruns",
+    "scaling_figure",
+    "scaling_table",
+    "write_scaling",
 ]

@@ -17,8 +17,14 @@ from typing import Sequence
 
 from oelm_core.analysis.figures import pyplot, save_figure
 from oelm_core.analysis.gaps import equivalence_columns, gap_fields, group_figures, ppl_gap
-from oelm_core.analysis.groups import (Group, assumed_settings, evaluated_seeds, seed_groups, settings_apart,
-                                       variant_alone)
+from oelm_core.analysis.groups import (
+    Group,
+    assumed_settings,
+    evaluated_seeds,
+    seed_groups,
+    settings_apart,
+    variant_alone,
+)
 from oelm_core.analysis.markdown import markdown_table
 from oelm_core.analysis.runs import check_figures, load_runs
 from oelm_core.analysis.stats import mean_std
@@ -26,14 +32,25 @@ from oelm_core.analysis.sweeps import load_points, on_sweep_axis, run_row
 from oelm_core.config import ConfigError
 from oelm_core.groups import BASELINE, GROUP_LABELS
 
-ABLATION_ORDER = [*GROUP_LABELS, "oelm_freeze_gaussian", "oelm_freeze_svd",
-                  "oelm_freeze_householder", "oelm_freeze_cayley", "oelm_freeze_shallow", "oelm_freeze_deep",
-                  "progressive", "progressive_layerwise", "oelm_poet", "synth_random", "synth_random_fixed",
-                  "synth_factorized"]
+ABLATION_ORDER = [
+    *GROUP_LABELS,
+    "oelm_freeze_gaussian",
+    "oelm_freeze_svd",
+    "oelm_freeze_householder",
+    "oelm_freeze_cayley",
+    "oelm_freeze_shallow",
+    "oelm_freeze_deep",
+    "progressive",
+    "progressive_layerwise",
+    "oelm_poet",
+    "synth_random",
+    "synth_random_fixed",
+    "synth_factorized",
+]
 
 
 def _order(label: str) -> tuple[int, str]:
-    stem = label.split(" (")[0]   # "gpt_base (train.steps=200)": one of several gpt_base groups
+    stem = label.split(" (")[0]  # "gpt_base (train.steps=200)": one of several gpt_base groups
     return (ABLATION_ORDER.index(stem) if stem in ABLATION_ORDER else len(ABLATION_ORDER), label)
 
 
@@ -68,9 +85,11 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
     loaded = load_points(root)
     sweeps = sorted({str(r.point.get("sweep")) for r in loaded if on_sweep_axis(r.point)})
     if sweeps:
-        raise ConfigError(f"{root} holds runs of the sweep(s) {', '.join(sweeps)}: tabulate a sweep with "
-                          f"--sweep (python -m oelm_core report {root} --sweep --name NAME), or point "
-                          f"the ablation table at a folder of ablation runs only (e.g. runs/ablations)")
+        raise ConfigError(
+            f"{root} holds runs of the sweep(s) {', '.join(sweeps)}: tabulate a sweep with "
+            f"--sweep (python -m oelm_core report {root} --sweep --name NAME), or point "
+            f"the ablation table at a folder of ablation runs only (e.g. runs/ablations)"
+        )
     runs = [run_row(run, spectrum) for run in loaded]
     rows = []
     for at in sorted(_ablation_groups(loaded, runs), key=lambda at: _order(runs[at[0]]["label"])):
@@ -79,25 +98,67 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
         losses = [r["final_val_loss"] for r in group]
         loss, loss_std = mean_std(losses)
         seeds = evaluated_seeds(group[0]["label"], [str(r["path"]) for r in group], losses)
-        rows.append({"label": group[0]["label"], "variant": group[0]["variant"], "seeds": seeds,
-                     "val_loss": loss, "val_loss_std": loss_std,
-                     "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
-                     "trainable": group[0]["trainable"], "frozen": group[0]["frozen"],
-                     "tokens_per_s": mean_std(r["tokens_per_s"] for r in group)[0],
-                     "spectrum_err": mean_std(r["spectrum_err"] for r in group)[0]})
+        rows.append(
+            {
+                "label": group[0]["label"],
+                "variant": group[0]["variant"],
+                "seeds": seeds,
+                "val_loss": loss,
+                "val_loss_std": loss_std,
+                "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
+                "trainable": group[0]["trainable"],
+                "frozen": group[0]["frozen"],
+                "tokens_per_s": mean_std(r["tokens_per_s"] for r in group)[0],
+                "spectrum_err": mean_std(r["spectrum_err"] for r in group)[0],
+            }
+        )
     runs.sort(key=lambda r: (_order(r["label"]), r["seed"] or 0))
     base = next((r for r in rows if r["label"] == baseline), None)
     for r in rows:
         ok = base is not None and r["val_loss"] is not None and base["val_loss"]
         r["loss_gap_pct"] = 100 * (r["val_loss"] / base["val_loss"] - 1) if ok else None
-    run_cols = ["label", "variant", "seed", "status", "final_val_loss", "final_val_ppl", "trainable", "frozen",
-                "tokens_per_s", "spectrum_err"]
-    cols = ["label", "seeds", "val_loss", "val_loss_std", "val_ppl", "loss_gap_pct", "trainable", "frozen",
-            "tokens_per_s", "spectrum_err"]
-    heads = ["Ablation", "Seeds", "Val loss", "Std", "Val PPL", f"Loss gap vs {baseline} (%)", "Trainable",
-             "Frozen", "Tokens/s", "POET max abs(s-1)"]
-    return {"runs": runs, "rows": rows, "markdown_runs": markdown_table(runs, run_cols),
-            "markdown": markdown_table(rows, cols, heads)}
+    run_cols = [
+        "label",
+        "variant",
+        "seed",
+        "status",
+        "final_val_loss",
+        "final_val_ppl",
+        "trainable",
+        "frozen",
+        "tokens_per_s",
+        "spectrum_err",
+    ]
+    cols = [
+        "label",
+        "seeds",
+        "val_loss",
+        "val_loss_std",
+        "val_ppl",
+        "loss_gap_pct",
+        "trainable",
+        "frozen",
+        "tokens_per_s",
+        "spectrum_err",
+    ]
+    heads = [
+        "Ablation",
+        "Seeds",
+        "Val loss",
+        "Std",
+        "Val PPL",
+        f"Loss gap vs {baseline} (%)",
+        "Trainable",
+        "Frozen",
+        "Tokens/s",
+        "POET max abs(s-1)",
+    ]
+    return {
+        "runs": runs,
+        "rows": rows,
+        "markdown_runs": markdown_table(runs, run_cols),
+        "markdown": markdown_table(rows, cols, heads),
+    }
 
 
 def ablation_figure(table: dict, path: str | Path | None = None):
@@ -106,8 +167,16 @@ def ablation_figure(table: dict, path: str | Path | None = None):
     rows = [r for r in table["rows"] if r["val_loss"] is not None]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
     xs = range(len(rows))
-    colors = ["tab:gray" if r["label"] == BASELINE else "tab:purple" if r["label"].startswith("synth")
-              else "tab:green" if "poet" in r["label"] else "tab:blue" for r in rows]
+    colors = [
+        "tab:gray"
+        if r["label"] == BASELINE
+        else "tab:purple"
+        if r["label"].startswith("synth")
+        else "tab:green"
+        if "poet" in r["label"]
+        else "tab:blue"
+        for r in rows
+    ]
     ax.bar(xs, [r["val_loss"] for r in rows], color=colors, alpha=0.6)
     for x, r in zip(xs, rows):
         seeds = [s["final_val_loss"] for s in table["runs"] if s["label"] == r["label"] and s["final_val_loss"]]
@@ -131,8 +200,9 @@ ABLATION_COMPARATORS = ("oelm_freeze", BASELINE)
 ABLATION_SETTINGS = ("train.unfreeze_schedule",)
 
 
-def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best",
-                  compare_across: Sequence[str] = ()) -> dict:
+def ablation_gaps(
+    root: str | Path, comparators: str | Path, which: str = "best", compare_across: Sequence[str] = ()
+) -> dict:
     """Each ablation under ``root`` against the comparator runs under ``comparators`` (a study's
     run folders: its OELM-Freeze and GPT-Base groups): {"rows", "markdown", "comparators"}.
 
@@ -150,15 +220,20 @@ def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best"
     runs = ablations + others
     check_figures(runs, which)
     labels = [r.point.get("label") or r.name for r in ablations] + [r.variant for r in others]
-    groups = [Group(label, runs[at[0]].variant, runs[at[0]].preset, settings, [runs[i] for i in at],
-                    [runs[i].seed for i in at]) for label, settings, at in seed_groups(runs, labels)]
+    groups = [
+        Group(
+            label, runs[at[0]].variant, runs[at[0]].preset, settings, [runs[i] for i in at], [runs[i].seed for i in at]
+        )
+        for label, settings, at in seed_groups(runs, labels)
+    ]
     sources = ["comparator" if g.runs[0] in others else "ablation" for g in groups]
     bases = {}
     for variant in ABLATION_COMPARATORS:
         found = [g for g, src in zip(groups, sources) if src == "comparator" and g.variant == variant]
         if len(found) != 1:
-            raise ConfigError(f"{comparators} holds {len(found)} groups of {variant}; the ablations need exactly "
-                              f"one to compare with")
+            raise ConfigError(
+                f"{comparators} holds {len(found)} groups of {variant}; the ablations need exactly one to compare with"
+            )
         bases[variant] = found[0]
     rows = []
     for g, src in sorted(zip(groups, sources), key=lambda gs: (gs[1] == "comparator", _order(gs[0].label))):
@@ -166,24 +241,51 @@ def ablation_gaps(root: str | Path, comparators: str | Path, which: str = "best"
         for variant, base in bases.items():
             across = ABLATION_SETTINGS + (tuple(compare_across) if variant == BASELINE else ())
             alike = g is not base and variant_alone(g, base, across)
-            res = ppl_gap([r.value(f"{which}_val_loss") for r in g.runs],
-                                   [r.value(f"{which}_val_loss") for r in base.runs]) if alike else {}
+            res = (
+                ppl_gap(
+                    [r.value(f"{which}_val_loss") for r in g.runs], [r.value(f"{which}_val_loss") for r in base.runs]
+                )
+                if alike
+                else {}
+            )
             row.update(gap_fields(res, f"{variant}_"))
         rows.append(row)
     cols = ["label", "source", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"]
-    heads = ["Ablation", "Runs", "Seeds", f"{which.capitalize()} val loss (mean)", "Loss std (n-1)",
-             "Val PPL (mean)", "PPL std (n-1)"]
+    heads = [
+        "Ablation",
+        "Runs",
+        "Seeds",
+        f"{which.capitalize()} val loss (mean)",
+        "Loss std (n-1)",
+        "Val PPL (mean)",
+        "PPL std (n-1)",
+    ]
     for variant in bases:
         name = GROUP_LABELS[variant]
-        cols += [f"{variant}_gap_pct", f"{variant}_welch_low_pct", f"{variant}_welch_high_pct",
-                 f"{variant}_boot_low_pct", f"{variant}_boot_high_pct"]
-        heads += [f"PPL gap vs {name} (%)", "Welch 95% low", "Welch 95% high", "Bootstrap 95% low",
-                  "Bootstrap 95% high"]
+        cols += [
+            f"{variant}_gap_pct",
+            f"{variant}_welch_low_pct",
+            f"{variant}_welch_high_pct",
+            f"{variant}_boot_low_pct",
+            f"{variant}_boot_high_pct",
+        ]
+        heads += [
+            f"PPL gap vs {name} (%)",
+            "Welch 95% low",
+            "Welch 95% high",
+            "Bootstrap 95% low",
+            "Bootstrap 95% high",
+        ]
         same_cols, same_heads = equivalence_columns(f"{variant}_")
         cols += same_cols
         heads += [f"vs {name}: {h}" for h in same_heads]
-    return {"rows": rows, "markdown": markdown_table(rows, cols, heads),
-            "comparators": str(comparators), "which": which, "compare_across": list(compare_across)}
+    return {
+        "rows": rows,
+        "markdown": markdown_table(rows, cols, heads),
+        "comparators": str(comparators),
+        "which": which,
+        "compare_across": list(compare_across),
+    }
 
 
 def _figures(group, which: str) -> dict:
@@ -206,17 +308,31 @@ def ablation_gaps_figure(table: dict, path: str | Path | None = None):
         rows = [r for r in table["rows"] if r.get(f"{variant}_gap_pct") is not None]
         ys = list(range(len(rows)))[::-1]
         gaps = [r[f"{variant}_gap_pct"] for r in rows]
-        ax.barh(ys, gaps, color=["tab:gray" if r["source"] == "comparator" else "tab:blue" for r in rows],
-                alpha=0.6)
-        welch = [(g - (r[f"{variant}_welch_low_pct"] or g), (r[f"{variant}_welch_high_pct"] or g) - g)
-                 for g, r in zip(gaps, rows)]
-        ax.errorbar(gaps, ys, xerr=list(zip(*welch)) if welch else None, fmt="none", ecolor="black",
-                    capsize=4, label="95% Welch interval")
+        ax.barh(ys, gaps, color=["tab:gray" if r["source"] == "comparator" else "tab:blue" for r in rows], alpha=0.6)
+        welch = [
+            (g - (r[f"{variant}_welch_low_pct"] or g), (r[f"{variant}_welch_high_pct"] or g) - g)
+            for g, r in zip(gaps, rows)
+        ]
+        ax.errorbar(
+            gaps,
+            ys,
+            xerr=list(zip(*welch)) if welch else None,
+            fmt="none",
+            ecolor="black",
+            capsize=4,
+            label="95% Welch interval",
+        )
         for y, r in zip(ys, rows):
             if r[f"{variant}_boot_low_pct"] is not None:
-                ax.plot([r[f"{variant}_boot_low_pct"], r[f"{variant}_boot_high_pct"]], [y, y], color="tab:orange",
-                        lw=4, alpha=0.8, solid_capstyle="butt",
-                        label="95% bootstrap interval" if y == ys[0] else None)
+                ax.plot(
+                    [r[f"{variant}_boot_low_pct"], r[f"{variant}_boot_high_pct"]],
+                    [y, y],
+                    color="tab:orange",
+                    lw=4,
+                    alpha=0.8,
+                    solid_capstyle="butt",
+                    label="95% bootstrap interval" if y == ys[0] else None,
+                )
         ax.axvline(0, color="black", lw=0.8)
         ax.set_yticks(ys)
         ax.set_yticklabels([f"{r['label']} (n={r['seeds']})" for r in rows])
@@ -225,9 +341,11 @@ def ablation_gaps_figure(table: dict, path: str | Path | None = None):
         ax.grid(axis="x", alpha=0.3)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color="tab:blue", alpha=0.6, label="ablation: gap = exp(mean loss difference) - 1"),
-               Patch(color="tab:gray", alpha=0.6, label="comparator group (the study's runs)"),
-               *axes[0][0].get_legend_handles_labels()[0]]
+    handles = [
+        Patch(color="tab:blue", alpha=0.6, label="ablation: gap = exp(mean loss difference) - 1"),
+        Patch(color="tab:gray", alpha=0.6, label="comparator group (the study's runs)"),
+        *axes[0][0].get_legend_handles_labels()[0],
+    ]
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8)
     return save_figure(fig, path)
@@ -238,11 +356,13 @@ def write_ablation_gaps(table: dict, out: str | Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     across = f", GPT-Base at its own {', '.join(table['compare_across'])}" if table["compare_across"] else ""
-    note = (f"Ablations against the comparator runs under {table['comparators']} ({table['which']} validation "
-            f"figures; means and sample std, n-1, over seeds). PPL gap: exp(mean loss A - mean loss B) - 1, the "
-            f"gap of the geometric-mean PPLs; both 95% intervals are of the loss difference mapped through "
-            f"exp(.) - 1 (Welch's t; percentile bootstrap, 9,999 resamples). A gap is shown only between groups "
-            f"trained alike apart from the variant and the unfreeze schedule{across}.")
+    note = (
+        f"Ablations against the comparator runs under {table['comparators']} ({table['which']} validation "
+        f"figures; means and sample std, n-1, over seeds). PPL gap: exp(mean loss A - mean loss B) - 1, the "
+        f"gap of the geometric-mean PPLs; both 95% intervals are of the loss difference mapped through "
+        f"exp(.) - 1 (Welch's t; percentile bootstrap, 9,999 resamples). A gap is shown only between groups "
+        f"trained alike apart from the variant and the unfreeze schedule{across}."
+    )
     md, js, png = out / "ablations.md", out / "ablations.json", out / "ablations.png"
     md.write_text(f"## Ablations\n\n{note}\n\n{table['markdown']}\n")
     js.write_text(json.dumps({k: v for k, v in table.items() if k != "markdown"}, indent=2) + "\n")
@@ -250,8 +370,9 @@ def write_ablation_gaps(table: dict, out: str | Path) -> list[Path]:
     return [md, js, png]
 
 
-def write_ablation_table(table: dict, root: str | Path, figure: str | Path | None = None,
-                         markdown: str | Path | None = None) -> list[Path]:
+def write_ablation_table(
+    table: dict, root: str | Path, figure: str | Path | None = None, markdown: str | Path | None = None
+) -> list[Path]:
     """``ablation_table``'s table written: the markdown (default ROOT/ablations.md), ROOT/ablations.json
     and the figure (default ROOT/ablations.png); returns the three paths."""
     root = Path(root)

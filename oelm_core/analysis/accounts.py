@@ -19,8 +19,7 @@ def _accounts(preset: str, variant: str, overrides: dict) -> tuple[dict, dict]:
     """(count_parameters, memory_account) of one built model; cached so tables share one build.
     The cache key holds the overrides as JSON (a list value, freeze_qk=[0], is not hashable) and
     what the preset and variant stand for now (variant_definition)."""
-    return _accounts_cached(preset, variant, json.dumps(overrides, sort_keys=True),
-                            variant_definition(preset, variant))
+    return _accounts_cached(preset, variant, json.dumps(overrides, sort_keys=True), variant_definition(preset, variant))
 
 
 @functools.lru_cache(maxsize=64)
@@ -31,8 +30,9 @@ def _accounts_cached(preset: str, variant: str, overrides_json: str, definition:
     return count_parameters(model), memory_account(model)
 
 
-def parameter_table(preset: str = RunConfig.preset, variants: Iterable[str] | None = None,
-                    **overrides: Any) -> list[dict]:
+def parameter_table(
+    preset: str = RunConfig.preset, variants: Iterable[str] | None = None, **overrides: Any
+) -> list[dict]:
     """Exact trainable / frozen / total parameters of each variant at ``preset``.
 
     ``trainable_reduction`` is the share of GPT-Base's trainable parameters the variant does not train.
@@ -43,8 +43,15 @@ def parameter_table(preset: str = RunConfig.preset, variants: Iterable[str] | No
     rows = []
     for v in names:
         c = _accounts(preset, v, overrides)[0]
-        rows.append({"variant": v, "label": GROUP_LABELS.get(v, v), "trainable": c["trainable"],
-                     "frozen": c["frozen"], "total": c["total"]})
+        rows.append(
+            {
+                "variant": v,
+                "label": GROUP_LABELS.get(v, v),
+                "trainable": c["trainable"],
+                "frozen": c["frozen"],
+                "total": c["total"],
+            }
+        )
     base = next((r for r in rows if r["variant"] == BASELINE), None)
     for r in rows:
         r["trainable_reduction"] = (1 - r["trainable"] / base["trainable"]) if base else None
@@ -56,14 +63,19 @@ def analytic_parameters(cfg) -> dict:
     its shape alone (no weights are built, so the explorer can show Large in an instant); equals
     ``count_parameters``. ValueError for POET and Synthesizer configs, whose Q/K differ."""
     if cfg.poet_block_size or cfg.attention != "dot":
-        what = (f"POET (poet_block_size={cfg.poet_block_size}) learns Q/K through R and P"
-                if cfg.poet_block_size else f"attention {cfg.attention!r} has no Q/K")
-        raise ValueError(f"analytic_parameters counts plain Q/K projections, but {what}; count a "
-                         f"built model instead: count_parameters(build_model(cfg))")
+        what = (
+            f"POET (poet_block_size={cfg.poet_block_size}) learns Q/K through R and P"
+            if cfg.poet_block_size
+            else f"attention {cfg.attention!r} has no Q/K"
+        )
+        raise ValueError(
+            f"analytic_parameters counts plain Q/K projections, but {what}; count a "
+            f"built model instead: count_parameters(build_model(cfg))"
+        )
     d, ff, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layer, cfg.vocab_size, cfg.block_size
     ln = 2 * d if cfg.bias else d
-    attn_other = 2 * d * d + (2 * d if cfg.attn_bias else 0)      # V and output projections
-    qk = 2 * d * d                                                # QKProjection has no bias
+    attn_other = 2 * d * d + (2 * d if cfg.attn_bias else 0)  # V and output projections
+    qk = 2 * d * d  # QKProjection has no bias
     mlp = 2 * d * ff + ((ff + d) if cfg.bias else 0)
     per_layer = 2 * ln + attn_other + mlp
     embed = V * d + T * d + (0 if cfg.tie_embeddings else V * d)
@@ -72,8 +84,7 @@ def analytic_parameters(cfg) -> dict:
     return {"trainable": total - frozen, "frozen": frozen, "total": total}
 
 
-def flops_table(preset: str = RunConfig.preset, variants: Iterable[str] | None = None,
-                **overrides: Any) -> list[dict]:
+def flops_table(preset: str = RunConfig.preset, variants: Iterable[str] | None = None, **overrides: Any) -> list[dict]:
     """FLOPs per trained token (forward, backward) and weight+optimizer memory per variant."""
     from oelm_core import VARIANTS, flops_per_token
 
@@ -82,11 +93,18 @@ def flops_table(preset: str = RunConfig.preset, variants: Iterable[str] | None =
         cfg = model_config(preset, v, **overrides)
         f = flops_per_token(cfg)
         m = _accounts(preset, v, overrides)[1]
-        rows.append({"variant": v, "forward_flops": f["total_forward"],
-                     "backward_flops": f["total_backward"], "total_flops": f["total"],
-                     "frozen_saving_flops": f["frozen_saving"]["flops"],
-                     "frozen_saving_pct": 100 * f["frozen_saving"]["fraction"],
-                     "state_mb": m["total"] / 2**20, "state_saving_mb": m["frozen_saving"] / 2**20})
+        rows.append(
+            {
+                "variant": v,
+                "forward_flops": f["total_forward"],
+                "backward_flops": f["total_backward"],
+                "total_flops": f["total"],
+                "frozen_saving_flops": f["frozen_saving"]["flops"],
+                "frozen_saving_pct": 100 * f["frozen_saving"]["fraction"],
+                "state_mb": m["total"] / 2**20,
+                "state_saving_mb": m["frozen_saving"] / 2**20,
+            }
+        )
     return rows
 
 
@@ -116,16 +134,23 @@ def gradient_flow_check(preset: str = "tiny", variant: str = "oelm_freeze", seed
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model(idx, idx).backward()
-    no_grad = [n for n, p in model.named_parameters()
-               if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+    no_grad = [
+        n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)
+    ]
     opt.step()
     state = model.state_dict()
-    return {"frozen_qk": sorted(frozen),
-            "frozen_without_grad": (sorted(frozen) == expected and not trainable_qk
-                                    and all(not b.requires_grad and b.grad is None for b in frozen.values())),
-            "qk_unchanged_by_step": all(torch.equal(before[n], state[n]) for n in expected),
-            "trainable_with_grad": not no_grad, "params_without_grad": no_grad,
-            "trainable_qk_in_frozen_layers": trainable_qk}
+    return {
+        "frozen_qk": sorted(frozen),
+        "frozen_without_grad": (
+            sorted(frozen) == expected
+            and not trainable_qk
+            and all(not b.requires_grad and b.grad is None for b in frozen.values())
+        ),
+        "qk_unchanged_by_step": all(torch.equal(before[n], state[n]) for n in expected),
+        "trainable_with_grad": not no_grad,
+        "params_without_grad": no_grad,
+        "trainable_qk_in_frozen_layers": trainable_qk,
+    }
 
 
 def shape_account(**shape: int) -> list[dict]:
@@ -138,10 +163,17 @@ def shape_account(**shape: int) -> list[dict]:
     for v in GROUP_LABELS:
         cfg = model_config(RunConfig.preset, v, **shape)
         c, f = analytic_parameters(cfg), flops_per_token(cfg)
-        rows.append({"variant": GROUP_LABELS[v], "trainable": c["trainable"], "frozen": c["frozen"],
-                     "total": c["total"], "trainable_reduction_pct": None,
-                     "gflops_per_token": f["total"] / 1e9,
-                     "freeze_saves_pct": 100 * f["frozen_saving"]["fraction"]})
+        rows.append(
+            {
+                "variant": GROUP_LABELS[v],
+                "trainable": c["trainable"],
+                "frozen": c["frozen"],
+                "total": c["total"],
+                "trainable_reduction_pct": None,
+                "gflops_per_token": f["total"] / 1e9,
+                "freeze_saves_pct": 100 * f["frozen_saving"]["fraction"],
+            }
+        )
     base = rows[0]["trainable"]
     for r in rows:
         r["trainable_reduction_pct"] = 100 * (1 - r["trainable"] / base)
@@ -156,11 +188,11 @@ def shape_explorer():
     (a bare cluster image) it returns the table of the default shape as Markdown instead.
     """
     from IPython.display import Markdown, display
+
     try:
         import ipywidgets as w
     except ImportError:
-        return Markdown(markdown_table(shape_account())
-                        + "\n\n(install ipywidgets for the interactive explorer)")
+        return Markdown(markdown_table(shape_account()) + "\n\n(install ipywidgets for the interactive explorer)")
 
     start = model_config(RunConfig.preset)  # the sliders start at the study's shape
     sliders = {

@@ -40,12 +40,16 @@ def _encode(text_or_ids, block_size: int, max_tokens: int | None = None) -> list
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if not ids:
-        raise ValueError("no tokens to compute attention over: the text is empty; pass at least one token"
-                         if max_tokens is None or max_tokens > 0 else
-                         f"max_tokens={max_tokens} keeps no tokens; pass max_tokens >= 1")
+        raise ValueError(
+            "no tokens to compute attention over: the text is empty; pass at least one token"
+            if max_tokens is None or max_tokens > 0
+            else f"max_tokens={max_tokens} keeps no tokens; pass max_tokens >= 1"
+        )
     if len(ids) > block_size:
-        raise ValueError(f"{len(ids)} tokens exceed the model's context of {block_size}; pass "
-                         f"max_tokens={block_size} (or fewer) to keep the first tokens, or shorten the text")
+        raise ValueError(
+            f"{len(ids)} tokens exceed the model's context of {block_size}; pass "
+            f"max_tokens={block_size} (or fewer) to keep the first tokens, or shorten the text"
+        )
     return ids
 
 
@@ -63,11 +67,12 @@ def summarise_attention(maps: Sequence[torch.Tensor]) -> list[dict]:
     rows = []
     for layer, att in enumerate(maps):
         p = att.clamp_min(1e-12)
-        entropy = -(att * p.log()).sum(-1).mean(-1)         # (n_head,)
-        distance = (att * dist).sum(-1).mean(-1)             # (n_head,)
+        entropy = -(att * p.log()).sum(-1).mean(-1)  # (n_head,)
+        distance = (att * dist).sum(-1).mean(-1)  # (n_head,)
         for head in range(att.shape[0]):
-            rows.append({"layer": layer, "head": head, "entropy": float(entropy[head]),
-                         "mean_distance": float(distance[head])})
+            rows.append(
+                {"layer": layer, "head": head, "entropy": float(entropy[head]), "mean_distance": float(distance[head])}
+            )
     return rows
 
 
@@ -80,8 +85,9 @@ def uniform_reference(t: int) -> dict[str, float]:
     return {"entropy": float(torch.log(pos + 1).mean()), "distance": float((pos / 2).mean())}
 
 
-def attention_figure(models: dict, text: str, layer: int = 0, head: int = 0,
-                     max_tokens: int = 32, path: str | Path | None = None):
+def attention_figure(
+    models: dict, text: str, layer: int = 0, head: int = 0, max_tokens: int = 32, path: str | Path | None = None
+):
     """Attention of ``head`` in ``layer`` of each model on the same text, side by side."""
     from oelm_core.data import get_tokenizer
 

@@ -39,16 +39,21 @@ def smoke_budget(runs: Iterable) -> str | None:
             reasons["steps"].append(f"{run.name} ({steps:,})")
         if tokens is not None and tokens < MIN_TOKENS:
             reasons["tokens"].append(f"{run.name} ({tokens:,})")
-    words = {"preset": f"a preset made for tests ({'/'.join(SMOKE_PRESETS)})",
-             "steps": f"fewer than {MIN_STEPS:,} steps", "tokens": f"fewer than {MIN_TOKENS:,} training tokens"}
+    words = {
+        "preset": f"a preset made for tests ({'/'.join(SMOKE_PRESETS)})",
+        "steps": f"fewer than {MIN_STEPS:,} steps",
+        "tokens": f"fewer than {MIN_TOKENS:,} training tokens",
+    }
     found = [f"{words[k]}: {_names(v)}" for k, v in reasons.items() if v]
     return "; ".join(found) or None
 
 
 def smoke_banner(reason: str) -> str:
     """The bold line at the top of a smoke study's results.md."""
-    return (f"**A smoke budget ({reason}): these runs check that the pipeline works; none of the verdicts "
-            f"below is evidence about the models.**")
+    return (
+        f"**A smoke budget ({reason}): these runs check that the pipeline works; none of the verdicts "
+        f"below is evidence about the models.**"
+    )
 
 
 def _names(items: list[str], shown: int = 3) -> str:

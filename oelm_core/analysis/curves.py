@@ -24,17 +24,27 @@ def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "s
     one colour per group of seeds (group_runs), each run labelled with its group and seed."""
     plt = pyplot()
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
-    curves = [(f"C{i}", group.label + ("" if seed is None else f" (seed {seed})"), run)
-              for i, group in enumerate(group_runs(runs)) for run, seed in zip(group.runs, group.seeds)]
+    curves = [
+        (f"C{i}", group.label + ("" if seed is None else f" (seed {seed})"), run)
+        for i, group in enumerate(group_runs(runs))
+        for run, seed in zip(group.runs, group.seeds)
+    ]
     for color, label, run in curves:
         tr = run.train_rows()
         if tr:
-            ax_t.plot([r.get(x, r["step"]) for r in tr], [r["train_loss"] for r in tr],
-                      color=color, alpha=0.85, lw=1.2, label=label)
+            ax_t.plot(
+                [r.get(x, r["step"]) for r in tr],
+                [r["train_loss"] for r in tr],
+                color=color,
+                alpha=0.85,
+                lw=1.2,
+                label=label,
+            )
         ev = run.eval_rows()
         if ev:
-            ax_v.plot([r.get(x, r["step"]) for r in ev], [r["val_loss"] for r in ev], "o-",
-                      color=color, ms=3, label=label)
+            ax_v.plot(
+                [r.get(x, r["step"]) for r in ev], [r["val_loss"] for r in ev], "o-", color=color, ms=3, label=label
+            )
     for ax, title in ((ax_t, "training loss"), (ax_v, "validation loss")):
         ax.set(xlabel=x.replace("_", " "), ylabel="loss (nats/token)", title=title)
         ax.grid(alpha=0.3)
@@ -42,7 +52,6 @@ def plot_curves(runs: Sequence[Run], path: str | Path | None = None, x: str = "s
             ax.legend(fontsize=8)
     fig.tight_layout()
     return save_figure(fig, path)
-
 
 
 def curve_band(runs: Sequence[Run], key: str = "val_loss", band: str = "std") -> dict:
@@ -72,8 +81,13 @@ def curve_band(runs: Sequence[Run], key: str = "val_loss", band: str = "std") ->
     return out
 
 
-def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band: str = "std",
-                      zoom: float = 1 / 3, timed_alone: bool | None = None):
+def plot_study_curves(
+    runs: Sequence[Run],
+    path: str | Path | None = None,
+    band: str = "std",
+    zoom: float = 1 / 3,
+    timed_alone: bool | None = None,
+):
     """The study's curves, one colour per group of seeds (group_runs): its mean over the seeds,
     and a shaded band (``curve_band``'s ``band``). Four panels: training loss (log axis, plain
     tick labels) and validation loss against steps (epochs on the top axis), the validation loss
@@ -100,33 +114,55 @@ def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band:
         train_range += train["low"] + train["high"]
         zoomed = [j for j, s in enumerate(val["step"]) if s >= (1 - zoom) * last]
         timed = [j for j, s in enumerate(val["seconds"]) if s is not None]
-        panels = [(ax_t, train, range(len(train["step"])), "step"), (ax_v, val, range(len(val["step"])), "step"),
-                  (ax_z, val, zoomed, "step")] + ([(ax_s, val, timed, "seconds")] if not wall_clock else [])
+        panels = [
+            (ax_t, train, range(len(train["step"])), "step"),
+            (ax_v, val, range(len(val["step"])), "step"),
+            (ax_z, val, zoomed, "step"),
+        ] + ([(ax_s, val, timed, "seconds")] if not wall_clock else [])
         for ax, curve, at, x in panels:
             xs = [curve[x][j] for j in at]
             ax.plot(xs, [curve["mean"][j] for j in at], color=color, lw=1.4, label=label)
-            ax.fill_between(xs, [curve["low"][j] for j in at], [curve["high"][j] for j in at],
-                            color=color, alpha=0.25, lw=0)
+            ax.fill_between(
+                xs, [curve["low"][j] for j in at], [curve["high"][j] for j in at], color=color, alpha=0.25, lw=0
+            )
     held_out = any((r.summary.get("val_windows") or {}).get("report") for r in runs)
     val_title = "validation loss (selection half)" if held_out else "validation loss"
-    for ax, title, xlabel in ((ax_t, "training loss", "step"), (ax_v, val_title, "step"),
-                              (ax_z, f"{val_title}, last {zoom:.0%} of steps", "step"),
-                              (ax_s, f"{val_title} vs wall-clock training time",
-                               "wall-clock training seconds (evaluation excluded)")):
+    for ax, title, xlabel in (
+        (ax_t, "training loss", "step"),
+        (ax_v, val_title, "step"),
+        (ax_z, f"{val_title}, last {zoom:.0%} of steps", "step"),
+        (ax_s, f"{val_title} vs wall-clock training time", "wall-clock training seconds (evaluation excluded)"),
+    ):
         ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title=title)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8, title=f"mean, band {spread}", title_fontsize=8)
     if wall_clock:
-        ax_s.text(0.5, 0.5, _wrapped(f"not drawn: {wall_clock}", 60), ha="center", va="center", fontsize=8,
-                  transform=ax_s.transAxes)
+        ax_s.text(
+            0.5,
+            0.5,
+            _wrapped(f"not drawn: {wall_clock}", 60),
+            ha="center",
+            va="center",
+            fontsize=8,
+            transform=ax_s.transAxes,
+        )
     dropouts = _dropouts(groups)
     if len(set(dropouts.values())) > 1:
-        note = (f"groups differ in dropout ({', '.join(f'{k} {v:g}' for k, v in dropouts.items())}): training "
-                f"loss is measured with dropout on, so it does not compare across them; the validation panels do")
+        note = (
+            f"groups differ in dropout ({', '.join(f'{k} {v:g}' for k, v in dropouts.items())}): training "
+            f"loss is measured with dropout on, so it does not compare across them; the validation panels do"
+        )
         # top left of the panel, between the first steps' fall and the legend: nothing is drawn there
-        ax_t.text(0.14, 0.96, _wrapped(note, 48), fontsize=7, transform=ax_t.transAxes, va="top",
-                  bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+        ax_t.text(
+            0.14,
+            0.96,
+            _wrapped(note, 48),
+            fontsize=7,
+            transform=ax_t.transAxes,
+            va="top",
+            bbox={"facecolor": "white", "alpha": 0.8, "lw": 0},
+        )
     per_step = _epochs_per_step(runs)
     if per_step:
         for ax in (ax_t, ax_v, ax_z):
@@ -146,8 +182,12 @@ def plot_study_curves(runs: Sequence[Run], path: str | Path | None = None, band:
 
 
 # Tick mantissas for a log axis, sparsest first (log_ticks).
-_LOG_MANTISSAS = ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8),
-                  tuple(round(1 + i / 10, 1) for i in range(90)))
+_LOG_MANTISSAS = (
+    (1, 2, 5),
+    (1, 1.5, 2, 3, 5, 7),
+    (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8),
+    tuple(round(1 + i / 10, 1) for i in range(90)),
+)
 
 
 def log_ticks(low: float, high: float, fewest: int = 4, most: int = 9) -> list[float]:
@@ -159,7 +199,7 @@ def log_ticks(low: float, high: float, fewest: int = 4, most: int = 9) -> list[f
     powers = range(math.floor(math.log10(low)), math.floor(math.log10(high)) + 1)
     chosen: list[float] = []
     for mantissas in _LOG_MANTISSAS:
-        ticks = sorted({float(f"{m * 10 ** k:.6g}") for k in powers for m in mantissas if low <= m * 10 ** k <= high})
+        ticks = sorted({float(f"{m * 10**k:.6g}") for k in powers for m in mantissas if low <= m * 10**k <= high})
         if len(ticks) > most:
             break
         chosen = ticks
@@ -184,9 +224,16 @@ def _wall_clock_missing(runs: Sequence[Run], record: dict, timed_alone: bool | N
         return "the runs are taken to have shared their devices (timed_alone=False), so their seconds do not compare"
     if record["alone"] is not True:
         n = len(runs)
-        parts = ([f"{len(record['not_alone'])} of {n} runs shared their device while timed"] if record["not_alone"]
-                 else []) + ([f"{len(record['unrecorded'])} of {n} runs do not record whether they had their device "
-                              f"alone (summary.json's timed_alone)"] if record["unrecorded"] else [])
+        parts = (
+            [f"{len(record['not_alone'])} of {n} runs shared their device while timed"] if record["not_alone"] else []
+        ) + (
+            [
+                f"{len(record['unrecorded'])} of {n} runs do not record whether they had their device "
+                f"alone (summary.json's timed_alone)"
+            ]
+            if record["unrecorded"]
+            else []
+        )
         return f"{'; '.join(parts)}; wall-clock seconds compare only runs that each had a device alone"
     if not any(training_seconds(run) for run in runs):
         return "no run's metrics hold tokens/s and tokens seen, from which training seconds are summed"
@@ -196,6 +243,9 @@ def _wall_clock_missing(runs: Sequence[Run], record: dict, timed_alone: bool | N
 def _epochs_per_step(runs: Sequence[Run]) -> float | None:
     """Epochs per step of the runs' last train rows (equal steps of tokens: a constant), None
     without epochs in the metrics or where the runs disagree (the top axis would mislabel one)."""
-    rates = {round(rows[-1]["epochs"] / rows[-1]["step"], 12) for run in runs
-             if (rows := run.train_rows()) and rows[-1].get("epochs") and rows[-1]["step"]}
+    rates = {
+        round(rows[-1]["epochs"] / rows[-1]["step"], 12)
+        for run in runs
+        if (rows := run.train_rows()) and rows[-1].get("epochs") and rows[-1]["step"]
+    }
     return rates.pop() if len(rates) == 1 else None

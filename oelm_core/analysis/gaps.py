@@ -50,29 +50,44 @@ EQUIVALENT, NOT_EQUIVALENT = "no difference", "differs by more than the margin"
 GAP_PAIRS = (("oelm_nofreeze", BASELINE), ("oelm_freeze", BASELINE), ("oelm_freeze", "oelm_nofreeze"))
 
 
-def ppl_gap(loss_a: Iterable[float | None], loss_b: Iterable[float | None],
-            confidence: float = CONFIDENCE, n_resamples: int = 9999, margin: float = EQUIVALENCE_MARGIN) -> dict:
+def ppl_gap(
+    loss_a: Iterable[float | None],
+    loss_b: Iterable[float | None],
+    confidence: float = CONFIDENCE,
+    n_resamples: int = 9999,
+    margin: float = EQUIVALENCE_MARGIN,
+) -> dict:
     """a's relative PPL gap to b from the seeds' validation losses (nats/token), as fractions:
     {n_a, n_b, gap, welch: (low, high), bootstrap: (low, high), hedges_g, cohen_d, equivalence}.
     The intervals and effect sizes (of the losses; positive: a's loss is the higher) are None with
     fewer than two seeds on a side; gap is None without a seed on a side. equivalence
     (``equivalence``, at ``margin`` of PPL): None with fewer than two seeds on a side."""
     a, b = present(loss_a), present(loss_b)
-    out = {"n_a": len(a), "n_b": len(b), "gap": None, "welch": None, "bootstrap": None,
-           "hedges_g": None, "cohen_d": None, "equivalence": None}
+    out = {
+        "n_a": len(a),
+        "n_b": len(b),
+        "gap": None,
+        "welch": None,
+        "bootstrap": None,
+        "hedges_g": None,
+        "cohen_d": None,
+        "equivalence": None,
+    }
     if not (a and b):
         return out
     out["gap"] = math.expm1(mean_std(a)[0] - mean_std(b)[0])
     if len(a) >= 2 and len(b) >= 2:
         out["welch"] = _expm1(welch_interval(a, b, confidence))
         out["bootstrap"] = _expm1(bootstrap_interval(a, b, "difference", confidence, n_resamples))
-        out.update(hedges_g=_number(hedges_g(a, b)), cohen_d=_number(cohen_d(a, b)),
-                   equivalence=equivalence(a, b, margin))
+        out.update(
+            hedges_g=_number(hedges_g(a, b)), cohen_d=_number(cohen_d(a, b)), equivalence=equivalence(a, b, margin)
+        )
     return out
 
 
-def equivalence(loss_a: Sequence[float], loss_b: Sequence[float], margin: float = EQUIVALENCE_MARGIN,
-                alpha: float = 1 - CONFIDENCE) -> dict:
+def equivalence(
+    loss_a: Sequence[float], loss_b: Sequence[float], margin: float = EQUIVALENCE_MARGIN, alpha: float = 1 - CONFIDENCE
+) -> dict:
     """Whether two groups' PPLs are equivalent within ``margin`` (a fraction of PPL): ``stats.tost``
     of their validation losses (nats/token) at the margin log(1 + margin), so that the geometric-mean
     PPL ratio must lie within [1 / (1 + margin), 1 + margin]. The default, 2%, is about the
@@ -86,16 +101,17 @@ def equivalence(loss_a: Sequence[float], loss_b: Sequence[float], margin: float 
     log_margin = math.log1p(margin)
     res = tost(loss_a, loss_b, log_margin, alpha)
     low, high = res["interval90"]
-    verdict = (EQUIVALENT if res["equivalent"] else
-               NOT_EQUIVALENT if low >= log_margin or high <= -log_margin else UNDECIDED)
+    verdict = (
+        EQUIVALENT if res["equivalent"] else NOT_EQUIVALENT if low >= log_margin or high <= -log_margin else UNDECIDED
+    )
     return {"verdict": verdict, "p": res["p"], "interval90": _expm1((low, high)), "margin": margin}
 
 
-def within_verdict(gap: float, interval: tuple[float, float] | None, threshold: float,
-                   strict: bool = False) -> str:
+def within_verdict(gap: float, interval: tuple[float, float] | None, threshold: float, strict: bool = False) -> str:
     """The verdict on "gap within threshold" (gap < threshold where ``strict``, else <=): HOLDS
     where the whole ``interval`` is within, FAILS where none of it is, UNDECIDED where it spans
     the threshold; without an interval (one seed a side), the point estimate ``gap``'s verdict."""
+
     def within(x: float) -> bool:
         return x < threshold if strict else x <= threshold
 
@@ -116,12 +132,24 @@ def group_figures(group: Group, which: str = "best") -> dict:
     losses = present(r.value(f"{which}_val_loss") for r in group.runs)
     loss, loss_std = mean_std(losses)
     ppl, ppl_std = mean_std(r.value(f"{which}_val_ppl") for r in group.runs)
-    return {"model": group.label, "preset": group.preset, "seeds": len(losses), "val_loss": loss,
-            "val_loss_std": loss_std, "val_ppl": ppl, "val_ppl_std": ppl_std}
+    return {
+        "model": group.label,
+        "preset": group.preset,
+        "seeds": len(losses),
+        "val_loss": loss,
+        "val_loss_std": loss_std,
+        "val_ppl": ppl,
+        "val_ppl_std": ppl_std,
+    }
 
 
-def gap_table(runs: Sequence[Run], which: str = "best", compare_across: Iterable[str] = (),
-              pairs: Sequence[tuple[str, str]] = GAP_PAIRS, margin: float = EQUIVALENCE_MARGIN) -> dict:
+def gap_table(
+    runs: Sequence[Run],
+    which: str = "best",
+    compare_across: Iterable[str] = (),
+    pairs: Sequence[tuple[str, str]] = GAP_PAIRS,
+    margin: float = EQUIVALENCE_MARGIN,
+) -> dict:
     """The study's gaps with intervals: {"groups": group_figures rows, "pairs": rows, "markdown",
     "margin"}.
 
@@ -140,21 +168,75 @@ def gap_table(runs: Sequence[Run], which: str = "best", compare_across: Iterable
             if ga.variant != va:
                 continue
             for gb in (g for g in groups if g.variant == vb and variant_alone(ga, g, compare_across)):
-                res = ppl_gap([r.value(f"{which}_val_loss") for r in ga.runs],
-                              [r.value(f"{which}_val_loss") for r in gb.runs], margin=margin)
-                rows.append({"a": ga.label, "b": gb.label, "preset": ga.preset, "n_a": res["n_a"],
-                             "n_b": res["n_b"], **gap_fields(res), "cohen_d": res["cohen_d"]})
+                res = ppl_gap(
+                    [r.value(f"{which}_val_loss") for r in ga.runs],
+                    [r.value(f"{which}_val_loss") for r in gb.runs],
+                    margin=margin,
+                )
+                rows.append(
+                    {
+                        "a": ga.label,
+                        "b": gb.label,
+                        "preset": ga.preset,
+                        "n_a": res["n_a"],
+                        "n_b": res["n_b"],
+                        **gap_fields(res),
+                        "cohen_d": res["cohen_d"],
+                    }
+                )
     figures = [group_figures(g, which) for g in groups]
     same_cols, same_heads = equivalence_columns("", margin)
-    md = (markdown_table(figures, ["model", "preset", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"],
-                         ["Model", "Preset", "Seeds", f"{which.capitalize()} val loss (mean)", "Loss std (n-1)",
-                          "Val PPL (mean)", "PPL std (n-1)"])
-          + "\n\n" + (markdown_table(rows, ["a", "b", "n_a", "n_b", "gap_pct", "welch_low_pct", "welch_high_pct",
-                                            "boot_low_pct", "boot_high_pct", "hedges_g", "cohen_d", *same_cols],
-                                     ["A", "B", "n A", "n B", "PPL gap A vs B (%)", "Welch 95% low",
-                                      "Welch 95% high", "Bootstrap 95% low", "Bootstrap 95% high",
-                                      "Hedges' g (loss)", "Cohen's d (loss)", *same_heads])
-                      if rows else "(no groups trained alike to compare)"))
+    md = (
+        markdown_table(
+            figures,
+            ["model", "preset", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"],
+            [
+                "Model",
+                "Preset",
+                "Seeds",
+                f"{which.capitalize()} val loss (mean)",
+                "Loss std (n-1)",
+                "Val PPL (mean)",
+                "PPL std (n-1)",
+            ],
+        )
+        + "\n\n"
+        + (
+            markdown_table(
+                rows,
+                [
+                    "a",
+                    "b",
+                    "n_a",
+                    "n_b",
+                    "gap_pct",
+                    "welch_low_pct",
+                    "welch_high_pct",
+                    "boot_low_pct",
+                    "boot_high_pct",
+                    "hedges_g",
+                    "cohen_d",
+                    *same_cols,
+                ],
+                [
+                    "A",
+                    "B",
+                    "n A",
+                    "n B",
+                    "PPL gap A vs B (%)",
+                    "Welch 95% low",
+                    "Welch 95% high",
+                    "Bootstrap 95% low",
+                    "Bootstrap 95% high",
+                    "Hedges' g (loss)",
+                    "Cohen's d (loss)",
+                    *same_heads,
+                ],
+            )
+            if rows
+            else "(no groups trained alike to compare)"
+        )
+    )
     return {"groups": figures, "pairs": rows, "markdown": md, "margin": margin}
 
 
@@ -176,15 +258,18 @@ def gap_fields(res: dict, prefix: str = "") -> dict:
         low, high = res.get(key) or (None, None)
         out.update({f"{prefix}{name}_low_pct": _pct(low), f"{prefix}{name}_high_pct": _pct(high)})
     same = res.get("equivalence") or {}
-    return {**out, f"{prefix}hedges_g": res.get("hedges_g"), f"{prefix}equivalent": same.get("verdict"),
-            f"{prefix}tost_p": same.get("p")}
+    return {
+        **out,
+        f"{prefix}hedges_g": res.get("hedges_g"),
+        f"{prefix}equivalent": same.get("verdict"),
+        f"{prefix}tost_p": same.get("p"),
+    }
 
 
 def equivalence_columns(prefix: str = "", margin: float = EQUIVALENCE_MARGIN) -> tuple[list[str], list[str]]:
     """(columns, headers) of ``gap_fields``' equivalence fields for a markdown table: the verdict,
     headed with the margin it was tested at, and TOST's p."""
-    return ([f"{prefix}equivalent", f"{prefix}tost_p"],
-            [f"Equivalent within ±{100 * margin:g}%? (TOST)", "TOST p"])
+    return ([f"{prefix}equivalent", f"{prefix}tost_p"], [f"Equivalent within ±{100 * margin:g}%? (TOST)", "TOST p"])
 
 
 def _pct(x: float | None) -> float | None:

@@ -39,12 +39,12 @@ class Group:
     """The seeds of one setup: runs of one variant and preset whose trained settings
     (Run.settings) are equal apart from train.seed."""
 
-    label: str                       # what the tables call it (group_runs)
+    label: str  # what the tables call it (group_runs)
     variant: str
     preset: str
-    settings: dict                   # Run.settings() without train.seed
+    settings: dict  # Run.settings() without train.seed
     runs: list[Run] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=list)   # runs[i] trained with seeds[i]
+    seeds: list[int] = field(default_factory=list)  # runs[i] trained with seeds[i]
 
     def mean(self, key: str) -> float | None:
         """The mean of the runs' ``key`` figure (Run.value) over the seeds that have it."""
@@ -68,9 +68,11 @@ def seed_groups(runs: Sequence[Run], keys: Sequence) -> list[tuple[Any, dict, li
             groups.append(group)
         twin = next((runs[j] for j in group[2] if run.seed is not None and runs[j].seed == run.seed), None)
         if twin is not None:
-            raise ConfigError(f"{twin.path} and {run.path} trained the same settings with the same seed "
-                              f"({run.seed}): the same run twice, not two seeds of one; leave one of them out "
-                              f"of the runs read")
+            raise ConfigError(
+                f"{twin.path} and {run.path} trained the same settings with the same seed "
+                f"({run.seed}): the same run twice, not two seeds of one; leave one of them out "
+                f"of the runs read"
+            )
         group[2].append(i)
     return groups
 
@@ -86,8 +88,10 @@ def group_runs(runs: Iterable[Run]) -> list[Group]:
     of one group with the same seed: the same training twice, not two seeds.
     """
     runs = list(runs)
-    groups = [Group("", variant, preset, settings, [runs[i] for i in at], [runs[i].seed for i in at])
-              for (variant, preset), settings, at in seed_groups(runs, [(r.variant, r.preset) for r in runs])]
+    groups = [
+        Group("", variant, preset, settings, [runs[i] for i in at], [runs[i].seed for i in at])
+        for (variant, preset), settings, at in seed_groups(runs, [(r.variant, r.preset) for r in runs])
+    ]
     groups.sort(key=lambda g: (g.preset, _variant_order(g.variant)))
     for g in groups:
         g.label = _group_label(g, groups)
@@ -130,8 +134,10 @@ def variant_alone(a: Group, b: Group, compare_across: Iterable[str] = ()) -> boo
     across = set(compare_across)
     unknown = sorted(across - set(a.settings))
     if unknown:
-        raise ConfigError(f"compare_across names {', '.join(unknown)}, which are no trained settings; "
-                          f"pass dotted keys such as {', '.join(TUNED_SETTINGS)}")
+        raise ConfigError(
+            f"compare_across names {', '.join(unknown)}, which are no trained settings; "
+            f"pass dotted keys such as {', '.join(TUNED_SETTINGS)}"
+        )
     if a.preset != b.preset:
         return False
     keys = {f"model.{k}" for g in (a, b) for k in variant_overrides(g.variant)}
@@ -161,13 +167,17 @@ def _variant_model(preset: str, variant: str, definition: str) -> MappingProxyTy
 # The two warnings a table of groups gives (the results table here, the ablation table of
 # oelm_core.analysis.ablations): a mean over fewer seeds than the group has, and settings taken on trust.
 
+
 def evaluated_seeds(label: str, names: list[str], values: list) -> int:
     """How many seeds of one group have a validation figure (``values``, None where a run ended
     before its first evaluation); warns naming the others, which the group's means leave out."""
     missing = [name for name, value in zip(names, values) if value is None]
     if missing:
-        warnings.warn(f"{label}: {', '.join(missing)} ended before its first evaluation; "
-                      f"the validation figures average the other seeds", stacklevel=3)
+        warnings.warn(
+            f"{label}: {', '.join(missing)} ended before its first evaluation; "
+            f"the validation figures average the other seeds",
+            stacklevel=3,
+        )
     return len(names) - len(missing)
 
 
@@ -177,6 +187,9 @@ def assumed_settings(label: str, runs: Sequence[Run]) -> None:
     are that setting's only if they trained it."""
     assumed = [str(run.path) for run in runs if not run.config]
     if assumed:
-        warnings.warn(f"{label}: {', '.join(assumed)} without config.yaml, averaged as seeds of its variant's "
-                      f"default settings; if one trained other settings, restore its config.yaml or leave it "
-                      f"out of the runs read", stacklevel=3)
+        warnings.warn(
+            f"{label}: {', '.join(assumed)} without config.yaml, averaged as seeds of its variant's "
+            f"default settings; if one trained other settings, restore its config.yaml or leave it "
+            f"out of the runs read",
+            stacklevel=3,
+        )

@@ -51,16 +51,18 @@ def heatmap_figure(matrix: np.ndarray, labels: Sequence[str], title: str) -> Fig
     side = float(np.clip(3.0 + 0.09 * t, 5.0, 9.0))
     fig = Figure(figsize=(side + 1.2, side), layout="constrained")
     ax = fig.add_subplot()
-    im = ax.imshow(matrix, cmap=CMAP, norm=PowerNorm(0.5, vmin=0.0, vmax=max(float(matrix.max()), 1e-6)),
-                   interpolation="nearest")
+    im = ax.imshow(
+        matrix, cmap=CMAP, norm=PowerNorm(0.5, vmin=0.0, vmax=max(float(matrix.max()), 1e-6)), interpolation="nearest"
+    )
     _label_axes(ax, labels)
     ax.set_title(title, fontsize=11)
     fig.colorbar(im, ax=ax, shrink=0.8, label="attention probability (square-root scale)")
     return fig
 
 
-def compare_figure(panels: Sequence[tuple[str, np.ndarray | None, str]], labels: Sequence[str],
-                   suptitle: str) -> Figure:
+def compare_figure(
+    panels: Sequence[tuple[str, np.ndarray | None, str]], labels: Sequence[str], suptitle: str
+) -> Figure:
     """Maps of several models side by side on one colour scale. ``panels``: (title, matrix or
     None, message shown instead of a matrix)."""
     n = len(panels)
@@ -90,8 +92,10 @@ def summary_figure(rows: Sequence[dict], uniform: dict[str, float], model_labels
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
     n_models = max(1, len(model_labels))
-    for ax, key, name, unit in ((axes[0], "entropy", "attention entropy", "nats"),
-                                (axes[1], "distance", "mean attention distance", "tokens")):
+    for ax, key, name, unit in (
+        (axes[0], "entropy", "attention entropy", "nats"),
+        (axes[1], "distance", "mean attention distance", "tokens"),
+    ):
         for mi, label in enumerate(model_labels):
             colour = MODEL_COLOURS[mi % len(MODEL_COLOURS)]
             mine = [r for r in rows if r["model"] == label]
@@ -101,9 +105,14 @@ def summary_figure(rows: Sequence[dict], uniform: dict[str, float], model_labels
             for frozen in (False, True):
                 pts = [r for r in mine if (r["qk"] == "frozen") == frozen]
                 if pts:
-                    ax.scatter([r["layer"] + offset for r in pts], [r[key] for r in pts], s=28,
-                               facecolors="none" if frozen else colour, edgecolors=colour,
-                               label=f"{label}{' (frozen Q/K)' if frozen else ''}")
+                    ax.scatter(
+                        [r["layer"] + offset for r in pts],
+                        [r[key] for r in pts],
+                        s=28,
+                        facecolors="none" if frozen else colour,
+                        edgecolors=colour,
+                        label=f"{label}{' (frozen Q/K)' if frozen else ''}",
+                    )
             layers = sorted({r["layer"] for r in mine})
             means = [np.mean([r[key] for r in mine if r["layer"] == lay]) for lay in layers]
             ax.plot([lay + offset for lay in layers], means, color=colour, alpha=0.6, linewidth=1.2)

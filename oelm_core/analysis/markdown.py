@@ -7,8 +7,9 @@ import re
 from typing import Any, Sequence
 
 
-def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None,
-                   headers: Sequence[str] | None = None) -> str:
+def markdown_table(
+    rows: Sequence[dict], columns: Sequence[str] | None = None, headers: Sequence[str] | None = None
+) -> str:
     """A GitHub markdown table of ``rows`` (dicts); floats get 4 significant digits, ints commas.
     A cell's "|" is escaped and its line breaks become <br>: either would end the row early (the
     lines of a generated story broke the Samples table of results.md)."""

@@ -35,7 +35,7 @@ from oelm_core.analysis.gaps import EQUIVALENCE_MARGIN, gap_table
 from oelm_core.analysis.groups import GROUP_LABELS, TUNED_SETTINGS, group_runs
 from oelm_core.analysis.hypotheses import hypotheses, hypotheses_markdown
 from oelm_core.analysis.markdown import markdown_table
-from oelm_core.analysis.report import jsonable, gaps_note
+from oelm_core.analysis.report import gaps_note, jsonable
 from oelm_core.analysis.runs import WHICH_WORDS, Run, check_figures
 from oelm_core.analysis.stats import mean_std
 from oelm_core.analysis.tables import results_table
@@ -46,8 +46,14 @@ LEARNING_RATE = ("train.lr", "train.min_lr")
 DROPOUT = "model.dropout"
 
 
-def protocol_report(runs: Sequence[Run], out_dir: str | Path, tuning_choice: Mapping, which: str = "report",
-                    timed_alone: bool | None = None, margin: float = EQUIVALENCE_MARGIN) -> dict:
+def protocol_report(
+    runs: Sequence[Run],
+    out_dir: str | Path,
+    tuning_choice: Mapping,
+    which: str = "report",
+    timed_alone: bool | None = None,
+    margin: float = EQUIVALENCE_MARGIN,
+) -> dict:
     """Write results.md and results.json of a tuned study at both dropouts to ``out_dir`` and
     return what results.json holds: {which, tuning_choice, smoke_budget, views: {name: {runs,
     compare_across, table, gaps, hypotheses}}, reruns}.
@@ -65,27 +71,46 @@ def protocol_report(runs: Sequence[Run], out_dir: str | Path, tuning_choice: Map
     views = {"own best": (_own_best(kept, choice), TUNED_SETTINGS)}
     views.update({f"dropout={d:g}": ([r for r in kept if _dropout(r) == d], LEARNING_RATE) for d in dropouts})
     smoke = smoke_budget(runs)
-    result = {"which": which, "tuning_choice": choice, "smoke_budget": smoke, "equivalence_margin": margin,
-              "views": {}, "reruns": rerun_spread(runs, which)}
+    result = {
+        "which": which,
+        "tuning_choice": choice,
+        "smoke_budget": smoke,
+        "equivalence_margin": margin,
+        "views": {},
+        "reruns": rerun_spread(runs, which),
+    }
     md = ["# Results: each group at its own best setting, and all groups at equal dropout\n"]
     if smoke:
         md += [smoke_banner(smoke), ""]
     own = ", ".join(f"{GROUP_LABELS.get(v, v)} {d:g}" for v, d in choice.items())
-    md += [f"Validation figures: {WHICH_WORDS[which]}; groups averaged over seeds. Each group trained at its best "
-           f"learning rate for each dropout. Its own best dropout is the tuning sweep's choice ({own}), made on the "
-           f"selection half and not chosen again on the figures reported here. Training loss is measured with "
-           f"dropout on: compare groups on validation figures.\n", gaps_note(margin)]
+    md += [
+        f"Validation figures: {WHICH_WORDS[which]}; groups averaged over seeds. Each group trained at its best "
+        f"learning rate for each dropout. Its own best dropout is the tuning sweep's choice ({own}), made on the "
+        f"selection half and not chosen again on the figures reported here. Training loss is measured with "
+        f"dropout on: compare groups on validation figures.\n",
+        gaps_note(margin),
+    ]
     for letter, (name, (view_runs, across)) in zip(string.ascii_lowercase, views.items()):
         _check_view(name, view_runs, choice)
         table = results_table(view_runs, which, compare_across=across)
         gaps = gap_table(view_runs, which, across, margin=margin)
         hyps = hypotheses(view_runs, which, compare_across=across, timed_alone=timed_alone)
-        result["views"][name] = {"runs": [r.name for r in view_runs], "compare_across": list(across),
-                                 "table": table["rows"], "gaps": {"groups": gaps["groups"], "pairs": gaps["pairs"]},
-                                 "hypotheses": hyps}
-        md += [f"\n## ({letter}) {_view_title(name)}\n",
-               f"Compared across {', '.join(across)}; every other setting shared.\n",
-               table["markdown"], "", gaps["markdown"], "", hypotheses_markdown(hyps)]
+        result["views"][name] = {
+            "runs": [r.name for r in view_runs],
+            "compare_across": list(across),
+            "table": table["rows"],
+            "gaps": {"groups": gaps["groups"], "pairs": gaps["pairs"]},
+            "hypotheses": hyps,
+        }
+        md += [
+            f"\n## ({letter}) {_view_title(name)}\n",
+            f"Compared across {', '.join(across)}; every other setting shared.\n",
+            table["markdown"],
+            "",
+            gaps["markdown"],
+            "",
+            hypotheses_markdown(hyps),
+        ]
     md += ["\n## Re-run spread\n", result["reruns"]["markdown"]]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,8 +125,7 @@ def split_reruns(runs: Sequence[Run]) -> tuple[list[Run], list[tuple[Run, Run]]]
     shortest name (then the first by name) is kept, its others are re-runs."""
     by_config: dict[str, list[Run]] = {}
     for run in runs:
-        key = json.dumps({"variant": run.variant, "preset": run.preset, **run.settings()}, sort_keys=True,
-                         default=repr)
+        key = json.dumps({"variant": run.variant, "preset": run.preset, **run.settings()}, sort_keys=True, default=repr)
         by_config.setdefault(key, []).append(run)
     kept, reruns = [], []
     for same in by_config.values():
@@ -125,21 +149,43 @@ def rerun_spread(runs: Sequence[Run], which: str = "report") -> dict:
     for first, again in reruns:
         group = next(g for g in groups if any(r is first for r in g.runs))
         a, b = first.value(key), again.value(key)
-        rows.append({"model": group.label, "dropout": _dropout(first), "seed": first.seed, "run": first.name,
-                     "rerun": again.name, "loss": a, "rerun_loss": b,
-                     "difference": None if a is None or b is None else b - a,
-                     "seed_sd": mean_std(r.value(key) for r in group.runs)[1]})
+        rows.append(
+            {
+                "model": group.label,
+                "dropout": _dropout(first),
+                "seed": first.seed,
+                "run": first.name,
+                "rerun": again.name,
+                "loss": a,
+                "rerun_loss": b,
+                "difference": None if a is None or b is None else b - a,
+                "seed_sd": mean_std(r.value(key) for r in group.runs)[1],
+            }
+        )
     diffs = [r["difference"] for r in rows if r["difference"] is not None]
     pooled = math.sqrt(sum(d * d for d in diffs) / (2 * len(diffs))) if diffs else None
     if rows:
-        md = ("Runs of one configuration (same trained settings and seed) trained twice: the difference of their "
-              f"{which} validation loss (nats/token) beside the sample std (n-1) of their group's seeds. Re-run "
-              f"sd from the {len(diffs)} pair(s): {pooled:.4f} (sqrt(sum d^2 / 2k)); a seed fixes the initial "
-              f"weights and the data order, not the result.\n\n"
-              + markdown_table(rows, ["model", "dropout", "seed", "run", "rerun", "loss", "rerun_loss", "difference",
-                                      "seed_sd"],
-                               ["Model", "Dropout", "Seed", "Run", "Re-run", "Loss", "Re-run loss",
-                                "Difference", "Seed sd of the group"]))
+        md = (
+            "Runs of one configuration (same trained settings and seed) trained twice: the difference of their "
+            f"{which} validation loss (nats/token) beside the sample std (n-1) of their group's seeds. Re-run "
+            f"sd from the {len(diffs)} pair(s): {pooled:.4f} (sqrt(sum d^2 / 2k)); a seed fixes the initial "
+            f"weights and the data order, not the result.\n\n"
+            + markdown_table(
+                rows,
+                ["model", "dropout", "seed", "run", "rerun", "loss", "rerun_loss", "difference", "seed_sd"],
+                [
+                    "Model",
+                    "Dropout",
+                    "Seed",
+                    "Run",
+                    "Re-run",
+                    "Loss",
+                    "Re-run loss",
+                    "Difference",
+                    "Seed sd of the group",
+                ],
+            )
+        )
     else:
         md = "(no configuration was trained twice: the re-run spread is not measured in this study)"
     return {"rows": rows, "pooled_sd": pooled, "pairs": len(diffs), "markdown": md}
@@ -154,16 +200,20 @@ def _dropout_of(value, variant: str) -> float:
     if isinstance(value, Mapping):
         value = value.get("dropout")
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ConfigError(f"tuning_choice[{variant!r}] = {value!r} names no dropout; pass {{variant: dropout}} or "
-                          f"oelm_core.tuning.tuning_table(...)['chosen']")
+        raise ConfigError(
+            f"tuning_choice[{variant!r}] = {value!r} names no dropout; pass {{variant: dropout}} or "
+            f"oelm_core.tuning.tuning_table(...)['chosen']"
+        )
     return float(value)
 
 
 def _own_best(runs: Sequence[Run], choice: dict[str, float]) -> list[Run]:
     missing = sorted(set(GROUP_LABELS) - set(choice))
     if missing:
-        raise ConfigError(f"tuning_choice has no dropout for {', '.join(missing)}; give each of the three groups "
-                          f"the dropout its tuning chose")
+        raise ConfigError(
+            f"tuning_choice has no dropout for {', '.join(missing)}; give each of the three groups "
+            f"the dropout its tuning chose"
+        )
     return [r for r in runs if r.variant in choice and _dropout(r) == choice[r.variant]]
 
 
@@ -174,9 +224,11 @@ def _check_view(name: str, runs: Sequence[Run], choice: dict[str, float]) -> Non
     wrong = {v: labels for v, labels in found.items() if len(labels) != 1}
     if wrong:
         what = "; ".join(f"{GROUP_LABELS[v]}: {', '.join(labels) or 'none'}" for v, labels in wrong.items())
-        raise ConfigError(f"the view {name!r} needs one group of each of the three variants, and finds {what}; "
-                          f"the study must hold each group at its best learning rate for each dropout (no other "
-                          f"learning rates), and tuning_choice {choice} must name dropouts it trained")
+        raise ConfigError(
+            f"the view {name!r} needs one group of each of the three variants, and finds {what}; "
+            f"the study must hold each group at its best learning rate for each dropout (no other "
+            f"learning rates), and tuning_choice {choice} must name dropouts it trained"
+        )
 
 
 def _view_title(name: str) -> str:

@@ -37,10 +37,11 @@ WHICH = ("final", "best", "report")
 # non-embedding parameter count leaves out.
 EMBEDDINGS = ("embedding", "position")
 # What each ``which`` is, in the words results.md uses.
-WHICH_WORDS = {"final": "the last evaluation, on the windows the evaluations read",
-               "best": "the best evaluation, on the windows that chose it",
-               "report": "the best checkpoint on the held-out half of the validation windows, which no "
-                         "evaluation chose by"}
+WHICH_WORDS = {
+    "final": "the last evaluation, on the windows the evaluations read",
+    "best": "the best evaluation, on the windows that chose it",
+    "report": "the best checkpoint on the held-out half of the validation windows, which no evaluation chose by",
+}
 # The trainer's statuses (summary.json) of a run that has ended: nothing is left to train.
 FINISHED = ("completed", "stopped_early")
 
@@ -48,8 +49,7 @@ FINISHED = ("completed", "stopped_early")
 def check_which(which: str) -> None:
     """ConfigError unless ``which`` is one of WHICH: a misspelt one would read no figures at all."""
     if which not in WHICH:
-        raise ConfigError(f"which={which!r} names no validation figures; pass one of "
-                          f"{', '.join(map(repr, WHICH))}")
+        raise ConfigError(f"which={which!r} names no validation figures; pass one of {', '.join(map(repr, WHICH))}")
 
 
 def check_figures(runs: Iterable[Run], which: str) -> None:
@@ -61,9 +61,11 @@ def check_figures(runs: Iterable[Run], which: str) -> None:
         return
     missing = [r.name for r in runs if r.value("report_val_loss") is None]
     if missing:
-        raise ConfigError(f"which='report' reads summary.json's report_val_loss, which {', '.join(missing)} "
-                          f"lack(s): trained before report_holdout (or with train.report_holdout false, or not "
-                          f"finished): use which=best, and say the figures were chosen on the data they report")
+        raise ConfigError(
+            f"which='report' reads summary.json's report_val_loss, which {', '.join(missing)} "
+            f"lack(s): trained before report_holdout (or with train.report_holdout false, or not "
+            f"finished): use which=best, and say the figures were chosen on the data they report"
+        )
 
 
 @dataclass
@@ -87,8 +89,10 @@ class Run:
         try:
             settings = trained_settings({**self.config, "variant": self.variant, "preset": self.preset})
         except ConfigError as exc:
-            raise ConfigError(f"{self.path}/config.yaml does not load ({exc}): without it the analysis "
-                              f"cannot tell which runs are seeds of one setup") from None
+            raise ConfigError(
+                f"{self.path}/config.yaml does not load ({exc}): without it the analysis "
+                f"cannot tell which runs are seeds of one setup"
+            ) from None
         world = int(self.summary.get("world_size") or 1)
         settings["train.batches_per_step"] = settings.pop("train.grad_accum") * world
         return settings
@@ -122,8 +126,11 @@ class Run:
         if key == "non_embedding":
             # the convention of scaling-law parameter counts: token and position embeddings left out
             parts = (s.get("params") or {}).get("by_component")
-            return sum(c.get("trainable", 0) + c.get("frozen", 0) for name, c in parts.items()
-                       if name not in EMBEDDINGS) if parts else None
+            return (
+                sum(c.get("trainable", 0) + c.get("frozen", 0) for name, c in parts.items() if name not in EMBEDDINGS)
+                if parts
+                else None
+            )
         if s.get(key) is not None:
             return None if isinstance(s[key], float) and math.isnan(s[key]) else s[key]
         evals, trains = self.eval_rows(), self.train_rows()
@@ -152,12 +159,16 @@ def load_run(run_dir: str | Path) -> Run:
     """Read a run folder (summary.json, metrics.jsonl, config.yaml); errors say what is missing."""
     path = Path(run_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"run folder {path} does not exist; train it first "
-                                f"(python -m oelm_core.train --params ...) or pass an existing folder")
+        raise FileNotFoundError(
+            f"run folder {path} does not exist; train it first "
+            f"(python -m oelm_core.train --params ...) or pass an existing folder"
+        )
     summary_file, metrics_file = path / "summary.json", path / "metrics.jsonl"
     if not (summary_file.is_file() or metrics_file.is_file()):
-        raise FileNotFoundError(f"{path} holds neither summary.json nor metrics.jsonl: not a run "
-                                f"folder, or its training did not get far enough to write them")
+        raise FileNotFoundError(
+            f"{path} holds neither summary.json nor metrics.jsonl: not a run "
+            f"folder, or its training did not get far enough to write them"
+        )
     config = read_yaml(path / "config.yaml") if (path / "config.yaml").is_file() else {}
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     metrics = []
@@ -171,10 +182,16 @@ def load_run(run_dir: str | Path) -> Run:
                     continue
     seed = (config.get("train") or {}).get("seed")
     # A config.yaml without a variant or preset trained RunConfig's.
-    return Run(path=path, name=summary.get("name") or config.get("name") or path.name,
-               variant=summary.get("variant") or config.get("variant") or RunConfig.variant,
-               preset=summary.get("preset") or config.get("preset") or RunConfig.preset,
-               seed=seed, config=config, summary=summary, metrics=metrics)
+    return Run(
+        path=path,
+        name=summary.get("name") or config.get("name") or path.name,
+        variant=summary.get("variant") or config.get("variant") or RunConfig.variant,
+        preset=summary.get("preset") or config.get("preset") or RunConfig.preset,
+        seed=seed,
+        config=config,
+        summary=summary,
+        metrics=metrics,
+    )
 
 
 def find_run_dirs(root: str | Path) -> list[Path]:

@@ -35,17 +35,27 @@ def checkpoint_note(which: str) -> str:
     """Which weights the attention maps and samples of ``load_models`` show, beside the ``which``
     validation figures the tables read."""
     check_which(which)
-    return ("Attention maps and samples: each group's best.pt, the weights of its lowest validation loss "
-            "(its first seed that has one). The table reads "
-            + {"final": "the final evaluation, which may be a later step.", "best": "the best evaluation.",
-               "report": "the same weights on the held-out half of the validation windows."}[which])
+    return (
+        "Attention maps and samples: each group's best.pt, the weights of its lowest validation loss "
+        "(its first seed that has one). The table reads "
+        + {
+            "final": "the final evaluation, which may be a later step.",
+            "best": "the best evaluation.",
+            "report": "the same weights on the held-out half of the validation windows.",
+        }[which]
+    )
 
 
-def sample_generations(models: dict, prompt: str, max_new_tokens: int = 40, seed: int = 0,
-                       temperature: float = SamplingConfig.temperature, top_k: int = SAMPLE_TOP_K) -> list[dict]:
+def sample_generations(
+    models: dict,
+    prompt: str,
+    max_new_tokens: int = 40,
+    seed: int = 0,
+    temperature: float = SamplingConfig.temperature,
+    top_k: int = SAMPLE_TOP_K,
+) -> list[dict]:
     """One seeded continuation of ``prompt`` per model: [{model, prompt, text}]."""
     from oelm_core.generate import generate
 
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
-    return [{"model": label, "prompt": prompt, "text": generate(model, prompt, cfg)}
-            for label, model in models.items()]
+    return [{"model": label, "prompt": prompt, "text": generate(model, prompt, cfg)} for label, model in models.items()]

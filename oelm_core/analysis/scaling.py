@@ -29,8 +29,13 @@ from oelm_core.config import ConfigError
 SCALING_GAPS = ("oelm_freeze", "oelm_nofreeze")
 
 
-def scaling_table(studies: Iterable[str | Path], which: str = "report", compare_across: Sequence[str] = TUNED_SETTINGS,
-                  dropout: float | None = None, margin: float = EQUIVALENCE_MARGIN) -> dict:
+def scaling_table(
+    studies: Iterable[str | Path],
+    which: str = "report",
+    compare_across: Sequence[str] = TUNED_SETTINGS,
+    dropout: float | None = None,
+    margin: float = EQUIVALENCE_MARGIN,
+) -> dict:
     """A row per study folder (one model shape each), sorted by non-embedding parameters:
     {study, preset, d_model, n_layer, n_head, non_embedding, tokens_seen, tokens_per_parameter,
     epochs, seeds ({variant: n}), <variant>_ppl (mean over seeds of each group's ``which``
@@ -54,35 +59,65 @@ def scaling_table(studies: Iterable[str | Path], which: str = "report", compare_
         groups = {v: [g for g in group_runs(runs) if g.variant == v] for v in GROUP_LABELS}
         wrong = {v: gs for v, gs in groups.items() if len(gs) != 1}
         if wrong:
-            what = "; ".join(f"{len(gs)} of {GROUP_LABELS[v]}" + (f" ({', '.join(g.label for g in gs)})" if gs else "")
-                             for v, gs in wrong.items())
-            raise ConfigError(f"{study} holds {what}: a scaling study needs one group of each of the three variants "
-                              f"(pass dropout= for a study trained at two dropouts)")
+            what = "; ".join(
+                f"{len(gs)} of {GROUP_LABELS[v]}" + (f" ({', '.join(g.label for g in gs)})" if gs else "")
+                for v, gs in wrong.items()
+            )
+            raise ConfigError(
+                f"{study} holds {what}: a scaling study needs one group of each of the three variants "
+                f"(pass dropout= for a study trained at two dropouts)"
+            )
         base = groups[BASELINE][0]
         settings = base.settings
         non_embedding = base.runs[0].value("non_embedding") or _analytic_non_embedding(base.runs[0])
         tokens, epochs = base.mean("tokens_seen"), base.mean("epochs")
         # a study's run folders sit in its runs/: name it by the study's folder
-        row = {"study": (study.parent if study.name == "runs" else study).name, "preset": base.preset,
-               "d_model": settings["model.d_model"],
-               "n_layer": settings["model.n_layer"], "n_head": settings["model.n_head"],
-               "non_embedding": non_embedding, "tokens_seen": tokens,
-               "tokens_per_parameter": tokens / non_embedding if tokens and non_embedding else None, "epochs": epochs,
-               "seeds": {v: len(gs[0].runs) for v, gs in groups.items()}}
+        row = {
+            "study": (study.parent if study.name == "runs" else study).name,
+            "preset": base.preset,
+            "d_model": settings["model.d_model"],
+            "n_layer": settings["model.n_layer"],
+            "n_head": settings["model.n_head"],
+            "non_embedding": non_embedding,
+            "tokens_seen": tokens,
+            "tokens_per_parameter": tokens / non_embedding if tokens and non_embedding else None,
+            "epochs": epochs,
+            "seeds": {v: len(gs[0].runs) for v, gs in groups.items()},
+        }
         for v, gs in groups.items():
             row[f"{v}_ppl"] = group_figures(gs[0], which)["val_ppl"]
         for v in SCALING_GAPS:
             group = groups[v][0]
-            res = (ppl_gap([r.value(f"{which}_val_loss") for r in group.runs],
-                           [r.value(f"{which}_val_loss") for r in base.runs], margin=margin)
-                   if variant_alone(group, base, compare_across) else {})
+            res = (
+                ppl_gap(
+                    [r.value(f"{which}_val_loss") for r in group.runs],
+                    [r.value(f"{which}_val_loss") for r in base.runs],
+                    margin=margin,
+                )
+                if variant_alone(group, base, compare_across)
+                else {}
+            )
             row.update(gap_fields(res, f"{v}_"))
         rows.append(row)
     rows.sort(key=lambda r: r["non_embedding"])
-    cols = ["study", "d_model", "n_layer", "non_embedding", "tokens_per_parameter", "epochs",
-            *(f"{v}_ppl" for v in GROUP_LABELS)]
-    heads = ["Study", "d_model", "Layers", "Non-embedding params", "Tokens per non-emb. param", "Epochs",
-             *(f"{GROUP_LABELS[v]} PPL" for v in GROUP_LABELS)]
+    cols = [
+        "study",
+        "d_model",
+        "n_layer",
+        "non_embedding",
+        "tokens_per_parameter",
+        "epochs",
+        *(f"{v}_ppl" for v in GROUP_LABELS),
+    ]
+    heads = [
+        "Study",
+        "d_model",
+        "Layers",
+        "Non-embedding params",
+        "Tokens per non-emb. param",
+        "Epochs",
+        *(f"{GROUP_LABELS[v]} PPL" for v in GROUP_LABELS),
+    ]
     for v in SCALING_GAPS:
         same_cols, same_heads = equivalence_columns(f"{v}_", margin)
         cols += [f"{v}_gap_pct", f"{v}_welch_low_pct", f"{v}_welch_high_pct", same_cols[0]]
@@ -110,15 +145,25 @@ def scaling_figure(table: dict, path: str | Path | None = None):
         highs = [y if r[f"{v}_welch_high_pct"] is None else r[f"{v}_welch_high_pct"] for y, r in zip(ys, shown)]
         err = [[y - low for y, low in zip(ys, lows)], [high - y for y, high in zip(ys, highs)]]
         # the study curves' colours: GROUP_LABELS' order
-        ax.errorbar(xs, ys, yerr=err, fmt="o-", color=f"C{list(GROUP_LABELS).index(v)}", capsize=4, lw=1.2, ms=5,
-                    label=f"{GROUP_LABELS[v]} (95% Welch interval)")
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=err,
+            fmt="o-",
+            color=f"C{list(GROUP_LABELS).index(v)}",
+            capsize=4,
+            lw=1.2,
+            ms=5,
+            label=f"{GROUP_LABELS[v]} (95% Welch interval)",
+        )
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
     if rows:
         ax.xaxis.set_major_locator(FixedLocator([r["non_embedding"] for r in rows]))
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_major_formatter(FixedFormatter([f"{_millions(r['non_embedding'])}\nd{r['d_model']} L{r['n_layer']}"
-                                                     for r in rows]))
+        ax.xaxis.set_major_formatter(
+            FixedFormatter([f"{_millions(r['non_embedding'])}\nd{r['d_model']} L{r['n_layer']}" for r in rows])
+        )
         low, high = rows[0]["non_embedding"], rows[-1]["non_embedding"]
         ax.set_xlim(low / 1.3, high * 1.3)
     ax.set_xlabel("non-embedding parameters (log scale)")
@@ -130,8 +175,13 @@ def scaling_figure(table: dict, path: str | Path | None = None):
     return save_figure(fig, path)
 
 
-def write_scaling(studies: Iterable[str | Path], out: str | Path, which: str = "report",
-                  compare_across: Sequence[str] = TUNED_SETTINGS, dropout: float | None = None) -> list[Path]:
+def write_scaling(
+    studies: Iterable[str | Path],
+    out: str | Path,
+    which: str = "report",
+    compare_across: Sequence[str] = TUNED_SETTINGS,
+    dropout: float | None = None,
+) -> list[Path]:
     """``scaling_table`` of ``studies`` into ``out``: scaling.md, scaling.json, scaling.png."""
     table = scaling_table(studies, which, compare_across, dropout)
     out = Path(out)
@@ -139,10 +189,12 @@ def write_scaling(studies: Iterable[str | Path], out: str | Path, which: str = "
     md, js, png = out / "scaling.md", out / "scaling.json", out / "scaling.png"
     shared = f"at dropout {dropout:g}, " if dropout is not None else ""
     across = f"each group at its own {', '.join(compare_across)}" if compare_across else "at shared settings"
-    note = (f"One study per shape, {shared}{across}; {which} validation figures, means over seeds. Non-embedding "
-            f"parameters: all but the token and position embeddings. Tokens per parameter and epochs: GPT-Base's "
-            f"training tokens. PPL gap: exp(mean loss A - mean loss B) - 1 with its 95% Welch interval (of the "
-            f"loss difference); the equivalence column is TOST at ±{100 * EQUIVALENCE_MARGIN:g}% of PPL.")
+    note = (
+        f"One study per shape, {shared}{across}; {which} validation figures, means over seeds. Non-embedding "
+        f"parameters: all but the token and position embeddings. Tokens per parameter and epochs: GPT-Base's "
+        f"training tokens. PPL gap: exp(mean loss A - mean loss B) - 1 with its 95% Welch interval (of the "
+        f"loss difference); the equivalence column is TOST at ±{100 * EQUIVALENCE_MARGIN:g}% of PPL."
+    )
     md.write_text(f"## Scaling\n\n{note}\n\n{table['markdown']}\n")
     js.write_text(json.dumps(jsonable({k: v for k, v in table.items() if k != "markdown"}), indent=2) + "\n")
     scaling_figure(table, png)

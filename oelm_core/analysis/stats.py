@@ -17,8 +17,10 @@ from typing import Iterable, Sequence
 
 # bootstrap_interval's statistics of two groups, as numpy functions of resampled arrays:
 # "difference" is mean(a) - mean(b), "relative" the tables' gap, mean(a) / mean(b) - 1.
-GAPS = {"difference": lambda a, b, axis: a.mean(axis) - b.mean(axis),
-        "relative": lambda a, b, axis: a.mean(axis) / b.mean(axis) - 1}
+GAPS = {
+    "difference": lambda a, b, axis: a.mean(axis) - b.mean(axis),
+    "relative": lambda a, b, axis: a.mean(axis) / b.mean(axis) - 1,
+}
 
 
 def present(values: Iterable[float | None]) -> list[float]:
@@ -44,9 +46,16 @@ def significance(a: Sequence[float], b: Sequence[float]) -> dict:
     from scipy import stats
 
     a, b = present(a), present(b)
-    out = {"n_a": len(a), "n_b": len(b), "mean_a": statistics.fmean(a) if a else None,
-           "mean_b": statistics.fmean(b) if b else None, "t": None, "p": None, "df": None,
-           "cohen_d": None}
+    out = {
+        "n_a": len(a),
+        "n_b": len(b),
+        "mean_a": statistics.fmean(a) if a else None,
+        "mean_b": statistics.fmean(b) if b else None,
+        "t": None,
+        "p": None,
+        "df": None,
+        "cohen_d": None,
+    }
     if len(a) < 2 or len(b) < 2:
         return out
     res = stats.ttest_ind(a, b, equal_var=False)
@@ -73,8 +82,14 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0
     return gap - half, gap + half
 
 
-def bootstrap_interval(a: Sequence[float], b: Sequence[float], gap: str = "difference",
-                       confidence: float = 0.95, n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:
+def bootstrap_interval(
+    a: Sequence[float],
+    b: Sequence[float],
+    gap: str = "difference",
+    confidence: float = 0.95,
+    n_resamples: int = 9999,
+    seed: int = 0,
+) -> tuple[float, float]:
     """(low, high): the percentile bootstrap ``confidence`` interval of a gap between the two
     groups, each group resampled with replacement on its own (the seeds are independent runs).
     ``gap``: "difference", mean(a) - mean(b), or "relative", mean(a) / mean(b) - 1 (the tables'
@@ -91,11 +106,19 @@ def bootstrap_interval(a: Sequence[float], b: Sequence[float], gap: str = "diffe
 
     _check_confidence(confidence)
     if gap not in GAPS:
-        raise ValueError(f"gap={gap!r} is not a gap bootstrap_interval computes; pass one of "
-                         f"{', '.join(map(repr, GAPS))}")
+        raise ValueError(
+            f"gap={gap!r} is not a gap bootstrap_interval computes; pass one of {', '.join(map(repr, GAPS))}"
+        )
     a, b = _two_groups(a, b, "bootstrap_interval")
-    res = stats.bootstrap((a, b), GAPS[gap], n_resamples=n_resamples, confidence_level=confidence,
-                          method="percentile", vectorized=True, random_state=np.random.default_rng(seed))
+    res = stats.bootstrap(
+        (a, b),
+        GAPS[gap],
+        n_resamples=n_resamples,
+        confidence_level=confidence,
+        method="percentile",
+        vectorized=True,
+        random_state=np.random.default_rng(seed),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -119,8 +142,10 @@ def tost(a: Sequence[float], b: Sequence[float], margin: float, alpha: float = 0
     from scipy import stats
 
     if not margin > 0:
-        raise ValueError(f"margin={margin!r}: an equivalence margin must be positive (the largest "
-                         f"difference that counts as none, in the values' units)")
+        raise ValueError(
+            f"margin={margin!r}: an equivalence margin must be positive (the largest "
+            f"difference that counts as none, in the values' units)"
+        )
     if not 0 < alpha < 0.5:
         raise ValueError(f"alpha={alpha!r} is not a one-sided test level between 0 and 0.5; pass e.g. 0.05")
     a, b = _two_groups(a, b, "tost")
@@ -134,8 +159,16 @@ def tost(a: Sequence[float], b: Sequence[float], margin: float, alpha: float = 0
         p_upper = float(stats.t.cdf((diff - margin) / se, df))
         interval = welch_interval(a, b, 1 - 2 * alpha)
     p = max(p_lower, p_upper)
-    return {"equivalent": p < alpha, "p": p, "p_lower": p_lower, "p_upper": p_upper, "interval90": interval,
-            "df": df, "margin": margin, "alpha": alpha}
+    return {
+        "equivalent": p < alpha,
+        "p": p,
+        "p_lower": p_lower,
+        "p_upper": p_upper,
+        "interval90": interval,
+        "df": df,
+        "margin": margin,
+        "alpha": alpha,
+    }
 
 
 def cohen_d(a: Sequence[float], b: Sequence[float]) -> float:
@@ -168,16 +201,21 @@ def _welch(a: list[float], b: list[float]) -> tuple[float, float]:
     degrees of freedom: NaN where neither group varies)."""
     va, vb = statistics.variance(a), statistics.variance(b)
     na, nb = len(a), len(b)
-    df = (va / na + vb / nb) ** 2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1)) \
-        if va + vb > 0 else float("nan")
+    df = (
+        (va / na + vb / nb) ** 2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1))
+        if va + vb > 0
+        else float("nan")
+    )
     return math.sqrt(va / na + vb / nb), df
 
 
 def _two_groups(a: Sequence[float], b: Sequence[float], what: str) -> tuple[list[float], list[float]]:
     a, b = present(a), present(b)
     if len(a) < 2 or len(b) < 2:
-        raise ValueError(f"{what} needs at least two values in each group (None and NaN left out); got "
-                         f"{len(a)} and {len(b)}: train more seeds of the group with fewer")
+        raise ValueError(
+            f"{what} needs at least two values in each group (None and NaN left out); got "
+            f"{len(a)} and {len(b)}: train more seeds of the group with fewer"
+        )
     return a, b
 
 

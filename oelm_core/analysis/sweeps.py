@@ -38,7 +38,7 @@ def load_points(root: str | Path) -> list[Run]:
 def poet_spectrum_error(run: Run) -> Optional[float]:
     """max |sigma/gain - 1| of the trained POET Q/K in the run's best checkpoint (None: not POET,
     or no readable best.pt: one broken file must not cost the table of every other run)."""
-    cfg = (run.config.get("model") or {})
+    cfg = run.config.get("model") or {}
     if run.variant != "oelm_poet" and not cfg.get("poet_block_size"):
         return None
     ckpt = run.checkpoint()
@@ -61,13 +61,23 @@ def run_row(run: Run, spectrum: bool = True) -> dict:
     figures, parameter counts, throughput and (POET, where ``spectrum``) the spectrum error."""
     p = run.point
     return {
-        "label": p.get("label") or run.name, "variant": run.variant, "seed": run.seed,
-        "key": p.get("key"), "value": p.get("value"), "sweep": p.get("sweep"), "smoke": bool(p.get("smoke")),
-        "status": run.summary.get("status"), "steps": run.value("steps"),
-        "final_val_loss": run.value("final_val_loss"), "final_val_ppl": run.value("final_val_ppl"),
+        "label": p.get("label") or run.name,
+        "variant": run.variant,
+        "seed": run.seed,
+        "key": p.get("key"),
+        "value": p.get("value"),
+        "sweep": p.get("sweep"),
+        "smoke": bool(p.get("smoke")),
+        "status": run.summary.get("status"),
+        "steps": run.value("steps"),
+        "final_val_loss": run.value("final_val_loss"),
+        "final_val_ppl": run.value("final_val_ppl"),
         "best_val_loss": run.value("best_val_loss"),
-        "trainable": run.value("trainable"), "frozen": run.value("frozen"), "total": run.value("total"),
-        "tokens_per_s": run.value("tokens_per_s"), "wall_time_s": run.value("wall_time_s"),
+        "trainable": run.value("trainable"),
+        "frozen": run.value("frozen"),
+        "total": run.value("total"),
+        "tokens_per_s": run.value("tokens_per_s"),
+        "wall_time_s": run.value("wall_time_s"),
         "spectrum_err": poet_spectrum_error(run) if spectrum else None,
         "path": str(run.path),
     }
@@ -99,23 +109,40 @@ def sweep_results(root: str | Path, sweep_name: Optional[str] = None, smoke: Opt
     full runs only; None, whichever kind root holds (ConfigError where it holds both, so a table
     never mixes them).
     """
-    runs = [r for r in run_rows(root, spectrum=False) if on_sweep_axis(r)
-            and (sweep_name is None or r["sweep"] == sweep_name)]
+    runs = [
+        r
+        for r in run_rows(root, spectrum=False)
+        if on_sweep_axis(r) and (sweep_name is None or r["sweep"] == sweep_name)
+    ]
     names = sorted({str(r["sweep"]) for r in runs})
     if sweep_name is None and len(names) > 1:
-        raise ConfigError(f"{root} holds the sweeps {', '.join(names)}; name one: "
-                          f"sweep_results(root, sweep_name) (CLI: report {root} --sweep --name NAME)")
+        raise ConfigError(
+            f"{root} holds the sweeps {', '.join(names)}; name one: "
+            f"sweep_results(root, sweep_name) (CLI: report {root} --sweep --name NAME)"
+        )
     if smoke is None and len({r["smoke"] for r in runs}) > 1:
-        raise ConfigError(f"{root} holds both smoke and full runs{f' of {sweep_name}' if sweep_name else ''}; "
-                          f"pass smoke=True or smoke=False (CLI: report {root} --sweep --smoke or --full)")
+        raise ConfigError(
+            f"{root} holds both smoke and full runs{f' of {sweep_name}' if sweep_name else ''}; "
+            f"pass smoke=True or smoke=False (CLI: report {root} --sweep --smoke or --full)"
+        )
     runs = [r for r in runs if smoke is None or r["smoke"] == smoke]
     rows = []
     for (sweep, key, value, variant), group in _group(runs, ["sweep", "key", "value", "variant"]).items():
         loss, loss_std = mean_std(r["final_val_loss"] for r in group)
-        rows.append({"sweep": sweep, "key": key, "value": value, "variant": variant, "seeds": len(group),
-                     "val_loss": loss, "val_loss_std": loss_std,
-                     "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
-                     "trainable": group[0]["trainable"], "frozen": group[0]["frozen"]})
+        rows.append(
+            {
+                "sweep": sweep,
+                "key": key,
+                "value": value,
+                "variant": variant,
+                "seeds": len(group),
+                "val_loss": loss,
+                "val_loss_std": loss_std,
+                "val_ppl": mean_std(r["final_val_ppl"] for r in group)[0],
+                "trainable": group[0]["trainable"],
+                "frozen": group[0]["frozen"],
+            }
+        )
     variant_order = {v: i for i, v in enumerate(GROUP_LABELS)}
     rows.sort(key=lambda r: (r["sweep"] or "", _sortable(r["value"]), variant_order.get(r["variant"], 9), r["variant"]))
     cols = ["sweep", "key", "value", "variant", "seeds", "val_loss", "val_loss_std", "val_ppl", "trainable", "frozen"]
@@ -136,9 +163,14 @@ def sweep_figure(results: dict, path: str | Path | None = None, title: Optional[
     pos = {v: (v if numeric else i) for i, v in enumerate(values)}
     for variant in dict.fromkeys(r["variant"] for r in rows):
         vr = sorted((r for r in rows if r["variant"] == variant), key=lambda r: _sortable(r["value"]))
-        ax.errorbar([pos[r["value"]] for r in vr], [r["val_loss"] for r in vr],
-                    yerr=[r["val_loss_std"] or 0 for r in vr], marker="o", capsize=3,
-                    label=GROUP_LABELS.get(variant, variant))
+        ax.errorbar(
+            [pos[r["value"]] for r in vr],
+            [r["val_loss"] for r in vr],
+            yerr=[r["val_loss_std"] or 0 for r in vr],
+            marker="o",
+            capsize=3,
+            label=GROUP_LABELS.get(variant, variant),
+        )
     if numeric and max(values) / min(values) >= 4:
         ax.set_xscale("log", base=2)
     ax.set_xticks([pos[v] for v in values])

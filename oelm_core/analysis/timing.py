@@ -75,13 +75,34 @@ def time_to_target_table(groups: Sequence[Group], target: float) -> dict:
         reached = [(s, t) for s, t in (time_to_target(r, target) for r in g.runs) if s is not None]
         steps, steps_std = mean_std(s for s, _ in reached)
         secs, secs_std = mean_std(t for _, t in reached)
-        rows.append({"model": g.label, "target": target, "reached": len(reached), "seeds": len(g.runs),
-                     "steps": steps, "steps_std": steps_std, "seconds": secs, "seconds_std": secs_std,
-                     "tokens_per_s": g.mean("tokens_per_s")})
-    md = markdown_table(rows, ["model", "target", "reached", "seeds", "steps", "steps_std", "seconds",
-                               "seconds_std", "tokens_per_s"],
-                        ["Model", "Target val loss", "Runs reaching it", "Seeds", "Steps (mean)", "Steps std",
-                         "Training s (mean)", "Training s std", "Tokens/s (median per run, mean)"])
+        rows.append(
+            {
+                "model": g.label,
+                "target": target,
+                "reached": len(reached),
+                "seeds": len(g.runs),
+                "steps": steps,
+                "steps_std": steps_std,
+                "seconds": secs,
+                "seconds_std": secs_std,
+                "tokens_per_s": g.mean("tokens_per_s"),
+            }
+        )
+    md = markdown_table(
+        rows,
+        ["model", "target", "reached", "seeds", "steps", "steps_std", "seconds", "seconds_std", "tokens_per_s"],
+        [
+            "Model",
+            "Target val loss",
+            "Runs reaching it",
+            "Seeds",
+            "Steps (mean)",
+            "Steps std",
+            "Training s (mean)",
+            "Training s std",
+            "Tokens/s (median per run, mean)",
+        ],
+    )
     return {"rows": rows, "markdown": md}
 
 
@@ -96,16 +117,24 @@ def alone_record(runs) -> dict:
     unrecorded = [r.name for r in runs if r.summary.get("timed_alone") not in (True, False)]
     parts = []
     if not_alone:
-        parts.append(f"{_names(not_alone)} shared {_their(not_alone)} device while timed (summary.json: timed_alone "
-                     f"false), so {_their(not_alone)} tokens/s and seconds are shares of a device that depend on what "
-                     f"ran beside {'it' if len(not_alone) == 1 else 'them'}")
+        parts.append(
+            f"{_names(not_alone)} shared {_their(not_alone)} device while timed (summary.json: timed_alone "
+            f"false), so {_their(not_alone)} tokens/s and seconds are shares of a device that depend on what "
+            f"ran beside {'it' if len(not_alone) == 1 else 'them'}"
+        )
     if unrecorded:
-        parts.append(f"{_names(unrecorded)} {'does' if len(unrecorded) == 1 else 'do'} not record whether "
-                     f"{'it' if len(unrecorded) == 1 else 'they'} had {_their(unrecorded)} device alone (no "
-                     f"timed_alone in summary.json, or null: trained before the record, or the trainer could not tell)")
+        parts.append(
+            f"{_names(unrecorded)} {'does' if len(unrecorded) == 1 else 'do'} not record whether "
+            f"{'it' if len(unrecorded) == 1 else 'they'} had {_their(unrecorded)} device alone (no "
+            f"timed_alone in summary.json, or null: trained before the record, or the trainer could not tell)"
+        )
     alone = False if not_alone else (None if unrecorded or not runs else True)
-    return {"alone": alone, "not_alone": not_alone, "unrecorded": unrecorded,
-            "why": "; ".join(parts) or (None if runs else "no runs")}
+    return {
+        "alone": alone,
+        "not_alone": not_alone,
+        "unrecorded": unrecorded,
+        "why": "; ".join(parts) or (None if runs else "no runs"),
+    }
 
 
 def _names(names: list[str]) -> str:

@@ -30,8 +30,7 @@ def _get(config: dict, dotted: str):
     return (config.get(section) or {}).get(key)
 
 
-def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_val_loss",
-                 min_seeds: int = 1) -> dict:
+def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_val_loss", min_seeds: int = 1) -> dict:
     """Per (group, lr, dropout): seeds, mean and sample std of ``metric``, the mean step of the
     best evaluation and how many seeds stopped early; and per group the chosen row.
 
@@ -51,8 +50,10 @@ def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_v
             cell = cells.setdefault(key, {"settings": settings, "runs": []})
             cell["runs"].append(run)
     if not cells:
-        raise ConfigError(f"no run folders under {', '.join(map(str, roots))}; train the tuning sweep first "
-                          f"(python -m oelm_core run parameters/tuning/medium512.yaml)")
+        raise ConfigError(
+            f"no run folders under {', '.join(map(str, roots))}; train the tuning sweep first "
+            f"(python -m oelm_core run parameters/tuning/medium512.yaml)"
+        )
     rows = []
     for (variant, lr, dropout), cell in cells.items():
         runs = cell["runs"]
@@ -60,13 +61,25 @@ def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_v
         values = [r.value(metric) for r in finished]
         mean, std = mean_std(values)
         best_steps = [_best_step(r) for r in finished]
-        rows.append({"group": GROUP_LABELS.get(variant, variant), "variant": variant, "lr": lr, "dropout": dropout,
-                     "seeds": len(runs), "finished": len(finished), metric: mean, f"{metric}_std": std,
-                     "best_step": mean_std(best_steps)[0],
-                     "stopped_early": sum(r.summary.get("status") == "stopped_early" for r in finished),
-                     "candidate": (bool(finished) and len(finished) == len(runs) and len(finished) >= min_seeds
-                                   and None not in values),
-                     "settings": cell["settings"], "paths": [str(r.path) for r in runs]})
+        rows.append(
+            {
+                "group": GROUP_LABELS.get(variant, variant),
+                "variant": variant,
+                "lr": lr,
+                "dropout": dropout,
+                "seeds": len(runs),
+                "finished": len(finished),
+                metric: mean,
+                f"{metric}_std": std,
+                "best_step": mean_std(best_steps)[0],
+                "stopped_early": sum(r.summary.get("status") == "stopped_early" for r in finished),
+                "candidate": (
+                    bool(finished) and len(finished) == len(runs) and len(finished) >= min_seeds and None not in values
+                ),
+                "settings": cell["settings"],
+                "paths": [str(r.path) for r in runs],
+            }
+        )
     order = {v: i for i, v in enumerate(GROUP_LABELS)}
     rows.sort(key=lambda r: (order.get(r["variant"], 9), r["variant"], r["dropout"], r["lr"]))
     chosen = _lowest(rows, metric, lambda r: r["variant"])
@@ -74,11 +87,26 @@ def tuning_table(roots: str | Path | Sequence[str | Path], metric: str = "best_v
     for row in rows:
         row["chosen"] = chosen.get(row["variant"]) is row
         row["best_at_dropout"] = per_dropout.get((row["variant"], row["dropout"])) is row
-    cols = ["group", "lr", "dropout", "seeds", metric, f"{metric}_std", "best_step", "stopped_early",
-            "best_at_dropout", "chosen"]
-    return {"rows": rows, "chosen": chosen, "per_dropout": per_dropout, "metric": metric,
-            "markdown": markdown_table(rows, cols),
-            "cautions": {v: cautions(rows, row, metric) for v, row in chosen.items()}}
+    cols = [
+        "group",
+        "lr",
+        "dropout",
+        "seeds",
+        metric,
+        f"{metric}_std",
+        "best_step",
+        "stopped_early",
+        "best_at_dropout",
+        "chosen",
+    ]
+    return {
+        "rows": rows,
+        "chosen": chosen,
+        "per_dropout": per_dropout,
+        "metric": metric,
+        "markdown": markdown_table(rows, cols),
+        "cautions": {v: cautions(rows, row, metric) for v, row in chosen.items()},
+    }
 
 
 def _lowest(rows: Sequence[dict], metric: str, key) -> dict:
@@ -100,19 +128,25 @@ def cautions(rows: Sequence[dict], chosen: dict, metric: str = "best_val_loss") 
     rates = sorted(r["lr"] for r in group if r["dropout"] == chosen["dropout"])
     if len(rates) > 1 and chosen["lr"] in (rates[0], rates[-1]):
         edge = "largest" if chosen["lr"] == rates[-1] else "smallest"
-        out.append(f"lr {chosen['lr']:g} is the {edge} swept at dropout {chosen['dropout']:g}: the best may lie "
-                   f"{'above' if edge == 'largest' else 'below'} it; widen the sweep")
+        out.append(
+            f"lr {chosen['lr']:g} is the {edge} swept at dropout {chosen['dropout']:g}: the best may lie "
+            f"{'above' if edge == 'largest' else 'below'} it; widen the sweep"
+        )
     if chosen["stopped_early"] == 0:
-        out.append("no seed stopped early: the validation loss was still falling when the budget ended; a longer "
-                   "budget may lower it")
+        out.append(
+            "no seed stopped early: the validation loss was still falling when the budget ended; a longer "
+            "budget may lower it"
+        )
     others = [r for r in group if r is not chosen and r["candidate"]]
     if others:
         second = min(others, key=lambda r: r[metric])
         spread = max(r[f"{metric}_std"] or 0.0 for r in (chosen, second))
         behind = second[metric] - chosen[metric]
         if behind < spread:
-            out.append(f"a tie: lr {second['lr']:g}, dropout {second['dropout']:g} is {behind:.4f} behind, within "
-                       f"the seeds' spread ({spread:.4f}); more seeds decide it")
+            out.append(
+                f"a tie: lr {second['lr']:g}, dropout {second['dropout']:g} is {behind:.4f} behind, within "
+                f"the seeds' spread ({spread:.4f}); more seeds decide it"
+            )
     return out
 
 
@@ -131,14 +165,23 @@ def tuning_figure(table: dict, path: str | Path | None = None):
     variants = list(dict.fromkeys(r["variant"] for r in table["rows"]))
     for ax, dropout in zip(axes[0], dropouts):
         for k, variant in enumerate(variants):
-            rows = [r for r in table["rows"] if r["variant"] == variant and r["dropout"] == dropout
-                    and r[metric] is not None]
+            rows = [
+                r
+                for r in table["rows"]
+                if r["variant"] == variant and r["dropout"] == dropout and r[metric] is not None
+            ]
             if not rows:
                 continue
             color = f"C{k}"
-            ax.errorbar([r["lr"] for r in rows], [r[metric] for r in rows],
-                        yerr=[r[f"{metric}_std"] or 0 for r in rows], marker="o", capsize=3, color=color,
-                        label=GROUP_LABELS.get(variant, variant))
+            ax.errorbar(
+                [r["lr"] for r in rows],
+                [r[metric] for r in rows],
+                yerr=[r[f"{metric}_std"] or 0 for r in rows],
+                marker="o",
+                capsize=3,
+                color=color,
+                label=GROUP_LABELS.get(variant, variant),
+            )
             for r in rows:
                 if r["chosen"]:
                     ax.plot(r["lr"], r[metric], "o", ms=13, mfc="none", mec=color, mew=2)

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # Training
 # --------------------------------------------------------------------------------------------
 
+
 def apply(model: nn.Module, tc: TrainConfig) -> nn.Module:
     """Install on the plain GPT ``model`` (module swaps, in place) the training fast paths that
     ``tc`` switches on; returns the model. Each runs its CUDA kernels only where they run (else
@@ -72,8 +73,9 @@ def prepare_process(tc: TrainConfig, device: torch.device) -> None:
         keep_large_blocks_in_heap()
 
 
-def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,
-              device: torch.device, ddp: bool = False):
+def make_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig, device: torch.device, ddp: bool = False
+):
     """The trainer's step for ``model`` (already on ``device``): ``graph_step.GraphStep`` with
     ``train.cuda_graph`` where a step can be captured (a CUDA device; under DDP only with NCCL,
     whose collectives can be captured), else the reference ``oelm_core.step.TrainStep``. Under
@@ -111,14 +113,17 @@ def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: 
             return module, exchange
         if tc.grad_exchange == "peer":
             why = PeerGradExchange.not_here(device) or "here they have no peer access"
-            raise ConfigError(f"train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
-                              f"access (NVLink) under NCCL ({why}); use auto to fall back to DDP")
+            raise ConfigError(
+                f"train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
+                f"access (NVLink) under NCCL ({why}); use auto to fall back to DDP"
+            )
     return reference_data_parallel(model, module, tc, device)
 
 
 # --------------------------------------------------------------------------------------------
 # Generation
 # --------------------------------------------------------------------------------------------
+
 
 def decoder(model: nn.Module, cfg: SamplingConfig) -> Callable:
     """The decoding loop for ``model`` under ``cfg``, a ``decoder(model, ids, cfg, seed)`` for

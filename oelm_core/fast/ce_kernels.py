@@ -25,9 +25,22 @@ _CE_HEADROOM = tl.constexpr(30.0)
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, scale_ptr, inv_n_ptr, x_ptr, xs_ptr,
-                    d, vocab, padded, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _ce_rows_kernel(
+    logits_ptr,
+    stride,
+    targets_ptr,
+    loss_ptr,
+    scale_ptr,
+    inv_n_ptr,
+    x_ptr,
+    xs_ptr,
+    d,
+    vocab,
+    padded,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One program per row of logits; loss = lse - logit[target] (0 where ignored).
 
     WRITE_GRAD: one pass over the row that also writes, in place, E = exp(logit - c) over all
@@ -61,8 +74,7 @@ def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, scale_ptr, inv_n_
             far = dist > _CE_HEADROOM
             e = tl.exp(tl.where(far, 0.0, dist))  # 0 past vocab, where dist = -inf
             s += tl.sum(tl.where(far, 0.0, e), 0)
-            tl.store(base + cols, tl.where(far, -dist, e).to(logits_ptr.dtype.element_ty),
-                     mask=cols < padded)
+            tl.store(base + cols, tl.where(far, -dist, e).to(logits_ptr.dtype.element_ty), mask=cols < padded)
         tl.debug_barrier()  # the stores above before the reads and the target's store below
         # A far logit (``far``'s own test, so the two agree): exp(logit - m) from what was written.
         if m - c > _CE_HEADROOM:
@@ -99,8 +111,9 @@ def _ce_rows_kernel(logits_ptr, stride, targets_ptr, loss_ptr, scale_ptr, inv_n_
 
 
 @triton.jit
-def _scale_rows_kernel(src_ptr, out_ptr, row_scale_ptr, factor_ptr, n_cols,
-                       ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_rows_kernel(
+    src_ptr, out_ptr, row_scale_ptr, factor_ptr, n_cols, ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr
+):
     """out[row] = src[row] * factor (* row_scale[row]), one program per row of contiguous
     tensors, computed in float32. (PyTorch's broadcasting multiply by a device
     scalar, or by a column of row scales with a dtype change, is not vectorised: 2-3x slower.)"""
@@ -111,19 +124,26 @@ def _scale_rows_kernel(src_ptr, out_ptr, row_scale_ptr, factor_ptr, n_cols,
     for off in tl.range(0, n_cols, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         v = tl.load(src_ptr + row * n_cols + cols, mask=cols < n_cols).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (v * factor).to(out_ptr.dtype.element_ty),
-                 mask=cols < n_cols)
+        tl.store(out_ptr + row * n_cols + cols, (v * factor).to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-def scale_rows(src: torch.Tensor, factor: torch.Tensor, row_scale: Optional[torch.Tensor],
-               dtype: torch.dtype) -> torch.Tensor:
+def scale_rows(
+    src: torch.Tensor, factor: torch.Tensor, row_scale: Optional[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """src (rows, cols) * factor (a one-element tensor) [* row_scale (rows,)], a new tensor of
     ``dtype``, by ``_scale_rows_kernel``; src is left as it is."""
     src = src.contiguous()
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
-    _scale_rows_kernel[(src.size(0),)](src, out, src if row_scale is None else row_scale,
-                                       factor.reshape(1).float(), src.size(1),
-                                       ROW_SCALE=row_scale is not None, BLOCK=512, num_warps=4)
+    _scale_rows_kernel[(src.size(0),)](
+        src,
+        out,
+        src if row_scale is None else row_scale,
+        factor.reshape(1).float(),
+        src.size(1),
+        ROW_SCALE=row_scale is not None,
+        BLOCK=512,
+        num_warps=4,
+    )
     return out
 
 
@@ -146,8 +166,17 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += (a @ b).float()
 
 
-def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int,
-            dtype: torch.dtype, need_grad: bool, *, fused_logits: bool):
+def forward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    vocab: int,
+    chunk: int,
+    dtype: torch.dtype,
+    need_grad: bool,
+    *,
+    fused_logits: bool,
+):
     """The fused loss's forward on CUDA: x (n, d), w (padded, d), targets (n,) as
     ``oelm_core.fast.loss.linear_cross_entropy`` takes them, computed in ``dtype`` (bf16, or
     float32 for tests) in slices of ``chunk`` rows.
@@ -184,21 +213,41 @@ def forward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
     if fused:
         wc = wc.contiguous()
     for s in range(0, n, chunk):
-        xs = xc[s:s + chunk]
+        xs = xc[s : s + chunk]
         if fused:  # the logits never reach memory: E comes from the GEMM's epilogue
-            logits = logits_gemm.loss_and_grad(xs, wc, targets[s:s + chunk], vocab, inv_n, row_loss[s:s + chunk],
-                                               row_scale[s:s + chunk], x_scaled[:xs.size(0)])
+            logits = logits_gemm.loss_and_grad(
+                xs,
+                wc,
+                targets[s : s + chunk],
+                vocab,
+                inv_n,
+                row_loss[s : s + chunk],
+                row_scale[s : s + chunk],
+                x_scaled[: xs.size(0)],
+            )
         else:
             logits = xs @ wc.T
             # Without need_grad, the pointers the kernel does not use are row_loss and xs.
-            _ce_rows_kernel[(xs.size(0),)](logits, logits.stride(0), targets[s:s + chunk], row_loss[s:],
-                                           row_loss if row_scale is None else row_scale[s:], inv_n,
-                                           xs, xs if x_scaled is None else x_scaled, xs.size(1), vocab, padded,
-                                           WRITE_GRAD=need_grad, BLOCK=2048,
-                                           BLOCK_D=triton.next_power_of_2(xs.size(1)), num_warps=4)
+            _ce_rows_kernel[(xs.size(0),)](
+                logits,
+                logits.stride(0),
+                targets[s : s + chunk],
+                row_loss[s:],
+                row_loss if row_scale is None else row_scale[s:],
+                inv_n,
+                xs,
+                xs if x_scaled is None else x_scaled,
+                xs.size(1),
+                vocab,
+                padded,
+                WRITE_GRAD=need_grad,
+                BLOCK=2048,
+                BLOCK_D=triton.next_power_of_2(xs.size(1)),
+                num_warps=4,
+            )
         if need_grad:
-            torch.mm(logits, wc, out=grad_x[s:s + chunk])
-            xs = x_scaled[:xs.size(0)]
+            torch.mm(logits, wc, out=grad_x[s : s + chunk])
+            xs = x_scaled[: xs.size(0)]
             if n <= chunk:
                 grad_w = logits.T @ xs
             else:

@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oelm_core.generate import EOT, SamplingConfig, prepare, sample as reference_sample, seed_tensor
+from oelm_core.generate import EOT, SamplingConfig, prepare, seed_tensor
+from oelm_core.generate import sample as reference_sample
 from oelm_core.model import GPT, Block, CausalSelfAttention, KVCache
 
 CHUNK = 16  # decoding steps per run (and CUDA-graph replay): one host round trip per 16 tokens
@@ -60,6 +61,7 @@ def _triton_may_run(device: torch.device) -> bool:
 # --------------------------------------------------------------------------------------------
 # The fixed-shape one-token step, in PyTorch
 # --------------------------------------------------------------------------------------------
+
 
 def _cache_write(cache: KVCache, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Store one position's k, v (B, H, 1, d_head) at ``pos`` (a 1-element LongTensor on the
@@ -85,8 +87,9 @@ def _qkv(attn: CausalSelfAttention, x: torch.Tensor, copies):
     return q, k, attn.v(x)
 
 
-def _attend(attn: CausalSelfAttention, x: torch.Tensor, cache: KVCache, pos: torch.Tensor,
-            mask: torch.Tensor, copies) -> torch.Tensor:
+def _attend(
+    attn: CausalSelfAttention, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor, copies
+) -> torch.Tensor:
     """One new token at position ``pos``: x (B, 1, d_model); k, v written into the cache at
     ``pos``; attention over the cache's first t positions with the additive ``mask`` (1, 1, 1,
     t), 0 at positions <= pos and -inf after. Returns the heads' output (B, 1, d_model) before
@@ -102,13 +105,16 @@ def _attend(attn: CausalSelfAttention, x: torch.Tensor, cache: KVCache, pos: tor
         # One query per head: a batched GEMV with the mask added (baddbmm), a softmax and a
         # second GEMV; SDPA's fused kernels are built for many queries.
         h, dh = attn.cfg.n_head, attn.cfg.d_head
-        logits = torch.baddbmm(mask.to(q.dtype).view(1, 1, t), attn.heads(q).reshape(b * h, 1, dh),
-                               k_all.reshape(b * h, t, dh).transpose(1, 2), alpha=1.0 / math.sqrt(dh))
+        logits = torch.baddbmm(
+            mask.to(q.dtype).view(1, 1, t),
+            attn.heads(q).reshape(b * h, 1, dh),
+            k_all.reshape(b * h, t, dh).transpose(1, 2),
+            alpha=1.0 / math.sqrt(dh),
+        )
         logits = logits.view(b, h, 1, t)
     else:
         rows = attn.synth_0.index_select(1, pos)  # (H, 1, block_size) or (H, 1, rank)
-        logits = (rows[..., :t] if attn.cfg.attention == "synth_random"
-                  else rows @ attn.synth_1[:, :t].transpose(1, 2))
+        logits = rows[..., :t] if attn.cfg.attention == "synth_random" else rows @ attn.synth_1[:, :t].transpose(1, 2)
         logits = logits.unsqueeze(0) + mask
     att = torch.softmax(logits.float(), dim=-1).to(v_all.dtype)
     return (att @ v_all).transpose(1, 2).reshape(b, 1, attn.cfg.d_model)
@@ -122,8 +128,9 @@ def _add_linear(residual: torch.Tensor, h: torch.Tensor, layer: nn.Linear) -> to
     return torch.addmm(acc, h.reshape(b, -1), layer.weight.t()).view_as(residual)
 
 
-def _block(block: Block, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor,
-           copies) -> torch.Tensor:
+def _block(
+    block: Block, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, mask: torch.Tensor, copies
+) -> torch.Tensor:
     """``block(x, cache)`` for one token at ``pos`` (eval mode), the fixed-shape way."""
     x = _add_linear(x, _attend(block.attn, block.ln_1(x), cache, pos, mask, copies), block.attn.proj)
     h = block.ln_2(x)
@@ -139,8 +146,9 @@ def _logits(model: GPT, h: torch.Tensor, copies) -> torch.Tensor:
     return model.logits(h)
 
 
-def decode_step(model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-                fixed_shape: Optional[bool] = None, copies=None) -> torch.Tensor:
+def decode_step(
+    model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache, fixed_shape: Optional[bool] = None, copies=None
+) -> torch.Tensor:
     """One token per sequence through ``model`` in eval mode (no dropout).
 
     idx: (B, 1) token ids at position ``pos`` (a 1-element LongTensor on the model's device,
@@ -168,8 +176,14 @@ def decode_step(model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache
 # The draw
 # --------------------------------------------------------------------------------------------
 
-def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tensor] = None,
-           step: Optional[torch.Tensor] = None, kernels: bool = True) -> torch.Tensor:
+
+def sample(
+    logits: torch.Tensor,
+    cfg: SamplingConfig,
+    seed: Optional[torch.Tensor] = None,
+    step: Optional[torch.Tensor] = None,
+    kernels: bool = True,
+) -> torch.Tensor:
     """``generate.sample``'s draw (the same token ids): with ``kernels``, through the two Triton
     kernels of ``fast.sample_kernels`` where they apply (CUDA, or the CPU under Triton's
     interpreter; greedy only inside a CUDA graph, where they are one launch fewer than argmax;
@@ -178,8 +192,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tenso
         from oelm_core.fast import sample_kernels
 
         if cfg.greedy:
-            if logits.is_cuda and torch.cuda.is_current_stream_capturing() \
-                    and sample_kernels.supports(logits, 0, 1.0):
+            if logits.is_cuda and torch.cuda.is_current_stream_capturing() and sample_kernels.supports(logits, 0, 1.0):
                 return sample_kernels.sample(logits, 1.0, 0, 1.0, None, None)
         else:
             top_k = cfg.top_k_for(logits.size(-1))
@@ -192,8 +205,10 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, seed: Optional[torch.Tenso
 # The decoder
 # --------------------------------------------------------------------------------------------
 
-def _switches(graph: bool = True, decode_kernels: bool = True, sample_kernels: bool = True,
-              cpu_copies: bool = True) -> dict:
+
+def _switches(
+    graph: bool = True, decode_kernels: bool = True, sample_kernels: bool = True, cpu_copies: bool = True
+) -> dict:
     """``GraphDecoder``'s switches as a dict (an unknown one is a TypeError that names it)."""
     return dict(graph=graph, decode_kernels=decode_kernels, sample_kernels=sample_kernels, cpu_copies=cpu_copies)
 
@@ -202,10 +217,12 @@ def _state_signature(model: GPT) -> tuple:
     """What a captured decode step depends on: where every weight lives, the mode, autocast."""
     dev = model.wte.weight.device
     tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
-    autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type)) \
-        if dev.type in ("cuda", "cpu") else (False, None)
-    return (str(dev), model.training, autocast,
-            tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors))
+    autocast = (
+        (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+        if dev.type in ("cuda", "cpu")
+        else (False, None)
+    )
+    return (str(dev), model.training, autocast, tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors))
 
 
 class GraphDecoder:
@@ -234,8 +251,15 @@ class GraphDecoder:
     # Normal tensors even when made under torch.inference_mode: the decoder outlives the call
     # (``_DECODERS``), and inference tensors cannot be written in place outside that mode.
     @torch.inference_mode(False)
-    def __init__(self, model: GPT, *, graph: bool = True, decode_kernels: bool = True,
-                 sample_kernels: bool = True, cpu_copies: bool = True):
+    def __init__(
+        self,
+        model: GPT,
+        *,
+        graph: bool = True,
+        decode_kernels: bool = True,
+        sample_kernels: bool = True,
+        cpu_copies: bool = True,
+    ):
         self.signature = _state_signature(model)
         self.block, self.vocab = model.cfg.block_size, model.cfg.vocab_size
         self.cache = model.new_cache()
@@ -311,8 +335,8 @@ class GraphDecoder:
         decode = decode or self._decode
         for i in range(n):
             logits = decode(model)
-            self.out[i:i + 1].copy_(sample(logits, cfg, self.seed, self.state[1:], self.sample_kernels))
-            self.token.copy_(self.out[i:i + 1].view(1, 1))
+            self.out[i : i + 1].copy_(sample(logits, cfg, self.seed, self.state[1:], self.sample_kernels))
+            self.token.copy_(self.out[i : i + 1].view(1, 1))
             self.state += 1
 
     def _decode(self, model: GPT) -> torch.Tensor:
@@ -336,8 +360,7 @@ class GraphDecoder:
             if not err <= tol:
                 raise RuntimeError(f"max |difference| {err:.2e} > {tol:.2e}")
         except Exception as e:
-            warnings.warn(f"the fused decode kernels disagree with decode_step or failed ({e}); "
-                          f"decoding with PyTorch")
+            warnings.warn(f"the fused decode kernels disagree with decode_step or failed ({e}); decoding with PyTorch")
             self.scratch = None
 
     def _legacy_steps(self, model: GPT, n: int, cfg: SamplingConfig) -> None:
@@ -468,7 +491,7 @@ def decode_tokens(model: GPT, ids: list[int], cfg: SamplingConfig, seed: int, **
             room, left = block - decoder.length, cfg.max_new_tokens - produced
             if room == 0:
                 decoder.reset()
-                new = [decoder.prefill(model, ids[-(block // 2):], produced, cfg)]
+                new = [decoder.prefill(model, ids[-(block // 2) :], produced, cfg)]
             else:
                 # Whole chunks while they fit; single steps at the end of the window or the text.
                 n = CHUNK if room >= CHUNK and left >= CHUNK // 2 else 1
@@ -483,7 +506,9 @@ def stream_tokens(model: GPT, prompt_ids: list[int], cfg: SamplingConfig, **opti
     switches, e.g. ``graph=False``), whatever ``cfg.use_cache`` and ``cfg.fast`` say: for tests
     and benchmarks that switch its parts."""
     if not supports(model):
-        raise ValueError("the fast decoder runs models in eval mode: call model.eval() first, or "
-                         "generate through oelm_core.generate.stream_tokens")
+        raise ValueError(
+            "the fast decoder runs models in eval mode: call model.eval() first, or "
+            "generate through oelm_core.generate.stream_tokens"
+        )
     ids, seed = prepare(model, prompt_ids, cfg)
     yield from decode_tokens(model, ids, cfg, seed, **options)

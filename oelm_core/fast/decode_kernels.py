@@ -55,12 +55,38 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 if triton is not None:
+
     @triton.jit
-    def _gemv_kernel(x_ptr, ln_w_ptr, ln_b_ptr, eps, part_m_ptr, part_l_ptr, n_parts, n_head, d_head,
-                     wa_ptr, wb_ptr, w_stride, n_a, b_ptr, res_ptr, out_ptr, N, K,
-                     LN: tl.constexpr, LN_BIAS: tl.constexpr, COMBINE: tl.constexpr,
-                     BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+    def _gemv_kernel(
+        x_ptr,
+        ln_w_ptr,
+        ln_b_ptr,
+        eps,
+        part_m_ptr,
+        part_l_ptr,
+        n_parts,
+        n_head,
+        d_head,
+        wa_ptr,
+        wb_ptr,
+        w_stride,
+        n_a,
+        b_ptr,
+        res_ptr,
+        out_ptr,
+        N,
+        K,
+        LN: tl.constexpr,
+        LN_BIAS: tl.constexpr,
+        COMBINE: tl.constexpr,
+        BIAS: tl.constexpr,
+        GELU: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+    ):
         """out[n] = act(sum_k W[n, k] * h[k] + b[n]) (+ res[n]) for n < N, one program per
         BLOCK_N rows, each holding whole rows (BLOCK_K >= K).
 
@@ -82,8 +108,9 @@ if triton is not None:
         # (LayerNorm, attention combine) computed below, so its latency overlaps theirs and the
         # program waits for memory about once. Both weights' addresses are formed and one chosen
         # per row, so a layer's q/k and v rows come out of one launch whatever BLOCK_N is.
-        w_rows = tl.where(rows[:, None] < n_a, wa_ptr + rows[:, None] * w_stride,
-                          wb_ptr + (rows[:, None] - n_a) * w_stride)
+        w_rows = tl.where(
+            rows[:, None] < n_a, wa_ptr + rows[:, None] * w_stride, wb_ptr + (rows[:, None] - n_a) * w_stride
+        )
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         if PDL:
             # Launched early (programmatic dependent launch): the weights, which no kernel
@@ -126,9 +153,24 @@ if triton is not None:
         tl.store(out_ptr + rows, y, mask=row_ok)
 
     @triton.jit
-    def _attend_kernel(qkv_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, stride_h, stride_t,
-                       part_acc_ptr, part_m_ptr, part_l_ptr, D, DH, n_head, scale,
-                       PDL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _attend_kernel(
+        qkv_ptr,
+        pos_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_h,
+        stride_t,
+        part_acc_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        D,
+        DH,
+        n_head,
+        scale,
+        PDL: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         """Program (head, j): the new token's attention over keys j*BLOCK_T .. (j+1)*BLOCK_T - 1
         of that head, as a partial softmax: part_m[j, head] = the block's largest score s_t
         (-inf if the block lies past pos), part_l[j, head] = sum_t exp(s_t - m),
@@ -175,8 +217,9 @@ if triton is not None:
         tl.store(part_acc_ptr + j * D + head * DH + d, tl.sum(p[:, None] * v, 0), mask=d_ok)
 
     @triton.jit
-    def _embed_kernel(idx_ptr, pos_ptr, wte_ptr, wte_stride, wpe_ptr, wpe_stride, x_ptr, D,
-                      PDL: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _embed_kernel(
+        idx_ptr, pos_ptr, wte_ptr, wte_stride, wpe_ptr, wpe_stride, x_ptr, D, PDL: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
         """x (D,) float32 = wte[idx] + wpe[pos]; idx, pos: one int64 each, read here."""
         if PDL:
             gdc_wait()
@@ -253,11 +296,9 @@ class DecodeScratch:
         f32 = dict(dtype=torch.float32, device=device)
         self.d_block = triton.next_power_of_2(cfg.d_head)
         key_bytes = self.d_block * model.wte.weight.element_size()  # the cache's dtype
-        self.attn_block_t = attn_block_t or min(_ATTN_TILE_BYTES // key_bytes,
-                                                triton.next_power_of_2(cfg.block_size))
+        self.attn_block_t = attn_block_t or min(_ATTN_TILE_BYTES // key_bytes, triton.next_power_of_2(cfg.block_size))
         self.n_parts = triton.cdiv(cfg.block_size, self.attn_block_t)
-        self.pdl = (device.type == "cuda" and gdc_wait is not None
-                    and torch.cuda.get_device_capability(device)[0] >= 9)
+        self.pdl = device.type == "cuda" and gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
         self.x = torch.empty(cfg.d_model, **f32)
         self.qkv = torch.empty(3 * cfg.d_model, **f32)
         self.part_acc = torch.empty(self.n_parts, cfg.d_model, **f32)
@@ -267,9 +308,19 @@ class DecodeScratch:
         self.logits = torch.empty(1, cfg.vocab_size, **f32)
 
 
-def _gemv(s: DecodeScratch, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, ln=None,
-          bias=None, gelu: bool = False, residual: Optional[torch.Tensor] = None,
-          weight_b: Optional[torch.Tensor] = None, combine_heads: int = 0) -> None:
+def _gemv(
+    s: DecodeScratch,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    ln=None,
+    bias=None,
+    gelu: bool = False,
+    residual: Optional[torch.Tensor] = None,
+    weight_b: Optional[torch.Tensor] = None,
+    combine_heads: int = 0,
+) -> None:
     """out = act(W @ h + bias) (+ residual) with ``_gemv_kernel``, N = out's size.
 
     W is ``weight``'s first N rows, or ``weight`` stacked on ``weight_b`` (``bias`` then
@@ -284,17 +335,42 @@ def _gemv(s: DecodeScratch, out: torch.Tensor, x: torch.Tensor, weight: torch.Te
     block_n, block_k = _gemv_blocks(n, k)
     heads = max(combine_heads, 1)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, ln.weight if ln is not None else None, ln.bias if ln is not None else None,
-        ln.eps if ln is not None else 0.0, s.part_m, s.part_l, s.n_parts, heads, k // heads,
-        weight, wb, weight.stride(0), 0 if weight_b is None else weight.size(0), bias, residual, out, n, k,
-        LN=ln is not None, LN_BIAS=ln is not None and ln.bias is not None, COMBINE=combine_heads > 0,
-        BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, PDL=s.pdl,
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=triton.next_power_of_2(s.n_parts),
-        num_warps=_GEMV_WARPS, launch_pdl=s.pdl)
+        x,
+        ln.weight if ln is not None else None,
+        ln.bias if ln is not None else None,
+        ln.eps if ln is not None else 0.0,
+        s.part_m,
+        s.part_l,
+        s.n_parts,
+        heads,
+        k // heads,
+        weight,
+        wb,
+        weight.stride(0),
+        0 if weight_b is None else weight.size(0),
+        bias,
+        residual,
+        out,
+        n,
+        k,
+        LN=ln is not None,
+        LN_BIAS=ln is not None and ln.bias is not None,
+        COMBINE=combine_heads > 0,
+        BIAS=bias is not None,
+        GELU=gelu,
+        RESIDUAL=residual is not None,
+        PDL=s.pdl,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_P=triton.next_power_of_2(s.n_parts),
+        num_warps=_GEMV_WARPS,
+        launch_pdl=s.pdl,
+    )
 
 
-def decode_step(model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-                scratch: Optional[DecodeScratch] = None) -> torch.Tensor:
+def decode_step(
+    model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache, scratch: Optional[DecodeScratch] = None
+) -> torch.Tensor:
     """``fast.decode.decode_step(model, idx, pos, cache)`` for one sequence, in 5 * n_layer + 2
     kernels.
 
@@ -306,27 +382,55 @@ def decode_step(model: GPT, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache
     a CUDA graph).
     """
     if idx.shape != (1, 1) or pos.numel() != 1 or cache.k[0].size(0) != 1:
-        raise ValueError(f"the fused decode step takes one sequence: idx (1, 1) and pos (1,), "
-                         f"got idx {tuple(idx.shape)}, pos {tuple(pos.shape)} and a cache of batch "
-                         f"{cache.k[0].size(0)}")
+        raise ValueError(
+            f"the fused decode step takes one sequence: idx (1, 1) and pos (1,), "
+            f"got idx {tuple(idx.shape)}, pos {tuple(pos.shape)} and a cache of batch "
+            f"{cache.k[0].size(0)}"
+        )
     cfg = model.cfg
     s = scratch if scratch is not None else DecodeScratch(model)
     d, h = cfg.d_model, cfg.n_head
     wte, wpe = model.wte.weight, model.wpe.weight
     with torch.cuda.device(wte.device) if wte.is_cuda else nullcontext():
-        _embed_kernel[(1,)](idx, pos, wte, wte.stride(0), wpe, wpe.stride(0), s.x, d, PDL=s.pdl,
-                            BLOCK_D=triton.next_power_of_2(d), num_warps=4, launch_pdl=s.pdl)
+        _embed_kernel[(1,)](
+            idx,
+            pos,
+            wte,
+            wte.stride(0),
+            wpe,
+            wpe.stride(0),
+            s.x,
+            d,
+            PDL=s.pdl,
+            BLOCK_D=triton.next_power_of_2(d),
+            num_warps=4,
+            launch_pdl=s.pdl,
+        )
         for layer, block in enumerate(model.blocks):
             attn, mlp = block.attn, block.mlp
             _gemv(s, s.qkv, s.x, attn.qk.weight, weight_b=attn.v.weight, bias=attn.v.bias, ln=block.ln_1)
             kc, vc = cache.k[layer], cache.v[layer]
-            _attend_kernel[(h, s.n_parts)](s.qkv, pos, kc, vc, kc.stride(1), kc.stride(2),
-                                           s.part_acc, s.part_m, s.part_l, d, cfg.d_head, h,
-                                           1.0 / math.sqrt(cfg.d_head), PDL=s.pdl,
-                                           BLOCK_T=s.attn_block_t, BLOCK_D=s.d_block,
-                                           num_warps=_ATTN_WARPS, launch_pdl=s.pdl)
-            _gemv(s, s.x, s.part_acc, attn.proj.weight, bias=attn.proj.bias, residual=s.x,
-                  combine_heads=h)
+            _attend_kernel[(h, s.n_parts)](
+                s.qkv,
+                pos,
+                kc,
+                vc,
+                kc.stride(1),
+                kc.stride(2),
+                s.part_acc,
+                s.part_m,
+                s.part_l,
+                d,
+                cfg.d_head,
+                h,
+                1.0 / math.sqrt(cfg.d_head),
+                PDL=s.pdl,
+                BLOCK_T=s.attn_block_t,
+                BLOCK_D=s.d_block,
+                num_warps=_ATTN_WARPS,
+                launch_pdl=s.pdl,
+            )
+            _gemv(s, s.x, s.part_acc, attn.proj.weight, bias=attn.proj.bias, residual=s.x, combine_heads=h)
             _gemv(s, s.hidden, s.x, mlp.fc.weight, bias=mlp.fc.bias, gelu=True, ln=block.ln_2)
             _gemv(s, s.x, s.hidden, mlp.proj.weight, bias=mlp.proj.bias, residual=s.x)
         _gemv(s, s.logits, s.x, model.output_weight, ln=model.ln_f)

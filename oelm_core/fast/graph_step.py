@@ -62,8 +62,15 @@ class GraphStep(TrainStep):
         gloo's cannot."""
         return torch.cuda.is_available() and (not ddp or dist.get_backend() == "nccl")
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tc: TrainConfig,
-                 device: torch.device, ddp: bool = False, **options):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        tc: TrainConfig,
+        device: torch.device,
+        ddp: bool = False,
+        **options,
+    ):
         """``TrainStep``'s arguments (``options``: its ``data_parallel``)."""
         # DDP is built, warmed up and captured on this one stream: the default stream cannot
         # take part in a capture, and the reducer's hooks run on the stream DDP was built on.
@@ -141,7 +148,12 @@ class GraphStep(TrainStep):
                 self.wrap()  # a reducer stopped mid-backward cannot run again; a new one can
             return False
         self.graph, self.outputs = graph, (loss, norm)
-        log.info("captured the training step as a CUDA graph%s", "" if not self.ddp else
-                 " with the NVLink gradient exchange" if self.gradients_by == "nvlink copies"
-                 else " with DDP's all-reduce")
+        log.info(
+            "captured the training step as a CUDA graph%s",
+            ""
+            if not self.ddp
+            else " with the NVLink gradient exchange"
+            if self.gradients_by == "nvlink copies"
+            else " with DDP's all-reduce",
+        )
         return True

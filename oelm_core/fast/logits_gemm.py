@@ -23,6 +23,7 @@ Triton >= 3.4 (measured with 3.6): ``available``. Switch: ``train.fused_logits``
 ``train.fused_loss``). Timings against cuBLAS's GEMM and the loss kernel, alone
 (``benchmarks/bench_ce.py``) and in the training step: benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,9 @@ def available(device: torch.device, dtype: torch.dtype, d_model: int, padded_voc
     """Whether the fused GEMM runs here: CUDA with TMA (compute capability 9+) and the shared memory
     of its tiles, Triton >= 3.4, bf16, rows of 16-byte multiples. Where it does not (or
     ``train.fused_logits`` is off) the loss runs the logits GEMM and ``ce_kernels._ce_rows_kernel``."""
-    if not (_TRITON_OK and device.type == "cuda" and dtype == torch.bfloat16
-            and d_model % 8 == 0 and padded_vocab % 8 == 0):
+    if not (
+        _TRITON_OK and device.type == "cuda" and dtype == torch.bfloat16 and d_model % 8 == 0 and padded_vocab % 8 == 0
+    ):
         return False
     props = torch.cuda.get_device_properties(device)
     return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= _SMEM_NEEDED
@@ -71,24 +73,42 @@ if triton is not None:
     _RESCALE_MAX = tl.constexpr(RESCALE_MAX)
 
     @triton.jit
-    def _target_logit_kernel(x_ptr, w_ptr, targets_ptr, c_ptr, n, d, vocab, ROWS: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+    def _target_logit_kernel(x_ptr, w_ptr, targets_ptr, c_ptr, n, d, vocab, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
         """c[row] = x[row] . w[target[row]] in float32, +inf where the target is negative (ignored) or
         past the vocabulary (never read: no loss, no gradient)."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         t = tl.load(targets_ptr + rows, mask=rows < n, other=-1)
         valid = (t >= 0) & (t < vocab)
         dims = tl.arange(0, BLOCK_D)
-        xr = tl.load(x_ptr + rows[:, None].to(tl.int64) * d + dims[None, :],
-                     mask=(rows < n)[:, None] & (dims < d)[None, :], other=0.0)
-        wr = tl.load(w_ptr + tl.where(valid, t, 0)[:, None].to(tl.int64) * d + dims[None, :],
-                     mask=valid[:, None] & (dims < d)[None, :], other=0.0)
+        xr = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * d + dims[None, :],
+            mask=(rows < n)[:, None] & (dims < d)[None, :],
+            other=0.0,
+        )
+        wr = tl.load(
+            w_ptr + tl.where(valid, t, 0)[:, None].to(tl.int64) * d + dims[None, :],
+            mask=valid[:, None] & (dims < d)[None, :],
+            other=0.0,
+        )
         c = tl.sum(xr.to(tl.float32) * wr.to(tl.float32), 1)
         tl.store(c_ptr + rows, tl.where(valid, c, float("inf")), mask=rows < n)
 
     @triton.jit
-    def _logits_exp_kernel(x_desc, w_desc, e_desc, c_ptr, part_ptr, n, d, vocab, col_tiles, programs,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _logits_exp_kernel(
+        x_desc,
+        w_desc,
+        e_desc,
+        c_ptr,
+        part_ptr,
+        n,
+        d,
+        vocab,
+        col_tiles,
+        programs,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
         """E = exp(x w^T - c[:, None]) (n, padded) and part[row, tile] = the tile's row sums.
 
         Persistent: ``programs`` programs (one per SM) walk the tiles; the row tiles of one column
@@ -115,14 +135,34 @@ if triton is not None:
     @triton.jit
     def _logits_of_row(w_ptr, xr, cols, dims, d, vocab):
         """x_row . w[cols] in float32 for a block of columns, -inf past the vocabulary."""
-        wb = tl.load(w_ptr + cols[:, None].to(tl.int64) * d + dims[None, :],
-                     mask=(cols < vocab)[:, None] & (dims < d)[None, :], other=0.0)
+        wb = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * d + dims[None, :],
+            mask=(cols < vocab)[:, None] & (dims < d)[None, :],
+            other=0.0,
+        )
         return tl.where(cols < vocab, tl.sum(wb.to(tl.float32) * xr[None, :], 1), float("-inf"))
 
     @triton.jit
-    def _finish_kernel(e_ptr, part_ptr, col_tiles, targets_ptr, c_ptr, x_ptr, w_ptr, d, vocab, padded,
-                       loss_ptr, scale_ptr, inv_n_ptr, xs_ptr,
-                       BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _finish_kernel(
+        e_ptr,
+        part_ptr,
+        col_tiles,
+        targets_ptr,
+        c_ptr,
+        x_ptr,
+        w_ptr,
+        d,
+        vocab,
+        padded,
+        loss_ptr,
+        scale_ptr,
+        inv_n_ptr,
+        xs_ptr,
+        BLOCK_T: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         """One program per row: S from the parts, the loss, E[target] = exp(-shift) - S (shift: the
         offset's move, 0 unless redone), the row scale and x times it (what ``ce_kernels._ce_rows_kernel``
         does at the end of a row); a counted row with S > e^HEADROOM (or a NaN) is first redone with
@@ -180,8 +220,16 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
-def loss_and_grad(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int, inv_n: torch.Tensor,
-                  row_loss: torch.Tensor, row_scale: torch.Tensor, x_scaled: torch.Tensor) -> torch.Tensor:
+def loss_and_grad(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    vocab: int,
+    inv_n: torch.Tensor,
+    row_loss: torch.Tensor,
+    row_scale: torch.Tensor,
+    x_scaled: torch.Tensor,
+) -> torch.Tensor:
     """One slice of the loss: x (n, d) and w (padded, d) contiguous, of one dtype, 16-byte aligned, d
     and padded multiples of 8; targets (n,) token ids in [0, vocab) (the real vocabulary: columns past
     it get E = 0) or negative (ignored; so is an id >= vocab, which the trainer never feeds); inv_n (1,)
@@ -194,26 +242,66 @@ def loss_and_grad(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab
     n, d = x.shape
     padded = w.size(0)
     device = x.device
-    if not (x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype and d % 8 == 0 and padded % 8 == 0
-            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0):
-        raise ValueError(f"logits_gemm.loss_and_grad: x {tuple(x.shape)} and w {tuple(w.shape)} must be contiguous, "
-                         f"of one dtype, 16-byte aligned, with d and the padded vocabulary multiples of 8 "
-                         f"(TMA's rules); check logits_gemm.available first")
+    if not (
+        x.is_contiguous()
+        and w.is_contiguous()
+        and x.dtype == w.dtype
+        and d % 8 == 0
+        and padded % 8 == 0
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    ):
+        raise ValueError(
+            f"logits_gemm.loss_and_grad: x {tuple(x.shape)} and w {tuple(w.shape)} must be contiguous, "
+            f"of one dtype, 16-byte aligned, with d and the padded vocabulary multiples of 8 "
+            f"(TMA's rules); check logits_gemm.available first"
+        )
     e = torch.empty((n, padded), dtype=x.dtype, device=device)
     c = torch.empty(n, dtype=torch.float32, device=device)
     col_tiles = triton.cdiv(padded, BLOCK_N)
     part = torch.empty((n, col_tiles), dtype=torch.float32, device=device)
     block_d = triton.next_power_of_2(d)
     rows = max(1, 4096 // block_d)  # two (rows, d) float32 tiles in 4 warps' registers
-    _target_logit_kernel[(triton.cdiv(n, rows),)](x, w, targets, c, n, d, vocab, ROWS=rows, BLOCK_D=block_d,
-                                                  num_warps=4)
+    _target_logit_kernel[(triton.cdiv(n, rows),)](
+        x, w, targets, c, n, d, vocab, ROWS=rows, BLOCK_D=block_d, num_warps=4
+    )
     grid = min(_num_sms(device), triton.cdiv(n, BLOCK_M) * col_tiles)
-    _logits_exp_kernel[(grid,)](TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
-                                TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K]),
-                                TensorDescriptor.from_tensor(e, [BLOCK_M, BLOCK_N]),
-                                c, part, n, d, vocab, col_tiles, grid, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                                num_warps=WARPS, num_stages=STAGES)
-    _finish_kernel[(n,)](e, part, col_tiles, targets, c, x, w, d, vocab, padded, row_loss, row_scale, inv_n,
-                         x_scaled, BLOCK_T=triton.next_power_of_2(col_tiles), BLOCK=2048, BLOCK_D=block_d,
-                         BLOCK_V=max(1, 8192 // block_d), num_warps=4)
+    _logits_exp_kernel[(grid,)](
+        TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
+        TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K]),
+        TensorDescriptor.from_tensor(e, [BLOCK_M, BLOCK_N]),
+        c,
+        part,
+        n,
+        d,
+        vocab,
+        col_tiles,
+        grid,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+        num_warps=WARPS,
+        num_stages=STAGES,
+    )
+    _finish_kernel[(n,)](
+        e,
+        part,
+        col_tiles,
+        targets,
+        c,
+        x,
+        w,
+        d,
+        vocab,
+        padded,
+        row_loss,
+        row_scale,
+        inv_n,
+        x_scaled,
+        BLOCK_T=triton.next_power_of_2(col_tiles),
+        BLOCK=2048,
+        BLOCK_D=block_d,
+        BLOCK_V=max(1, 8192 // block_d),
+        num_warps=4,
+    )
     return e

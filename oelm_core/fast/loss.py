@@ -38,8 +38,12 @@ def _cuda_kernels():
     return ce_kernels
 
 
-def _scale_rows(src: torch.Tensor, factor: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
-                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _scale_rows(
+    src: torch.Tensor,
+    factor: torch.Tensor,
+    row_scale: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
     """src (rows, cols) * factor (a one-element tensor) [* row_scale (rows,) per row], a new tensor
     of ``dtype`` (default src's; src, saved for the backward, stays as it is for a second one):
     the backward's scaling of the loss's gradients."""
@@ -62,16 +66,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.dtypes = (x.dtype, w.dtype)
         kernels = _cuda_kernels() if x.is_cuda else None
         if kernels is not None and dtype != torch.float16:  # (float16: see ce_kernels._ce_rows_kernel)
-            loss, grad_x, grad_w, row_scale = kernels.forward(x, w, targets, vocab, chunk, dtype, need_grad,
-                                                              fused_logits=fused_logits)
+            loss, grad_x, grad_w, row_scale = kernels.forward(
+                x, w, targets, vocab, chunk, dtype, need_grad, fused_logits=fused_logits
+            )
             if need_grad:
                 ctx.save_for_backward(grad_x, grad_w, row_scale)
             return loss
         if not targets.is_cuda:  # on a GPU the check would wait for it every step
             bad = (targets < -1) | (targets >= vocab)
             if bad.any():
-                raise IndexError(f"target id {int(targets[bad][0])} is out of bounds: targets must be "
-                                 f"token ids in [0, {vocab}) or -1 (ignored)")
+                raise IndexError(
+                    f"target id {int(targets[bad][0])} is out of bounds: targets must be "
+                    f"token ids in [0, {vocab}) or -1 (ignored)"
+                )
         xc, wc = x.to(dtype), w[:vocab].to(dtype)
         valid = targets != -1
         n_valid = valid.sum()
@@ -79,7 +86,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         for s in range(0, x.size(0), chunk):
-            xs, ts, vs = xc[s:s + chunk], targets[s:s + chunk], valid[s:s + chunk]
+            xs, ts, vs = xc[s : s + chunk], targets[s : s + chunk], valid[s : s + chunk]
             logits = (xs @ wc.T).float()
             lse = torch.logsumexp(logits, dim=-1)
             safe_t = ts.clamp(min=0)
@@ -89,7 +96,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = torch.exp(logits - lse[:, None])
                 g[torch.arange(len(ts), device=x.device), safe_t] -= 1.0
                 g = (g * (vs[:, None] / n_valid.clamp(min=1))).to(dtype)
-                grad_x[s:s + chunk] = (g @ wc).to(x.dtype)
+                grad_x[s : s + chunk] = (g @ wc).to(x.dtype)
                 grad_w[:vocab] += (g.T @ xs).float()
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w, None)
@@ -104,13 +111,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.w_grad_hook is not None:
             ctx.w_grad_hook(grad_w)
             grad_w = None
-        return (_scale_rows(grad_x, grad_loss, row_scale, dtype=x_dtype), grad_w,
-                None, None, None, None, None)
+        return (_scale_rows(grad_x, grad_loss, row_scale, dtype=x_dtype), grad_w, None, None, None, None, None)
 
 
-def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int,
-                         chunk: Optional[int] = None, w_grad_hook: Optional[Callable] = None, *,
-                         fused_logits: bool = True) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    vocab: int,
+    chunk: Optional[int] = None,
+    w_grad_hook: Optional[Callable] = None,
+    *,
+    fused_logits: bool = True,
+) -> torch.Tensor:
     """x: (N, d), w: (V_padded, d), targets: (N,) -> scalar mean loss (nats/token), float32.
 
     ``targets`` are what ``F.cross_entropy(..., ignore_index=-1)`` takes: token ids in
@@ -138,8 +151,9 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     if chunk is None:
         chunk = TrainConfig.loss_chunk_tokens  # the dataclass field's default
     if chunk <= 0:
-        raise ValueError(f"linear_cross_entropy: chunk must be a positive number of tokens per "
-                         f"slice, got chunk={chunk}")
+        raise ValueError(
+            f"linear_cross_entropy: chunk must be a positive number of tokens per slice, got chunk={chunk}"
+        )
     return _LinearCrossEntropy.apply(x, w, targets, vocab, chunk, w_grad_hook, fused_logits)
 
 
@@ -163,12 +177,13 @@ class ChunkedOutputLoss(nn.Module):
     the embedding's share is a few rows (``oelm_core.fast.peer_grads``).
     """
 
-    def __init__(self, vocab_size: int, chunk: int = TrainConfig.loss_chunk_tokens, *,
-                 fused_logits: bool = True):
+    def __init__(self, vocab_size: int, chunk: int = TrainConfig.loss_chunk_tokens, *, fused_logits: bool = True):
         super().__init__()
         if chunk <= 0:
-            raise ValueError(f"ChunkedOutputLoss: chunk must be a positive number of tokens per "
-                             f"slice (train.loss_chunk_tokens), got {chunk}")
+            raise ValueError(
+                f"ChunkedOutputLoss: chunk must be a positive number of tokens per "
+                f"slice (train.loss_chunk_tokens), got {chunk}"
+            )
         self.vocab_size, self.chunk = vocab_size, chunk
         self.fused_logits = fused_logits
         self.grad_hook: Optional[Callable[[torch.Tensor], None]] = None
@@ -179,15 +194,17 @@ class ChunkedOutputLoss(nn.Module):
     def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """h (N, d_model), weight (padded_vocab, d_model), targets (N,) token ids or -1 -> the mean
         loss over the counted positions, 0-dim float32 (nats/token), as ``OutputLoss``."""
-        return self._outside_compile(h, weight, targets, self.vocab_size, self.chunk, self.grad_hook,
-                                     fused_logits=self.fused_logits)
+        return self._outside_compile(
+            h, weight, targets, self.vocab_size, self.chunk, self.grad_hook, fused_logits=self.fused_logits
+        )
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, chunk={self.chunk}, fused_logits={self.fused_logits}"
 
 
-def install(model: nn.Module, chunk: int = TrainConfig.loss_chunk_tokens, *,
-            fused_logits: bool = True) -> ChunkedOutputLoss:
+def install(
+    model: nn.Module, chunk: int = TrainConfig.loss_chunk_tokens, *, fused_logits: bool = True
+) -> ChunkedOutputLoss:
     """Swap ``model.output_loss`` (a GPT's) for a ``ChunkedOutputLoss``; returns it. The model's
     parameters and state dict are untouched."""
     model.output_loss = ChunkedOutputLoss(model.cfg.vocab_size, chunk, fused_logits=fused_logits)

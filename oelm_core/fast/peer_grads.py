@@ -60,6 +60,7 @@ def first_of_each(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first[1:] = ids[1:] != ids[:-1]
     return ids, first
 
+
 # The live taps, by id: the custom op carries the id (an int) so that the compiled graph holds
 # no Python object.
 _TAPS: "weakref.WeakValueDictionary[int, ParameterTap]" = weakref.WeakValueDictionary()
@@ -111,15 +112,13 @@ class ParameterTap:
     once per forward (a second read would send a part).
     """
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter],
-                 on_grad: Callable[[int, torch.Tensor], None]):
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], on_grad: Callable[[int, torch.Tensor], None]):
         self.id, self.on_grad = next(_TAP_IDS), on_grad
         slot_of = {id(p): i for i, p in enumerate(params)}
         self._modules: list[tuple[nn.Module, type]] = []
         tapped = 0
         for module in model.modules():
-            names = {name: slot_of[id(p)] for name, p in module.named_parameters(recurse=False)
-                     if id(p) in slot_of}
+            names = {name: slot_of[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in slot_of}
             if names:
                 cls = type(module)
                 props = {name: _tapped(name, self.id, slot) for name, slot in names.items()}
@@ -156,8 +155,10 @@ class PeerGradExchange:
         ranks on CUDA GPUs of one host with peer access, or no symmetric memory in this torch.
         Collective: both ranks call it and both get an exchange or both None."""
         if cls.not_here(device) is not None:
-            log.info("gradients by DDP: the NVLink copy exchange pairs two CUDA GPUs of one host "
-                     "under NCCL (%s)", cls.not_here(device))
+            log.info(
+                "gradients by DDP: the NVLink copy exchange pairs two CUDA GPUs of one host under NCCL (%s)",
+                cls.not_here(device),
+            )
             return None  # the same on every rank: no need to agree
         exchange = reason = None
         try:
@@ -361,9 +362,11 @@ class PeerGradExchange:
         """After the last micro-step's backward: every ``.grad`` := the sum over the two ranks."""
         if self._sent != [1] * len(self.params):  # runs while eager and while captured, not replayed
             twice = [i for i, n in enumerate(self._sent) if n != 1]
-            raise RuntimeError(f"{len(twice)} parameters' gradients were not sent exactly once in "
-                               f"this step (a parameter read twice in the forward, or unused); "
-                               f"set train.grad_exchange: ddp")
+            raise RuntimeError(
+                f"{len(twice)} parameters' gradients were not sent exactly once in "
+                f"this step (a parameter read twice in the forward, or unused); "
+                f"set train.grad_exchange: ddp"
+            )
         if self.tied is not None and self._ids is None:  # the dense way: both shares in one
             self._out.add_(self.tied.grad)
             self._send(self._peer_out, self._out)

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_TOP_K = 1024
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_CHUNK = 2048        # columns per _scores_kernel program without top-k (and at least with it)
+_CHUNK = 2048  # columns per _scores_kernel program without top-k (and at least with it)
 _MAX_CANDIDATES = 8192  # one _pick_kernel block: chunks are widened to keep a row's under it
 
 
@@ -86,10 +86,25 @@ if triton is not None:
         return tl.where(tl.sum(tl.where(key >= mid, w, 0.0), 0) >= need, mid, lo)
 
     @triton.jit
-    def _scores_kernel(logits_ptr, stride, seed_ptr, step_ptr, inv_t, x_ptr, s_ptr,
-                       cx_ptr, cs_ptr, ci_ptr, over_ptr, vocab,
-                       NOISE: tl.constexpr, TOP_K: tl.constexpr, KM: tl.constexpr, CH: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+    def _scores_kernel(
+        logits_ptr,
+        stride,
+        seed_ptr,
+        step_ptr,
+        inv_t,
+        x_ptr,
+        s_ptr,
+        cx_ptr,
+        cs_ptr,
+        ci_ptr,
+        over_ptr,
+        vocab,
+        NOISE: tl.constexpr,
+        TOP_K: tl.constexpr,
+        KM: tl.constexpr,
+        CH: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
         """Columns [chunk * CH, (chunk + 1) * CH) of row ``row``: x and x + g (x without NOISE)
         into x, s (batch, vocab); the chunk's candidates, KM slots of (x, x + g, id) at cx, cs, ci[row, chunk]:
         with TOP_K its KM largest x (and, at over[row, chunk], the KM-th largest key if ties
@@ -122,8 +137,7 @@ if triton is not None:
             tl.store(cs_ptr + slot + pos, s, mask=put)
             tl.store(ci_ptr + slot + pos, cols, mask=put)
             n_sel = tl.sum(sel.to(tl.int32), 0)
-            tl.store(over_ptr + row * tl.num_programs(0) + chunk,
-                     tl.where(n_sel > KM, cut, -2147483648).to(tl.int32))
+            tl.store(over_ptr + row * tl.num_programs(0) + chunk, tl.where(n_sel > KM, cut, -2147483648).to(tl.int32))
         else:
             best = tl.max(s, 0)
             i = tl.min(tl.where(s == best, cols, vocab), 0)
@@ -138,10 +152,16 @@ if triton is not None:
         offs = off + tl.arange(0, BLOCK)
         in_row = full & (offs < vocab)
         in_cand = (full == 0) & (offs < n_cand)
-        x = tl.where(full, tl.load(x_ptr + row * vocab + offs, mask=in_row, other=float("-inf")),
-                     tl.load(cx_ptr + row * n_cand + offs, mask=in_cand, other=float("-inf")))
-        s = tl.where(full, tl.load(s_ptr + row * vocab + offs, mask=in_row, other=float("-inf")),
-                     tl.load(cs_ptr + row * n_cand + offs, mask=in_cand, other=float("-inf")))
+        x = tl.where(
+            full,
+            tl.load(x_ptr + row * vocab + offs, mask=in_row, other=float("-inf")),
+            tl.load(cx_ptr + row * n_cand + offs, mask=in_cand, other=float("-inf")),
+        )
+        s = tl.where(
+            full,
+            tl.load(s_ptr + row * vocab + offs, mask=in_row, other=float("-inf")),
+            tl.load(cs_ptr + row * n_cand + offs, mask=in_cand, other=float("-inf")),
+        )
         ids = tl.where(full, offs, tl.load(ci_ptr + row * n_cand + offs, mask=in_cand, other=0))
         valid = in_row | in_cand
         return tl.where(valid, _key(x), -2147483648), x, s, ids, valid
@@ -155,8 +175,24 @@ if triton is not None:
             return tl.where(valid, 1.0, 0.0)
 
     @triton.jit
-    def _largest_key(row, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, need, cut, top, z,
-                     MASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    def _largest_key(
+        row,
+        full,
+        x_ptr,
+        s_ptr,
+        vocab,
+        cx_ptr,
+        cs_ptr,
+        ci_ptr,
+        n_cand,
+        need,
+        cut,
+        top,
+        z,
+        MASS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
         """The largest v with the count (or MASS) of the set's entries with key >= v >= need."""
         lo = tl.full([], -2147483648, tl.int64)
         if full:
@@ -164,23 +200,38 @@ if triton is not None:
                 mid = lo + (tl.full([], 1, tl.int64) << (31 - r))
                 mass = tl.full([], 0.0, tl.float32)
                 for off in tl.range(0, vocab, BLOCK):
-                    key, x, s, ids, valid = _set_block(row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr,
-                                                       ci_ptr, n_cand, BLOCK)
+                    key, x, s, ids, valid = _set_block(
+                        row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, BLOCK
+                    )
                     w = _weight(key, x, valid, cut, top, z, MASS, INTERPRET)
                     mass += tl.sum(tl.where(key >= mid, w, 0.0), 0)
                 lo = tl.where(mass >= need, mid, lo)
         else:  # one block, loaded once
-            key, x, s, ids, valid = _set_block(row, 0, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr,
-                                               n_cand, BLOCK)
+            key, x, s, ids, valid = _set_block(row, 0, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, BLOCK)
             w = _weight(key, x, valid, cut, top, z, MASS, INTERPRET)
             for r in tl.static_range(32):
                 lo = _raise(lo, 31 - r, key, w, need)
         return lo
 
     @triton.jit
-    def _pick_kernel(x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, over_ptr, n_chunks, out_ptr, k, top_p,
-                     TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+    def _pick_kernel(
+        x_ptr,
+        s_ptr,
+        vocab,
+        cx_ptr,
+        cs_ptr,
+        ci_ptr,
+        n_cand,
+        over_ptr,
+        n_chunks,
+        out_ptr,
+        k,
+        top_p,
+        TOP_K: tl.constexpr,
+        TOP_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
         """out[row] = the first id of the largest x + g among x >= the cut. The cut: the k-th
         largest x (TOP_K), raised by top-p (TOP_P, only with TOP_K) to the lowest x whose
         mass above is below p. Over the candidates, unless ties overflowed a chunk's slots at
@@ -189,8 +240,24 @@ if triton is not None:
         cut = tl.full([], -2147483648, tl.int64)
         full = n_cand < 0
         if TOP_K:  # the candidates hold every chunk's KM >= k largest values, so the row's k largest
-            cut = _largest_key(row, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, k,
-                               cut, 0.0, 1.0, False, BLOCK, INTERPRET)
+            cut = _largest_key(
+                row,
+                full,
+                x_ptr,
+                s_ptr,
+                vocab,
+                cx_ptr,
+                cs_ptr,
+                ci_ptr,
+                n_cand,
+                k,
+                cut,
+                0.0,
+                1.0,
+                False,
+                BLOCK,
+                INTERPRET,
+            )
             c = tl.arange(0, BLOCK)
             over = tl.load(over_ptr + row * n_chunks + c, mask=c < n_chunks, other=-2147483648)
             full = tl.max(over, 0).to(tl.int64) >= cut
@@ -200,21 +267,40 @@ if triton is not None:
             # largest v with mass(key >= v) >= p, the probabilities softmax over x >= cut.
             top = tl.full([], float("-inf"), tl.float32)
             for off in tl.range(0, n, BLOCK):
-                key, x, s, ids, valid = _set_block(row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr,
-                                                   n_cand, BLOCK)
+                key, x, s, ids, valid = _set_block(
+                    row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, BLOCK
+                )
                 top = tl.maximum(top, tl.max(tl.where(key >= cut, x, float("-inf")), 0))
             z = tl.full([], 0.0, tl.float32)
             for off in tl.range(0, n, BLOCK):
-                key, x, s, ids, valid = _set_block(row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr,
-                                                   n_cand, BLOCK)
+                key, x, s, ids, valid = _set_block(
+                    row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, BLOCK
+                )
                 z += tl.sum(tl.where(key >= cut, _exp(x - top, INTERPRET), 0.0), 0)
-            cut = _largest_key(row, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, top_p,
-                               cut, top, z, True, BLOCK, INTERPRET)
+            cut = _largest_key(
+                row,
+                full,
+                x_ptr,
+                s_ptr,
+                vocab,
+                cx_ptr,
+                cs_ptr,
+                ci_ptr,
+                n_cand,
+                top_p,
+                cut,
+                top,
+                z,
+                True,
+                BLOCK,
+                INTERPRET,
+            )
         best = tl.full([], float("-inf"), tl.float32)
         best_i = tl.full([], 2147483647, tl.int32)
         for off in tl.range(0, n, BLOCK):
-            key, x, s, ids, valid = _set_block(row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand,
-                                               BLOCK)
+            key, x, s, ids, valid = _set_block(
+                row, off, full, x_ptr, s_ptr, vocab, cx_ptr, cs_ptr, ci_ptr, n_cand, BLOCK
+            )
             s = tl.where(key >= cut, s, float("-inf"))
             m = tl.max(s, 0)
             i = tl.min(tl.where(s == m, ids, 2147483647), 0)  # the first of equal maxima, as argmax
@@ -243,8 +329,14 @@ def _launch_shape(vocab: int, top_k: int) -> tuple[int, int]:
     return km, ch
 
 
-def sample(logits: torch.Tensor, inv_t: float, top_k: int, top_p: float, seed: Optional[torch.Tensor],
-           step: Optional[torch.Tensor]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    inv_t: float,
+    top_k: int,
+    top_p: float,
+    seed: Optional[torch.Tensor],
+    step: Optional[torch.Tensor],
+) -> torch.Tensor:
     """logits (..., vocab) float32/bfloat16; inv_t the float32 1 / temperature; top_k 0 (none)
     or below vocab; seed and step one-element int64 tensors on the logits' device -> token ids
     (...,) int64: ``generate.sample``'s draw (see the module docstring). seed None: no noise, the
@@ -270,12 +362,45 @@ def sample(logits: torch.Tensor, inv_t: float, top_k: int, top_p: float, seed: O
     # (8,192 columns, 7,168 candidates) took twice as long with 4 as with 8.
     noise = seed is not None
     warps = 8 if cx.size(1) > 2048 else 4
-    _scores_kernel[(n_chunks, batch)](rows, rows.stride(0), seed if noise else out, step if noise else out,
-                                      inv_t, x, s, cx, cs, ci, over, vocab, NOISE=noise, TOP_K=bool(top_k),
-                                      KM=km, CH=ch, INTERPRET=_INTERPRET, num_warps=warps,
-                                      enable_fp_fusion=False)
-    _pick_kernel[(batch,)](x, s, vocab, cx, cs, ci, cx.size(1), over, n_chunks, out, top_k, top_p,
-                           TOP_K=bool(top_k), TOP_P=bool(top_k) and top_p < 1.0,
-                           BLOCK=triton.next_power_of_2(max(cx.size(1), n_chunks)), INTERPRET=_INTERPRET,
-                           num_warps=warps, enable_fp_fusion=False)
+    _scores_kernel[(n_chunks, batch)](
+        rows,
+        rows.stride(0),
+        seed if noise else out,
+        step if noise else out,
+        inv_t,
+        x,
+        s,
+        cx,
+        cs,
+        ci,
+        over,
+        vocab,
+        NOISE=noise,
+        TOP_K=bool(top_k),
+        KM=km,
+        CH=ch,
+        INTERPRET=_INTERPRET,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+    _pick_kernel[(batch,)](
+        x,
+        s,
+        vocab,
+        cx,
+        cs,
+        ci,
+        cx.size(1),
+        over,
+        n_chunks,
+        out,
+        top_k,
+        top_p,
+        TOP_K=bool(top_k),
+        TOP_P=bool(top_k) and top_p < 1.0,
+        BLOCK=triton.next_power_of_2(max(cx.size(1), n_chunks)),
+        INTERPRET=_INTERPRET,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
     return out.view(logits.shape[:-1])

@@ -19,13 +19,39 @@ notebooks that launch nothing import without the runner. docs/experiments.md has
 from oelm_core.analysis.runs import FINISHED
 from oelm_core.runner.launch import child_visible_devices, launch_training, train_command
 from oelm_core.runner.local import LocalScheduler
-from oelm_core.runner.plan import (LAUNCHERS, RUNNERS, STEPS, ExperimentSection, Plan, PlannedRun, SlurmSettings,
-                                   load_plan)
+from oelm_core.runner.plan import (
+    LAUNCHERS,
+    RUNNERS,
+    STEPS,
+    ExperimentSection,
+    Plan,
+    PlannedRun,
+    SlurmSettings,
+    load_plan,
+)
 from oelm_core.runner.run import run_plan, run_trainings, scheduler_for
 from oelm_core.runner.scheduler import ExperimentError, Scheduler, check_run_folder
 from oelm_core.runner.slurm import SlurmScheduler
 
-__all__ = ["FINISHED", "LAUNCHERS", "RUNNERS", "STEPS", "ExperimentError", "ExperimentSection", "LocalScheduler",
-           "Plan", "PlannedRun", "Scheduler", "SlurmScheduler", "SlurmSettings", "check_run_folder",
-           "child_visible_devices", "launch_training", "load_plan", "run_plan", "run_trainings", "scheduler_for",
-           "train_command"]
+__all__ = [
+    "FINISHED",
+    "LAUNCHERS",
+    "RUNNERS",
+    "STEPS",
+    "ExperimentError",
+    "ExperimentSection",
+    "LocalScheduler",
+    "Plan",
+    "PlannedRun",
+    "Scheduler",
+    "SlurmScheduler",
+    "SlurmSettings",
+    "check_run_folder",
+    "child_visible_devices",
+    "launch_training",
+    "load_plan",
+    "run_plan",
+    "run_trainings",
+    "scheduler_for",
+    "train_command",
+]

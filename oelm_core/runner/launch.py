@@ -19,8 +19,9 @@ from oelm_core.config import ConfigError, apply_overrides, run_config_from_dict
 from oelm_core.runner.plan import training_parameters
 
 
-def train_command(params: str | Path, overrides: Sequence[str] = (), nproc: int = 1,
-                  resume: bool = False, nodes: int = 1) -> list[str]:
+def train_command(
+    params: str | Path, overrides: Sequence[str] = (), nproc: int = 1, resume: bool = False, nodes: int = 1
+) -> list[str]:
     """The command line of one training: ``python -m oelm_core.train`` for one process,
     ``torchrun --standalone --nproc_per_node N -m oelm_core.train`` for several on one host.
     ``nodes`` > 1: the command each of that many hosts runs, ``torchrun --nnodes NODES
@@ -32,8 +33,15 @@ def train_command(params: str | Path, overrides: Sequence[str] = (), nproc: int 
         cmd = [sys.executable, "-m", "oelm_core.train"]
     else:
         where = ["--standalone"] if nodes == 1 else [f"--nnodes={nodes}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *where,
-               f"--nproc_per_node={nproc}", "-m", "oelm_core.train"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *where,
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "oelm_core.train",
+        ]
     cmd += ["--params", str(params)]
     for o in overrides:
         cmd += ["--set", o]
@@ -55,21 +63,31 @@ def child_visible_devices(gpus: str) -> str:
     try:
         picked = [int(i) for i in text.split(",")]
     except ValueError:
-        raise ConfigError(f"cuda_visible_devices={text!r}: give GPU indices such as \"0\" or \"0,1\", "
-                          f"counted among the {len(devices)} GPU(s) this process sees "
-                          f"(CUDA_VISIBLE_DEVICES={visible})") from None
+        raise ConfigError(
+            f"cuda_visible_devices={text!r}: give GPU indices such as \"0\" or \"0,1\", "
+            f"counted among the {len(devices)} GPU(s) this process sees "
+            f"(CUDA_VISIBLE_DEVICES={visible})"
+        ) from None
     bad = [i for i in picked if not 0 <= i < len(devices)]
     if bad:
-        raise ConfigError(f"cuda_visible_devices={text!r} names GPU {bad[0]}, but this process sees "
-                          f"{len(devices)} GPU(s) (CUDA_VISIBLE_DEVICES={visible}); indices count "
-                          f"from 0 among those")
+        raise ConfigError(
+            f"cuda_visible_devices={text!r} names GPU {bad[0]}, but this process sees "
+            f"{len(devices)} GPU(s) (CUDA_VISIBLE_DEVICES={visible}); indices count "
+            f"from 0 among those"
+        )
     return ",".join(devices[i] for i in picked)
 
 
-def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: int = 1,
-                    cuda_visible_devices: str | None = None, run_dir: str | Path | None = None,
-                    resume: bool = False, progress: bool | None = None,
-                    echo: Callable[[str], None] | None = None) -> Path:
+def launch_training(
+    params: str | Path,
+    overrides: Sequence[str] = (),
+    nproc: int = 1,
+    cuda_visible_devices: str | None = None,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    progress: bool | None = None,
+    echo: Callable[[str], None] | None = None,
+) -> Path:
     """Train one run in a subprocess, echoing its log line by line; returns the run folder.
 
     ``run_dir`` overrides the parameter file's out_dir. ``cuda_visible_devices`` picks the child's
@@ -87,14 +105,22 @@ def launch_training(params: str | Path, overrides: Sequence[str] = (), nproc: in
         # quoted: --set values are YAML, where " #" starts a comment and a bare path may be a number
         overrides.append(f"out_dir={json.dumps(str(Path(run_dir).resolve()), ensure_ascii=False)}")
     cfg = run_config_from_dict(apply_overrides(training_parameters(params), overrides))  # fails before a launch
-    extra = ({} if cuda_visible_devices is None
-             else {"CUDA_VISIBLE_DEVICES": child_visible_devices(cuda_visible_devices)})
+    extra = (
+        {} if cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": child_visible_devices(cuda_visible_devices)}
+    )
     cmd = train_command(params.resolve(), overrides, nproc, resume)
     echo = echo or (lambda line: print(line, flush=True))
     echo("$ " + " ".join(cmd) + (f"   [CUDA_VISIBLE_DEVICES={extra['CUDA_VISIBLE_DEVICES']}]" if extra else ""))
     tail: list[str] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(extra), cwd=os.getcwd(), bufsize=1)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(extra),
+        cwd=os.getcwd(),
+        bufsize=1,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip("\n").split("\r")[-1]  # a progress bar's redraws: keep the latest

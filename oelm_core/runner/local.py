@@ -51,23 +51,29 @@ class LocalScheduler(Scheduler):
     def __init__(self, budget_s: float = 0.0):
         super().__init__()
         if not (isinstance(budget_s, (int, float)) and math.isfinite(budget_s) and budget_s >= 0):
-            raise ConfigError(f"--budget-s must be a number of seconds after which no training starts, "
-                              f"or 0 for no budget; got {budget_s!r}")
+            raise ConfigError(
+                f"--budget-s must be a number of seconds after which no training starts, "
+                f"or 0 for no budget; got {budget_s!r}"
+            )
         self.budget_s = float(budget_s)
 
     def check(self, plan: Plan) -> None:
         g = plan.gpus_per_run
         if g and plan.runner != "inprocess" and gpu_count() < g:
-            raise ExperimentError(f"{plan.section}.gpus_per_run={g}, but this machine has {gpu_count()} GPU(s); "
-                                  f"set --set {plan.section}.gpus_per_run=0 for CPU or fewer GPUs per run")
+            raise ExperimentError(
+                f"{plan.section}.gpus_per_run={g}, but this machine has {gpu_count()} GPU(s); "
+                f"set --set {plan.section}.gpus_per_run=0 for CPU or fewer GPUs per run"
+            )
 
     def slots(self, plan: Plan, log: Callable[[str], None]) -> list[str | None]:
         """The GPU sets trainings run on side by side: indices as this process numbers its GPUs
         (launch_training maps them to the machine's); [None] for one training at a time."""
         g = plan.gpus_per_run
         if g == 0 or plan.runner == "inprocess":
-            log(f"{plan.tag} {len(plan.runs)} training(s) one after another"
-                + (" on CPU" if g == 0 else f", {plan.runner}"))
+            log(
+                f"{plan.tag} {len(plan.runs)} training(s) one after another"
+                + (" on CPU" if g == 0 else f", {plan.runner}")
+            )
             return [None]
         n_gpu = gpu_count()
         slots = gpu_slots(n_gpu, g, plan.runs_per_gpu, len(plan.runs))
@@ -91,8 +97,10 @@ class LocalScheduler(Scheduler):
                 elapsed = time.perf_counter() - t0
                 if self.budget_s and elapsed > self.budget_s:
                     return row(run)
-                log(f"{plan.tag} training {i + 1}/{len(plan.runs)}, {elapsed:.0f}s: {run.name} ({run.variant}, "
-                    f"seed {run.seed})" + (f" on GPUs {gpus}" if gpus is not None else ""))
+                log(
+                    f"{plan.tag} training {i + 1}/{len(plan.runs)}, {elapsed:.0f}s: {run.name} ({run.variant}, "
+                    f"seed {run.seed})" + (f" on GPUs {gpus}" if gpus is not None else "")
+                )
                 write_run_files(run)
                 try:
                     status = train_one(plan, run, gpus, log) or "failed"
@@ -104,7 +112,7 @@ class LocalScheduler(Scheduler):
                     result["error"] = error
                     log(f"{plan.tag} FAILED {run.name}: {error}")
                 elif status in FINISHED and not plan.keep_checkpoints:
-                    shutil.rmtree(run.run_dir / "ckpt", ignore_errors=True)   # best.pt stays
+                    shutil.rmtree(run.run_dir / "ckpt", ignore_errors=True)  # best.pt stays
                 return result
             finally:
                 free.put(gpus)
@@ -116,10 +124,14 @@ class LocalScheduler(Scheduler):
                 rows = list(pool.map(one, range(len(plan.runs)), plan.runs))
         left = sum(r["status"] == "not started" for r in rows)
         if left:
-            log(f"{plan.tag} time budget of {self.budget_s:.0f}s used: {left} run(s) not started (run the same "
-                f"command again to continue)")
-        log(f"{plan.tag} {sum(r['status'] in FINISHED + ('skipped',) for r in rows)}/{len(rows)} run(s) done "
-            f"in {time.perf_counter() - t0:.0f}s")
+            log(
+                f"{plan.tag} time budget of {self.budget_s:.0f}s used: {left} run(s) not started (run the same "
+                f"command again to continue)"
+            )
+        log(
+            f"{plan.tag} {sum(r['status'] in FINISHED + ('skipped',) for r in rows)}/{len(rows)} run(s) done "
+            f"in {time.perf_counter() - t0:.0f}s"
+        )
         return rows
 
 
@@ -136,11 +148,29 @@ def train_one(plan: Plan, run: PlannedRun, gpus: str | None, log: Callable[[str]
 
         return train(run_config_from_dict(run.config), resume=True).get("status")
     if plan.runner == "subprocess":
-        launch_training(params_file, nproc=nproc, cuda_visible_devices=devices, run_dir=run.run_dir,
-                        resume=True, progress=launch.get("progress_bar"), echo=lambda line: log(prefix + line))
+        launch_training(
+            params_file,
+            nproc=nproc,
+            cuda_visible_devices=devices,
+            run_dir=run.run_dir,
+            resume=True,
+            progress=launch.get("progress_bar"),
+            echo=lambda line: log(prefix + line),
+        )
     else:
-        execute_notebook(TRAININGS, run.run_dir / f"{TRAININGS}.ipynb",
-                         {"resume": True, **launch, "params": str(params_file.resolve()), "overrides": [],
-                          "run_dir": str(run.run_dir.resolve()), "nproc": nproc, "cuda_visible_devices": devices},
-                         prefix=prefix, echo=log)
+        execute_notebook(
+            TRAININGS,
+            run.run_dir / f"{TRAININGS}.ipynb",
+            {
+                "resume": True,
+                **launch,
+                "params": str(params_file.resolve()),
+                "overrides": [],
+                "run_dir": str(run.run_dir.resolve()),
+                "nproc": nproc,
+                "cuda_visible_devices": devices,
+            },
+            prefix=prefix,
+            echo=log,
+        )
     return run_status(run.run_dir).get("status")

@@ -32,10 +32,12 @@ from oelm_core.notebooks import say
 from oelm_core.runner.plan import Plan, PlannedRun
 
 # How the data is reached, for a message about data that could not be read or prepared.
-DATA_WAYS = ("the stories come from the Hugging Face hub when online (data.source roneneldan/TinyStories, "
-             "with pip install 'oelm-core[data]'), or offline from a local folder: set OELM_DATA to a folder of "
-             "TinyStories files (train/ and validation/) and TIKTOKEN_CACHE_DIR to the GPT-2 BPE files "
-             "(docs/data.md)")
+DATA_WAYS = (
+    "the stories come from the Hugging Face hub when online (data.source roneneldan/TinyStories, "
+    "with pip install 'oelm-core[data]'), or offline from a local folder: set OELM_DATA to a folder of "
+    "TinyStories files (train/ and validation/) and TIKTOKEN_CACHE_DIR to the GPT-2 BPE files "
+    "(docs/data.md)"
+)
 
 
 class ExperimentError(RuntimeError):
@@ -55,7 +57,7 @@ def check_run_folder(run: PlannedRun) -> None:
     """Raise ConfigError when run.run_dir already holds a run trained with other settings: skipping
     or resuming it would report that run as the planned one. Settings the trainer resumes
     across (config.EXECUTION_KEYS) may differ: the folder still holds the planned run."""
-    saved_file = run.run_dir / "config.yaml"   # the trainer's own record of what it trained
+    saved_file = run.run_dir / "config.yaml"  # the trainer's own record of what it trained
     if not saved_file.is_file():
         return
     fix = f"train into another folder (--out), or delete {run.run_dir} to train it again"
@@ -66,8 +68,9 @@ def check_run_folder(run: PlannedRun) -> None:
     planned = trained_settings(run.config)
     changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in planned.items() if saved.get(k) != v]
     if changed:
-        raise ConfigError(f"{run.run_dir} holds a run trained with other settings than planned "
-                          f"({'; '.join(changed)}); {fix}")
+        raise ConfigError(
+            f"{run.run_dir} holds a run trained with other settings than planned ({'; '.join(changed)}); {fix}"
+        )
 
 
 def prepare_data(plan: Plan, log: Callable[[str], None]) -> None:
@@ -82,8 +85,14 @@ def prepare_data(plan: Plan, log: Callable[[str], None]) -> None:
             get_tokenizer()
         for run in plan.runs:
             cfg = run_config_from_dict(run.config).data
-            key = (cfg.source, cfg.out_dir, cfg.max_train_stories, cfg.max_val_stories, cfg.text_field,
-                   os.environ.get("OELM_DATA"))
+            key = (
+                cfg.source,
+                cfg.out_dir,
+                cfg.max_train_stories,
+                cfg.max_val_stories,
+                cfg.text_field,
+                os.environ.get("OELM_DATA"),
+            )
             if key not in prepared:
                 log(f"{plan.tag} preparing data {cfg.out_dir} (source {os.environ.get('OELM_DATA') or cfg.source})")
                 prepare(cfg, progress=False)
@@ -111,8 +120,10 @@ def ended(plan: Plan, run: PlannedRun, log: Callable[[str], None]) -> dict | Non
     summary = run_status(run.run_dir)
     if summary.get("status") not in FINISHED:
         return None
-    log(f"{plan.tag} {run.name} already ended ({summary['status']} at step {summary.get('steps')}): "
-        f"nothing to train; {run.run_dir}")
+    log(
+        f"{plan.tag} {run.name} already ended ({summary['status']} at step {summary.get('steps')}): "
+        f"nothing to train; {run.run_dir}"
+    )
     return row(run, "skipped")
 
 
@@ -138,12 +149,15 @@ def hold_plan_folder(plan: Plan) -> Iterator[None]:
             out.mkdir(parents=True, exist_ok=True)
             stack.enter_context(exclusive_lock(out / ".lock"))
         except LockHeld as exc:
-            raise ConfigError(f"another process is writing here (pid {exc.holder}): {out} is the folder of a plan "
-                              f"that process runs; wait for it to end, or run this plan into another "
-                              f"folder (--out)") from None
+            raise ConfigError(
+                f"another process is writing here (pid {exc.holder}): {out} is the folder of a plan "
+                f"that process runs; wait for it to end, or run this plan into another "
+                f"folder (--out)"
+            ) from None
         except OSError as exc:
-            raise ConfigError(f"cannot write to the plan's folder {out} ({exc.strerror}); choose another "
-                              f"folder (--out)") from None
+            raise ConfigError(
+                f"cannot write to the plan's folder {out} ({exc.strerror}); choose another folder (--out)"
+            ) from None
         _held[out] = 1
         try:
             yield
@@ -155,7 +169,7 @@ class Scheduler(ABC):
     """Where a plan's trainings run (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._ready: set[int] = set()   # the plans checked and prepared (their id)
+        self._ready: set[int] = set()  # the plans checked and prepared (their id)
 
     def check(self, plan: Plan) -> None:
         """ConfigError, before any step of ``plan`` runs, where this scheduler cannot run it here."""

@@ -48,8 +48,7 @@ from oelm_core.runner.scheduler import Scheduler, ended, row, run_status, write_
 
 SCRIPT, RECORD = "job.sbatch", "slurm.json"
 # squeue's and sacct's job states, as the runner reports them; any other state has ended the job.
-QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD",
-          "SUSPENDED", "RESIZING"}
+QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SUSPENDED", "RESIZING"}
 RUNNING = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT"}
 # The environment a training reads that the job script writes down (when set here), so that a
 # script re-submitted from another shell trains on the same data.
@@ -57,12 +56,13 @@ CARRIED_ENV = ("OELM_DATA", "TIKTOKEN_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "
 # Seconds a job must look ended, its run unfinished, before it counts as failed: a requeue passes
 # through an ended state (much longer where the run was preempted and the requeue is on its way).
 ENDED_WAIT_S, REQUEUE_WAIT_S = 10.0, 60.0
-RDZV_PORT = 29500   # the port torchrun's rendezvous listens on, on a multi-node job's first node
+RDZV_PORT = 29500  # the port torchrun's rendezvous listens on, on a multi-node job's first node
 
 
 # --------------------------------------------------------------------------------------------
 # The job script
 # --------------------------------------------------------------------------------------------
+
 
 def _nproc(plan: Plan) -> int:
     """Training processes per node: one per GPU, or on CPU the 03_training nproc (1 by default)."""
@@ -73,57 +73,74 @@ def job_script(plan: Plan, run: PlannedRun, settings: SlurmSettings) -> str:
     """The sbatch script that trains ``run`` (its params.yaml, into its run folder) with --resume."""
     run_dir = run.run_dir.resolve()
     nodes, nproc = settings.nodes, _nproc(plan)
-    overrides = ["train.progress=false",   # a log file, not a terminal: no progress bar redraws
-                 f"out_dir={json.dumps(str(run_dir), ensure_ascii=False)}"]
+    overrides = [
+        "train.progress=false",  # a log file, not a terminal: no progress bar redraws
+        f"out_dir={json.dumps(str(run_dir), ensure_ascii=False)}",
+    ]
     cmd = shlex.join(train_command(run_dir / "params.yaml", overrides, nproc, resume=True, nodes=nodes))
-    options = [f"--job-name=oelm-{plan.name}-{run.name.replace('/', '-')}",
-               f"--output={run_dir}/slurm-%j.out",
-               "--open-mode=append",            # a requeued job adds to its log instead of replacing it
-               f"--chdir={Path.cwd()}",         # relative paths in the parameters mean what they mean here
-               f"--nodes={nodes}", "--ntasks-per-node=1"]
+    options = [
+        f"--job-name=oelm-{plan.name}-{run.name.replace('/', '-')}",
+        f"--output={run_dir}/slurm-%j.out",
+        "--open-mode=append",  # a requeued job adds to its log instead of replacing it
+        f"--chdir={Path.cwd()}",  # relative paths in the parameters mean what they mean here
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+    ]
     options += [f"--cpus-per-task={settings.cpus_per_task}"] if settings.cpus_per_task else []
     options += [f"--gpus-per-node={plan.gpus_per_run}"] if plan.gpus_per_run else []
-    options += [f"--{key}={getattr(settings, key)}" for key in ("partition", "time", "account", "mem")
-                if getattr(settings, key) is not None]
+    options += [
+        f"--{key}={getattr(settings, key)}"
+        for key in ("partition", "time", "account", "mem")
+        if getattr(settings, key) is not None
+    ]
     options += ["--requeue", f"--signal=B:USR1@{settings.signal_s}", *settings.sbatch_args]
-    env = {"PYTHONPATH": child_env()["PYTHONPATH"], "PYTHONUNBUFFERED": "1",
-           **{k: os.environ[k] for k in CARRIED_ENV if k in os.environ},
-           # torch would start a thread per core of the node, the other jobs' cores too
-           **({"OMP_NUM_THREADS": str(settings.cpus_per_task)} if settings.cpus_per_task and nproc == 1 else {}),
-           # torchrun passes these on to its workers; SIGUSR1 is not among its defaults
-           "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
-    lines = ["#!/bin/bash",
-             f"# OELM Lab: run {run.name} of the plan {plan.name} ({plan.path}),",
-             "# written by the runner's SLURM scheduler (oelm_core/runner/slurm.py, docs/cluster.md).",
-             f"# Re-submit by hand with: sbatch {run_dir / SCRIPT}   (it resumes from the newest checkpoint)",
-             *(f"#SBATCH {o}" for o in options),
-             "set -uo pipefail",
-             *(f"export {k}={shlex.quote(v)}" for k, v in env.items())]
+    env = {
+        "PYTHONPATH": child_env()["PYTHONPATH"],
+        "PYTHONUNBUFFERED": "1",
+        **{k: os.environ[k] for k in CARRIED_ENV if k in os.environ},
+        # torch would start a thread per core of the node, the other jobs' cores too
+        **({"OMP_NUM_THREADS": str(settings.cpus_per_task)} if settings.cpus_per_task and nproc == 1 else {}),
+        # torchrun passes these on to its workers; SIGUSR1 is not among its defaults
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    }
+    lines = [
+        "#!/bin/bash",
+        f"# OELM Lab: run {run.name} of the plan {plan.name} ({plan.path}),",
+        "# written by the runner's SLURM scheduler (oelm_core/runner/slurm.py, docs/cluster.md).",
+        f"# Re-submit by hand with: sbatch {run_dir / SCRIPT}   (it resumes from the newest checkpoint)",
+        *(f"#SBATCH {o}" for o in options),
+        "set -uo pipefail",
+        *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+    ]
     if nodes > 1:
-        lines += ["# torchrun on every node (srun starts one per node), meeting on the first node",
-                  'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                  f'export PET_RDZV_BACKEND=c10d PET_RDZV_ENDPOINT="$head:{RDZV_PORT}" PET_RDZV_ID="$SLURM_JOB_ID"',
-                  f"cmd=(srun --kill-on-bad-exit=1 {cmd})"]
+        lines += [
+            "# torchrun on every node (srun starts one per node), meeting on the first node",
+            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f'export PET_RDZV_BACKEND=c10d PET_RDZV_ENDPOINT="$head:{RDZV_PORT}" PET_RDZV_ID="$SLURM_JOB_ID"',
+            f"cmd=(srun --kill-on-bad-exit=1 {cmd})",
+        ]
     else:
         lines += [f"cmd=({cmd})"]
-    lines += [f"run={shlex.quote(str(run_dir))}",
-              'echo "[slurm] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname), $(date -Is)"',
-              "# SLURM's warning before the time limit (or a preemption): the training saves a checkpoint",
-              "# and stops with the status \"preempted\"; the job then requeues itself and resumes from it.",
-              "warned=0",
-              "trap 'warned=1; echo \"[slurm] USR1: asking the training to checkpoint and stop\"; "
-              "kill -USR1 \"$pid\" 2>/dev/null' USR1",
-              '"${cmd[@]}" &',
-              "pid=$!",
-              "# wait returns when the trap runs: wait again until the training has ended",
-              'while :; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done',
-              'if [ "$warned" = 1 ] && grep -q \'"status": "preempted"\' "$run/summary.json" 2>/dev/null; then',
-              '  echo "[slurm] checkpoint saved: requeueing job $SLURM_JOB_ID"',
-              '  scontrol requeue "$SLURM_JOB_ID"',
-              "  exit 0",
-              "fi",
-              'echo "[slurm] the training exited with status $rc, $(date -Is)"',
-              'exit "$rc"']
+    lines += [
+        f"run={shlex.quote(str(run_dir))}",
+        'echo "[slurm] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname), $(date -Is)"',
+        "# SLURM's warning before the time limit (or a preemption): the training saves a checkpoint",
+        "# and stops with the status \"preempted\"; the job then requeues itself and resumes from it.",
+        "warned=0",
+        "trap 'warned=1; echo \"[slurm] USR1: asking the training to checkpoint and stop\"; "
+        "kill -USR1 \"$pid\" 2>/dev/null' USR1",
+        '"${cmd[@]}" &',
+        "pid=$!",
+        "# wait returns when the trap runs: wait again until the training has ended",
+        'while :; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done',
+        'if [ "$warned" = 1 ] && grep -q \'"status": "preempted"\' "$run/summary.json" 2>/dev/null; then',
+        '  echo "[slurm] checkpoint saved: requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'echo "[slurm] the training exited with status $rc, $(date -Is)"',
+        'exit "$rc"',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -131,13 +148,16 @@ def job_script(plan: Plan, run: PlannedRun, settings: SlurmSettings) -> str:
 # Talking to SLURM: sbatch, squeue, sacct
 # --------------------------------------------------------------------------------------------
 
+
 def require_sbatch() -> None:
     """ConfigError unless SLURM's commands are on PATH."""
     missing = [c for c in ("sbatch", "squeue", "scontrol") if shutil.which(c) is None]
     if missing:
-        raise ConfigError(f"--launcher slurm needs SLURM's {', '.join(missing)}, which this machine does not have "
-                          f"on PATH: run the plan on the cluster's login node (where `sbatch --version` works; "
-                          f"some clusters need `module load slurm` first), or train here with --launcher local")
+        raise ConfigError(
+            f"--launcher slurm needs SLURM's {', '.join(missing)}, which this machine does not have "
+            f"on PATH: run the plan on the cluster's login node (where `sbatch --version` works; "
+            f"some clusters need `module load slurm` first), or train here with --launcher local"
+        )
 
 
 def _slurm(args: list[str]) -> subprocess.CompletedProcess:
@@ -147,9 +167,11 @@ def _slurm(args: list[str]) -> subprocess.CompletedProcess:
 def _controller_hint() -> str:
     """What to check where SLURM's controller does not answer."""
     conf = os.environ.get("SLURM_CONF")
-    return (f"check that SLURM_CONF ({f'now {conf}' if conf else 'not set: the default /etc/slurm/slurm.conf'}) "
-            f"names this cluster's slurm.conf and that `scontrol ping` answers UP here (on the cluster's "
-            f"login node; some clusters need `module load slurm` first)")
+    return (
+        f"check that SLURM_CONF ({f'now {conf}' if conf else 'not set: the default /etc/slurm/slurm.conf'}) "
+        f"names this cluster's slurm.conf and that `scontrol ping` answers UP here (on the cluster's "
+        f"login node; some clusters need `module load slurm` first)"
+    )
 
 
 def check_scheduler(settings: SlurmSettings) -> None:
@@ -159,15 +181,18 @@ def check_scheduler(settings: SlurmSettings) -> None:
     try:
         ping = _slurm(["scontrol", "ping"])
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"the SLURM controller did not answer `scontrol ping` within 120 s; "
-                          f"{_controller_hint()}") from None
+        raise ConfigError(
+            f"the SLURM controller did not answer `scontrol ping` within 120 s; {_controller_hint()}"
+        ) from None
     said = " ".join((ping.stdout + " " + ping.stderr).split())
     if ping.returncode != 0 or "DOWN" in ping.stdout or "UP" not in ping.stdout:
         raise ConfigError(f"the SLURM controller does not answer (scontrol ping: {said[:400]}); {_controller_hint()}")
     have = partitions()
     if settings.partition is not None and have and settings.partition not in have:
-        raise ConfigError(f"SLURM has no partition {settings.partition!r}: set slurm.partition (or --partition) "
-                          f"to one of this cluster's partitions: {', '.join(have)}")
+        raise ConfigError(
+            f"SLURM has no partition {settings.partition!r}: set slurm.partition (or --partition) "
+            f"to one of this cluster's partitions: {', '.join(have)}"
+        )
 
 
 def partitions() -> list[str]:
@@ -188,11 +213,15 @@ def check_submission(script: Path, settings: SlurmSettings) -> None:
     why = out.stderr.strip() or out.stdout.strip()
     if "partition" in why.lower():
         have = partitions()
-        fix = (f"set slurm.partition (or --partition) to one of this cluster's partitions: "
-               f"{', '.join(have) or '(sinfo lists none)'}")
+        fix = (
+            f"set slurm.partition (or --partition) to one of this cluster's partitions: "
+            f"{', '.join(have) or '(sinfo lists none)'}"
+        )
     else:
-        fix = ("change the slurm section's settings (partition, time, account, nodes, mem, sbatch_args) "
-               "or --partition/--time/--account/--nodes/--gpus-per-run to what the cluster offers (`sinfo`)")
+        fix = (
+            "change the slurm section's settings (partition, time, account, nodes, mem, sbatch_args) "
+            "or --partition/--time/--account/--nodes/--gpus-per-run to what the cluster offers (`sinfo`)"
+        )
     raise ConfigError(f"SLURM refuses the job script {script} (sbatch --test-only: {why}); {fix}")
 
 
@@ -201,7 +230,7 @@ def submit(script: Path) -> str:
     out = _slurm(["sbatch", "--parsable", str(script)])
     if out.returncode != 0:
         raise ConfigError(f"sbatch {script} failed: {out.stderr.strip() or out.stdout.strip()}")
-    return out.stdout.strip().split(";")[0]   # --parsable: "ID" or "ID;CLUSTER"
+    return out.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
 
 
 def queue_states() -> dict[str, tuple[str, str]]:
@@ -228,12 +257,13 @@ def accounting_state(job_id: str) -> Optional[tuple[str, str]]:
     if not line:
         return None
     state, code = (line.split("|") + [""])[:2]
-    return state.split()[0], code   # "CANCELLED by 0" -> CANCELLED
+    return state.split()[0], code  # "CANCELLED by 0" -> CANCELLED
 
 
 # --------------------------------------------------------------------------------------------
 # The runner's part: submit, follow, report
 # --------------------------------------------------------------------------------------------
+
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -270,10 +300,10 @@ class Job:
 
     def __init__(self, run: PlannedRun, job_id: str, submitted: float):
         self.run, self.id, self.t0 = run, job_id, submitted
-        self.state = "queued"     # queued, running, done, failed
+        self.state = "queued"  # queued, running, done, failed
         self.error: Optional[str] = None
         self.ended_s = 0.0
-        self.ended_at: Optional[float] = None   # when a look first found it ended, its run unfinished
+        self.ended_at: Optional[float] = None  # when a look first found it ended, its run unfinished
 
     @property
     def log(self) -> Path:
@@ -304,22 +334,35 @@ class SlurmScheduler(Scheduler):
                 continue
             earlier = read_record(run.run_dir).get("job_id")
             if earlier is not None and queue.get(str(earlier), ("",))[0] in QUEUED | RUNNING:
-                log(f"{plan.tag} {run.name}: job {earlier} submitted earlier is "
-                    f"{queue[str(earlier)][0].lower()}; following it")
+                log(
+                    f"{plan.tag} {run.name}: job {earlier} submitted earlier is "
+                    f"{queue[str(earlier)][0].lower()}; following it"
+                )
                 jobs[i] = Job(run, str(earlier), time.time())
                 continue
             write_run_files(run)
             script = run.run_dir / SCRIPT
             write_text_atomic(script, job_script(plan, run, settings))
-            if not checked:   # the settings are the same for every job: SLURM's verdict on one stands for all
+            if not checked:  # the settings are the same for every job: SLURM's verdict on one stands for all
                 check_submission(script, settings)
                 checked = True
             job_id = submit(script)
             record = read_record(run.run_dir)
-            write_text_atomic(run.run_dir / RECORD, json.dumps(
-                {"job_id": job_id, "submitted": _now(), "script": SCRIPT, "log": f"slurm-{job_id}.out",
-                 "earlier_jobs": record.get("earlier_jobs", []) + ([record["job_id"]] if "job_id" in record else [])},
-                indent=2) + "\n")
+            write_text_atomic(
+                run.run_dir / RECORD,
+                json.dumps(
+                    {
+                        "job_id": job_id,
+                        "submitted": _now(),
+                        "script": SCRIPT,
+                        "log": f"slurm-{job_id}.out",
+                        "earlier_jobs": record.get("earlier_jobs", [])
+                        + ([record["job_id"]] if "job_id" in record else []),
+                    },
+                    indent=2,
+                )
+                + "\n",
+            )
             log(f"{plan.tag} submitted {run.name} as job {job_id}: {script}")
             jobs[i] = Job(run, job_id, time.time())
         _follow(plan, jobs, settings, log)
@@ -329,8 +372,10 @@ class SlurmScheduler(Scheduler):
             else:
                 rows[i] = row(job.run, "failed", wall_s=job.ended_s, job_id=job.id, error=job.error)
         ordered = [rows[i] for i in range(len(plan.runs))]
-        log(f"{plan.tag} {sum(r['status'] in FINISHED + ('skipped',) for r in ordered)}/{len(ordered)} "
-            f"run(s) done on SLURM")
+        log(
+            f"{plan.tag} {sum(r['status'] in FINISHED + ('skipped',) for r in ordered)}/{len(ordered)} "
+            f"run(s) done on SLURM"
+        )
         return ordered
 
 
@@ -357,18 +402,21 @@ def _follow(plan: Plan, jobs: dict[int, Job], settings: SlurmSettings, log: Call
                     continue
                 new = "failed"
                 summary = summary or "no summary.json"
-                job.error = (f"SLURM job {job.id} ended {state or '(gone from the queue)'}"
-                             f"{f' ({reason})' if reason and reason != 'None' else ''} before the run finished "
-                             f"({summary}); log: {job.log}\n  last lines:\n    "
-                             + _log_tail(job.log).replace("\n", "\n    "))
+                job.error = (
+                    f"SLURM job {job.id} ended {state or '(gone from the queue)'}"
+                    f"{f' ({reason})' if reason and reason != 'None' else ''} before the run finished "
+                    f"({summary}); log: {job.log}\n  last lines:\n    " + _log_tail(job.log).replace("\n", "\n    ")
+                )
             if new != job.state:
                 changed = True
                 if new in ("done", "failed"):
                     job.ended_s = time.time() - job.t0
                 step = _step(job.run.run_dir)
                 where = f", step {step}/{job.run.config.get('train', {}).get('steps', '?')}" if step else ""
-                log(f"{tag} job {job.id} {job.run.name}: {job.state} -> {new}{where}"
-                    + (f"\n  {job.error}" if new == "failed" else ""))
+                log(
+                    f"{tag} job {job.id} {job.run.name}: {job.state} -> {new}{where}"
+                    + (f"\n  {job.error}" if new == "failed" else "")
+                )
                 job.state = new
         if changed:
             counts = {s: sum(j.state == s for j in jobs.values()) for s in ("queued", "running", "done", "failed")}
