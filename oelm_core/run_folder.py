@@ -56,6 +56,7 @@ TOOLKIT_NAMES = {
     "best.pt",
     "ckpt",
     "export",
+    "tb",  # TensorBoard's event files (oelm_core/live_metrics.py)
     MARKER,
     ".lock",
     "params.yaml",

@@ -931,7 +931,10 @@ def test_make_demo_takes_the_port_as_a_setting():
     if shutil.which("make") is None:
         pytest.skip("no make")
     out = subprocess.run(
-        ["make", "-n", "-o", ".venv/.installed", "demo", "PORT=7999"], cwd=REPO, capture_output=True, text=True
+        ["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "demo", "PORT=7999"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("-m app --train-mini --port 7999"), out.stdout
 

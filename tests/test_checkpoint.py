@@ -151,7 +151,9 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_refused(tmp_path):
         load_model(tmp_path / "x.pt")
 
 
-def test_a_full_disk_while_saving_says_where_and_how_much_and_loses_nothing(tmp_path, folded, capsys, monkeypatch):
+def test_a_full_disk_while_saving_says_where_and_how_much_and_loses_nothing(
+    no_data_override, tmp_path, folded, capsys, monkeypatch
+):  # no_data_override first: the folded corpus must be the test's stories, not OELM_DATA's
     """The disk filled while a checkpoint was written: chained tracebacks ending in torch's
     "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos". On a real 2 MB
     tmpfs the run now ends with one line naming the device, the file and what it needs (the

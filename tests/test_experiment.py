@@ -1193,32 +1193,7 @@ def test_a_budget_that_is_no_number_of_seconds_is_refused(budget):
 def test_a_tiny_sweep_really_trains(tmp_path, story_folder, monkeypatch):
     """One point, two variants, a few steps of a tiny model: in-process training end to end."""
     monkeypatch.setenv("OELM_DATA", str(story_folder))
-    spec = {
-        "sweep": {
-            "name": "t",
-            "key": "n_layer",
-            "variants": ["gpt_base", "oelm_poet"],
-            "seeds": [0],
-            "points": [{"value": 1, "set": {"model.n_layer": 1}}],
-        },
-        "name": "t",
-        "out_dir": "x",
-        "preset": "smoke",
-        "model": {"block_size": 16},
-        "data": {"source": str(story_folder), "out_dir": str(tmp_path / "data")},
-        "train": {
-            "steps": 3,
-            "batch_size": 2,
-            "warmup_steps": 1,
-            "eval_every": 3,
-            "eval_batches": 1,
-            "ckpt_every": 3,
-            "log_every": 1,
-            "progress": False,
-            "device": "cpu",
-        },
-    }
-    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    _tiny_sweep(tmp_path, story_folder, variants=["gpt_base", "oelm_poet"])
     status = run_sweep(tmp_path / "t.yaml", tmp_path / "runs")
     assert [r["status"] for r in status] == ["completed", "completed"], status
     res = sweep_results(tmp_path / "runs", "t")
