@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     do not load, or a --device this machine lacks, still serve a page that says what went wrong
     (in the column of each model that did not load, beside those that did)."""
     args = parse_args(argv)
-    from app.demo import SetupError, build_demo, lab_from_args, launch, port_in_use, port_message
+    from app.demo import build_demo, launch, port_in_use, port_message
+    from app.lab import SetupError, lab_from_args
     from oelm_core.config import ConfigError
 
     if port_in_use(args.host, args.port):  # before minutes of loading or training
@@ -97,7 +98,7 @@ def trained_or_mini_study(runs_root: str) -> tuple[str | None, int]:
     page's notice; with no study at all, exit status 2 and how to make one."""
     import torch
 
-    from app.demo import MINI_ARGS, MINI_STUDY, MINI_STUDY_OUT, cpu_route, mini_study_cost, trained_study
+    from app.lab import MINI_ARGS, MINI_STUDY, MINI_STUDY_OUT, cpu_route, mini_study_cost, trained_study
 
     study = trained_study(runs_root)
     if study is not None:

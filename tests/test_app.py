@@ -72,7 +72,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def served(checkpoints):
-    from app.demo import load_lab
+    from app.lab import load_lab
 
     demo, url = start_app(load_lab(checkpoints, "cpu", "test checkpoints"))
     client = gradio_client.Client(url, verbose=False)
@@ -407,7 +407,7 @@ def test_queue_limits_concurrency(served):
 
 
 def test_study_resolution(tmp_path, checkpoints):
-    from app.demo import lab_from_args, newest_study, study_checkpoints
+    from app.lab import lab_from_args, newest_study, study_checkpoints
 
     runs = tmp_path / "runs"
     old, new = runs / "old", runs / "smoke"
@@ -467,7 +467,8 @@ def trained_checkpoints(folder: Path, step: int = 3000, ppl: float = 18.5) -> di
 def test_the_page_says_when_the_models_are_barely_trained(tmp_path, checkpoints):
     """Smoke-sized or barely trained models get a notice at the top naming each one's steps and
     perplexity, and the command that trains models worth comparing; trained ones get none."""
-    from app.demo import MINI_COMMAND, build_demo, load_lab, undertrained_notice
+    from app.demo import build_demo, undertrained_notice
+    from app.lab import MINI_COMMAND, load_lab
 
     smoke = load_lab(checkpoints, "cpu")
     notice = undertrained_notice(smoke)
@@ -505,7 +506,7 @@ def test_make_demo_serves_the_newest_trained_study_or_trains_the_mini_one(tmp_pa
     import torch
 
     from app.__main__ import trained_or_mini_study
-    from app.demo import MINI_COMMAND, trained_study
+    from app.lab import MINI_COMMAND, trained_study
 
     runs = tmp_path / "runs"
     smoke = {g: {"steps": 150, "best_val_ppl": 900.0} for g in GROUPS}
@@ -534,7 +535,8 @@ def test_models_load_from_run_folders_and_both_export_formats(tmp_path, checkpoi
     export: each gives the checkpoint's model (same generation) and the card's step and
     perplexity; a folder that is none of these is named as such."""
     pytest.importorskip("transformers")
-    from app.demo import load_lab, model_card
+    from app.demo import model_card
+    from app.lab import load_lab
     from oelm_core.checkpoint import load_model
     from oelm_core.export import to_safetensors, to_transformers
     from oelm_core.generate import SamplingConfig
@@ -565,7 +567,7 @@ def test_models_load_from_run_folders_and_both_export_formats(tmp_path, checkpoi
 
 def test_checkpoint_of_another_group_is_refused(checkpoints):
     """A GPT-Base checkpoint passed as OELM-Freeze would be labelled and compared as one."""
-    from app.demo import load_lab
+    from app.lab import load_lab
 
     lab = load_lab({"gpt_base": checkpoints["gpt_base"], "oelm_freeze": checkpoints["gpt_base"]}, "cpu")
     assert not lab.ok and [m.group for m in lab.models] == ["gpt_base"] and len(lab.errors) == 1
@@ -577,7 +579,7 @@ def test_checkpoint_of_another_group_is_refused(checkpoints):
 def test_synthesizer_and_poet_checkpoints_do_not_pass_for_a_group(tmp_path):
     """Same Q/K init and freezing as a group, another model: a Synthesizer (normal init, nothing
     frozen) passed as GPT-Base, a POET model (QR init, nothing frozen) as OELM-NoFreeze."""
-    from app.demo import load_lab
+    from app.lab import load_lab
 
     paths = make_checkpoints(tmp_path, ("synth_random", "oelm_poet"))
     lab = load_lab({"gpt_base": paths["synth_random"], "oelm_nofreeze": paths["oelm_poet"]}, "cpu")
@@ -592,7 +594,7 @@ def test_synthesizer_and_poet_checkpoints_do_not_pass_for_a_group(tmp_path):
 
 def test_every_registered_variant_is_its_own_group_only():
     """The fields compared come from the variant registry: no other variant passes for a group."""
-    from app.demo import group_mismatch
+    from app.lab import group_mismatch
     from oelm_core import VARIANTS
 
     for group in GROUPS:
@@ -604,20 +606,21 @@ def test_every_registered_variant_is_its_own_group_only():
 def test_group_labels_are_the_analysis_labels(monkeypatch, checkpoints):
     """The app read its labels off the variant descriptions: a label changed in
     analysis.GROUP_LABELS (the tables' and figures') would have left the page with the old one."""
-    from app import demo as app_demo
+    from app import lab as app_lab
     from oelm_core import analysis as A
 
-    assert app_demo.GROUPS == tuple(A.GROUP_LABELS) == GROUPS
+    assert GROUPS == tuple(A.GROUP_LABELS)
     monkeypatch.setitem(A.GROUP_LABELS, "oelm_freeze", "Frozen-QK")
-    assert app_demo.group_label("oelm_freeze") == "Frozen-QK"
-    lab = app_demo.load_lab({"oelm_freeze": checkpoints["oelm_freeze"]}, "cpu")
+    assert app_lab.group_label("oelm_freeze") == "Frozen-QK"
+    lab = app_lab.load_lab({"oelm_freeze": checkpoints["oelm_freeze"]}, "cpu")
     assert [m.label for m in lab.models] == ["Frozen-QK"]
 
 
 def test_card_perplexity_from_a_loss_alone(checkpoints):
     """A checkpoint with val_loss but no val_ppl: exp(loss) on the card, inf (not an
     OverflowError that kept the page from building) for a diverged loss."""
-    from app.demo import load_lab, model_card
+    from app.demo import model_card
+    from app.lab import load_lab
 
     (m,) = load_lab({"gpt_base": checkpoints["gpt_base"]}, "cpu").models
     for loss, shown in ((2.0, "| validation perplexity | 7.39 |"), (1000.0, "| validation perplexity | inf |")):
@@ -638,7 +641,7 @@ def test_a_device_this_machine_lacks_is_named_as_such(monkeypatch, checkpoints):
     """Not reported as a checkpoint that cannot be loaded."""
     import torch
 
-    from app.demo import SetupError, lab_from_args, load_lab, pick_device
+    from app.lab import SetupError, lab_from_args, load_lab, pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device("auto") == "cpu" and pick_device("cpu") == "cpu"
@@ -663,7 +666,7 @@ def test_the_demo_checks_a_device_as_the_trainer_does(monkeypatch, gpus):
     run config.check_device, whose message names the demo's --device instead of train.device."""
     import torch
 
-    from app.demo import SetupError, pick_device
+    from app.lab import SetupError, pick_device
     from oelm_core.config import ConfigError
     from oelm_core.distributed import resolve_device
 
@@ -696,7 +699,8 @@ def _get(url: str, timeout: float = 5.0) -> str:
 
 
 def test_error_page_replaces_the_panels_where_no_model_loads(tmp_path, checkpoints):
-    from app.demo import build_demo, load_lab
+    from app.demo import build_demo
+    from app.lab import load_lab
 
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(checkpoints["oelm_freeze"].read_bytes()[:3000])
@@ -735,7 +739,7 @@ def test_one_bad_checkpoint_leaves_the_other_models_usable(tmp_path, checkpoints
     """One of three checkpoints missing or of another shape replaced the whole page by the error
     page, and the two that loaded could not be used. Now that model's column says what went
     wrong and how to fix it, and the others generate and map attention through the API."""
-    from app.demo import load_lab
+    from app.lab import load_lab
     from oelm_core.generate import SamplingConfig
     from oelm_core.generate import generate as core_generate
 
@@ -821,7 +825,7 @@ def test_missing_or_unreadable_checkpoint_shows_error_page(tmp_path, checkpoints
 
 def test_the_ckpt_example_is_where_the_smoke_study_writes_gpt_base():
     """The example named runs/smoke/gpt_base_s0/best.pt, a file no study writes."""
-    from app.demo import SetupError, parse_ckpt_args
+    from app.lab import SetupError, parse_ckpt_args
     from oelm_core.runner import load_plan as load_study
 
     study = load_study(REPO / "parameters" / "study_smoke.yaml")
@@ -835,6 +839,7 @@ def test_an_app_that_cannot_start_says_why_in_one_line(monkeypatch, capsys, chec
     """Offline without the GPT-2 BPE files the tokenizer raises ConfigError (as a SetupError
     would): `python -m app` printed a traceback."""
     import app.demo
+    import app.lab
     import oelm_core.data
     from app.__main__ import main
     from oelm_core.config import ConfigError
@@ -851,7 +856,7 @@ def test_an_app_that_cannot_start_says_why_in_one_line(monkeypatch, capsys, chec
     )
 
     def no_study(*a, **k):
-        raise app.demo.SetupError("no study found under runs")
+        raise app.lab.SetupError("no study found under runs")
 
     monkeypatch.setattr(app.demo, "build_demo", no_study)
     assert main(args) == 2
@@ -866,7 +871,8 @@ def test_a_port_in_use_is_named_with_the_apps_port_option(tmp_path, checkpoints)
     argument and GRADIO_SERVER_PORT. `python -m app` now says so in one line, naming --port and
     make demo's PORT, before it loads anything; launch() says the same where the port is taken
     between the check and the start."""
-    from app.demo import SetupError, build_demo, launch, load_lab
+    from app.demo import build_demo, launch
+    from app.lab import SetupError, load_lab
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -950,7 +956,8 @@ def test_on_a_cpu_make_demo_says_what_the_mini_study_would_take_here(
 
     import oelm_core.preflight
     from app.__main__ import trained_or_mini_study
-    from app.demo import load_lab, mini_study_cost, undertrained_notice
+    from app.demo import undertrained_notice
+    from app.lab import load_lab, mini_study_cost
     from oelm_core.accounting import flops_per_token
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -991,7 +998,7 @@ def test_a_checkpoint_of_another_shape_says_which_model_it_holds_and_which_was_e
     expected, the keys and the tensors that show it."""
     import torch
 
-    from app.demo import lab_from_args
+    from app.lab import lab_from_args
     from oelm_core.config import run_config_from_dict, save_run_config
 
     study = tmp_path / "study"

@@ -62,7 +62,7 @@ def browser():
 
 def test_generate_and_attention_in_browser(tmp_path, browser):
     """OELM-Freeze comes from a safetensors export folder, the others from checkpoints."""
-    from app.demo import load_lab
+    from app.lab import load_lab
     from oelm_core.checkpoint import load_model
     from oelm_core.export import to_safetensors
 
@@ -108,7 +108,7 @@ def test_generate_and_attention_in_browser(tmp_path, browser):
 
 
 def test_error_page_in_browser(tmp_path, browser):
-    from app.demo import load_lab
+    from app.lab import load_lab
 
     demo, url = start_app(load_lab({"gpt_base": tmp_path / "missing.pt"}, "cpu"))
     try:
@@ -125,7 +125,7 @@ def test_error_page_in_browser(tmp_path, browser):
 
 def test_one_bad_checkpoint_in_browser(tmp_path, browser):
     """A missing checkpoint: its column says so, with the fix; the other two models generate."""
-    from app.demo import load_lab
+    from app.lab import load_lab
 
     paths = make_checkpoints(tmp_path)
     paths["gpt_base"] = tmp_path / "missing.pt"
@@ -175,7 +175,7 @@ def test_a_model_card_never_breaks_a_word_of_its_device_line(tmp_path, browser):
     broke anywhere (word-break: break-all) so that a long path would fit. Only the path breaks
     anywhere now, the words around it at spaces; at page widths from 600 to 1600 pixels "cpu"
     stays on one line and the line fits its card."""
-    from app.demo import load_lab
+    from app.lab import load_lab
 
     paths = make_checkpoints(tmp_path / ("a_long_folder_name_for_the_checkpoints_" * 2))
     demo, url = start_app(load_lab(paths, "cpu", "browser test checkpoints"))
