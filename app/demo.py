@@ -45,7 +45,8 @@ from app.lab import (
 from oelm_core import VARIANTS
 from oelm_core.analysis import SAMPLE_TOP_K, attention_maps, summarise_attention, uniform_reference
 from oelm_core.analysis.heatmaps import compare_figure, heatmap_figure, summary_figure, token_label
-from oelm_core.data import encode_prompt, perplexity
+from oelm_core.batches import perplexity
+from oelm_core.data import encode_prompt
 from oelm_core.fast import stream_tokens
 from oelm_core.generate import SamplingConfig, detokenize
 

@@ -42,9 +42,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from oelm_core import fast, occupancy, preflight, provenance
 from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
+from oelm_core.batches import TokenSampler, bits_per_byte, eval_batches, perplexity
 from oelm_core.checkpoint import RESUME_KEYS, CheckpointError, save_checkpoint
 from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_run_config
-from oelm_core.data import TokenSampler, bits_per_byte, eval_batches, load_meta, perplexity, prepare, real_source
+from oelm_core.data import load_meta, prepare, real_source
 from oelm_core.distributed import (
     Dist,
     RankSilent,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import STORIES
 
-from oelm_core import data
+from oelm_core import batches, data
 from oelm_core.config import ConfigError, DataConfig
 
 SHARED_STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
@@ -257,7 +257,7 @@ def bin_file(tmp_path):
 
 
 def test_sampler_shapes_and_shift(bin_file):
-    s = data.TokenSampler(bin_file, block_size=16, batch_size=4, seed=0)
+    s = batches.TokenSampler(bin_file, block_size=16, batch_size=4, seed=0)
     x, y = s.next_batch()
     assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
     assert torch.equal(y, x + 1)  # token value == position
@@ -266,33 +266,33 @@ def test_sampler_shapes_and_shift(bin_file):
 
 
 def test_sampler_reproducible_ranks_and_resume(bin_file):
-    a = data.TokenSampler(bin_file, 16, 4, seed=1)
-    b = data.TokenSampler(bin_file, 16, 4, seed=1)
-    batches = [a.next_batch()[0] for _ in range(3)]
-    assert all(torch.equal(u, b.next_batch()[0]) for u in batches)
-    assert not torch.equal(batches[0], batches[1])
+    a = batches.TokenSampler(bin_file, 16, 4, seed=1)
+    b = batches.TokenSampler(bin_file, 16, 4, seed=1)
+    drawn = [a.next_batch()[0] for _ in range(3)]
+    assert all(torch.equal(u, b.next_batch()[0]) for u in drawn)
+    assert not torch.equal(drawn[0], drawn[1])
 
-    r1 = data.TokenSampler(bin_file, 16, 4, seed=1, rank=1, world_size=2)
-    assert not torch.equal(batches[0], r1.next_batch()[0])
-    assert not torch.equal(batches[0], data.TokenSampler(bin_file, 16, 4, seed=2).next_batch()[0])
+    r1 = batches.TokenSampler(bin_file, 16, 4, seed=1, rank=1, world_size=2)
+    assert not torch.equal(drawn[0], r1.next_batch()[0])
+    assert not torch.equal(drawn[0], batches.TokenSampler(bin_file, 16, 4, seed=2).next_batch()[0])
 
     state = a.state_dict()
     assert state == {"batches_drawn": 3}
     expected = a.next_batch()
-    resumed = data.TokenSampler(bin_file, 16, 4, seed=1)
+    resumed = batches.TokenSampler(bin_file, 16, 4, seed=1)
     resumed.load_state_dict(state)
     got = resumed.next_batch()
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def test_sampler_to_device(bin_file):
-    x, y = data.TokenSampler(bin_file, 8, 2, seed=0).next_batch(device="cpu")
+    x, y = batches.TokenSampler(bin_file, 8, 2, seed=0).next_batch(device="cpu")
     assert x.device.type == "cpu" and x.shape == (2, 8)
 
 
 def test_eval_batches(bin_file):
-    first = data.eval_batches(bin_file, block_size=16, batch_size=4, n_batches=3)
-    again = data.eval_batches(bin_file, block_size=16, batch_size=4, n_batches=3)
+    first = batches.eval_batches(bin_file, block_size=16, batch_size=4, n_batches=3)
+    again = batches.eval_batches(bin_file, block_size=16, batch_size=4, n_batches=3)
     assert len(first) == 3
     for (x1, y1), (x2, y2) in zip(first, again):
         assert torch.equal(x1, x2) and torch.equal(y1, y2) and torch.equal(y1, x1 + 1)
@@ -300,7 +300,7 @@ def test_eval_batches(bin_file):
     assert len(set(starts.tolist())) == 12  # distinct windows
 
     # 1000 tokens hold (1000 - 1) // 100 = 9 windows of 101 tokens: all 9, in batches of 4.
-    small = data.eval_batches(bin_file, block_size=100, batch_size=4, n_batches=10)
+    small = batches.eval_batches(bin_file, block_size=100, batch_size=4, n_batches=10)
     assert [len(x) for x, _ in small] == [4, 4, 1]
     assert torch.cat([x[:, 0] for x, _ in small]).tolist() == list(range(0, 900, 100))
 
@@ -325,10 +325,10 @@ def test_file_too_short(tmp_path):
     path = tmp_path / "short.bin"
     np.arange(10, dtype=np.uint16).tofile(path)
     with pytest.raises(ConfigError, match=r"10 tokens.*block_size \+ 1 = 11.*smaller model.block_size"):
-        data.TokenSampler(path, block_size=10, batch_size=2, seed=0)
+        batches.TokenSampler(path, block_size=10, batch_size=2, seed=0)
     with pytest.raises(ConfigError, match="smaller model.block_size"):
-        data.eval_batches(path, block_size=10, batch_size=2, n_batches=1)
-    assert len(data.eval_batches(path, block_size=9, batch_size=2, n_batches=5)) == 1
+        batches.eval_batches(path, block_size=10, batch_size=2, n_batches=1)
+    assert len(batches.eval_batches(path, block_size=9, batch_size=2, n_batches=5)) == 1
 
 
 def test_an_empty_or_odd_sized_token_file_names_the_fix(tmp_path):
@@ -341,9 +341,9 @@ def test_an_empty_or_odd_sized_token_file_names_the_fix(tmp_path):
             rf"interrupted or foreign write\); rebuild with `python -m oelm_core\.data .* --force`"
         )
         with pytest.raises(ConfigError, match=message):
-            data.TokenSampler(path, block_size=4, batch_size=2, seed=0)
+            batches.TokenSampler(path, block_size=4, batch_size=2, seed=0)
         with pytest.raises(ConfigError, match=message):
-            data.eval_batches(path, block_size=4, batch_size=2, n_batches=1)
+            batches.eval_batches(path, block_size=4, batch_size=2, n_batches=1)
 
 
 def test_load_meta_missing(tmp_path):
@@ -711,10 +711,10 @@ def test_hub_failure_of_a_path_like_source_names_the_missing_folder(tmp_path, mo
 def test_bits_per_byte_and_perplexity():
     # 2.0 nats/token, 1000 tokens over 4000 bytes: 2000 nats / 4000 bytes = 0.5 nats/byte
     # = 0.5 / ln 2 = 0.72135 bits/byte.
-    assert data.bits_per_byte(2.0, 1000, 4000) == pytest.approx(0.7213475204444817)
-    assert data.bits_per_byte(math.log(2), 1, 1) == pytest.approx(1.0)
-    assert data.perplexity(math.log(10.0)) == pytest.approx(10.0)
-    assert data.perplexity(1e6) == float("inf")
+    assert batches.bits_per_byte(2.0, 1000, 4000) == pytest.approx(0.7213475204444817)
+    assert batches.bits_per_byte(math.log(2), 1, 1) == pytest.approx(1.0)
+    assert batches.perplexity(math.log(10.0)) == pytest.approx(10.0)
+    assert batches.perplexity(1e6) == float("inf")
 
 
 # --- the real offline TinyStories ---------------------------------------------------------
@@ -726,14 +726,14 @@ def test_real_tinystories(tmp_path):
     # ../shared/data/README.md: 3.73M training tokens (7 files), 138k validation tokens
     assert 3.6e6 < meta["train_tokens"] < 3.8e6 and 1.3e5 < meta["val_tokens"] < 1.5e5
     assert meta["val_stories"] == 1  # the shared validation file has no separator: one stream
-    x, y = data.TokenSampler(tmp_path / "out/train.bin", 64, 4, seed=0).next_batch()
+    x, y = batches.TokenSampler(tmp_path / "out/train.bin", 64, 4, seed=0).next_batch()
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
 def test_sampler_draws_every_window_and_none_past_the_end(tmp_path):
     path = tmp_path / "t.bin"
     np.arange(40, dtype=np.uint16).tofile(path)
-    s = data.TokenSampler(path, block_size=16, batch_size=8, seed=0)
+    s = batches.TokenSampler(path, block_size=16, batch_size=8, seed=0)
     starts = {int(v) for _ in range(200) for v in s.next_batch()[0][:, 0]}
     assert starts == set(range(24))  # tokens 0..39: windows of 17 start at 0..23
 
@@ -777,19 +777,19 @@ def test_a_token_file_with_ids_past_the_vocabulary_is_refused_on_opening(tmp_pat
         r"written by something else; rebuild with `python -m oelm_core\.data .* --force`"
     )
     with pytest.raises(ConfigError, match=message):
-        data.TokenSampler(path, block_size=16, batch_size=2, seed=0)
+        batches.TokenSampler(path, block_size=16, batch_size=2, seed=0)
     with pytest.raises(ConfigError, match=message):
-        data.eval_batches(path, block_size=16, batch_size=2, n_batches=1)
+        batches.eval_batches(path, block_size=16, batch_size=2, n_batches=1)
     # The vocabulary is the one the file was prepared with, not always GPT-2's.
     with pytest.raises(
         ConfigError,
         match=r"holds 488 token id\(s\) past the 512-token vocabulary .*, the "
         r"largest 65535, the first at position 512: the file was damaged",
     ):
-        data.TokenSampler(path, block_size=16, batch_size=2, seed=0, vocab_size=512)
+        batches.TokenSampler(path, block_size=16, batch_size=2, seed=0, vocab_size=512)
     tokens[700] = 50256  # GPT-2's end-of-text, the largest id there is
     tokens.tofile(path)
-    assert data.TokenSampler(path, block_size=16, batch_size=2, seed=0).data.max() == 50256
+    assert batches.TokenSampler(path, block_size=16, batch_size=2, seed=0).data.max() == 50256
 
 
 # --- a preparation that fails or is killed leaves the folder as it was ---------------------
@@ -861,7 +861,7 @@ def test_a_preparation_that_fails_at_any_stage_leaves_the_cache_as_it_was(story_
 
 
 KILLED_PREPARATION = """import os, signal, sys
-from oelm_core import data
+from oelm_core import batches, data
 from oelm_core.config import DataConfig
 
 real, chunks = data._encode_chunk, []

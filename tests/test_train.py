@@ -15,9 +15,9 @@ from conftest import FOLDED_VOCAB
 from train_helpers import REPO, losses, params, qk_weights, run, write_params
 
 from oelm_core.accounting import count_parameters, flops_per_token
+from oelm_core.batches import eval_batches
 from oelm_core.checkpoint import load_checkpoint, model_from_state
 from oelm_core.config import ConfigError, ModelConfig, run_config_from_dict
-from oelm_core.data import eval_batches
 from oelm_core.export import load_safetensors
 from oelm_core.model import GPT, build_model
 from oelm_core.train import main
