@@ -12,7 +12,10 @@
 # `make results` passes for results/tuned_medium512); empty, groups are compared only where they
 # differ in the variant alone. `timed_alone`: False for runs that shared their GPUs (several trainings
 # on one card): their tokens/s and seconds are then shares of a GPU, so H3 is not judged and the
-# time-based views are left out.
+# time-based views are left out. `tuning_choice` ({variant: dropout}, what `python -m oelm_core tune
+# --per-dropout` writes into a protocol study): the study holds each group at its best learning rate
+# at each dropout; results.md reads it on equal footing (each group at its own best dropout, and
+# all groups at each dropout), and the sections below show the own-best view.
 
 # %% tags=["parameters"]
 run_dirs = []  # run folders, or folders that hold them (a study folder)
@@ -21,6 +24,7 @@ fig_dir = None  # None: <out_dir>/figures
 which = "final"  # 'final', 'best' or 'report' (the held-out half; runs with train.report_holdout)
 compare_across = []  # settings the compared groups may differ in (tuned groups: lr, min_lr, dropout)
 timed_alone = True  # False: the runs shared GPUs, speed not compared; True asserts nothing (records decide)
+tuning_choice = {}  # {variant: dropout} of a study tuned per dropout (issue 42's protocol); {}: none
 attention_text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
 layer = 0
 head = 0
@@ -50,6 +54,12 @@ from oelm_core import analysis as A
 out_dir = A.REPO / out_dir  # an absolute path stays as it is
 fig_dir = A.REPO / fig_dir if fig_dir else out_dir / 'figures'
 runs = A.load_runs(run_dirs)
+if tuning_choice:
+    protocol = A.protocol_report(runs, out_dir, tuning_choice, which, timed_alone=timed_alone)
+    display(Markdown((out_dir / 'results.md').read_text()))
+    own_best = protocol['views']['own best']
+    runs = [r for r in runs if r.name in own_best['runs']]
+    compare_across = own_best['compare_across']
 display(
     Markdown(
         A.markdown_table(
@@ -175,13 +185,17 @@ display(Markdown(A.markdown_table(samples) if samples else '(no checkpoints)'))
 # ## Written results
 
 # %%
-result = A.write_results(
-    runs,
-    out_dir,
-    which,
-    extra_markdown=A.samples_markdown(samples, which),
-    compare_across=compare_across,
-    timed_alone=timed_alone,
-)
+if tuning_choice:  # results.md and .json are protocol_report's (first cell); the samples join them
+    with open(out_dir / 'results.md', 'a') as f:
+        f.write('\n' + A.samples_markdown(samples, which) + '\n' if samples else '')
+else:
+    A.write_results(
+        runs,
+        out_dir,
+        which,
+        extra_markdown=A.samples_markdown(samples, which),
+        compare_across=compare_across,
+        timed_alone=timed_alone,
+    )
 assert (out_dir / 'results.md').is_file() and (out_dir / 'results.json').is_file()
 print((out_dir / 'results.md').read_text())

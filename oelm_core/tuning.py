@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from datetime import date
 from pathlib import Path
@@ -26,6 +27,10 @@ from oelm_core.analysis.tuning import tuning_figure, tuning_table
 from oelm_core.config import ConfigError, read_yaml
 from oelm_core.files import write_text_atomic
 
+NOTE = "# Learning rate and dropout per group:"
+ANALYSIS = "04_analysis"
+_PER_DROPOUT_NAME = re.compile(r"_drop[0-9.]+$")
+
 
 def tuned_study(
     template: str | Path, chosen: dict, source: str = "", out: str | Path | None = None, per_dropout: dict | None = None
@@ -35,7 +40,10 @@ def tuned_study(
     of the template; the runs' parameter files are named relative to it). The template's leading
     comments are kept. ``per_dropout`` (``tuning_table(...)["per_dropout"]``): each entry becomes
     one per swept dropout instead, named ``<name>_drop<dropout>``, at its group's best learning
-    rate there (a study on equal footing). ConfigError where a run's group has no choice."""
+    rate there (a study on equal footing), and a plan that runs 04_analysis passes it each
+    group's chosen dropout (``tuning_choice``: the own-best view of its report). A study this
+    wrote may be its own template: it is written again the same, at the new choice.
+    ConfigError where a run's group has no choice."""
     template = Path(template)
     out_dir = Path(out).resolve().parent if out is not None else template.resolve().parent
     raw = read_yaml(template)
@@ -45,12 +53,13 @@ def tuned_study(
             f"{template} is not a plan file with experiment.runs; pass one such as "
             f"parameters/study_tuned_medium512.yaml"
         )
-    runs = []
+    runs, seen, variants = [], set(), []
     for entry in section["runs"]:
         entry = {"params": entry} if isinstance(entry, str) else dict(entry)
         params = Path(entry["params"])
         params = params if params.is_absolute() else template.parent / params
         variant = read_yaml(params).get("variant")
+        variants.append(variant)
         if variant not in chosen:
             raise ConfigError(
                 f"the tuning runs hold no finished setting of {variant} (for {entry['params']} in "
@@ -61,25 +70,38 @@ def tuned_study(
         if per_dropout is None:
             runs.append({**entry, "overrides": kept + [f"{k}={v}" for k, v in chosen[variant]["settings"].items()]})
             continue
+        # a study this wrote before (rewritten in place) holds an entry per dropout already: one
+        # entry per group again, whose name loses its _drop<d>
+        base = _PER_DROPOUT_NAME.sub("", entry.get("name") or params.stem)
+        if (params.resolve(), base) in seen:
+            continue
+        seen.add((params.resolve(), base))
         for (v, dropout), row in sorted(per_dropout.items(), key=lambda item: item[0][1]):
             if v == variant:
                 runs.append(
                     {
                         **entry,
-                        "name": f"{entry.get('name') or params.stem}_drop{dropout:g}",
+                        "name": f"{base}_drop{dropout:g}",
                         "overrides": kept + [f"{k}={x}" for k, x in row["settings"].items()],
                     }
                 )
     section["runs"] = runs
+    if per_dropout is not None and ANALYSIS in (section.get("notebooks") or []):
+        # the analysis reads each group at its own best dropout as this choice says, never
+        # choosing again on the figures it reports
+        parameters = section.setdefault("parameters", {}) or {}
+        section["parameters"] = parameters
+        parameters[ANALYSIS] = {
+            **(parameters.get(ANALYSIS) or {}),
+            "tuning_choice": {v: float(chosen[v]["dropout"]) for v in dict.fromkeys(variants)},
+        }
     header = []
     for line in template.read_text().splitlines():
         if not line.startswith("#"):
             break
-        header.append(line)
-    note = (
-        f"# Learning rate and dropout per group: written by python -m oelm_core tune {source} "
-        f"on {date.today().isoformat()}."
-    )
+        if not line.startswith(NOTE):  # the note of an earlier rewrite
+            header.append(line)
+    note = f"{NOTE} written by python -m oelm_core tune {source} on {date.today().isoformat()}."
     return "\n".join(header + [note]) + "\n" + yaml.safe_dump(raw, sort_keys=False, width=110)
 
 

@@ -308,6 +308,21 @@ def test_protocol_report_takes_tunings_choice_and_refuses_a_view_it_cannot_fill(
         A.protocol_report(no_freeze_at_01, tmp_path / "c", OWN)
 
 
+def test_a_study_at_one_dropout_says_its_equal_dropout_view_is_its_own_best(tmp_path):
+    """Every group's own best at dropout 0.1 and only that dropout trained (the committed protocol
+    study so far): the dropout=0.1 view holds the own-best runs, and results.md says so instead
+    of printing the same tables twice."""
+    runs, _ = protocol_study(tmp_path / "study")
+    at_01 = [r for r in runs if r.settings()["model.dropout"] == 0.1]
+    result = A.protocol_report(at_01, tmp_path / "out", dict.fromkeys(OWN, 0.1))
+    assert list(result["views"]) == ["own best", "dropout=0.1"]
+    assert result["views"]["own best"]["runs"] == result["views"]["dropout=0.1"]["runs"]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "best learning rate at each dropout here (0.1)" in md
+    assert "## (b) All groups at dropout 0.1\n\nThe same runs as (a): every group's own best dropout" in md
+    assert md.count("| Hypothesis |") == 1
+
+
 # --- the scaling curve ------------------------------------------------------------------------
 
 SHAPES = [(128, 2, 2), (256, 4, 4), (384, 6, 6), (512, 8, 8)]  # d_model, n_layer, n_head (64-dimensional heads)
@@ -477,3 +492,16 @@ def test_an_empty_wall_clock_panel_says_why(tmp_path):
     )
     forced = A.plot_study_curves(A.load_runs(tmp_path / "old"), timed_alone=False).axes[3]
     assert "timed_alone=False" in forced.texts[0].get_text().replace("\n", " ")
+
+
+def test_the_results_table_leaves_out_tokens_per_s_of_runs_that_shared_their_device(tmp_path):
+    """The protocol's study trained ten runs on one GPU at once: their 83k-98k tokens/s were shares
+    of a device (an H200 trains one alone at about 1.1M) and stood in the table as if measured."""
+    make_run(tmp_path / "shared", "gpt_base", 10.0, tok_s=83_000.0, timed_alone=False)
+    make_run(tmp_path / "shared", "oelm_freeze", 11.0, tok_s=97_000.0, timed_alone=False)
+    make_run(tmp_path / "alone", "gpt_base", 10.0, tok_s=1_100_000.0)
+    make_run(tmp_path / "alone", "oelm_freeze", 11.0, tok_s=1_150_000.0)
+    shared = A.results_table(A.load_runs(tmp_path / "shared"))
+    alone = A.results_table(A.load_runs(tmp_path / "alone"))
+    assert [r["tokens_per_s"] for r in shared["rows"]] == [None, None]
+    assert [r["tokens_per_s"] for r in alone["rows"]] == [1_100_000.0, 1_150_000.0]

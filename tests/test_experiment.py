@@ -1006,6 +1006,7 @@ def test_ablation_plan_is_seed_major_and_complete(tmp_path):
 RESULT_PLANS = {
     "ablations": "parameters/ablations.yaml",
     "ablations_medium512": "parameters/ablations_medium512.yaml",
+    "protocol_medium512": "parameters/protocol/study_medium512.yaml",
     "protocol_tune_medium512": "parameters/protocol/tune_medium512.yaml",
     "tune_medium512": "parameters/tuning/medium512.yaml",
     "tune_mini": "parameters/tuning/mini.yaml",

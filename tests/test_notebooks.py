@@ -10,6 +10,7 @@ stays clean.
 """
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -464,3 +465,50 @@ def test_sweep_notebook_runs_the_smoke_sweep(tmp_path, story_folder, monkeypatch
     # A smoke sweep's figure sits with its runs, apart from the full sweep's folder.
     assert (tmp_path / "runs" / "a6_layers_smoke" / "sweep.png").is_file()
     assert not (tmp_path / "runs" / "a6_layers").exists()
+
+
+def test_the_analysis_reads_the_committed_protocol_study_on_equal_footing(tmp_path, made):
+    """04_analysis with tuning_choice (what tune --per-dropout writes into the protocol's study) on
+    the committed runs of results/protocol_medium512: results.md holds each view on the held-out
+    half, its Freeze gap is the one the runs' summaries give, and the notebook's own sections show
+    the own-best groups."""
+    import math
+    import statistics
+
+    import papermill as pm
+
+    from oelm_core.config import read_yaml
+
+    study = REPO / "results" / "protocol_medium512"
+    choice = read_yaml(REPO / "parameters" / "protocol" / "study_medium512.yaml")["experiment"]["parameters"]
+    choice = choice["04_analysis"]["tuning_choice"]
+    out = tmp_path / "04.ipynb"
+    pm.execute_notebook(
+        str(made / "04_analysis.ipynb"),
+        str(out),
+        parameters={
+            "run_dirs": [str(study / "runs")],
+            "out_dir": str(tmp_path / "out"),
+            "which": "report",
+            "tuning_choice": choice,
+            "timed_alone": False,
+        },
+        cwd=str(REPO / "notebooks"),
+        progress_bar=False,
+        kernel_name="python3",
+    )
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert result["which"] == "report" and result["tuning_choice"] == choice
+    report = {}
+    for summary in (study / "runs").glob("*/summary.json"):
+        report.setdefault(summary.parent.name.rsplit("_s", 1)[0], []).append(
+            json.loads(summary.read_text())["report_val_loss"]
+        )
+    freeze = statistics.fmean(report[f"oelm_freeze_drop{choice['oelm_freeze']:g}"])
+    base = statistics.fmean(report[f"gpt_base_drop{choice['gpt_base']:g}"])
+    pairs = {(p["a"], p["b"]): p for p in result["views"]["own best"]["gaps"]["pairs"]}
+    assert pairs[("OELM-Freeze", "GPT-Base")]["gap_pct"] == pytest.approx(100 * math.expm1(freeze - base))
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## (a) Each group at its own best setting" in md and "held-out half" in md
+    shown = output_text(nbformat.read(out, as_version=4))
+    assert "| OELM-Freeze | medium512 | 5 |" in shown and (tmp_path / "out" / "figures" / "curves.png").is_file()

@@ -189,3 +189,27 @@ def test_each_dropout_gets_its_best_rate_and_the_study_trains_each_group_at_both
     out.write_text(tuned_study(template, table["chosen"], "tune", out, table["per_dropout"]))
     got = {r.name: (r.config["train"]["lr"], r.config["model"]["dropout"]) for r in load_plan(out).runs}
     assert got == {"gpt_base_drop0_s0": (0.001, 0.0), "gpt_base_drop0.1_s0": (0.004, 0.1)}
+
+
+def test_a_per_dropout_study_rewritten_in_place_is_the_same_and_tells_the_analysis_the_choice(sweep, tmp_path):
+    """The protocol's study file is its own template (tune --study S --write S): a second rewrite
+    doubled every entry (gpt_base_drop0_drop0, ...) and its note line. 04_analysis gets each
+    group's own best dropout, the view it reports as "own best"."""
+    _run(sweep, "gpt_base", 0.001, 0.1, 0, [2.6, 2.2, 2.1])
+    _run(sweep, "gpt_base", 0.004, 0.1, 0, [2.5, 2.15, 2.05])
+    study = tmp_path / "study.yaml"
+    study.write_text(
+        "# the protocol's study\nexperiment:\n  name: equal\n  layout: study\n  runs:\n"
+        f"  - {REPO}/parameters/medium512/gpt_base.yaml\n  seeds: [0]\n  notebooks: [03_training, 04_analysis]\n"
+        "  parameters:\n    04_analysis: {which: report}\n"
+    )
+    table = tuning_table(sweep)
+    study.write_text(tuned_study(study, table["chosen"], "tune", study, table["per_dropout"]))
+    first = study.read_text()
+    study.write_text(tuned_study(study, table["chosen"], "tune", study, table["per_dropout"]))
+    assert study.read_text() == first
+    assert first.count("# Learning rate and dropout per group") == 1
+    plan = load_plan(study)
+    assert [r.name for r in plan.runs] == ["gpt_base_drop0_s0", "gpt_base_drop0.1_s0"]
+    # GPT-Base's choice: dropout 0 (best loss 2.0 at lr 1e-3) over 0.1 (2.05 at 4e-3)
+    assert plan.parameters["04_analysis"] == {"which": "report", "tuning_choice": {"gpt_base": 0.0}}

@@ -83,15 +83,18 @@ def protocol_report(
     if smoke:
         md += [smoke_banner(smoke), ""]
     own = ", ".join(f"{GROUP_LABELS.get(v, v)} {d:g}" for v, d in choice.items())
+    trained = ", ".join(f"{d:g}" for d in dropouts)
     md += [
         f"Validation figures: {WHICH_WORDS[which]}; groups averaged over seeds. Each group trained at its best "
-        f"learning rate for each dropout. Its own best dropout is the tuning sweep's choice ({own}), made on the "
-        f"selection half and not chosen again on the figures reported here. Training loss is measured with "
-        f"dropout on: compare groups on validation figures.\n",
+        f"learning rate at each dropout here ({trained}). Its own best dropout is the tuning sweep's choice "
+        f"({own}), made on the selection half and not chosen again on the figures reported here. Training "
+        f"loss is measured with dropout on: compare groups on validation figures.\n",
         gaps_note(margin),
     ]
+    letters = {}  # a view's runs -> its letter: a view that holds the same runs as an earlier one says so
     for letter, (name, (view_runs, across)) in zip(string.ascii_lowercase, views.items()):
         _check_view(name, view_runs, choice)
+        same = letters.setdefault(frozenset(r.name for r in view_runs), letter)
         table = results_table(view_runs, which, compare_across=across)
         gaps = gap_table(view_runs, which, across, margin=margin)
         hyps = hypotheses(view_runs, which, compare_across=across, timed_alone=timed_alone)
@@ -102,6 +105,13 @@ def protocol_report(
             "gaps": {"groups": gaps["groups"], "pairs": gaps["pairs"]},
             "hypotheses": hyps,
         }
+        if same != letter:
+            md += [
+                f"\n## ({letter}) {_view_title(name)}\n",
+                f"The same runs as ({same}): every group's own best dropout is this one, so ({same})'s tables and "
+                f"verdicts are this view's.\n",
+            ]
+            continue
         md += [
             f"\n## ({letter}) {_view_title(name)}\n",
             f"Compared across {', '.join(across)}; every other setting shared.\n",

@@ -20,6 +20,7 @@ from oelm_core.analysis.groups import (
 from oelm_core.analysis.markdown import markdown_table
 from oelm_core.analysis.runs import Run, check_figures
 from oelm_core.analysis.stats import mean_std, significance
+from oelm_core.analysis.timing import alone_record
 from oelm_core.config import ConfigError
 
 # (row key, column header) of the results table; {baseline}: the label of results_table's baseline.
@@ -79,7 +80,8 @@ def results_table(
                 "total_params": group.runs[0].value("total"),
                 "trainable_params": group.runs[0].value("trainable"),
                 "checkpoint_mb": group.mean("checkpoint_mb"),
-                "tokens_per_s": group.mean("tokens_per_s"),
+                # a share of a device that others used too measures the neighbours as much as the model
+                "tokens_per_s": None if alone_record(group.runs)["alone"] is False else group.mean("tokens_per_s"),
             }
         )
     for group, row in zip(groups, rows):
