@@ -329,7 +329,8 @@ def describe_shape(cfg: ModelConfig) -> str:
 def study_shapes(study: str | Path) -> dict[str, ModelConfig]:
     """Group -> the ModelConfig its run of the study trained (the run folder's config.yaml), for
     those runs that have one."""
-    from oelm_core.config import read_yaml, run_config_from_dict
+    from oelm_core.config import run_config_from_dict
+    from oelm_core.parameter_files import read_yaml
 
     shapes = {}
     for group, run_dir in study_runs(study).items():

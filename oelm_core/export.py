@@ -40,19 +40,12 @@ import torch
 
 from oelm_core.accounting import count_parameters
 from oelm_core.checkpoint import CheckpointError, load_model, shape_disagreement
-from oelm_core.config import (
-    PRESETS,
-    ConfigError,
-    ModelConfig,
-    model_config_from_dict,
-    read_yaml,
-    variant_overrides,
-    variants,
-)
+from oelm_core.config import PRESETS, ConfigError, ModelConfig, model_config_from_dict, variant_overrides, variants
 from oelm_core.data import EOT, EOT_TEXT
 from oelm_core.files import DiskFull, LockHeld, atomic_folder, exclusive_lock
 from oelm_core.model import GPT
 from oelm_core.orthogonal import QK_INITS
+from oelm_core.parameter_files import read_yaml
 from oelm_core.run_folder import read_summary
 
 FORMAT = "oelm-core/safetensors"

@@ -29,7 +29,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-from oelm_core.config import ConfigError, RunConfig, read_yaml, save_run_config
+from oelm_core.config import ConfigError, RunConfig
 from oelm_core.distributed import Dist, broadcast_object, every_rank
 from oelm_core.files import (
     LockHeld,
@@ -39,6 +39,7 @@ from oelm_core.files import (
     temporary_folders,
     write_text_atomic,
 )
+from oelm_core.parameter_files import read_yaml, save_run_config
 
 log = logging.getLogger(__name__)
 

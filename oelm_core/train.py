@@ -44,7 +44,7 @@ from oelm_core import fast, occupancy, preflight, provenance
 from oelm_core.accounting import count_parameters, flops_per_token, peak_flops
 from oelm_core.batches import TokenSampler, bits_per_byte, eval_batches, perplexity
 from oelm_core.checkpoint import RESUME_KEYS, CheckpointError, save_checkpoint
-from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig, load_run_config
+from oelm_core.config import PRESETS, ConfigError, ModelConfig, RunConfig
 from oelm_core.data import load_meta, prepare, real_source
 from oelm_core.distributed import (
     Dist,
@@ -59,6 +59,7 @@ from oelm_core.export import RUN_EXPORT, ExportError, export_run
 from oelm_core.files import DiskFull
 from oelm_core.live_metrics import LiveMetrics
 from oelm_core.model import build_model
+from oelm_core.parameter_files import load_run_config
 from oelm_core.preemption import EXIT_PREEMPTED, StopRequest, stop_on_signals
 from oelm_core.resume import DATA_IDENTITY, check_same_data, ended, how_to_go_on, restore_state, resume_point
 from oelm_core.run_folder import (

@@ -24,8 +24,9 @@ import yaml
 
 from oelm_core.analysis.groups import TUNED_SETTINGS
 from oelm_core.analysis.tuning import tuning_figure, tuning_table
-from oelm_core.config import ConfigError, read_yaml
+from oelm_core.config import ConfigError
 from oelm_core.files import write_text_atomic
+from oelm_core.parameter_files import read_yaml
 
 NOTE = "# Learning rate and dropout per group:"
 ANALYSIS = "04_analysis"

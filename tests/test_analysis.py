@@ -258,7 +258,7 @@ def study_folders(tmp_path, runs: list, ppl: dict, seeds=(42,)) -> list[Path]:
     """The run folders a study of ``runs`` (study.runs entries) leaves, with the config.yaml
     the trainer writes for each planned run and its final validation PPL from ``ppl`` (by run
     name without the seed)."""
-    from oelm_core.config import load_run_config, save_run_config
+    from oelm_core.parameter_files import load_run_config, save_run_config
     from oelm_core.runner import load_plan as load_study
 
     tmp_path.mkdir(parents=True, exist_ok=True)

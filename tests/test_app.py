@@ -999,7 +999,8 @@ def test_a_checkpoint_of_another_shape_says_which_model_it_holds_and_which_was_e
     import torch
 
     from app.lab import lab_from_args
-    from oelm_core.config import run_config_from_dict, save_run_config
+    from oelm_core.config import run_config_from_dict
+    from oelm_core.parameter_files import save_run_config
 
     study = tmp_path / "study"
     entries = []

@@ -7,12 +7,10 @@ from oelm_core.config import (
     ConfigError,
     SamplingConfig,
     TrainConfig,
-    apply_overrides,
-    load_run_config,
     model_config,
-    read_yaml,
     run_config_from_dict,
 )
+from oelm_core.parameter_files import apply_overrides, load_run_config, read_yaml
 
 
 def test_defaults_are_the_original_study():

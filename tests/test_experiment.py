@@ -34,7 +34,7 @@ import oelm_core.runner.scheduler as SCHED
 from oelm_core import VARIANTS
 from oelm_core.analysis.ablations import ablation_table
 from oelm_core.analysis.sweeps import run_rows, sweep_results
-from oelm_core.config import ConfigError, load_run_config, run_config_from_dict, save_run_config
+from oelm_core.config import ConfigError, run_config_from_dict
 from oelm_core.notebooks import (
     NotebookError,
     check_notebook_parameters,
@@ -42,6 +42,7 @@ from oelm_core.notebooks import (
     failed_cell,
     notebook_defaults,
 )
+from oelm_core.parameter_files import load_run_config, save_run_config
 from oelm_core.runner import LocalScheduler, check_run_folder, load_plan, run_trainings, train_command
 from oelm_core.sweep import main as sweep_main
 
@@ -589,7 +590,7 @@ def test_parameter_files_load():
         or p.name.startswith("ablations")
         or p.stem.startswith("study_")
     ]
-    assert len(plans) == 4 + 2 + 2 + 2 + 4
+    assert len(plans) == 4 + 2 + 3 + 2 + 4
     for path in files:
         if path in plans:
             cfgs = [
@@ -1020,7 +1021,8 @@ def test_each_committed_result_is_what_its_plan_trains(folder):
     """Every committed run folder of results/FOLDER is one its plan plans there, trained with the
     planned settings (the plan run into that folder would skip it): the plan file reproduces the
     result. parameters/ablations_medium512.yaml said lr 3e-4 while its runs trained at 2e-3."""
-    from oelm_core.config import read_yaml, trained_settings
+    from oelm_core.config import trained_settings
+    from oelm_core.parameter_files import read_yaml
 
     committed = REPO / "results" / folder
     plan = load_plan(REPO / RESULT_PLANS[folder], committed)
@@ -1039,7 +1041,7 @@ def test_the_committed_mini_ablations_tabulate_from_runs_with_and_without_their_
     """results/ablations' 26 older runs have no sweep_point.json (their folders name them), its two
     progressive re-runs one of an older form (key "ablation"): the table reads both, one row per
     variant entry of parameters/ablations.yaml, two seeds each."""
-    from oelm_core.config import read_yaml
+    from oelm_core.parameter_files import read_yaml
 
     committed = REPO / "results" / "ablations"
     assert len(list(committed.rglob("sweep_point.json"))) == 4
@@ -1405,7 +1407,7 @@ def test_an_experiment_plan_crosses_every_axis_seed_first(tmp_path):
 def test_set_strings_carry_values_as_written(value):
     """A value of a plan's {dotted key: value} reaches the run as itself: YAML would read a bare
     off as false, 2024 as a number and cut "a #b" at the comment."""
-    from oelm_core.config import apply_overrides
+    from oelm_core.parameter_files import apply_overrides
 
     assert apply_overrides({}, [f"k={PLAN.yaml_value(value)}"]) == {"k": value}
 

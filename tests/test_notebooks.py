@@ -477,7 +477,7 @@ def test_the_analysis_reads_the_committed_protocol_study_on_equal_footing(tmp_pa
 
     import papermill as pm
 
-    from oelm_core.config import read_yaml
+    from oelm_core.parameter_files import read_yaml
 
     study = REPO / "results" / "protocol_medium512"
     choice = read_yaml(REPO / "parameters" / "protocol" / "study_medium512.yaml")["experiment"]["parameters"]

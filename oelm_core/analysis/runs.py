@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from oelm_core.config import ConfigError, RunConfig, read_yaml, trained_settings
+from oelm_core.config import ConfigError, RunConfig, trained_settings
 from oelm_core.groups import GROUP_LABELS
+from oelm_core.parameter_files import read_yaml
 
 # The validation figures a results table or hypothesis reads: the last evaluation's, the best's
 # (both on the evaluations' windows, which chose the best), or "report": the best checkpoint on the

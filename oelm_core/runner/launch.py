@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from oelm_core.checkout import REPO, child_env
-from oelm_core.config import ConfigError, apply_overrides, run_config_from_dict
+from oelm_core.config import ConfigError, run_config_from_dict
+from oelm_core.parameter_files import apply_overrides
 from oelm_core.runner.plan import training_parameters
 
 

@@ -32,18 +32,13 @@ from typing import Any, Optional, Sequence, Union
 import yaml
 
 from oelm_core.checkout import REPO
-from oelm_core.config import (
-    ConfigError,
-    apply_overrides,
-    build_section,
-    read_yaml,
-    run_config_from_dict,
-)
+from oelm_core.config import ConfigError, build_section, run_config_from_dict
 from oelm_core.config import (
     variants as known_variants,
 )
 from oelm_core.groups import GROUPS
 from oelm_core.notebooks import check_notebook_parameters
+from oelm_core.parameter_files import apply_overrides, read_yaml
 
 SECTION = "experiment"
 STEPS = ("01_theory", "02_model", "03_training", "04_analysis")  # the notebooks a plan may run, in order

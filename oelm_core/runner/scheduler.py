@@ -26,9 +26,10 @@ from typing import Callable, Iterator
 import yaml
 
 from oelm_core.analysis.runs import FINISHED
-from oelm_core.config import ConfigError, read_yaml, run_config_from_dict, trained_settings
+from oelm_core.config import ConfigError, run_config_from_dict, trained_settings
 from oelm_core.files import LockHeld, exclusive_lock, write_text_atomic
 from oelm_core.notebooks import say
+from oelm_core.parameter_files import read_yaml
 from oelm_core.runner.plan import Plan, PlannedRun
 
 # How the data is reached, for a message about data that could not be read or prepared.
