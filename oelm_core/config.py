@@ -7,8 +7,9 @@ top-level keys ``name``, ``out_dir``, ``preset`` and ``variant``; the keys of ``
 the values of the preset and the variant. ``SamplingConfig`` holds the generation's settings.
 
 One builder (``_build``) checks every key and type, for parameter files (read by
-``parameter_files``) and for settings given in Python alike. Errors are ConfigErrors that name the setting, its value and the fix: an
-unknown key lists the keys that exist, a wrong type says which type was expected.
+``parameter_files``) and for settings given in Python alike. Errors are ConfigErrors that name
+the setting, its value and the fix: an unknown key lists the keys that exist, a wrong type says
+which type was expected.
 """
 
 from __future__ import annotations
