@@ -262,7 +262,7 @@ def test_a_notebook_started_in_its_folder_works_in_the_repository_root(start, tm
     moves to the root; started in the root it stays there."""
     setup = setup_lines(cells("03_training"))
     probe = (
-        "import oelm_core\nfrom oelm_core.config import load_run_config\n"
+        "import oelm_core\nfrom oelm_core.parameter_files import load_run_config\n"
         "print(os.getcwd())\nprint(Path(oelm_core.__file__).parent.parent)\n"
         "print(Path(load_run_config('parameters/smoke/oelm_freeze.yaml').out_dir).resolve())"
     )
