@@ -57,8 +57,8 @@ notebooks: $(VENV)/.installed
 # Every table and figure of results/ from the committed run files (no GPU, no checkpoints): the tuned
 # Medium-512 and mini studies through notebooks/04_analysis (results.md, results.json, figures/, the
 # executed notebook), the ablations against the Medium-512 study's OELM-Freeze and GPT-Base, and the
-# tuning sweeps; the protocol's study (issue 42) through its plan, whose 04_analysis parameters
-# carry the tuning's choice: its dropout-0 runs are not trained yet, so --only its dropout-0.1 ones.
+# tuning sweeps; the protocol's (issue 42): its study through its plan, whose 04_analysis parameters
+# carry the tuning's choice, the orthogonality study against it, the shapes' sweep a shape at a time.
 # The mini runs shared one GPU five at a time, so their speed is not compared.
 PROTOCOL := parameters/protocol/study_medium512.yaml
 TUNED    := results/tuned_medium512
@@ -74,8 +74,11 @@ results: $(VENV)/.installed notebooks
 	  --markdown results/tune_$$s/tuning.md --figure results/tune_$$s/tuning.png || exit 1; done
 	$(BIN)/python -m oelm_core tune results/protocol_tune_medium512 --min-seeds 2 --per-dropout \
 	  --markdown results/protocol_tune_medium512/tuning.md --figure results/protocol_tune_medium512/tuning.png
-	$(BIN)/python -m oelm_core run $(PROTOCOL) --out results/protocol_medium512 --set 'experiment.notebooks=[04_analysis]' \
-	  --only gpt_base_drop0.1 oelm_nofreeze_drop0.1 oelm_freeze_drop0.1
+	$(BIN)/python -m oelm_core run $(PROTOCOL) --out results/protocol_medium512 --set 'experiment.notebooks=[04_analysis]'
+	$(BIN)/python -m oelm_core report results/protocol_orthogonality_medium512 --comparators results/protocol_medium512/runs \
+	  --which report --tuned
+	for s in results/protocol_tune_shapes/shape=*; do $(BIN)/python -m oelm_core tune $$s --min-seeds 2 --per-dropout \
+	  --markdown $$s/tuning.md --figure $$s/tuning.png || exit 1; done
 
 # The browser test drives Debian's Chromium (a test tool's own browser download is not
 # reachable from CI); installed here when missing and we may use apt.

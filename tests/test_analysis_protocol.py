@@ -505,3 +505,54 @@ def test_the_results_table_leaves_out_tokens_per_s_of_runs_that_shared_their_dev
     alone = A.results_table(A.load_runs(tmp_path / "alone"))
     assert [r["tokens_per_s"] for r in shared["rows"]] == [None, None]
     assert [r["tokens_per_s"] for r in alone["rows"]] == [1_100_000.0, 1_150_000.0]
+
+
+def test_ablations_meet_a_study_at_both_dropouts_at_their_own(tmp_path):
+    """The protocol's study holds every group at dropout 0 and 0.1 (each at its own learning rate):
+    an ablation trained like OELM-Freeze at 0.1 is set against Freeze and GPT-Base at 0.1, and
+    only those comparator groups are tabulated (two unnamed rows per variant read as one)."""
+    from oelm_core.analysis.ablations import ablation_gaps
+
+    study, root = tmp_path / "study", tmp_path / "ablations"
+    losses = {  # (variant, dropout) -> the five seeds' losses
+        ("gpt_base", 0.0): [2.50, 2.51, 2.49, 2.50, 2.52],
+        ("gpt_base", 0.1): [2.41, 2.42, 2.40, 2.41, 2.43],
+        ("oelm_nofreeze", 0.0): [2.53, 2.52, 2.54, 2.53, 2.52],
+        ("oelm_nofreeze", 0.1): [2.43, 2.42, 2.44, 2.43, 2.42],
+        ("oelm_freeze", 0.0): [2.59, 2.60, 2.58, 2.59, 2.61],
+        ("oelm_freeze", 0.1): [2.53, 2.54, 2.52, 2.53, 2.55],
+    }
+    lrs = {"gpt_base": 1e-3, "oelm_nofreeze": 2e-3, "oelm_freeze": 4e-3}
+    for (variant, dropout), values in losses.items():
+        for seed, loss in enumerate(values):
+            make_run(
+                study,
+                variant,
+                math.exp(loss),
+                seed=seed,
+                name=f"{variant}_drop{dropout:g}",
+                model={"dropout": dropout},
+                train={"lr": lrs[variant] if dropout else 1e-3},
+            )
+    illcond = [2.50, 2.51, 2.49, 2.52, 2.50]
+    for seed, loss in enumerate(illcond):
+        d = root / "oelm_freeze_illcond" / f"seed{seed}"
+        d.mkdir(parents=True)
+        run = make_run(d, "oelm_freeze", math.exp(loss), seed=seed, model={"dropout": 0.1}, train={"lr": 4e-3})
+        for name in ("config.yaml", "summary.json"):
+            (run / name).write_text((run / name).read_text().replace("oelm_freeze", "oelm_freeze_illcond"))
+        (run / "sweep_point.json").write_text(
+            json.dumps({"label": "oelm_freeze_illcond", "variant": "oelm_freeze_illcond", "seed": seed})
+        )
+    table = ablation_gaps(root, study, "final", A.TUNED_SETTINGS)
+    rows = {r["label"]: r for r in table["rows"]}
+    assert [r["label"] for r in table["rows"]] == ["oelm_freeze_illcond", "gpt_base", "oelm_nofreeze", "oelm_freeze"]
+    assert rows["oelm_freeze"]["val_loss"] == pytest.approx(statistics.mean(losses["oelm_freeze", 0.1]))
+    assert rows["oelm_nofreeze"]["val_loss"] == pytest.approx(statistics.mean(losses["oelm_nofreeze", 0.1]))
+    gap = math.exp(statistics.mean(illcond) - statistics.mean(losses["oelm_freeze", 0.1])) - 1
+    assert rows["oelm_freeze_illcond"]["oelm_freeze_gap_pct"] == pytest.approx(100 * gap)
+    base_gap = math.exp(statistics.mean(illcond) - statistics.mean(losses["gpt_base", 0.1])) - 1
+    assert rows["oelm_freeze_illcond"]["gpt_base_gap_pct"] == pytest.approx(100 * base_gap)
+    # without the tuned settings GPT-Base (at another learning rate) is no comparator at all
+    with pytest.raises(ConfigError, match="0 groups of gpt_base that the ablations could be compared with"):
+        ablation_gaps(root, study, "final")

@@ -402,9 +402,11 @@ def test_ablation_gaps_read_the_ablations_and_the_studys_comparators(tmp_path):
     assert "| progressive | ablation | 2 |" in paths[0].read_text()
     fig = ablation_gaps_figure(table)
     vs_freeze, vs_base = fig.axes
-    assert [p.get_width() for p in vs_freeze.patches] == pytest.approx(
-        [rows[k]["oelm_freeze_gap_pct"] for k in ("oelm_freeze_shallow", "progressive")]
-    )
-    assert len(vs_base.patches) == 3 and len(fig.legends[0].get_texts()) == 4  # shallow, progressive, Freeze
+    bars = [[p.get_width() for p in ax.containers[0]] for ax in fig.axes]  # the barh, drawn first
+    assert bars[0] == pytest.approx([rows[k]["oelm_freeze_gap_pct"] for k in ("oelm_freeze_shallow", "progressive")])
+    assert len(bars[1]) == 3  # shallow, progressive, Freeze
+    margin = [p for p in vs_freeze.patches if p.get_label().startswith("TOST margin")]
+    assert len(margin) == 1 and margin[0].get_x() == pytest.approx(100 * (1 / 1.02 - 1))
+    assert len(fig.legends[0].get_texts()) == 5
     with pytest.raises(ConfigError, match="groups of gpt_base"):
         ablation_gaps(root, study / "oelm_freeze_s0")

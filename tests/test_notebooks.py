@@ -508,7 +508,13 @@ def test_the_analysis_reads_the_committed_protocol_study_on_equal_footing(tmp_pa
     base = statistics.fmean(report[f"gpt_base_drop{choice['gpt_base']:g}"])
     pairs = {(p["a"], p["b"]): p for p in result["views"]["own best"]["gaps"]["pairs"]}
     assert pairs[("OELM-Freeze", "GPT-Base")]["gap_pct"] == pytest.approx(100 * math.expm1(freeze - base))
+    # the equal-dropout view at 0: every group's dropout-0 runs, which no choice picked
+    zero = {(p["a"], p["b"]): p for p in result["views"]["dropout=0"]["gaps"]["pairs"]}
+    freeze0, base0 = (statistics.fmean(report[f"{v}_drop0"]) for v in ("oelm_freeze", "gpt_base"))
+    assert zero[("OELM-Freeze", "GPT-Base")]["gap_pct"] == pytest.approx(100 * math.expm1(freeze0 - base0))
+    assert (zero[("OELM-Freeze", "GPT-Base")]["n_a"], zero[("OELM-Freeze", "GPT-Base")]["n_b"]) == (5, 5)
     md = (tmp_path / "out" / "results.md").read_text()
     assert "## (a) Each group at its own best setting" in md and "held-out half" in md
+    assert "## (b) All groups at dropout 0" in md
     shown = output_text(nbformat.read(out, as_version=4))
     assert "| OELM-Freeze | medium512 | 5 |" in shown and (tmp_path / "out" / "figures" / "curves.png").is_file()

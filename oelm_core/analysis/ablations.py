@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from oelm_core.analysis.figures import pyplot, save_figure
-from oelm_core.analysis.gaps import equivalence_columns, gap_fields, group_figures, ppl_gap
+from oelm_core.analysis.gaps import EQUIVALENCE_MARGIN, equivalence_columns, gap_fields, group_figures, ppl_gap
 from oelm_core.analysis.groups import (
     Group,
     assumed_settings,
@@ -26,6 +26,7 @@ from oelm_core.analysis.groups import (
     variant_alone,
 )
 from oelm_core.analysis.markdown import markdown_table
+from oelm_core.analysis.protocol import DROPOUT
 from oelm_core.analysis.runs import check_figures, load_runs
 from oelm_core.analysis.stats import mean_std
 from oelm_core.analysis.sweeps import load_points, on_sweep_axis, run_row
@@ -212,8 +213,10 @@ def ablation_gaps(
     c_boot_low/high_pct, c_hedges_g (analysis.ppl_gap: the geometric-mean PPL gap, 95% Welch and
     bootstrap intervals). A gap is left out (None) unless the two groups were trained alike apart
     from the variant and ABLATION_SETTINGS, and for GPT-Base also ``compare_across`` (e.g.
-    TUNED_SETTINGS: GPT-Base at its own tuned setting). ConfigError without a comparator group,
-    or with several of one variant.
+    TUNED_SETTINGS: GPT-Base at its own tuned setting). Where the study holds a variant at several
+    settings (the protocol's both dropouts), the ablations meet the group they were trained alike
+    with at their own dropout, and only it is shown. ConfigError where no group, or several, of a
+    comparator remain.
     """
     ablations = load_points(root)
     others = load_runs(comparators)
@@ -227,16 +230,32 @@ def ablation_gaps(
         for label, settings, at in seed_groups(runs, labels)
     ]
     sources = ["comparator" if g.runs[0] in others else "ablation" for g in groups]
+    ablated = [g for g, src in zip(groups, sources) if src == "ablation"]
+    dropouts = {a.settings.get(DROPOUT) for a in ablated}
     bases = {}
     for variant in ABLATION_COMPARATORS:
+        across = ABLATION_SETTINGS + (tuple(compare_across) if variant == BASELINE else ())
         found = [g for g, src in zip(groups, sources) if src == "comparator" and g.variant == variant]
+        if len(found) > 1:
+            # A study holding a group at several settings (the protocol's: each group at both
+            # dropouts): the one every ablation was trained alike with, at their dropout where
+            # several were (equal footing).
+            found = [g for g in found if all(variant_alone(a, g, across) for a in ablated)]
+            found = [g for g in found if g.settings.get(DROPOUT) in dropouts] if len(found) > 1 else found
         if len(found) != 1:
             raise ConfigError(
-                f"{comparators} holds {len(found)} groups of {variant}; the ablations need exactly one to compare with"
+                f"{comparators} holds {len(found)} groups of {variant} that the ablations could be compared with "
+                f"(trained alike apart from {', '.join(across)}, at the ablations' dropout where several are); "
+                f"they need exactly one: pass a folder of one study's runs"
             )
         bases[variant] = found[0]
+    shown = [(g, src) for g, src in zip(groups, sources) if src == "ablation" or g is bases.get(g.variant)]
+    for variant in {g.variant for g, src in zip(groups, sources) if src == "comparator"} - set(bases):
+        found = [g for g, src in zip(groups, sources) if src == "comparator" and g.variant == variant]
+        at_theirs = [g for g in found if g.settings.get(DROPOUT) in dropouts]
+        shown += [(g, "comparator") for g in (at_theirs if len(found) > 1 and at_theirs else found)]
     rows = []
-    for g, src in sorted(zip(groups, sources), key=lambda gs: (gs[1] == "comparator", _order(gs[0].label))):
+    for g, src in sorted(shown, key=lambda gs: (gs[1] == "comparator", _order(gs[0].label))):
         row = {"label": g.label, "source": src, **_figures(g, which)}
         for variant, base in bases.items():
             across = ABLATION_SETTINGS + (tuple(compare_across) if variant == BASELINE else ())
@@ -299,7 +318,8 @@ def _figures(group, which: str) -> dict:
 def ablation_gaps_figure(table: dict, path: str | Path | None = None):
     """``ablation_gaps``' PPL gaps as horizontal bars, one panel per comparator: a bar at each
     group's gap (%), the 95% Welch interval as a black error bar, the 95% bootstrap interval as
-    a thick grey line; groups without a gap to that comparator are left out of its panel."""
+    a thick orange line, the equivalence test's margin as a green band; groups without a gap to
+    that comparator are left out of its panel."""
     plt = pyplot()
     variants = [v for v in ABLATION_COMPARATORS if any(r.get(f"{v}_gap_pct") is not None for r in table["rows"])]
     panels = max(1, len(variants))
@@ -333,6 +353,13 @@ def ablation_gaps_figure(table: dict, path: str | Path | None = None):
                     solid_capstyle="butt",
                     label="95% bootstrap interval" if y == ys[0] else None,
                 )
+        ax.axvspan(
+            100 * (1 / (1 + EQUIVALENCE_MARGIN) - 1),
+            100 * EQUIVALENCE_MARGIN,
+            color="tab:green",
+            alpha=0.12,
+            label=f"TOST margin (±{100 * EQUIVALENCE_MARGIN:g}% of PPL)",
+        )
         ax.axvline(0, color="black", lw=0.8)
         ax.set_yticks(ys)
         ax.set_yticklabels([f"{r['label']} (n={r['seeds']})" for r in rows])
