@@ -468,11 +468,24 @@ def print_table(meta, results):
         )
     profiled = [r for r in ok if r.get("kernel_ms_per_step")]
     if profiled:
-        families = list(profiled[0]["kernel_ms_per_step"])
-        print("\nGPU time per step by kernel family (ms, from the CUDA profiler):")
-        print(f"{'family':34s}" + "".join(f" {r['label'][:18]:>18s}" for r in profiled))
-        for fam in families:
-            print(f"{fam:34s}" + "".join(f" {r['kernel_ms_per_step'][fam]:18.2f}" for r in profiled))
+        print("\nWhere a step's time goes (ms per step and share of the timed step; kernels from the CUDA profiler):")
+        print(f"{'family':34s}" + "".join(f" {r['label'][:22]:>22s}" for r in profiled))
+        for fam in step_shares(profiled[0]):
+            cells = []
+            for r in profiled:
+                ms = step_shares(r)[fam]
+                cells.append(f" {ms:12.2f} ({100 * ms / r['ms_per_step']:5.1f}%)")
+            print(f"{fam:34s}" + "".join(cells))
+        if all(r["mfu"] for r in profiled):
+            print(f"{'MFU (6N + attention FLOPs)':34s}" + "".join(f" {100 * r['mfu']:21.1f}%" for r in profiled))
+
+
+def step_shares(r: dict) -> dict:
+    """A profiled row's kernel families (ms per step) and the rest of its timed step: the GPU idle
+    between kernels (launch gaps, host work, waits), the timed step less the kernels' sum. Kernels
+    on several streams may overlap; then the idle share is the lower bound 0."""
+    kernels = {k: v for k, v in r["kernel_ms_per_step"].items() if k != "total"}
+    return kernels | {"idle (step less kernels)": max(0.0, r["ms_per_step"] - r["kernel_ms_per_step"]["total"])}
 
 
 if __name__ == "__main__":

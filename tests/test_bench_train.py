@@ -106,3 +106,18 @@ def test_bench_train_expands_the_variants_and_refuses_an_option_saying_which():
     ):
         with pytest.raises(ValueError, match=message):
             bench_train.expand(specs, compiles, [])
+
+
+def test_a_profiled_step_is_told_as_kernel_families_and_the_idle_rest():
+    """The profile table's rows: each kernel family's milliseconds and what the timed step spent
+    outside kernels (its idle share), which sum to the step; kernels overlapping on several streams
+    (their sum above the step) leave no negative idle."""
+    sys.path.insert(0, str(BENCH.parent))
+    from bench_train import step_shares
+
+    row = {"ms_per_step": 10.0, "kernel_ms_per_step": {"GEMM": 6.0, "attention": 1.5, "total": 7.5}}
+    shares = step_shares(row)
+    assert shares == {"GEMM": 6.0, "attention": 1.5, "idle (step less kernels)": 2.5}
+    assert sum(shares.values()) == pytest.approx(row["ms_per_step"])
+    overlapped = {"ms_per_step": 7.0, "kernel_ms_per_step": {"GEMM": 6.0, "attention": 1.5, "total": 7.5}}
+    assert step_shares(overlapped)["idle (step less kernels)"] == 0.0
