@@ -59,11 +59,15 @@ def test_ablation_table_and_figure(tmp_path):
     assert "| progressive |" in table["markdown"] and len(table["runs"]) == 4
     fig = ablation_figure(table, tmp_path / "abl.png")
     assert (tmp_path / "abl.png").stat().st_size > 1000
-    # what is drawn: a bar at each ablation's mean loss, a dot at each seed's, on the loss axis
+    # what is drawn: a line at each ablation's mean loss, a dot at each seed's, GPT-Base's mean
+    # across, on the loss axis; no bars (the axis is cut to the losses, where heights mislead)
     (ax,) = fig.axes
     assert ax.get_ylabel() == "final validation loss (nats/token)"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["gpt_base", "progressive"]
-    assert [p.get_height() for p in ax.patches] == pytest.approx([3.05, 3.3])
+    assert len(ax.patches) == 0 and ax.get_ylim()[0] > 2.5
+    assert [sum(line.get_xdata()) / 2 for line in ax.lines[:2]] == pytest.approx([0, 1])
+    assert [line.get_ydata()[0] for line in ax.lines[:2]] == pytest.approx([3.05, 3.3])
+    assert list(ax.lines[2].get_ydata()) == pytest.approx([3.05, 3.05])  # the baseline's mean, dashed
     dots = [list(c.get_offsets()) for c in ax.collections]
     assert [[tuple(xy) for xy in d] for d in dots] == [[(0, 3.0), (0, 3.1)], [(1, 3.2), (1, 3.4)]]
 

@@ -163,7 +163,9 @@ def ablation_table(root: str | Path, baseline: str = BASELINE, spectrum: bool = 
 
 
 def ablation_figure(table: dict, path: str | Path | None = None):
-    """Final validation loss per ablation: bars at the seed mean, dots at each seed."""
+    """Final validation loss per ablation: a short thick line at the seed mean, dots at each seed,
+    and GPT-Base's mean across the panel. Lines, not bars: the axis is cut to the losses' range,
+    where bars' heights would overstate the differences."""
     plt = pyplot()
     rows = [r for r in table["rows"] if r["val_loss"] is not None]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
@@ -178,17 +180,20 @@ def ablation_figure(table: dict, path: str | Path | None = None):
         else "tab:blue"
         for r in rows
     ]
-    ax.bar(xs, [r["val_loss"] for r in rows], color=colors, alpha=0.6)
-    for x, r in zip(xs, rows):
+    for x, r, color in zip(xs, rows, colors):
+        ax.plot([x - 0.3, x + 0.3], [r["val_loss"]] * 2, color=color, lw=3, solid_capstyle="butt")
         seeds = [s["final_val_loss"] for s in table["runs"] if s["label"] == r["label"] and s["final_val_loss"]]
         ax.scatter([x] * len(seeds), seeds, color="black", s=12, zorder=3)
+    base = next((r["val_loss"] for r in rows if r["label"] == BASELINE), None)
+    if base is not None:
+        ax.axhline(base, color="tab:gray", lw=0.8, ls="--", zorder=0)
     lo = min(r["val_loss"] for r in rows) if rows else 0
     hi = max(r["val_loss"] for r in rows) if rows else 1
     ax.set_ylim(lo - 0.15 * (hi - lo + 1e-3) - 0.05, hi + 0.15 * (hi - lo + 1e-3) + 0.05)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r["label"] for r in rows], rotation=45, ha="right")
     ax.set_ylabel("final validation loss (nats/token)")
-    ax.set_title("Ablations (bars: mean over seeds; dots: seeds)")
+    ax.set_title("Ablations (lines: mean over seeds; dots: seeds; dashed: GPT-Base's mean)")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return save_figure(fig, path)
