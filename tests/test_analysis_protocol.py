@@ -291,6 +291,13 @@ def test_the_rerun_spread_sits_beside_the_seed_spread(tmp_path):
     assert "Re-run sd from the 1 pair(s): 0.0139" in spread["markdown"]
     without = A.rerun_spread([r for r in runs if r.path != again], "report")
     assert without["rows"] == [] and without["pooled_sd"] is None and "not measured" in without["markdown"]
+    # runs trained deterministically repeat their bits: the seeds' spread is the whole spread
+    alone = [r for r in runs if r.path != again]
+    for r in alone:
+        r.config.setdefault("train", {})["deterministic"] = True
+    assert "same bits" in A.rerun_spread(alone, "report")["markdown"]
+    alone[0].config["train"]["deterministic"] = False
+    assert "not measured" in A.rerun_spread(alone, "report")["markdown"]
 
 
 def test_protocol_report_takes_tunings_choice_and_refuses_a_view_it_cannot_fill(tmp_path):

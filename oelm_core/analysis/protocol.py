@@ -151,7 +151,8 @@ def rerun_spread(runs: Sequence[Run], which: str = "report") -> dict:
     difference (re-run minus run), seed_sd (the sample std of the group's seeds, re-runs left
     out)} of the ``which`` validation loss. pooled_sd: sqrt(sum(d^2) / (2 k)) over the k pairs'
     differences d, the standard deviation of one run that re-running alone gives (each
-    difference has twice its variance); None without re-runs."""
+    difference has twice its variance); None without re-runs. Without re-runs the markdown says
+    whether every run was deterministic (then a re-run repeats it) or the spread is unmeasured."""
     kept, reruns = split_reruns(runs)
     groups = group_runs(kept)
     key = f"{which}_val_loss"
@@ -196,8 +197,17 @@ def rerun_spread(runs: Sequence[Run], which: str = "report") -> dict:
                 ],
             )
         )
+    elif kept and all((r.config.get("train") or {}).get("deterministic") for r in kept):
+        md = (
+            "No configuration was trained twice. Every run here trained with train.deterministic: on one "
+            "kind of card with the same software a re-run ends on the same bits (tests/test_gpu_determinism.py), "
+            "so the seeds' spread is the whole spread."
+        )
     else:
-        md = "(no configuration was trained twice: the re-run spread is not measured in this study)"
+        md = (
+            "(no configuration was trained twice: the re-run spread is not measured in this study; runs "
+            "not trained with train.deterministic may end apart by as much as two seeds)"
+        )
     return {"rows": rows, "pooled_sd": pooled, "pairs": len(diffs), "markdown": md}
 
 
