@@ -8,7 +8,8 @@
 
 Each subcommand takes the options of the module it runs (``python -m oelm_core SUBCOMMAND -h``).
 ``report`` is this module's own: the ablation table of a folder of a plan's runs, a sweep's table
-and figure (--sweep), or each ablation's gaps to a study's runs (--comparators).
+and figure (--sweep), each ablation's gaps to a study's runs (--comparators), or the scaling curve
+of one study per model shape (--scaling).
 """
 
 from __future__ import annotations
@@ -30,15 +31,22 @@ COMMANDS = {
 def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core report") -> int:
     """``report DIR``: the ablation table (ablations.md, .json, .png); ``--sweep``: a sweep's table
     (and figure); ``--comparators RUNS``: each ablation's PPL gap to a study's runs, with 95%
-    intervals. 0 written, 2 unusable input."""
+    intervals; ``--scaling DIR...``: the gaps to GPT-Base of one study per shape (scaling.md,
+    .json, .png). 0 written, 2 unusable input."""
     from oelm_core.analysis.ablations import ablation_gaps, ablation_table, write_ablation_gaps, write_ablation_table
     from oelm_core.analysis.groups import TUNED_SETTINGS
     from oelm_core.analysis.runs import WHICH, find_run_dirs
+    from oelm_core.analysis.scaling import write_scaling
     from oelm_core.analysis.sweeps import sweep_figure, sweep_results
     from oelm_core.config import ConfigError
 
     p = argparse.ArgumentParser(prog=prog, description=report.__doc__.split(":", 1)[0])
-    p.add_argument("root", help="a folder of a plan's run folders, e.g. runs/ablations, runs/sweeps/a6_layers")
+    p.add_argument(
+        "root",
+        nargs="+",
+        help="a folder of a plan's run folders, e.g. runs/ablations, runs/sweeps/a6_layers (--scaling: one study "
+        "folder per model shape)",
+    )
     p.add_argument(
         "--figure",
         help="where to write the figure (default: ROOT/ablations.png for the ablation table; none for --sweep)",
@@ -65,20 +73,39 @@ def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core re
         "--comparators",
         help="folder of the comparator runs (OELM-Freeze and GPT-Base), e.g. results/tuned_medium512/runs",
     )
-    gaps.add_argument("--which", choices=WHICH, default="best", help="validation figures (default: best)")
+    gaps.add_argument("--which", choices=WHICH, help="validation figures (default: best; --scaling: report)")
     gaps.add_argument(
         "--tuned",
         action="store_true",
         help=f"GPT-Base at its own tuned setting: {', '.join(TUNED_SETTINGS)} may differ from the ablations'",
     )
-    gaps.add_argument("--out", help="where to write ablations.md, .json, .png (default: ROOT)")
+    gaps.add_argument("--out", help="where to write ablations.md, .json, .png (default: ROOT; --scaling: needed)")
+    scaling = p.add_argument_group("the scaling curve (--which applies; --tuned is implied)")
+    scaling.add_argument("--scaling", action="store_true", help="the gaps to GPT-Base of each ROOT, one per shape")
+    footing = scaling.add_mutually_exclusive_group()
+    footing.add_argument("--dropout", type=float, help="only the runs at this dropout (all groups alike)")
+    footing.add_argument(
+        "--own-best", action="store_true", help="each group at the dropout its shape's tuning chose (results.json)"
+    )
     args = p.parse_args(argv)
     try:
-        if not Path(args.root).is_dir() or not find_run_dirs(args.root):
-            raise ConfigError(
-                f"{args.root} holds no run folders (summary.json or metrics.jsonl); pass the folder of a "
-                f"plan's runs, e.g. runs/ablations or runs/sweeps/a6_layers"
-            )
+        for root in args.root:
+            if not Path(root).is_dir() or not find_run_dirs(root):
+                raise ConfigError(
+                    f"{root} holds no run folders (summary.json or metrics.jsonl); pass the folder of a "
+                    f"plan's runs, e.g. runs/ablations or runs/sweeps/a6_layers"
+                )
+        if args.scaling:
+            if not args.out:
+                raise ConfigError("--scaling writes scaling.md, .json and .png into --out DIR: name it")
+            which = args.which or "report"  # a study's reported figures: the held-out half
+            paths = write_scaling(args.root, args.out, which, dropout=args.dropout, own_best=args.own_best)
+            print(paths[0].read_text())
+            print("wrote " + ", ".join(map(str, paths)))
+            return 0
+        if len(args.root) > 1 or args.dropout is not None or args.own_best:
+            raise ConfigError("several folders, --dropout and --own-best go with --scaling only")
+        args.root, args.which = args.root[0], args.which or "best"
         if args.comparators:
             table = ablation_gaps(args.root, args.comparators, args.which, TUNED_SETTINGS if args.tuned else ())
             print(table["markdown"])

@@ -453,6 +453,60 @@ def test_scaling_counts_the_shape_without_params_by_component_and_refuses_a_stud
         A.scaling_table(studies)
 
 
+def test_the_scaling_curve_of_studies_at_both_dropouts_has_each_footing(tmp_path, capsys):
+    """A protocol study per shape holds every group at dropout 0 and 0.1: --dropout reads one
+    dropout for all, --own-best each group at the dropout its shape's analysis recorded
+    (results.json's tuning_choice); the command writes the figure files of the view it is given."""
+    from oelm_core.__main__ import main
+
+    base = {"gpt_base": 10.0, "oelm_nofreeze": 10.2, "oelm_freeze": 11.0}
+    lift = {0.0: 1.05, 0.1: 1.0}  # dropout 0.1 helps every group here
+    choice = {128: {"gpt_base": 0.1, "oelm_nofreeze": 0.1, "oelm_freeze": 0.0}, 256: dict.fromkeys(base, 0.1)}
+    studies = []
+    for d_model, own in choice.items():
+        study = tmp_path / f"d{d_model}"
+        for variant, p in base.items():
+            for dropout in (0.0, 0.1):
+                for seed, f in enumerate((0.99, 1.0, 1.01)):
+                    value = p * lift[dropout] * f * (1.2 if variant == "oelm_freeze" and dropout == 0.1 else 1.0)
+                    make_run(
+                        study / "runs",
+                        variant,
+                        value,
+                        seed=seed,
+                        name=f"{variant}_drop{dropout:g}",
+                        preset="mini",
+                        report=value,
+                        model={"d_model": d_model, "n_layer": 2, "n_head": d_model // 64, "dropout": dropout},
+                    )
+        (study / "results.json").write_text(json.dumps({"tuning_choice": own}))
+        studies.append(study)
+    zero = A.scaling_table(studies, dropout=0.0)
+    assert zero["view"] == "dropout 0" and [r["oelm_freeze_gap_pct"] for r in zero["rows"]] == pytest.approx([10.0] * 2)
+    own = A.scaling_table(studies, own_best=True)["rows"]
+    # d128: Freeze at its own dropout 0 (11 x 1.05) against GPT-Base at 0.1; d256: Freeze at 0.1 (11 x 1.2)
+    assert [r["oelm_freeze_gap_pct"] for r in own] == pytest.approx(
+        [100 * (11 * 1.05 / 10 - 1), 100 * (11 * 1.2 / 10 - 1)]
+    )
+    assert [r["oelm_nofreeze_gap_pct"] for r in own] == pytest.approx([2.0, 2.0])
+    with pytest.raises(ConfigError, match="holds 2 of GPT-Base"):
+        A.scaling_table(studies)
+    (studies[1] / "results.json").unlink()
+    with pytest.raises(ConfigError, match=r"d256/results.json records no tuning_choice"):
+        A.scaling_table(studies, own_best=True)
+    (studies[1] / "results.json").write_text(json.dumps({"tuning_choice": choice[256]}))
+    out = tmp_path / "scaling"
+    assert main(["report", *map(str, studies), "--scaling", "--own-best", "--out", str(out)]) == 0
+    table = json.loads((out / "scaling.json").read_text())
+    assert table["view"] == "each at its own best dropout" and table["which"] == "report"
+    assert [r["oelm_freeze_gap_pct"] for r in table["rows"]] == pytest.approx([r["oelm_freeze_gap_pct"] for r in own])
+    assert (out / "scaling.png").stat().st_size > 1000
+    assert main(["report", *map(str, studies), "--scaling", "--dropout", "0.1"]) == 2
+    assert "--scaling writes scaling.md, .json and .png into --out DIR" in capsys.readouterr().err
+    assert main(["report", *map(str, studies)]) == 2
+    assert "several folders, --dropout and --own-best go with --scaling only" in capsys.readouterr().err
+
+
 # --- figures: readable axes, dropout noted, wall-clock named ----------------------------------
 
 

@@ -35,26 +35,36 @@ def scaling_table(
     compare_across: Sequence[str] = TUNED_SETTINGS,
     dropout: float | None = None,
     margin: float = EQUIVALENCE_MARGIN,
+    own_best: bool = False,
 ) -> dict:
     """A row per study folder (one model shape each), sorted by non-embedding parameters:
     {study, preset, d_model, n_layer, n_head, non_embedding, tokens_seen, tokens_per_parameter,
     epochs, seeds ({variant: n}), <variant>_ppl (mean over seeds of each group's ``which``
     validation PPL), and for each variant v of SCALING_GAPS gap_fields(ppl_gap(v, GPT-Base),
     "v_")}: v_gap_pct, v_welch_low_pct, v_welch_high_pct, v_boot_low_pct, v_boot_high_pct,
-    v_hedges_g, v_equivalent, v_tost_p. Returns {"rows", "markdown", "which"}.
+    v_hedges_g, v_equivalent, v_tost_p. Returns {"rows", "markdown", "which", "view"} (view: the
+    footing in words, None where every run was read).
 
     ``compare_across``: the settings the groups of one study may differ in (default TUNED_SETTINGS:
     each group at its own tuned learning rate and dropout); every other must match, else that gap
-    is None. ``dropout``: read only the runs trained at that dropout (a study holding both). Re-runs
-    of one configuration are left out (``protocol.split_reruns``). tokens_seen and epochs are
-    GPT-Base's (means over its seeds). ConfigError for a study without exactly one group of each of
-    the three variants, naming what it holds."""
+    is None. ``dropout``: read only the runs trained at that dropout (a study holding both).
+    ``own_best``: each group at the dropout its shape's tuning chose, as the study's analysis
+    recorded it (``tuning_choice`` in STUDY/results.json, which 04_analysis writes): a protocol
+    study holds both dropouts. Re-runs of one configuration are left out
+    (``protocol.split_reruns``). tokens_seen and epochs are GPT-Base's (means over its seeds).
+    ConfigError for a study without exactly one group of each of the three variants, naming what
+    it holds."""
+    if own_best and dropout is not None:
+        raise ConfigError("pass dropout= or own_best=True, not both: they are two views of a protocol study")
     rows = []
     for study in studies:
         study = Path(study)
         runs, _ = split_reruns(load_runs(study))
         if dropout is not None:
             runs = [r for r in runs if float(r.settings()[DROPOUT] or 0.0) == dropout]
+        if own_best:
+            choice = tuning_choice(study)
+            runs = [r for r in runs if float(r.settings()[DROPOUT] or 0.0) == choice.get(r.variant)]
         check_figures(runs, which)
         groups = {v: [g for g in group_runs(runs) if g.variant == v] for v in GROUP_LABELS}
         wrong = {v: gs for v, gs in groups.items() if len(gs) != 1}
@@ -65,7 +75,7 @@ def scaling_table(
             )
             raise ConfigError(
                 f"{study} holds {what}: a scaling study needs one group of each of the three variants "
-                f"(pass dropout= for a study trained at two dropouts)"
+                f"(for a study trained at two dropouts pass dropout= or own_best=True: report --dropout or --own-best)"
             )
         base = groups[BASELINE][0]
         settings = base.settings
@@ -122,7 +132,22 @@ def scaling_table(
         same_cols, same_heads = equivalence_columns(f"{v}_", margin)
         cols += [f"{v}_gap_pct", f"{v}_welch_low_pct", f"{v}_welch_high_pct", same_cols[0]]
         heads += [f"{_short(v)} gap vs GPT-Base (%)", "Welch 95% low", "Welch 95% high", same_heads[0]]
-    return {"rows": rows, "markdown": markdown_table(rows, cols, heads), "which": which}
+    view = f"dropout {dropout:g}" if dropout is not None else "each at its own best dropout" if own_best else None
+    return {"rows": rows, "markdown": markdown_table(rows, cols, heads), "which": which, "view": view}
+
+
+def tuning_choice(study: Path) -> dict[str, float]:
+    """{variant: dropout} of each group's own best setting at ``study``'s shape: the tuning_choice
+    its analysis wrote into STUDY/results.json. ConfigError naming the file where there is none."""
+    path = study / "results.json"
+    choice = json.loads(path.read_text()).get("tuning_choice") if path.is_file() else None
+    if not choice:
+        raise ConfigError(
+            f"{path} records no tuning_choice, which the own-best view reads: run the study's 04_analysis "
+            f"with the tuning's choice first (python -m oelm_core run PLAN --set "
+            f"'experiment.notebooks=[04_analysis]'), or pick a dropout for every group"
+        )
+    return {variant: float(dropout) for variant, dropout in choice.items()}
 
 
 def scaling_figure(table: dict, path: str | Path | None = None):
@@ -168,7 +193,8 @@ def scaling_figure(table: dict, path: str | Path | None = None):
         ax.set_xlim(low / 1.3, high * 1.3)
     ax.set_xlabel("non-embedding parameters (log scale)")
     ax.set_ylabel(f"{table['which']} validation PPL gap vs {GROUP_LABELS[BASELINE]} (%)")
-    ax.set_title("What orthogonal Q/K cost against GPT-Base, by model size")
+    view = f" ({table['view']})" if table.get("view") else ""
+    ax.set_title(f"What orthogonal Q/K cost against GPT-Base, by model size{view}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -181,13 +207,20 @@ def write_scaling(
     which: str = "report",
     compare_across: Sequence[str] = TUNED_SETTINGS,
     dropout: float | None = None,
+    own_best: bool = False,
 ) -> list[Path]:
     """``scaling_table`` of ``studies`` into ``out``: scaling.md, scaling.json, scaling.png."""
-    table = scaling_table(studies, which, compare_across, dropout)
+    table = scaling_table(studies, which, compare_across, dropout, own_best=own_best)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md, js, png = out / "scaling.md", out / "scaling.json", out / "scaling.png"
-    shared = f"at dropout {dropout:g}, " if dropout is not None else ""
+    shared = (
+        f"at dropout {dropout:g}, "
+        if dropout is not None
+        else "each group at the dropout its shape's tuning chose, "
+        if own_best
+        else ""
+    )
     across = f"each group at its own {', '.join(compare_across)}" if compare_across else "at shared settings"
     note = (
         f"One study per shape, {shared}{across}; {which} validation figures, means over seeds. Non-embedding "
