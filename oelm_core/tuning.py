@@ -7,12 +7,16 @@
 The table, the choice and its cautions are oelm_core.analysis.tuning's (``tuning_table``). ``--study
 TEMPLATE --write OUT`` copies a plan file (its comment header too) with each run entry's
 ``train.lr``, ``train.min_lr`` and ``model.dropout`` set to its group's choice, read from the chosen
-runs' config.yaml: the study then trains exactly the setting that won.
+runs' config.yaml: the study then trains exactly the setting that won. ``--name NAME`` writes a study
+of its own from a template of another model shape (the shapes' sweep, tune_shapes.yaml, from the
+Medium-512 study): each entry also gets the model settings its chosen runs trained with where the
+template's differ (d_model, heads, d_ff), and the plan is named NAME (its runs go to runs/NAME).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -24,17 +28,23 @@ import yaml
 
 from oelm_core.analysis.groups import TUNED_SETTINGS
 from oelm_core.analysis.tuning import tuning_figure, tuning_table
-from oelm_core.config import ConfigError
+from oelm_core.config import ConfigError, trained_settings
 from oelm_core.files import write_text_atomic
-from oelm_core.parameter_files import read_yaml
+from oelm_core.parameter_files import apply_overrides, read_yaml
 
 NOTE = "# Learning rate and dropout per group:"
+SHAPE_NOTE = "# Model shape: the tuning runs'"
 ANALYSIS = "04_analysis"
 _PER_DROPOUT_NAME = re.compile(r"_drop[0-9.]+$")
 
 
 def tuned_study(
-    template: str | Path, chosen: dict, source: str = "", out: str | Path | None = None, per_dropout: dict | None = None
+    template: str | Path,
+    chosen: dict,
+    source: str = "",
+    out: str | Path | None = None,
+    per_dropout: dict | None = None,
+    name: str | None = None,
 ) -> str:
     """The text of ``template`` (a study file) with each run entry's tuned settings set to its
     group's choice (``tuning_table(...)["chosen"]``), to be written to ``out`` (default: in place
@@ -43,8 +53,12 @@ def tuned_study(
     one per swept dropout instead, named ``<name>_drop<dropout>``, at its group's best learning
     rate there (a study on equal footing), and a plan that runs 04_analysis passes it each
     group's chosen dropout (``tuning_choice``: the own-best view of its report). A study this
-    wrote may be its own template: it is written again the same, at the new choice.
-    ConfigError where a run's group has no choice."""
+    wrote may be its own template: it is written again the same, at the new choice. ``name``: the
+    written plan's experiment.name, and each entry carries the model settings its chosen runs
+    trained with where the template's differ (``shape_overrides``). ConfigError where a run's group
+    has no choice, or (without ``name``) where the chosen runs trained another model shape than the
+    template's: a study written at their rates but the template's shape would train a setting no
+    sweep chose."""
     template = Path(template)
     out_dir = Path(out).resolve().parent if out is not None else template.resolve().parent
     raw = read_yaml(template)
@@ -54,7 +68,7 @@ def tuned_study(
             f"{template} is not a plan file with experiment.runs; pass one such as "
             f"parameters/study_tuned_medium512.yaml"
         )
-    runs, seen, variants = [], set(), []
+    runs, seen, variants, shapes = [], set(), [], set()
     for entry in section["runs"]:
         entry = {"params": entry} if isinstance(entry, str) else dict(entry)
         params = Path(entry["params"])
@@ -68,6 +82,14 @@ def tuned_study(
             )
         entry["params"] = os.path.relpath(params.resolve(), out_dir)
         kept = [s for s in entry.get("overrides") or [] if s.split("=", 1)[0].strip() not in TUNED_SETTINGS]
+        shape = shape_overrides(params, [*(section.get("overrides") or []), *kept], chosen[variant])
+        if shape and name is None:
+            raise ConfigError(
+                f"the tuning runs of {variant} trained {', '.join(shape)}, which {template} does not: pass --name "
+                f"NAME to write a study of that shape (its runs go to runs/NAME), or a template of that shape"
+            )
+        kept = [s for s in kept if s.split("=", 1)[0].strip() not in {o.split("=", 1)[0] for o in shape}] + shape
+        shapes.update(shape)
         if per_dropout is None:
             runs.append({**entry, "overrides": kept + [f"{k}={v}" for k, v in chosen[variant]["settings"].items()]})
             continue
@@ -87,6 +109,11 @@ def tuned_study(
                     }
                 )
     section["runs"] = runs
+    if name is not None:
+        section["name"] = name
+    if shapes and section.get("description"):
+        where = f"; at the tuning runs' model shape ({', '.join(sorted(shapes))})"
+        section["description"] = section["description"].split("; at the tuning runs' model shape")[0] + where
     if per_dropout is not None and ANALYSIS in (section.get("notebooks") or []):
         # the analysis reads each group at its own best dropout as this choice says, never
         # choosing again on the figures it reports
@@ -102,8 +129,23 @@ def tuned_study(
             break
         if not line.startswith(NOTE):  # the note of an earlier rewrite
             header.append(line)
+    if shapes and not any(line.startswith(SHAPE_NOTE) for line in header):
+        header.append(f"{SHAPE_NOTE} ({', '.join(sorted(shapes))}), not the template's ({template.name}).")
     note = f"{NOTE} written by python -m oelm_core tune {source} on {date.today().isoformat()}."
     return "\n".join(header + [note]) + "\n" + yaml.safe_dump(raw, sort_keys=False, width=110)
+
+
+def shape_overrides(params: Path, overrides: list[str], row: dict) -> list[str]:
+    """``model.KEY=VALUE`` for each model setting (bar the tuned dropout) that the runs of the
+    chosen ``row`` (tuning_table's) trained with and the parameter file ``params`` with
+    ``overrides`` would not: [] where the sweep trained the template's shape."""
+    planned = trained_settings(apply_overrides(read_yaml(params), overrides))
+    trained = trained_settings(read_yaml(Path(row["paths"][0]) / "config.yaml"))
+    return [
+        f"{key}={json.dumps(trained[key])}"
+        for key in sorted(trained)
+        if key.startswith("model.") and key not in TUNED_SETTINGS and trained[key] != planned.get(key)
+    ]
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune") -> int:
@@ -121,6 +163,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune
     )
     p.add_argument(
         "--min-seeds", type=int, default=1, help="settings with fewer finished seeds are no candidates (default 1)"
+    )
+    p.add_argument(
+        "--name",
+        help="--write a plan of this name at the model shape the sweep trained (a template of another shape)",
     )
     args = p.parse_args(argv)
     if bool(args.study) != bool(args.write):
@@ -156,6 +202,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core tune
                     " ".join(args.roots),
                     args.write,
                     table["per_dropout"] if args.per_dropout else None,
+                    args.name,
                 ),
             )
             print(f"wrote {args.write}")

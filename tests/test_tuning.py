@@ -28,7 +28,7 @@ def _run(
         yaml.safe_dump(
             {
                 "variant": variant,
-                "preset": "mini",
+                "preset": "medium512",
                 "model": {"dropout": dropout},
                 "train": {"seed": seed, "lr": lr, "min_lr": lr / 10},
             }
@@ -41,7 +41,7 @@ def _run(
             {
                 "name": folder.name,
                 "variant": variant,
-                "preset": "mini",
+                "preset": "medium512",
                 "status": status,
                 "steps": rows[-1]["step"],
                 "best_val_loss": min(losses),
@@ -213,3 +213,47 @@ def test_a_per_dropout_study_rewritten_in_place_is_the_same_and_tells_the_analys
     assert [r.name for r in plan.runs] == ["gpt_base_drop0_s0", "gpt_base_drop0.1_s0"]
     # GPT-Base's choice: dropout 0 (best loss 2.0 at lr 1e-3) over 0.1 (2.05 at 4e-3)
     assert plan.parameters["04_analysis"] == {"which": "report", "tuning_choice": {"gpt_base": 0.0}}
+
+
+def test_a_sweep_at_another_shape_writes_a_study_of_its_own_from_the_medium512_template(tmp_path, capsys):
+    """The shapes' sweep (tune_shapes.yaml) tunes each group at d_model 256; the protocol's
+    Medium-512 study is the template. Without --name the study would train d_model 512 at rates
+    chosen at 256: refused, naming the shape. With --name it is a plan of its own: each run at its
+    group's rates per dropout and the sweep's shape, every other setting the template's."""
+    sweep = tmp_path / "shape=d256"
+    shape = {"d_model": 256, "n_head": 4, "d_ff": 1024}
+    for variant, best in (("gpt_base", 0.002), ("oelm_nofreeze", 0.002), ("oelm_freeze", 0.004)):
+        for dropout in (0.0, 0.1):
+            for lr in (best / 2, best):
+                for seed in (100, 101):
+                    run = _run(sweep, variant, lr, dropout, seed, [2.5, 2.2 if lr == best else 2.3])
+                    config = yaml.safe_load((run / "config.yaml").read_text())
+                    config["model"].update(shape)
+                    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    template = REPO / "parameters" / "protocol" / "study_medium512.yaml"
+    out = tmp_path / "study_d256.yaml"
+    argv = [str(sweep), "--min-seeds", "2", "--per-dropout", "--study", str(template), "--write", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "trained model.d_ff=1024, model.d_model=256, model.n_head=4, which" in err and "pass --name" in err
+    assert not out.exists()
+    assert main([*argv, "--name", "protocol_d256"]) == 0
+    plan = load_plan(out)
+    assert plan.name == "protocol_d256" and {r.seed for r in plan.runs} == {0, 1, 2, 3, 4}
+    medium = {r.name: r for r in load_plan(template).runs}
+    for r in plan.runs:
+        model, train = r.config["model"], r.config["train"]
+        assert {k: model[k] for k in shape} == shape
+        best = {"gpt_base": 0.002, "oelm_nofreeze": 0.002, "oelm_freeze": 0.004}[r.variant]
+        assert (train["lr"], train["min_lr"]) == (best, best / 10)
+        twin = medium[r.name]  # the same entry and seed of the template: all else equal
+        assert {k: v for k, v in train.items() if k not in ("lr", "min_lr")} == {
+            k: v for k, v in twin.config["train"].items() if k not in ("lr", "min_lr")
+        }
+        assert model["dropout"] == twin.config["model"]["dropout"]
+    assert len(plan.runs) == len(medium) == 30
+    # written again in place, the study is the same
+    first = out.read_text()
+    assert main([str(sweep), "--min-seeds", "2", "--per-dropout", "--study", str(out), "--write", str(out)]) == 0
+    assert out.read_text() == first
+    assert first.count("# Model shape: the tuning runs' (model.d_ff=1024, model.d_model=256, model.n_head=4)") == 1
