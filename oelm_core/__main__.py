@@ -40,7 +40,7 @@ def report(argv: Optional[list[str]] = None, prog: str = "python -m oelm_core re
     from oelm_core.analysis.sweeps import sweep_figure, sweep_results
     from oelm_core.config import ConfigError
 
-    p = argparse.ArgumentParser(prog=prog, description=report.__doc__.split(":", 1)[0])
+    p = argparse.ArgumentParser(prog=prog, description=COMMANDS["report"])
     p.add_argument(
         "root",
         nargs="+",
