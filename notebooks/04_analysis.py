@@ -53,7 +53,7 @@ from oelm_core import analysis as A
 
 out_dir = A.REPO / out_dir  # an absolute path stays as it is
 fig_dir = A.REPO / fig_dir if fig_dir else out_dir / 'figures'
-runs = A.load_runs(run_dirs)
+runs = all_runs = A.load_runs(run_dirs)
 if tuning_choice:
     protocol = A.protocol_report(runs, out_dir, tuning_choice, which, timed_alone=timed_alone)
     display(Markdown((out_dir / 'results.md').read_text()))
@@ -87,7 +87,16 @@ display(
 # (with `timed_alone` False that panel is left empty).
 
 # %%
-display(A.plot_study_curves(runs, fig_dir / 'curves.png', timed_alone=timed_alone))
+title = 'Each group at its own best setting' if tuning_choice else None
+display(A.plot_study_curves(runs, fig_dir / 'curves.png', timed_alone=timed_alone, title=title))
+if tuning_choice:  # a view of other runs than the own-best ones (all groups at one dropout): its curves too
+    for name, view in protocol['views'].items():
+        if set(view['runs']) != set(own_best['runs']):
+            display(Markdown(f'### {name}'))
+            shown = [r for r in all_runs if r.name in view['runs']]
+            path = fig_dir / f"curves_{name.replace('=', '').replace(' ', '_')}.png"
+            title = f"All groups at {name.replace('=', ' ')}"
+            display(A.plot_study_curves(shown, path, timed_alone=timed_alone, title=title))
 
 # %% [markdown]
 # ## Results table

@@ -522,6 +522,8 @@ def test_the_training_panel_has_readable_log_ticks_and_notes_unequal_dropout(tmp
     runs = A.load_runs(tmp_path / "runs")
     fig = A.plot_study_curves(runs)
     fig.canvas.draw()
+    assert fig._suptitle is None
+    assert A.plot_study_curves(runs, title="All groups at dropout 0")._suptitle.get_text() == "All groups at dropout 0"
     train, val, zoom, wall = fig.axes[:4]
     low, high = train.get_ylim()
     labels = [

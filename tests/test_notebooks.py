@@ -518,3 +518,7 @@ def test_the_analysis_reads_the_committed_protocol_study_on_equal_footing(tmp_pa
     assert "## (b) All groups at dropout 0" in md
     shown = output_text(nbformat.read(out, as_version=4))
     assert "| OELM-Freeze | medium512 | 5 |" in shown and (tmp_path / "out" / "figures" / "curves.png").is_file()
+    # the dropout-0 view holds other runs than the own best (all at 0.1): curves of its own; the
+    # 0.1 view is the own best's, drawn once
+    assert sorted(p.name for p in (tmp_path / "out" / "figures").iterdir()) == ["curves.png", "curves_dropout0.png"]
+    assert "### dropout=0" in shown and "### dropout=0.1" not in shown

@@ -87,6 +87,7 @@ def plot_study_curves(
     band: str = "std",
     zoom: float = 1 / 3,
     timed_alone: bool | None = None,
+    title: str | None = None,
 ):
     """The study's curves, one colour per group of seeds (group_runs): its mean over the seeds,
     and a shaded band (``curve_band``'s ``band``). Four panels: training loss (log axis, plain
@@ -98,7 +99,8 @@ def plot_study_curves(
     Where the groups trained at different dropouts the training-loss panel says its curves do not
     compare across them (training loss is measured with dropout on). The wall-clock panel is drawn
     only where every run records that it had its device alone (timing.alone_record) and
-    ``timed_alone`` is not False; otherwise it says why it is empty."""
+    ``timed_alone`` is not False; otherwise it says why it is empty. ``title``: the figure's, above
+    the panels (a protocol study's view: which runs these are)."""
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     (ax_t, ax_v), (ax_z, ax_s) = axes
@@ -127,13 +129,13 @@ def plot_study_curves(
             )
     held_out = any((r.summary.get("val_windows") or {}).get("report") for r in runs)
     val_title = "validation loss (selection half)" if held_out else "validation loss"
-    for ax, title, xlabel in (
+    for ax, panel, xlabel in (
         (ax_t, "training loss", "step"),
         (ax_v, val_title, "step"),
         (ax_z, f"{val_title}, last {zoom:.0%} of steps", "step"),
         (ax_s, f"{val_title} vs wall-clock training time", "wall-clock training seconds (evaluation excluded)"),
     ):
-        ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title=title)
+        ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title=panel)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8, title=f"mean, band {spread}", title_fontsize=8)
@@ -177,6 +179,8 @@ def plot_study_curves(
         ax_t.yaxis.set_major_locator(FixedLocator(log_ticks(min(train_range), max(train_range))))
         ax_t.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax_t.yaxis.set_minor_formatter(NullFormatter())
+    if title:
+        fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     return save_figure(fig, path)
 
