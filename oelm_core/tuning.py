@@ -26,7 +26,7 @@ from typing import Optional
 
 import yaml
 
-from oelm_core.analysis.groups import TUNED_SETTINGS
+from oelm_core.analysis.groups import GROUP_LABELS, TUNED_SETTINGS
 from oelm_core.analysis.tuning import tuning_figure, tuning_table
 from oelm_core.config import ConfigError, trained_settings
 from oelm_core.files import write_text_atomic
@@ -111,9 +111,15 @@ def tuned_study(
     section["runs"] = runs
     if name is not None:
         section["name"] = name
+    shape_text = ", ".join(sorted(shapes))
     if shapes and section.get("description"):
-        where = f"; at the tuning runs' model shape ({', '.join(sorted(shapes))})"
-        section["description"] = section["description"].split("; at the tuning runs' model shape")[0] + where
+        # the template's description names its own shape: a study of another one says its own
+        groups = " vs ".join(dict.fromkeys(GROUP_LABELS.get(v, v) for v in variants))
+        seeds = len(section.get("seeds") or [])
+        section["description"] = (
+            f"{groups} at the tuning runs' model shape ({shape_text}), each at its best learning rate "
+            f"{'at every swept dropout' if per_dropout is not None else 'and dropout'}, {seeds} seeds"
+        )
     if per_dropout is not None and ANALYSIS in (section.get("notebooks") or []):
         # the analysis reads each group at its own best dropout as this choice says, never
         # choosing again on the figures it reports
@@ -130,7 +136,12 @@ def tuned_study(
         if not line.startswith(NOTE):  # the note of an earlier rewrite
             header.append(line)
     if shapes and not any(line.startswith(SHAPE_NOTE) for line in header):
-        header.append(f"{SHAPE_NOTE} ({', '.join(sorted(shapes))}), not the template's ({template.name}).")
+        # the template's comments describe the template's study, not this one
+        header = [
+            f"# The protocol's study {name or ''} at another model shape than its template's: the settings, seeds",
+            f"# and analysis of {template.name}, each group at what the tuning runs chose for this shape.",
+            f"{SHAPE_NOTE} ({shape_text}), not the template's ({template.name}).",
+        ]
     note = f"{NOTE} written by python -m oelm_core tune {source} on {date.today().isoformat()}."
     return "\n".join(header + [note]) + "\n" + yaml.safe_dump(raw, sort_keys=False, width=110)
 

@@ -257,3 +257,8 @@ def test_a_sweep_at_another_shape_writes_a_study_of_its_own_from_the_medium512_t
     assert main([str(sweep), "--min-seeds", "2", "--per-dropout", "--study", str(out), "--write", str(out)]) == 0
     assert out.read_text() == first
     assert first.count("# Model shape: the tuning runs' (model.d_ff=1024, model.d_model=256, model.n_head=4)") == 1
+    # the template's comments and description named its own shape; this study's name its
+    assert "Medium-512" not in first.split("experiment:")[0]
+    description = yaml.safe_load(first)["experiment"]["description"]
+    assert "(model.d_ff=1024, model.d_model=256, model.n_head=4)" in description and "5 seeds" in description
+    assert "Medium-512" not in description
