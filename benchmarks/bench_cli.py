@@ -8,13 +8,14 @@
 bench_train.py times the trainer's step as the benchmark builds it; this times what a user gets.
 For each --batch B it runs, in a subprocess from the repository root,
 
-    python -m oelm_core.train --params PARAMS --set train.batch_size=B train.steps=N out_dir=RUN \\
+    python -m oelm_core.train --params PARAMS --set train.batch_size=B train.stop_after=N out_dir=RUN \\
         train.eval_every=N train.ckpt_every=N [--set ...]
 
-with the CLI's defaults but for what a benchmark must set: the steps, a run folder of its own
-(removed afterwards unless --runs-dir), and evaluations and checkpoints only at the last step,
-where the loop writes one of each whatever the settings (no switch turns them off). Then the
-same with train.compile=true.
+with the CLI's defaults but for what a benchmark must set: where it stops (train.stop_after: the
+run keeps its parameter file's length, which train.compile's default "auto" reads to decide
+whether to compile, and pauses after N steps), a run folder of its own (removed afterwards unless
+--runs-dir), and evaluations and checkpoints only at the last step, where the loop writes one of
+each whatever the settings (no switch turns them off). Then the same with train.compile=true.
 A run's figure is the median ``tokens_per_s`` of the log windows in its metrics.jsonl after the
 first --warmup-windows: the loop logs step 1 and every train.log_every steps, and a window is the
 wall clock from one logged step to the next, the data loading, logging and live curves in it,
@@ -101,7 +102,7 @@ def cli_command(params: str, sets: list[str], batch: int, steps: int, out_dir: P
         params,
         "--set",
         f"train.batch_size={batch}",
-        f"train.steps={steps}",
+        f"train.stop_after={steps}",
         f"out_dir={out_dir}",
         f"train.eval_every={steps}",
         f"train.ckpt_every={steps}",
@@ -141,6 +142,7 @@ def run_cli(cmd: list[str], out_dir: Path, warmup_windows: int) -> dict:
         summary_tokens_per_s=summary.get("tokens_per_s"),
         device=summary.get("device"),
         status=summary.get("status"),
+        compiled=summary.get("compiled"),
     )
     if not timed:
         r["error"] = f"{len(windows)} log windows, none after the {warmup_windows} warm-up ones"
@@ -189,7 +191,7 @@ def main():
     ap.add_argument("--params", default="parameters/medium512/gpt_base.yaml", help="the CLI's parameter file")
     ap.add_argument("--preset", default=None, help="another shape for the CLI and the reference (--set preset=...)")
     ap.add_argument("--batch", type=at_least(1), nargs="+", default=[16, 64])
-    ap.add_argument("--steps", type=at_least(2), default=400, help="train.steps of each CLI run")
+    ap.add_argument("--steps", type=at_least(2), default=400, help="the steps each CLI run trains (train.stop_after)")
     ap.add_argument(
         "--warmup-windows", type=at_least(0), default=2, help="the CLI's first log windows left out of the median"
     )

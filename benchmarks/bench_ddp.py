@@ -191,7 +191,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", action="store_true", help="also print the rows as a markdown table")
     args = ap.parse_args()
-    settings = train_settings(args.sets)
+    settings = {"compile": False, **train_settings(args.sets)}  # eager unless --set compile=true
     exchanges = [(spec, *exchange_spec(spec)) for spec in args.exchange]
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -159,7 +159,7 @@ def build(v: dict, tc: TrainConfig, preset: str, device):
 def applied(v: dict, tc: TrainConfig, model, step, device) -> dict:
     """Which fast paths ran in the timed steps (not only which were asked for)."""
     if v["group"] == "reference":
-        return {"fused_loss": False, "fused_logits": False, "cuda_graph": bool(getattr(step, "cuda_graph", False))}
+        return {"fused_loss": False, "fused_logits": False, "cuda_graph": replays_a_graph(step)}
     fused_loss = isinstance(model.output_loss, ChunkedOutputLoss)
     fused_logits = False
     if device.type == "cuda":
@@ -173,8 +173,13 @@ def applied(v: dict, tc: TrainConfig, model, step, device) -> dict:
     return {
         "fused_loss": fused_loss,
         "fused_logits": bool(fused_logits),
-        "cuda_graph": bool(getattr(step, "cuda_graph", False)),
+        "cuda_graph": replays_a_graph(step),
     }
+
+
+def replays_a_graph(step) -> bool:
+    """Whether ``step`` replays a captured CUDA graph (``GraphStep.graph``; a plain step has none)."""
+    return getattr(step, "graph", None) is not None
 
 
 def inductor_mode(v: dict):

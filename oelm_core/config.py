@@ -311,6 +311,13 @@ class DataConfig:
         return self
 
 
+# train.compile "auto" compiles runs of at least this many steps: the first compile of a
+# Medium-512 step costs what some thousands of its steps save (benchmarks/README.md: the compile
+# time, cold and from torch's cache, and the gain), so the protocol's 3,000-step runs and the
+# tests start at once and the presets' long runs compile.
+COMPILE_AUTO_MIN_STEPS = 5000
+
+
 @dataclass
 class TrainConfig:
     """The optimiser and loop. Defaults are the original study's."""
@@ -344,7 +351,11 @@ class TrainConfig:
     unfreeze_schedule: dict = field(default_factory=dict)
     device: str = "auto"  # "auto": cuda when there is one, else cpu
     dtype: str = "auto"  # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
-    compile: bool = False  # torch.compile the model (falls back to eager if it fails)
+    # torch.compile the model (falls back to eager if it fails): true, false, or "auto": on CUDA
+    # for runs of at least COMPILE_AUTO_MIN_STEPS steps, which win back the first step's compile
+    # many times over (torch caches it on disk for the next run); short runs and the CPU start at
+    # once. Its gain and compile time: benchmarks/README.md.
+    compile: bool | str = "auto"
     # Capture the whole step (forward, backward, clip, AdamW; under DDP with NCCL the gradient
     # all-reduce too) in one CUDA graph after 2 warm-up steps (11 under DDP) and replay it: small
     # batches are launch-bound (oelm_core/fast/graph_step.py). Falls back to eager if capture fails.
@@ -424,8 +435,17 @@ class TrainConfig:
         for name, allowed in (("dtype", DTYPES), ("backend", BACKENDS), ("grad_exchange", GRAD_EXCHANGES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.compile not in (True, False, "auto"):
+            raise ConfigError(f"train.compile must be true, false or auto, got {self.compile!r}")
         self.unfreeze_plan(n_layer)
         return self
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the step torch.compiles the model on a ``device_type`` ("cuda", "cpu") device:
+        ``compile`` itself, or for "auto" a CUDA run of at least COMPILE_AUTO_MIN_STEPS steps."""
+        if self.compile == "auto":
+            return device_type == "cuda" and self.steps >= COMPILE_AUTO_MIN_STEPS
+        return self.compile is True
 
     def unfreeze_plan(self, n_layer: int) -> dict[int, Any]:
         """``unfreeze_schedule`` as {step: "all" | sorted layer list}, in step order."""

@@ -114,7 +114,7 @@ class TrainStep:
         self.model, self.optimizer, self.tc, self.device, self.ddp = model, optimizer, tc, device, ddp
         self.make_data_parallel = data_parallel
         self.autocast = autocast_context(tc.dtype, device)
-        self.compile = tc.compile
+        self.compile = tc.compiles(device.type)
         self.exchange = None
         self.wrap()
 

@@ -170,6 +170,8 @@ class Trainer:
         torch.manual_seed(self.tc.seed + d.rank)
         self.optimizer = configure_optimizer(self.model, self.tc, self.device)
         self.step_fn = fast.make_step(self.model, self.optimizer, self.tc, self.device, ddp=d.enabled)
+        if self.step_fn.compile:
+            log.info("torch.compile: the first step compiles the model (train.compile: %s)", self.tc.compile)
         self.autocast = autocast_context(self.tc.dtype, self.device)
 
         # --- the data: this rank's training windows, the validation batches ---
@@ -534,6 +536,7 @@ class Trainer:
             "wall_time_s": self.wall_before + wall_s,
             "world_size": self.d.world_size,
             "gradients_by": self.step_fn.gradients_by,
+            "compiled": self.step_fn.compile,  # train.compile as resolved ("auto"), after any fallback
             "device": (
                 torch.cuda.get_device_name(self.device)
                 if self.device.type == "cuda"

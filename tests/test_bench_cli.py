@@ -55,15 +55,18 @@ def _run(stories: Path, tmp_path: Path, *args: str) -> tuple[subprocess.Complete
 def _check_cli_run(run: dict, batch: int, compiled: bool) -> None:
     """The figure is the median of the windows after the two warm-up ones, read from the run's
     metrics.jsonl, of a CLI command that set what the benchmark must and no more."""
-    assert "error" not in run and run["status"] == "completed" and run["fell_back"] == []
+    assert "error" not in run and run["status"] == "paused" and run["fell_back"] == []
     assert run["window_steps"] == [1, 2, 4, 6, 8] and run["timed_windows"] == 3
     assert all(w > 0 for w in run["windows"])
     assert run["tokens_per_s"] == statistics.median(run["windows"][2:])
     assert run["summary_tokens_per_s"] == pytest.approx(statistics.median(run["windows"]))
     command = run["command"].split()
     assert command[:4] == ["-m", "oelm_core.train", "--params", str(REPO / "parameters/medium512/gpt_base.yaml")]
-    assert f"train.batch_size={batch}" in command and f"train.steps={STEPS}" in command
+    # the run keeps its parameter file's length (train.compile's "auto" reads it), paused after STEPS
+    assert f"train.batch_size={batch}" in command and f"train.stop_after={STEPS}" in command
+    assert not any(c.startswith("train.steps=") for c in command)
     assert ("train.compile=true" in command) == compiled
+    assert run["compiled"] is compiled  # on the CPU "auto" stays eager; true compiles
 
 
 def test_bench_cli_times_the_cli_beside_the_reference(story_folder, tmp_path):
@@ -71,7 +74,7 @@ def test_bench_cli_times_the_cli_beside_the_reference(story_folder, tmp_path):
     meta = written["meta"]
     assert meta["card"].startswith("CPU") and meta["commit"] and meta["torch"] and meta["date"]
     assert (meta["preset"], meta["block_size"], meta["timed_windows"]) == ("smoke", 64, 3)
-    assert meta["cli_train"]["compile"] is False  # the CLI's default, shown as such
+    assert meta["cli_train"]["compile"] == "auto"  # the CLI's default, shown as such
     assert (meta["vocab_size"], meta["reference_vocab_rows"]) == (50257, 50304)  # padded as nanoGPT pads it
     [row] = written["rows"]
     assert (row["batch"], row["tokens_per_step"]) == (2, 128)

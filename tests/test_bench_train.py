@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks" / "bench_train.py"
@@ -121,3 +122,39 @@ def test_a_profiled_step_is_told_as_kernel_families_and_the_idle_rest():
     assert sum(shares.values()) == pytest.approx(row["ms_per_step"])
     overlapped = {"ms_per_step": 7.0, "kernel_ms_per_step": {"GEMM": 6.0, "attention": 1.5, "total": 7.5}}
     assert step_shares(overlapped)["idle (step less kernels)"] == 0.0
+
+
+def test_applied_says_whether_the_timed_step_replays_a_graph():
+    """The JSON's applied.cuda_graph is what ran: a plain step never replays a graph (on the CPU
+    the trainer's step is the plain one whatever train.cuda_graph says)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_train
+
+    from oelm_core import build_model, fast
+    from oelm_core.config import TrainConfig
+    from oelm_core.step import configure_optimizer
+
+    cpu, tc = torch.device("cpu"), TrainConfig(cuda_graph=True)
+    model = build_model("smoke", "gpt_base", block_size=16, vocab_size=64)
+    step = fast.make_step(model, configure_optimizer(model, tc, cpu), tc, cpu)
+    assert bench_train.replays_a_graph(step) is False
+
+
+@pytest.mark.gpu
+def test_applied_sees_the_captured_graph_on_a_gpu():
+    """On a GPU the trainer's step captures itself after its warm-up steps: applied.cuda_graph
+    turns true (it read an attribute the step does not have, and said false for every row)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_train
+
+    from oelm_core import build_model, fast
+    from oelm_core.config import TrainConfig
+    from oelm_core.step import configure_optimizer
+
+    cuda, tc = torch.device("cuda"), TrainConfig(cuda_graph=True, compile=False)
+    model = fast.apply(build_model("smoke", "gpt_base", block_size=16, vocab_size=64).to(cuda), tc)
+    step = fast.make_step(model, configure_optimizer(model, tc, cuda), tc, cuda)
+    x = torch.randint(0, 64, (2, 17), device=cuda)
+    for n in range(1, 5):
+        assert bench_train.replays_a_graph(step) is (n > 3)
+        step([(x[:, :-1], x[:, 1:])], tc.lr, n)

@@ -284,6 +284,22 @@ def test_trained_settings_compare_what_a_run_learns():
         trained_settings({"train": {"stepz": 1}})
 
 
+def test_compile_auto_compiles_long_cuda_runs_only():
+    """train.compile: "auto" (the default) compiles on CUDA from COMPILE_AUTO_MIN_STEPS steps (the
+    presets' runs), never on the CPU nor for a short run (the protocol's, the tests'); true and
+    false are what they say; anything else is refused naming the choices."""
+    from oelm_core.config import COMPILE_AUTO_MIN_STEPS, TrainConfig
+
+    assert TrainConfig().compile == "auto" and TrainConfig().steps >= COMPILE_AUTO_MIN_STEPS
+    assert TrainConfig().compiles("cuda") and not TrainConfig().compiles("cpu")
+    assert not TrainConfig(steps=3000).compiles("cuda")
+    assert TrainConfig(steps=COMPILE_AUTO_MIN_STEPS).compiles("cuda")
+    assert TrainConfig(compile=True, steps=10).compiles("cpu") and not TrainConfig(compile=False).compiles("cuda")
+    assert load_run_config(None, ["train.compile=false"]).train.compiles("cuda") is False
+    with pytest.raises(ConfigError, match="train.compile must be true, false or auto, got 'sometimes'"):
+        load_run_config(None, ["train.compile=sometimes"]).validate()
+
+
 def test_min_lr_may_equal_lr():
     """min_lr = lr is the constant schedule after warm-up; only a min_lr above lr, whose "decay"
     would raise the learning rate, is refused (above, in test_unusable_values_fail_at_load_time)."""

@@ -64,6 +64,7 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
     assert summary["final_val_loss"] < 8.0 and summary["best_val_loss"] <= summary["final_val_loss"]
     assert summary["final_val_bpb"] > 0 and summary["mfu"] is None and summary["tokens_per_s"] > 0
     assert summary["gradients_by"] == "none"
+    assert summary["compiled"] is False  # train.compile "auto": the CPU stays eager
     assert summary["checkpoint_bytes"] == (out / "ckpt" / "step_0000030.pt").stat().st_size
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"lr", "grad_norm", "tokens_per_s", "tokens_seen", "epochs", "val_ppl", "val_bpb"} <= set(row)
