@@ -140,6 +140,7 @@ def tuned_study(
         header = [
             f"# The protocol's study {name or ''} at another model shape than its template's: the settings, seeds",
             f"# and analysis of {template.name}, each group at what the tuning runs chose for this shape.",
+            f"#   python -m oelm_core run {os.path.relpath(out_dir / Path(out).name) if out else template}",
             f"{SHAPE_NOTE} ({shape_text}), not the template's ({template.name}).",
         ]
     note = f"{NOTE} written by python -m oelm_core tune {source} on {date.today().isoformat()}."
