@@ -384,3 +384,20 @@ def test_without_sbatch_the_launcher_says_where_to_run(tmp_path):
     )
     assert proc.returncode == 2
     assert "needs SLURM's sbatch" in proc.stderr and "--launcher local" in proc.stderr, proc.stderr
+
+
+def test_the_job_script_carries_the_data_and_compile_cache_environment(tmp_path, monkeypatch):
+    """job.sbatch exports what a training reads from the environment where it is set here (the
+    data, the BPE files, torch.compile's cache folder), and nothing of it where it is not."""
+    from oelm_core.runner import load_plan
+    from oelm_core.runner.plan import SlurmSettings
+    from oelm_core.runner.slurm import job_script
+
+    plan = load_plan(REPO / "parameters/study_smoke.yaml", out=tmp_path / "study")
+    monkeypatch.setenv("OELM_DATA", "/shared/stories")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/shared/compile cache")
+    monkeypatch.delenv("HF_HOME", raising=False)
+    script = job_script(plan, plan.runs[0], SlurmSettings())
+    assert "export OELM_DATA=/shared/stories" in script.splitlines()
+    assert "export TORCHINDUCTOR_CACHE_DIR='/shared/compile cache'" in script.splitlines()
+    assert "HF_HOME" not in script

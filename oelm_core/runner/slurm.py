@@ -51,8 +51,16 @@ SCRIPT, RECORD = "job.sbatch", "slurm.json"
 QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SUSPENDED", "RESIZING"}
 RUNNING = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT"}
 # The environment a training reads that the job script writes down (when set here), so that a
-# script re-submitted from another shell trains on the same data.
-CARRIED_ENV = ("OELM_DATA", "TIKTOKEN_CACHE_DIR", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# script re-submitted from another shell trains on the same data; and torch.compile's on-disk
+# cache, which a folder the nodes share lets every job of a study reuse.
+CARRIED_ENV = (
+    "OELM_DATA",
+    "TIKTOKEN_CACHE_DIR",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TORCHINDUCTOR_CACHE_DIR",
+)
 # Seconds a job must look ended, its run unfinished, before it counts as failed: a requeue passes
 # through an ended state (much longer where the run was preempted and the requeue is on its way).
 ENDED_WAIT_S, REQUEUE_WAIT_S = 10.0, 60.0
