@@ -590,7 +590,7 @@ def test_parameter_files_load():
         or p.name.startswith("ablations")
         or p.stem.startswith("study_")
     ]
-    assert len(plans) == 4 + 2 + 4 + 2 + 4
+    assert len(plans) == 4 + 2 + 4 + 2 + 6  # protocol: 2 sweeps, 3 studies at shapes, the orthogonality one
     for path in files:
         if path in plans:
             cfgs = [
