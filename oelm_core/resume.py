@@ -20,9 +20,10 @@ from typing import Optional
 import torch
 
 from oelm_core.checkpoint import TRAINING_KEYS, CheckpointError, load_checkpoint
-from oelm_core.config import RESUMABLE_CHANGES, ConfigError, ModelConfig, RunConfig, TrainConfig, run_config_from_dict
+from oelm_core.config import ConfigError, ModelConfig, RunConfig, TrainConfig, run_config_from_dict
 from oelm_core.distributed import Dist
 from oelm_core.run_folder import checkpoints, step_number
+from oelm_core.run_settings import RESUMABLE_CHANGES
 from oelm_core.step import lr_at
 
 log = logging.getLogger(__name__)

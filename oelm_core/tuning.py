@@ -28,9 +28,10 @@ import yaml
 
 from oelm_core.analysis.groups import GROUP_LABELS, TUNED_SETTINGS
 from oelm_core.analysis.tuning import tuning_figure, tuning_table
-from oelm_core.config import ConfigError, trained_settings
+from oelm_core.config import ConfigError
 from oelm_core.files import write_text_atomic
 from oelm_core.parameter_files import apply_overrides, read_yaml
+from oelm_core.run_settings import trained_settings
 
 NOTE = "# Learning rate and dropout per group:"
 SHAPE_NOTE = "# Model shape: the tuning runs'"

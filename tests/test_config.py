@@ -265,7 +265,7 @@ def test_overrides_as_set_strings_or_a_mapping_are_the_same():
 def test_trained_settings_compare_what_a_run_learns():
     """The one comparison of sweep folders and analysis groups: the model as it resolves, the
     seed and schedule, not where or how fast the run executes."""
-    from oelm_core.config import EXECUTION_KEYS, trained_settings
+    from oelm_core.run_settings import EXECUTION_KEYS, trained_settings
 
     freeze = trained_settings({"preset": "tiny", "variant": "oelm_freeze"})
     # the same model written as GPT-Base with OELM-Freeze's overrides

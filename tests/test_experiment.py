@@ -1023,8 +1023,8 @@ def test_each_committed_result_is_what_its_plan_trains(folder):
     """Every committed run folder of results/FOLDER is one its plan plans there, trained with the
     planned settings (the plan run into that folder would skip it): the plan file reproduces the
     result. parameters/ablations_medium512.yaml said lr 3e-4 while its runs trained at 2e-3."""
-    from oelm_core.config import trained_settings
     from oelm_core.parameter_files import read_yaml
+    from oelm_core.run_settings import trained_settings
 
     committed = REPO / "results" / folder
     plan = load_plan(REPO / RESULT_PLANS[folder], committed)

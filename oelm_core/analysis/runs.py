@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from oelm_core.config import ConfigError, RunConfig, trained_settings
+from oelm_core.config import ConfigError, RunConfig
 from oelm_core.groups import GROUP_LABELS
 from oelm_core.parameter_files import read_yaml
+from oelm_core.run_settings import trained_settings
 
 # The validation figures a results table or hypothesis reads: the last evaluation's, the best's
 # (both on the evaluations' windows, which chose the best), or "report": the best checkpoint on the
@@ -83,7 +84,7 @@ class Run:
     metrics: list[dict] = field(default_factory=list)
 
     def settings(self) -> dict:
-        """What the run learned from: config.trained_settings of its config.yaml (with the
+        """What the run learned from: run_settings.trained_settings of its config.yaml (with the
         variant and preset read here), train.seed included, and grad_accum as the global batch
         in micro-batches, grad_accum x the processes (summary.json's world_size), since
         config.yaml does not say how many processes ran it."""

@@ -26,10 +26,11 @@ from typing import Callable, Iterator
 import yaml
 
 from oelm_core.analysis.runs import FINISHED
-from oelm_core.config import ConfigError, run_config_from_dict, trained_settings
+from oelm_core.config import ConfigError, run_config_from_dict
 from oelm_core.files import LockHeld, exclusive_lock, write_text_atomic
 from oelm_core.notebooks import say
 from oelm_core.parameter_files import read_yaml
+from oelm_core.run_settings import trained_settings
 from oelm_core.runner.plan import Plan, PlannedRun
 
 # How the data is reached, for a message about data that could not be read or prepared.
@@ -57,7 +58,7 @@ def run_status(run_dir: Path) -> dict:
 def check_run_folder(run: PlannedRun) -> None:
     """Raise ConfigError when run.run_dir already holds a run trained with other settings: skipping
     or resuming it would report that run as the planned one. Settings the trainer resumes
-    across (config.EXECUTION_KEYS) may differ: the folder still holds the planned run."""
+    across (run_settings.EXECUTION_KEYS) may differ: the folder still holds the planned run."""
     saved_file = run.run_dir / "config.yaml"  # the trainer's own record of what it trained
     if not saved_file.is_file():
         return
