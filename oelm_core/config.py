@@ -312,9 +312,9 @@ class DataConfig:
 
 
 # train.compile "auto" compiles runs of at least this many steps: the first compile of a
-# Medium-512 step costs what some thousands of its steps save (benchmarks/README.md: the compile
-# time, cold and from torch's cache, and the gain), so the protocol's 3,000-step runs and the
-# tests start at once and the presets' long runs compile.
+# Medium-512 step costs what a few thousand of its steps save, fewer once torch's on-disk cache
+# holds it (benchmarks/README.md: the compile time, cold and cached, and the gain), so the
+# protocol's 3,000-step runs and the tests start at once and the presets' long runs compile.
 COMPILE_AUTO_MIN_STEPS = 5000
 
 
@@ -352,9 +352,8 @@ class TrainConfig:
     device: str = "auto"  # "auto": cuda when there is one, else cpu
     dtype: str = "auto"  # "auto": bf16 autocast on CUDA, float32 on CPU; or "float32"/"bf16"
     # torch.compile the model (falls back to eager if it fails): true, false, or "auto": on CUDA
-    # for runs of at least COMPILE_AUTO_MIN_STEPS steps, which win back the first step's compile
-    # many times over (torch caches it on disk for the next run); short runs and the CPU start at
-    # once. Its gain and compile time: benchmarks/README.md.
+    # for runs of at least COMPILE_AUTO_MIN_STEPS steps (see there); short runs and the CPU start
+    # at once.
     compile: bool | str = "auto"
     # Capture the whole step (forward, backward, clip, AdamW; under DDP with NCCL the gradient
     # all-reduce too) in one CUDA graph after 2 warm-up steps (11 under DDP) and replay it: small
