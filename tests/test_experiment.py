@@ -590,7 +590,7 @@ def test_parameter_files_load():
         or p.name.startswith("ablations")
         or p.stem.startswith("study_")
     ]
-    assert len(plans) == 4 + 2 + 4 + 2 + 6  # protocol: 2 sweeps, 3 studies at shapes, the orthogonality one
+    assert len(plans) == 4 + 2 + 4 + 2 + 8  # protocol: 3 sweeps, 4 studies at shapes, the orthogonality one
     for path in files:
         if path in plans:
             cfgs = [
@@ -1003,14 +1003,14 @@ def test_ablation_plan_is_seed_major_and_complete(tmp_path):
         ablation_plan(out=tmp_path, overrides={"train.dtype": "fp64"})
 
 
-# results/<folder> -> the plan that trained its runs (results/README.md names the same)
+# results/<folder> -> the plans that trained its runs (results/README.md names the same)
 RESULT_PLANS = {
     "ablations": "parameters/ablations.yaml",
     "ablations_medium512": "parameters/ablations_medium512.yaml",
     "protocol_medium512": "parameters/protocol/study_medium512.yaml",
     "protocol_orthogonality_medium512": "parameters/protocol/orthogonality_medium512.yaml",
     "protocol_tune_medium512": "parameters/protocol/tune_medium512.yaml",
-    "protocol_tune_shapes": "parameters/protocol/tune_shapes.yaml",
+    "protocol_tune_shapes": ("parameters/protocol/tune_shapes.yaml", "parameters/protocol/tune_d768.yaml"),
     "tune_medium512": "parameters/tuning/medium512.yaml",
     "tune_mini": "parameters/tuning/mini.yaml",
     "tuned_medium512": "parameters/study_tuned_medium512.yaml",
@@ -1027,8 +1027,8 @@ def test_each_committed_result_is_what_its_plan_trains(folder):
     from oelm_core.run_settings import trained_settings
 
     committed = REPO / "results" / folder
-    plan = load_plan(REPO / RESULT_PLANS[folder], committed)
-    planned = {r.run_dir: r for r in plan.runs}
+    plans = RESULT_PLANS[folder] if isinstance(RESULT_PLANS[folder], tuple) else (RESULT_PLANS[folder],)
+    planned = {r.run_dir: r for p in plans for r in load_plan(REPO / p, committed).runs}
     folders = sorted(p.parent for p in committed.rglob("config.yaml"))
     assert folders and all(f in planned for f in folders), [str(f) for f in folders if f not in planned][:3]
     for f in folders:
@@ -1036,7 +1036,7 @@ def test_each_committed_result_is_what_its_plan_trains(folder):
         assert trained_settings(read_yaml(f / "config.yaml")) == trained_settings(planned[f].config)
     assert {p.name for p in (REPO / "results").iterdir() if p.is_dir()} == set(RESULT_PLANS)
     index = (REPO / "results" / "README.md").read_text()
-    assert f"`{RESULT_PLANS[folder]}`" in index and f"`{folder}/`" in index
+    assert all(f"`{p}`" in index for p in plans) and f"`{folder}/`" in index
 
 
 def test_the_committed_mini_ablations_tabulate_from_runs_with_and_without_their_place_in_the_plan():
