@@ -1174,10 +1174,13 @@ def test_an_ablation_set_cut_by_its_budget_goes_on_where_it_stopped(tmp_path, st
         )
     )
     out = tmp_path / "runs"
-    quiet = {"log": lambda *_: None}
-    first = run_trainings(load_plan(plan_file, out), budget_s=1e-3, **quiet)
+    lines: list[str] = []
+    first = run_trainings(load_plan(plan_file, out), budget_s=1e-3, log=lines.append)
     assert [(r["label"], r["status"]) for r in first] == [("gpt_base", "completed"), ("oelm_freeze", "not started")]
-    again = run_trainings(load_plan(plan_file, out), **quiet)
+    # each training's end is logged with the process's whole time, as its row has it
+    ends = [line for line in lines if ": completed after " in line]
+    assert [line.split("] ", 1)[1] for line in ends] == [f"gpt_base/seed0: completed after {first[0]['wall_s']:.0f}s"]
+    again = run_trainings(load_plan(plan_file, out), log=lambda *_: None)
     assert [(r["label"], r["status"]) for r in again] == [("gpt_base", "skipped"), ("oelm_freeze", "completed")]
     for label in ("gpt_base", "oelm_freeze"):
         run_dir = out / label / "seed0"

@@ -111,8 +111,12 @@ class LocalScheduler(Scheduler):
                 if error:
                     result["error"] = error
                     log(f"{plan.tag} FAILED {run.name}: {error}")
-                elif status in FINISHED and not plan.keep_checkpoints:
-                    shutil.rmtree(run.run_dir / "ckpt", ignore_errors=True)  # best.pt stays
+                else:
+                    # The process's whole time, start-up and export included: beside summary.json's
+                    # wall_time_s (the training loop's) it tells what sharing a GPU costs outside it.
+                    log(f"{plan.tag} {run.name}: {status} after {result['wall_s']:.0f}s")
+                    if status in FINISHED and not plan.keep_checkpoints:
+                        shutil.rmtree(run.run_dir / "ckpt", ignore_errors=True)  # best.pt stays
                 return result
             finally:
                 free.put(gpus)
