@@ -65,6 +65,7 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
     assert summary["final_val_bpb"] > 0 and summary["mfu"] is None and summary["tokens_per_s"] > 0
     assert summary["gradients_by"] == "none"
     assert summary["compiled"] is False  # train.compile "auto": the CPU stays eager
+    assert summary["setup_s"] > 0  # this (pytest's) process's age when the loop began
     assert summary["checkpoint_bytes"] == (out / "ckpt" / "step_0000030.pt").stat().st_size
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"lr", "grad_norm", "tokens_per_s", "tokens_seen", "epochs", "val_ppl", "val_bpb"} <= set(row)
@@ -78,6 +79,14 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
     card = json.loads((out / "export" / "config.json").read_text())["run"]
     assert card["step"] == best["step"] and card["val_loss"] == best["metrics"]["val_loss"] == summary["best_val_loss"]
     assert (card["variant"], card["seed"], card["run_status"], card["run_steps"]) == ("gpt_base", 42, "completed", 30)
+
+
+def test_process_age_counts_from_the_process_start():
+    """summary.json's setup_s: a fresh process that waits 1.5 s before asking is at least that old,
+    and not minutes older (the clock ticks and the boot-relative start time agree)."""
+    code = "import time; time.sleep(1.5); from oelm_core.train import process_age_s; print(process_age_s())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert 1.5 <= float(out.stdout) < 60, out.stdout
 
 
 def _mean_loss(model, batches) -> float:
