@@ -8,9 +8,9 @@ per GPU; the batches already on the device) through the trainer's own step
 (``oelm_core.fast.make_step(..., ddp=True)``; on CUDA the CUDA-graph step, captured after 11 eager
 steps) on the model as the trainer builds it (``oelm_core.fast.apply``), once for each --exchange:
 
-    peer       train.grad_exchange: peer, the NVLink copies (oelm_core/fast/peer_grads.py): two
-               CUDA GPUs of one host with peer access only (elsewhere the row says why not,
-               e.g. "here 4 ranks")
+    peer       train.grad_exchange: peer, the NVLink copies (oelm_core/fast/peer_grads.py): CUDA
+               GPUs of one host with peer access only (elsewhere the row says why not, e.g.
+               "here under gloo"); auto takes them on two GPUs, where they were measured
     ddp        DDP (train.grad_exchange: ddp)
 
 An exchange may carry train.* settings of its own, to compare tuned DDP in one run:

@@ -371,10 +371,11 @@ class TrainConfig:
     # medium512 on 2 H200s 50 beat PyTorch's 25 at 8 and 16 x 512 per GPU, and 2-10 were slower
     # (benchmarks/bench_ddp.py --exchange ddp --set ddp_bucket_mb=25 times another size).
     ddp_bucket_mb: float = 50.0
-    # How two CUDA GPUs of one host exchange gradients. "auto": by NVLink copies straight into
-    # the other GPU's memory during the backward (oelm_core/fast/peer_grads.py; its scaling
-    # against DDP's: benchmarks/README.md), DDP wherever that cannot run (other world sizes, no
-    # peer access, CPU). "ddp": always DDP. "peer": the copies or an error.
+    # How the CUDA GPUs of one host exchange gradients. "auto": on two GPUs by NVLink copies
+    # straight into the other GPU's memory during the backward (oelm_core/fast/peer_grads.py; its
+    # scaling against DDP's: benchmarks/README.md), DDP elsewhere (more GPUs, where the copies'
+    # gain is not measured yet; no peer access; CPU). "ddp": always DDP. "peer": the copies on
+    # any number of GPUs (each rank copies to every other), or an error.
     # Measured on NVLink only: where peer access goes over PCIe, time both before choosing.
     grad_exchange: str = "auto"
     # --- fast paths (oelm_core/fast): each applied to the plain model or step where it runs,

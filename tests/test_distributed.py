@@ -126,7 +126,7 @@ def test_ddp_on_one_rank(tmp_path):
         tc = TrainConfig(grad_exchange="peer")
         with pytest.raises(
             ConfigError,
-            match=r"grad_exchange: peer needs two CUDA GPUs of one host with "
+            match=r"grad_exchange: peer needs CUDA GPUs of one host with "
             r"peer access \(NVLink\) under NCCL \(here on cpu\)",
         ):
             fast.make_step(model, configure_optimizer(model, tc, cpu), tc, cpu, ddp=True)

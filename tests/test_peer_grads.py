@@ -106,36 +106,38 @@ def test_tap_refuses_a_parameter_the_model_does_not_hold():
     assert [type(m) for m in model.modules()] == classes
 
 
-class InProcessPair:
-    """Two PeerGradExchanges (or ``cls``, a subclass) in one process: each one's "peer memory" is
-    the other's receive buffers, a copy is immediate, and the barrier is a threading.Barrier (the
-    two finish() calls run in two threads). What the GPUs add (streams, copy engines, symmetric
-    memory) is left out; the arithmetic is the library's."""
+class InProcessGroup:
+    """PeerGradExchanges (or ``cls``, a subclass) of ``len(models)`` ranks in one process: each
+    one's "peer memory" is the others' receive buffers, a copy is immediate, and the barrier is a
+    threading.Barrier (the finish() calls run in a thread each). What the GPUs add (streams, copy
+    engines, symmetric memory) is left out; the arithmetic is the library's."""
 
     def __init__(self, models, cls=PeerGradExchange):
-        self.models, self.buffers, self.meet = models, {}, threading.Barrier(2)
+        self.models, self.buffers, self.meet = models, {}, threading.Barrier(len(models))
         self.exchanges = [self._exchange(model, rank, cls) for rank, model in enumerate(models)]
 
     def _exchange(self, model, rank, cls):
-        pair = self
+        group, world = self, len(self.models)
 
         class InProcess(cls):
             def _connect(self):
-                self.rank, self._allocated, self._pending = rank, 0, []
+                self.rank, self.world, self._allocated, self._pending = rank, world, 0, []
 
             def _buffer(self, numel, dtype):
                 i, self._allocated = self._allocated, self._allocated + 1
-                return tuple(
-                    pair.buffers.setdefault((r, i), torch.full((numel,), -1).to(dtype))
-                    for r in (self.rank, 1 - self.rank)
-                )
+                mem = [
+                    group.buffers.setdefault((r, i), torch.full((world * numel,), -1).to(dtype)).view(world, numel)
+                    for r in range(world)
+                ]
+                return mem[self.rank], [mem[r][self.rank] for r in self._others]
 
-            def _send(self, dst, src):
-                dst.copy_(src.reshape(-1))
+            def _send(self, dsts, src):
+                for dst in dsts:
+                    dst.copy_(src.reshape(-1))
 
             def _join(self):
-                # Both ranks' backward passes have run (one after the other): the peer's copies
-                # have landed, as the GPU's side stream waits for them to.
+                # Every rank's backward pass has run (one after another): the peers' copies have
+                # landed, as the GPU's side stream waits for them to.
                 for fn in self._pending:
                     fn()
                 self._pending.clear()
@@ -150,10 +152,10 @@ class InProcessPair:
                 pass
 
             def _barrier(self, channel):
-                # The ranks' backward passes run one after the other in the main thread: only
-                # their finish() calls, in two threads, can meet.
+                # The ranks' backward passes run one after another in the main thread: only
+                # their finish() calls, in a thread each, can meet.
                 if threading.current_thread() is not threading.main_thread():
-                    pair.meet.wait(timeout=60)
+                    group.meet.wait(timeout=60)
 
         return InProcess(model, torch.device("cpu"))
 
@@ -166,17 +168,17 @@ class InProcessPair:
             (model(x, y) / len(micro)).backward()
 
     def finish(self):
-        """Both ranks' finish(), side by side; the first rank's error, if any, is raised."""
-        errors = [None, None]
+        """Every rank's finish(), side by side; the first rank's error, if any, is raised."""
+        errors = [None] * len(self.models)
 
         def run(rank):
             try:
                 self.exchanges[rank].finish()
-            except Exception as exc:  # a failed rank must not leave the other at the barrier
+            except Exception as exc:  # a failed rank must not leave the others at the barrier
                 errors[rank] = exc
                 self.meet.abort()
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(len(self.models))]
         for t in threads:
             t.start()
         for t in threads:
@@ -199,22 +201,30 @@ def micro_batches(model, rank, n_micro, batch):
 
 
 @pytest.mark.parametrize(
-    "variant, n_micro, batch, rows, vocab",
+    "variant, n_micro, batch, rows, vocab, world",
     [
-        ("oelm_freeze", 1, 2, True, 128),  # 2 ranks x 64 tokens <= 128 rows: the tied weight as rows
-        ("oelm_freeze", 1, 2, True, 100),  # the repeats' rows gathered from a padding row (100 -> 128)
-        ("gpt_base", 1, 4, False, 128),  # 2 x 128 > 128: the tied weight's shares in one, densely
-        ("oelm_nofreeze", 2, 1, True, 128),  # two micro-steps: the last sends the accumulated gradient
-        ("oelm_nofreeze", 2, 1, True, 100),
-        ("oelm_poet", 2, 2, False, 128),
+        ("oelm_freeze", 1, 2, True, 128, 2),  # 2 ranks x 64 tokens <= 128 rows: the tied weight as rows
+        ("oelm_freeze", 1, 2, True, 100, 2),  # the repeats' rows gathered from a padding row (100 -> 128)
+        ("gpt_base", 1, 4, False, 128, 2),  # 2 x 128 > 128: the tied weight's shares in one, densely
+        ("oelm_nofreeze", 2, 1, True, 128, 2),  # two micro-steps: the last sends the accumulated gradient
+        ("oelm_nofreeze", 2, 1, True, 100, 2),
+        ("oelm_poet", 2, 2, False, 128, 2),
+        # more ranks: rank 2 and up keep their own while the sum starts from rank 0's
+        ("oelm_freeze", 1, 1, True, 100, 3),  # 3 x 32 tokens <= 128 rows
+        ("gpt_base", 1, 2, False, 128, 3),  # 3 x 64 > 128: densely
+        ("oelm_nofreeze", 1, 1, True, 128, 4),  # 4 x 32 = 128 rows
+        ("oelm_poet", 2, 1, False, 128, 4),
     ],
 )
-def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(variant, n_micro, batch, rows, vocab):
+def test_exchange_leaves_the_sum_of_every_ranks_gradients_bitwise_equal_on_each(
+    variant, n_micro, batch, rows, vocab, world
+):
     """The exchange's arithmetic (tapped sends, the tied weight's shares, finish) against the
-    gradients of the two ranks' batches computed apart: .grad = their sum, the same on both."""
+    gradients of the ranks' batches computed apart: .grad = their sum, the same bits on every rank
+    (float addition is not associative: a rank that summed in its own order would drift)."""
     base = fused(build_model("tiny", variant, seed=0, vocab_size=vocab))
     assert base.cfg.padded_vocab_size == 128
-    batches = [micro_batches(base, r, n_micro, batch) for r in range(2)]
+    batches = [micro_batches(base, r, n_micro, batch) for r in range(world)]
     expected = []
     for micro in batches:  # each rank's own gradient, without an exchange
         alone = copy.deepcopy(base)
@@ -222,17 +232,18 @@ def test_exchange_leaves_the_sum_of_both_ranks_gradients_bitwise_equal_on_both(v
             (alone(x, y) / n_micro).backward()
         expected.append([p.grad for p in alone.parameters() if p.requires_grad])
 
-    pair = InProcessPair([copy.deepcopy(base) for _ in range(2)])
-    for rank in range(2):
-        pair.backward(rank, batches[rank])
-    pair.finish()
-    assert all((e._rows_capacity > 0) == rows for e in pair.exchanges)  # the path taken
-    assert all((e._zero_row is not None) == (vocab < 128) for e in pair.exchanges)
-    grads = [[p.grad for p in m.parameters() if p.requires_grad] for m in pair.models]
-    for g0, g1, a, b in zip(*grads, *expected):
-        assert torch.equal(g0, g1)  # bitwise: the weights stay equal across ranks
-        torch.testing.assert_close(g0, a + b, rtol=1e-5, atol=1e-7)
-    pair.remove()
+    group = InProcessGroup([copy.deepcopy(base) for _ in range(world)])
+    for rank in range(world):
+        group.backward(rank, batches[rank])
+    group.finish()
+    assert all((e._rows_capacity > 0) == rows for e in group.exchanges)  # the path taken
+    assert all((e._zero_row is not None) == (vocab < 128) for e in group.exchanges)
+    assert all(e.grad_divisor == world for e in group.exchanges)
+    grads = [[p.grad for p in m.parameters() if p.requires_grad] for m in group.models]
+    for per_rank, alone in zip(zip(*grads), zip(*expected)):
+        assert all(torch.equal(g, per_rank[0]) for g in per_rank)  # bitwise: the weights stay equal
+        torch.testing.assert_close(per_rank[0], sum(alone[1:], alone[0]), rtol=1e-5, atol=1e-7)
+    group.remove()
 
 
 def test_exchange_refuses_what_it_cannot_send_once():
@@ -240,8 +251,8 @@ def test_exchange_refuses_what_it_cannot_send_once():
     would be sent in two parts; a step whose backward did not send every gradient stops before
     anything is added."""
     with pytest.raises(ValueError, match=r"not split \(train.fused_loss off\)"):
-        InProcessPair([build_model("tiny", "gpt_base", seed=0) for _ in range(2)])
-    pair = InProcessPair([fused(build_model("tiny", "gpt_base", seed=0)) for _ in range(2)])
+        InProcessGroup([build_model("tiny", "gpt_base", seed=0) for _ in range(2)])
+    pair = InProcessGroup([fused(build_model("tiny", "gpt_base", seed=0)) for _ in range(2)])
     x = torch.zeros(1, pair.models[0].cfg.block_size, dtype=torch.long)
     pair.backward(0, [(x, x)])
     pair.exchanges[1].begin([x])  # rank 1 runs no backward
@@ -260,10 +271,11 @@ def test_grad_exchange_setting_is_checked():
     "device, world, backend, local, why",
     [
         ("cpu", 2, "gloo", 2, "here on cpu"),
-        ("cuda:0", 4, "nccl", 4, "here 4 ranks"),  # bench_ddp's peer row on four GPUs
+        ("cuda:0", 1, "nccl", 1, "here 1 rank"),
         ("cuda:0", 2, "gloo", 2, "here under gloo"),
-        ("cuda:0", 2, "nccl", 1, "here the two ranks are on different nodes"),  # torchrun --nnodes 2
+        ("cuda:0", 2, "nccl", 1, "here the ranks are on different nodes"),  # torchrun --nnodes 2
         ("cuda:0", 2, "nccl", 2, None),
+        ("cuda:0", 4, "nccl", 4, None),  # any number of one host's GPUs (auto: two only)
     ],
 )
 def test_the_exchange_says_where_it_cannot_run(monkeypatch, device, world, backend, local, why):
@@ -274,3 +286,26 @@ def test_the_exchange_says_where_it_cannot_run(monkeypatch, device, world, backe
     monkeypatch.setattr("torch.distributed.get_backend", lambda: backend)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
     assert PeerGradExchange.not_here(torch.device(device)) == why
+
+
+@pytest.mark.parametrize(
+    "setting, world, tries_copies", [("auto", 2, True), ("auto", 4, False), ("peer", 4, True), ("ddp", 2, False)]
+)
+def test_auto_takes_the_copies_on_two_gpus_only(monkeypatch, setting, world, tries_copies):
+    """train.grad_exchange auto: the NVLink copies where they were measured to pay (two GPUs), DDP
+    on more until they are timed there (benchmarks/README.md); peer asks for them on any number."""
+    from oelm_core import distributed
+
+    tried = []
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda: world)
+    monkeypatch.setattr("torch.distributed.get_backend", lambda: "gloo")
+    monkeypatch.setattr(PeerGradExchange, "for_model", classmethod(lambda cls, model, device: tried.append(1)))
+    monkeypatch.setattr(distributed, "data_parallel", lambda model, module, tc, device: ("ddp", None))
+    model = fused(build_model("tiny", "gpt_base", seed=0))
+    tc = TrainConfig(grad_exchange=setting)
+    if setting == "peer":
+        with pytest.raises(ConfigError, match=r"peer needs CUDA GPUs of one host .* \(here on cpu\)"):
+            fast.data_parallel(model, model, tc, torch.device("cpu"))
+    else:
+        assert fast.data_parallel(model, model, tc, torch.device("cpu")) == ("ddp", None)
+    assert bool(tried) == tries_copies

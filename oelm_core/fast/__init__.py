@@ -20,7 +20,7 @@ ask                      fast paths                                    switches
 ``prepare_process``      glibc keeps large freed blocks (``heap``)     ``train.cpu_heap``
 ``make_step``            the whole step as a CUDA graph                ``train.cuda_graph``
                          (``graph_step.GraphStep``)
-``data_parallel``        two GPUs' gradients by NVLink copies          ``train.grad_exchange``
+``data_parallel``        one host's gradients by NVLink copies         ``train.grad_exchange``
                          (``peer_grads``) instead of DDP
 ``decoder``,             the CUDA-graph decoder with its Triton step   ``SamplingConfig.fast``
 ``stream_tokens``        and sampler (``decode``, ``decode_kernels``,
@@ -94,14 +94,20 @@ def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: 
     """``module`` (``model`` or its compiled wrapper) made data parallel as ``tc`` says: (what the
     forward runs through, the exchange that reduces gradients instead of DDP, or None).
 
-    ``train.grad_exchange`` "auto"/"peer": on two CUDA GPUs of one host the NVLink exchange
-    (``peer_grads.PeerGradExchange``) replaces DDP ("peer": or a ConfigError); otherwise, or with
-    "ddp", the reference's DDP (``oelm_core.distributed.data_parallel``)."""
+    ``train.grad_exchange`` "auto": on two CUDA GPUs of one host the NVLink exchange
+    (``peer_grads.PeerGradExchange``) replaces DDP; "peer": on any number of them (or a
+    ConfigError); otherwise, or with "ddp", the reference's DDP
+    (``oelm_core.distributed.data_parallel``)."""
     import torch.distributed as dist
 
     from oelm_core.distributed import data_parallel as reference_data_parallel
 
-    if tc.grad_exchange != "ddp":
+    if tc.grad_exchange == "auto" and dist.get_world_size() != 2:
+        # Measured to pay on two GPUs only (benchmarks/README.md); "peer" times it on more.
+        log.info(
+            "gradients by DDP: grad_exchange auto uses the NVLink copies on two GPUs, here %d", dist.get_world_size()
+        )
+    elif tc.grad_exchange != "ddp":
         from oelm_core.fast.peer_grads import PeerGradExchange
 
         exchange = PeerGradExchange.for_model(model, device)
@@ -114,7 +120,7 @@ def data_parallel(model: nn.Module, module: nn.Module, tc: TrainConfig, device: 
         if tc.grad_exchange == "peer":
             why = PeerGradExchange.not_here(device) or "here they have no peer access"
             raise ConfigError(
-                f"train.grad_exchange: peer needs two CUDA GPUs of one host with peer "
+                f"train.grad_exchange: peer needs CUDA GPUs of one host with peer "
                 f"access (NVLink) under NCCL ({why}); use auto to fall back to DDP"
             )
     return reference_data_parallel(model, module, tc, device)

@@ -1,6 +1,6 @@
-"""Data parallelism on two GPUs without NCCL in the step: each gradient is copied into the other
-GPU's memory by the copy engines (NVLink), from inside the compiled backward pass, as soon as the
-kernel that wrote it has run.
+"""Data parallelism on the GPUs of one host without NCCL in the step: each gradient is copied into
+every other GPU's memory by the copy engines (NVLink), from inside the compiled backward pass, as
+soon as the kernel that wrote it has run.
 
 Why not DDP: the bytes are not the problem (the copy engines move a step's gradients in a small
 part of a step, beside the compute); DDP's work on the compute stream is: the copies of every
@@ -19,16 +19,21 @@ Two pieces:
 - ``PeerGradExchange``: the sends into the peer's symmetric-memory receive buffer, the tied
   embedding/output weight's two shares (the dense output share as the backward starts, then only
   the rows of the batch's tokens), and ``finish``:
-  after a barrier each rank adds the peer's copy to its own. Both ranks add the same two numbers,
-  so the sums (and the weights) stay bitwise equal. The output shares (103 MB) are summed during
-  the backward, on a side stream, once the peer signals that its copy has landed, and the token
-  ids are sorted there beside the forward, off the step's path.
+  after a barrier each rank adds the others' copies to its own, in rank order ((g0 + g1) + g2 ...
+  on every rank: float addition is commutative, not associative), so the sums (and the weights)
+  stay bitwise equal. The output shares (103 MB a rank) are summed during the backward, on a side
+  stream, once every peer signals that its copy has landed, and the token ids are sorted there
+  beside the forward, off the step's path.
 
-``finish`` leaves the *sum* over the two ranks in ``.grad`` (``grad_divisor`` = 2): the step
-averages it (``oelm_core.step.TrainStep.clip_and_step``). Works inside the
+``finish`` leaves the *sum* over the ranks in ``.grad`` (``grad_divisor`` = the world size): the
+step averages it (``oelm_core.step.TrainStep.clip_and_step``). Works inside the
 trainer's whole-step CUDA graph (``oelm_core.fast.graph_step``: copies, barriers and all).
+On N GPUs each rank sends N - 1 copies of its gradients (all-to-all, where a ring all-reduce moves
+2 (N - 1) / N): the copy engines carry them beside the compute, and the sum after the barrier
+reads N buffers.
 
-Switch: ``train.grad_exchange`` (auto: this exchange where it can run, else DDP; ddp; peer).
+Switch: ``train.grad_exchange`` (auto: this exchange on two GPUs, where it was measured to pay,
+else DDP; ddp; peer: this exchange on any number of GPUs of one host).
 It needs the split of the tied weight's gradient that the fused loss offers (``train.fused_loss``).
 Gain: benchmarks/README.md.
 """
@@ -40,7 +45,7 @@ import logging
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,25 +143,25 @@ class ParameterTap:
 
 
 class PeerGradExchange:
-    """The data-parallel gradient of two ranks on two GPUs with peer access (see the module).
+    """The data-parallel gradient of the ranks on CUDA GPUs of one host with peer access (see the
+    module).
 
     Use: ``begin(tokens)`` before a step's first backward; ``sync = False`` on micro-steps that
     only accumulate (nothing is sent then; the last one sends the accumulated gradient);
     ``finish()`` after the last backward. Then every trainable parameter's ``.grad`` holds the
-    sum over the two ranks, bitwise the same on both.
+    sum over the ranks, bitwise the same on each.
     """
 
-    grad_divisor = 2.0
     gradients_by = "nvlink copies"
 
     @classmethod
     def for_model(cls, model: nn.Module, device: torch.device) -> Optional["PeerGradExchange"]:
-        """An exchange for ``model`` on this rank, or None (logged) where it cannot run: not two
-        ranks on CUDA GPUs of one host with peer access, or no symmetric memory in this torch.
-        Collective: both ranks call it and both get an exchange or both None."""
+        """An exchange for ``model`` on this rank, or None (logged) where it cannot run: not CUDA
+        GPUs of one host with peer access under NCCL, or no symmetric memory in this torch.
+        Collective: every rank calls it and all get an exchange or all None."""
         if cls.not_here(device) is not None:
             log.info(
-                "gradients by DDP: the NVLink copy exchange pairs two CUDA GPUs of one host under NCCL (%s)",
+                "gradients by DDP: the NVLink copy exchange needs CUDA GPUs of one host under NCCL (%s)",
                 cls.not_here(device),
             )
             return None  # the same on every rank: no need to agree
@@ -170,30 +175,31 @@ class PeerGradExchange:
         if failed.item():
             if exchange is not None:
                 exchange.remove()
-            log.info("gradients by DDP: no NVLink copy exchange (%s)", reason or "not on the other rank")
+            log.info("gradients by DDP: no NVLink copy exchange (%s)", reason or "not on another rank")
             return None
         return exchange
 
     @staticmethod
     def not_here(device: torch.device) -> Optional[str]:
         """Why this job cannot exchange by NVLink copies, as every rank knows it without asking
-        the others ("4 ranks"), or None where it may try."""
+        the others ("here under gloo"), or None where it may try."""
         world, backend = dist.get_world_size(), dist.get_backend()
         # torchrun's processes on this host; two single-GPU nodes have one each: no peer memory
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         if device.type != "cuda":
             return f"here on {device.type}"
-        if world != 2:
-            return f"here {world} ranks"
+        if world < 2:
+            return f"here {world} rank"
         if backend != "nccl":
             return f"here under {backend}"
         if local != world:
-            return "here the two ranks are on different nodes"
+            return "here the ranks are on different nodes"
         return None
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.device = device
         self._connect()
+        self.grad_divisor = float(self.world)
         self.tied = split_tied_gradient(model, None)
         if self.tied is None and getattr(getattr(model, "cfg", None), "tie_embeddings", False):
             # Not split (the reference loss): the embedding and the output layer would each send a part.
@@ -204,9 +210,10 @@ class PeerGradExchange:
         if any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad):
             raise TypeError("the exchange sends float32 gradients; the model has other parameters")
         sizes = [p.numel() for p in self.params]
-        self._recv, peer = self._buffer(sum(sizes), torch.float32)
-        self._peer_slots = list(peer.split(sizes))
-        self._recv_slots = [r.view_as(p) for r, p in zip(self._recv.split(sizes), self.params)]
+        recv, peers = self._buffer(sum(sizes), torch.float32)
+        # Per parameter, its place in each peer's buffer; per rank, that rank's gradients as received.
+        self._peer_slots = list(zip(*(peer.split(sizes) for peer in peers)))
+        self._recv_slots = [[s.view_as(p) for s, p in zip(row.split(sizes), self.params)] for row in recv]
         self._keep: list[torch.Tensor] = []  # memory of gradients in flight, until finish()
         self.sync = True
         self._out = self._ids = None
@@ -232,18 +239,18 @@ class PeerGradExchange:
             self._hook.remove()
             self._loss.grad_hook = None
 
-    # The link to the peer: symmetric memory, a copy stream and a side stream. Small methods, so
-    # that the arithmetic above them can be tested on the CPU with two exchanges in one process
+    # The link to the peers: symmetric memory, a copy stream and a side stream. Small methods, so
+    # that the arithmetic above them can be tested on the CPU with several exchanges in one process
     # (tests/test_peer_grads.py).
     def _connect(self) -> None:
-        """This rank, symmetric memory for the process group, the copy and side streams."""
+        """This rank and the world, symmetric memory for the process group, the copy and side streams."""
         # Peer pointers and barriers are all the exchange uses: no NVLink multicast objects
         # (NVSwitch resources, which a crashed program can leave held on a shared host).
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._group = dist.group.WORLD.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None and not hasattr(enable, "__deprecated__"):  # older torch needs it
@@ -252,20 +259,29 @@ class PeerGradExchange:
         self._side = torch.cuda.Stream(self.device)
         self._side_forked = False
 
-    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's receive buffer, the peer's as a tensor this GPU can write). Collective."""
+    @property
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world) if r != self.rank]
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(this rank's receive buffer, (world, numel): row r is what rank r sends here; row
+        ``rank`` is free, ``_sum_in_rank_order`` keeps this rank's own there, and this rank's row
+        in each other rank's buffer, as tensors this GPU can write, in ``_others``' order).
+        Collective."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        mine = symm_mem.empty(numel, dtype=dtype, device=self.device)
+        mine = symm_mem.empty(self.world * numel, dtype=dtype, device=self.device)
         self._handle = symm_mem.rendezvous(mine, self._group)
-        return mine, self._handle.get_buffer(1 - self.rank, (numel,), dtype)
+        peers = [self._handle.get_buffer(r, (self.world, numel), dtype)[self.rank] for r in self._others]
+        return mine.view(self.world, numel), peers
 
-    def _send(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` (dst: the peer's memory) on the copy stream, after what the current
-        stream has queued so far; ``src``'s memory is kept until ``finish`` joins the stream."""
+    def _send(self, dsts: Sequence[torch.Tensor], src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` for each dst (the peers' memory) on the copy stream, after what the
+        current stream has queued so far; ``src``'s memory is kept until ``finish`` joins the stream."""
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            dst.copy_(src.reshape(-1))
+            for dst in dsts:
+                dst.copy_(src.reshape(-1))
         # An alias of the storage, not src: were src referenced, autograd would copy a gradient
         # into .grad instead of taking it over.
         self._keep.append(src.new_empty(0).set_(src.untyped_storage()))
@@ -294,20 +310,36 @@ class PeerGradExchange:
         self._keep.clear()
 
     def _barrier(self, channel: int) -> None:
-        """Both ranks' current streams meet here (each after its own earlier work)."""
+        """Every rank's current stream meets here (each after its own earlier work)."""
         self._handle.barrier(channel=channel)
 
     def _after_peer(self, channel: int, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the side stream once this rank's copies so far have left and the peer's
-        so far have landed here: each rank raises flag ``channel`` on the peer behind its copies
-        (the copy stream's order), and the side stream waits for the peer's. Channels 0 and 1
-        are the barriers'."""
+        """Run ``fn`` on the side stream once this rank's copies so far have left and every
+        peer's so far have landed here: each rank raises flag ``channel`` on each peer behind its
+        copies (the copy stream's order), and the side stream waits for every peer's. Channels 0
+        and 1 are the barriers'."""
         with torch.cuda.stream(self._stream):
-            self._handle.put_signal(1 - self.rank, channel=channel)
+            for r in self._others:
+                self._handle.put_signal(r, channel=channel)
         with self._aside():
             self._side.wait_stream(self._stream)
-            self._handle.wait_signal(1 - self.rank, channel=channel)
+            for r in self._others:
+                self._handle.wait_signal(r, channel=channel)
             fn()
+
+    def _sum_in_rank_order(self, own: list[torch.Tensor], received: list[list[torch.Tensor]]) -> None:
+        """own := the sum over the ranks, (x0 + x1) + x2 + ... on every rank, so that all hold the
+        same bits. ``received[r]``: rank r's tensors as they arrived here (``received[rank]`` is
+        free: a rank past 1 keeps its own there while the sum starts from rank 0's). x0 + x1 is
+        the same sum in either order, so ranks 0 and 1 add to their own in place."""
+        if self.rank < 2:
+            torch._foreach_add_(own, received[1 - self.rank])
+        else:
+            torch._foreach_copy_(received[self.rank], own)
+            torch._foreach_copy_(own, received[0])
+            torch._foreach_add_(own, received[1])
+        for r in range(2, self.world):
+            torch._foreach_add_(own, received[r])
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         if not self.sync:
@@ -318,16 +350,17 @@ class PeerGradExchange:
 
     def begin(self, tokens: list[torch.Tensor]) -> None:
         """Before a step's first backward. ``tokens``: this rank's input ids, one (B, T) tensor
-        per micro-step. The embedding share goes as rows while the two ranks' tokens are fewer
-        than the weight's rows (medium512: up to 25k tokens per GPU), else densely at the end."""
+        per micro-step (as many on every rank). The embedding share goes as rows while the ranks'
+        tokens together are fewer than the weight's rows (medium512 on two GPUs: up to 25k tokens
+        per GPU), else densely at the end."""
         self._sent = [0] * len(self.params)
         if self.tied is None:
             return
         n = sum(t.numel() for t in tokens)
         self._ids = None
-        if 2 * n > self.tied.size(0):
+        if self.world * n > self.tied.size(0):
             return
-        if n > self._rows_capacity:  # the first step of a shape: both ranks in step
+        if n > self._rows_capacity:  # the first step of a shape: every rank in step
             d = self.tied.size(1)
             self._recv_rows, self._peer_rows = self._buffer(n * d, torch.float32)
             self._recv_ids, self._peer_ids = self._buffer(n, torch.int64)
@@ -336,19 +369,22 @@ class PeerGradExchange:
         # are made beside the forward, not before it.
         with self._aside():
             self._ids, first = first_of_each(torch.cat([t.flatten() for t in tokens]))
-            self._send(self._peer_ids[:n], self._ids)
+            self._send([peer[:n] for peer in self._peer_ids], self._ids)
             if self._zero_row is None:
                 self._pick, self._mask = self._ids, first.unsqueeze(1)
             else:
                 self._pick, self._mask = torch.where(first, self._ids, self._zero_row), None
 
+    def _sum_output_shares(self) -> None:
+        self._sum_in_rank_order([self._out], [[row.view_as(self._out)] for row in self._recv_out])
+
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._out = grad if self._out is None else self._out.add_(grad)
         if self.sync and self._ids is not None:
             self._send(self._peer_out, self._out)
-            # The two output shares' sum (103 MB a rank at medium512) is taken while the backward
+            # The output shares' sum (103 MB a rank at medium512) is taken while the backward
             # runs rather than after it.
-            self._after_peer(2, lambda: self._out.add_(self._recv_out.view_as(self._out)))
+            self._after_peer(2, self._sum_output_shares)
 
     def _on_embedding_grad(self, weight: torch.Tensor) -> None:
         if self.sync and self._ids is not None:
@@ -356,10 +392,10 @@ class PeerGradExchange:
             self._rows = weight.grad[self._pick]  # (n, d): each id's row once, repeats 0
             if self._mask is not None:
                 self._rows.mul_(self._mask)
-            self._send(self._peer_rows[: self._rows.numel()], self._rows)
+            self._send([peer[: self._rows.numel()] for peer in self._peer_rows], self._rows)
 
     def finish(self) -> None:
-        """After the last micro-step's backward: every ``.grad`` := the sum over the two ranks."""
+        """After the last micro-step's backward: every ``.grad`` := the sum over the ranks."""
         if self._sent != [1] * len(self.params):  # runs while eager and while captured, not replayed
             twice = [i for i, n in enumerate(self._sent) if n != 1]
             raise RuntimeError(
@@ -371,19 +407,18 @@ class PeerGradExchange:
             self._out.add_(self.tied.grad)
             self._send(self._peer_out, self._out)
         self._join()
-        self._barrier(0)  # the peer's copies into this rank's buffers are complete
-        torch._foreach_add_([p.grad for p in self.params], self._recv_slots)
+        self._barrier(0)  # the peers' copies into this rank's buffers are complete
+        self._sum_in_rank_order([p.grad for p in self.params], self._recv_slots)
         if self.tied is not None:
             out = self._out
             if self._ids is None:
-                out.add_(self._recv_out.view_as(out))
-            else:  # the output shares were added during the backward (_on_output_grad)
-                n = self._ids.numel()
-                ids = {self.rank: self._ids, 1 - self.rank: self._recv_ids[:n]}
-                peer_rows = self._recv_rows[: self._rows.numel()].view_as(self._rows)
-                rows = {self.rank: self._rows, 1 - self.rank: peer_rows}
-                for r in (0, 1):  # the same order on both ranks
-                    out.index_add_(0, ids[r], rows[r])
+                self._sum_output_shares()
+            else:  # the output shares were summed during the backward (_on_output_grad)
+                n, size = self._ids.numel(), self._rows.numel()
+                for r in range(self.world):  # the same order on every rank
+                    ids = self._ids if r == self.rank else self._recv_ids[r, :n]
+                    rows = self._rows if r == self.rank else self._recv_rows[r, :size].view_as(self._rows)
+                    out.index_add_(0, ids, rows)
             self.tied.grad = out  # the output share's buffer becomes the gradient: no copy
-        self._barrier(1)  # read before the peer's next step writes it again
+        self._barrier(1)  # read before a peer's next step writes it again
         self._out = self._ids = self._pick = self._mask = self._rows = None
