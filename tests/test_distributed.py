@@ -208,6 +208,27 @@ def test_ddp_on_two_gpus_captures_its_step_and_matches_one_process(
         assert abs(a[step] - b[step]) <= 5e-5 * abs(a[step]), (step, a[step], b[step])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs three or more GPUs")
+def test_the_nvlink_exchange_on_every_gpu_of_the_host_matches_one_process(tmp_path, folded):
+    """grad_exchange: peer on all of the host's GPUs (N >= 3: each rank copies to every other and
+    sums in rank order) == 1 GPU x grad_accum N, float32, the exchange captured after 11 eager
+    steps; auto on as many GPUs keeps DDP (the copies are measured on two only)."""
+    n = torch.cuda.device_count()
+    common = dict(steps=20, eval_every=10, ckpt_every=10, device="cuda", dtype="float32", batch_size=2)
+    single = params(tmp_path, folded, out="single", grad_accum=n, **common)
+    run(single)
+    for exchange, by in (("peer", "nvlink copies"), ("auto", "ddp")):
+        ddp = params(tmp_path, folded, out=exchange, grad_exchange=exchange, **common)
+        proc = torchrun_train(tmp_path, ddp, nproc=n, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(REPO))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads((Path(ddp["out_dir"]) / "summary.json").read_text())["gradients_by"] == by
+        a, b = losses(single["out_dir"]), losses(ddp["out_dir"])
+        assert a.keys() == b.keys() == set(range(1, 21))
+        for step in a:  # the tolerance of the two-GPU test above, and why
+            assert abs(a[step] - b[step]) <= 5e-5 * abs(a[step]), (exchange, step, a[step], b[step])
+
+
 def test_a_gpu_index_past_the_machines_gpus_is_a_config_error(tmp_path, monkeypatch, capsys):
     """train.device: cuda:2 on a machine with 2 GPUs (or a third torchrun process there) was
     torch's raw error from set_device, a traceback out of main; now a ConfigError naming

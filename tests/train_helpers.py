@@ -96,17 +96,17 @@ def free_port() -> int:
 
 
 def torchrun_train(
-    tmp_path: Path, values: dict, entry: tuple = ("-m", "oelm_core.train"), **env: str
+    tmp_path: Path, values: dict, entry: tuple = ("-m", "oelm_core.train"), nproc: int = 2, **env: str
 ) -> subprocess.CompletedProcess:
-    """The CLI (or the script ``entry`` names) under torchrun, 2 processes on a free local port,
-    with ``env`` added."""
+    """The CLI (or the script ``entry`` names) under torchrun, ``nproc`` processes on a free local
+    port, with ``env`` added."""
     return subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
-            "2",
+            str(nproc),
             "--master_addr",
             "127.0.0.1",
             "--master_port",
