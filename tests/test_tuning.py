@@ -262,3 +262,26 @@ def test_a_sweep_at_another_shape_writes_a_study_of_its_own_from_the_medium512_t
     description = yaml.safe_load(first)["experiment"]["description"]
     assert "(model.d_ff=1024, model.d_model=256, model.n_head=4)" in description and "5 seeds" in description
     assert "Medium-512" not in description
+
+
+def test_a_diverged_rate_sits_on_the_figures_top_edge_with_its_value():
+    """A diverged rate (3.5 nats beside contenders within 0.2) would squeeze the contenders into a
+    sliver: more than a nat above the lowest point, it is drawn as a triangle on the top edge, just
+    above the highest contender's error bar, labelled with its value. A point 0.6 above is a curve's, kept."""
+
+    def row(lr, loss, chosen=False):
+        return {"variant": "gpt_base", "dropout": 0.0, "lr": lr, "best_val_loss": loss,
+                "best_val_loss_std": 0.01, "chosen": chosen}  # fmt: skip
+
+    table = {"metric": "best_val_loss", "rows": [row(1e-3, 2.0, True), row(2e-3, 2.2), row(4e-3, 3.5)]}
+    (ax,) = tuning_figure(table).axes
+    top = 2.21 + 0.1 * 0.21  # the highest error bar's end, and a tenth of the shown range
+    assert top < ax.get_ylim()[1] < 2.3
+    assert list(ax.lines[0].get_ydata()) == pytest.approx([2.0, 2.2, top])  # the line runs to the edge
+    triangles = [line for line in ax.lines if line.get_marker() == "^"]
+    assert [(list(t.get_xdata()), list(t.get_ydata())) for t in triangles] == [([4e-3], [pytest.approx(top)])]
+    assert [a.get_text() for a in ax.texts] == ["3.50"]
+    assert "triangles" in ax.get_ylabel()
+    (ax,) = tuning_figure({"metric": "best_val_loss", "rows": [row(1e-3, 2.0, True), row(2e-3, 2.6)]}).axes
+    assert not [line for line in ax.lines if line.get_marker() == "^"] and "triangles" not in ax.get_ylabel()
+    assert ax.get_ylim()[1] > 2.6

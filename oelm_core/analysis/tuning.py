@@ -155,14 +155,28 @@ def _best_step(run) -> Optional[int]:
     return min(evals, key=lambda r: r["val_loss"])["step"] if evals else None
 
 
+# Settings more than this above the lowest (in the metric's units: nats for the losses) are off
+# the figure's scale: a diverged rate's loss (3-4 nats where the contenders lie within 0.3) would
+# squeeze them into a sliver. They are drawn on the top edge, as triangles labelled with their value.
+FAR_ABOVE_BEST = 1.0
+
+
 def tuning_figure(table: dict, path: str | Path | None = None):
     """``metric`` against the peak learning rate (log axis), one line per group, one panel per
-    dropout; error bars: the seeds' sample std; the chosen settings ringed."""
+    dropout; error bars: the seeds' sample std; the chosen settings ringed; settings more than
+    ``FAR_ABOVE_BEST`` above the lowest on the top edge, with their value."""
     plt = pyplot()
     metric = table["metric"]
     dropouts = sorted({r["dropout"] for r in table["rows"]})
     fig, axes = plt.subplots(1, len(dropouts), figsize=(5.2 * len(dropouts), 4), sharey=True, squeeze=False)
     variants = list(dict.fromkeys(r["variant"] for r in table["rows"]))
+    values = [r[metric] for r in table["rows"] if r[metric] is not None]
+    far = min(values, default=0.0) + FAR_ABOVE_BEST
+    # the top edge: just above the highest error bar on the scale
+    shown = [r[metric] + (r[f"{metric}_std"] or 0) for r in table["rows"] if r[metric] is not None and r[metric] <= far]
+    clip = len(shown) < len(values)
+    top = max(shown, default=0.0) + 0.1 * (max(shown, default=0.0) - min(values, default=0.0))
+    rates = sorted({r["lr"] for r in table["rows"]})
     for ax, dropout in zip(axes[0], dropouts):
         for k, variant in enumerate(variants):
             rows = [
@@ -175,8 +189,8 @@ def tuning_figure(table: dict, path: str | Path | None = None):
             color = f"C{k}"
             ax.errorbar(
                 [r["lr"] for r in rows],
-                [r[metric] for r in rows],
-                yerr=[r[f"{metric}_std"] or 0 for r in rows],
+                [top if r[metric] > far else r[metric] for r in rows],
+                yerr=[0 if r[metric] > far else (r[f"{metric}_std"] or 0) for r in rows],
                 marker="o",
                 capsize=3,
                 color=color,
@@ -185,15 +199,31 @@ def tuning_figure(table: dict, path: str | Path | None = None):
             for r in rows:
                 if r["chosen"]:
                     ax.plot(r["lr"], r[metric], "o", ms=13, mfc="none", mec=color, mew=2)
+                if r[metric] > far:
+                    ax.plot(r["lr"], top, "^", ms=9, color=color)
+                    last = r["lr"] == max(rates)  # its label on the left, inside the panel
+                    ax.annotate(
+                        f"{r[metric]:.2f}",
+                        (r["lr"], top),
+                        xytext=(-6 if last else 6, -4 - 10 * k),
+                        textcoords="offset points",
+                        color=color,
+                        fontsize=8,
+                        va="top",
+                        ha="right" if last else "left",
+                    )
         ax.set_xscale("log")
         # the swept rates as the ticks: the log axis' own minor labels (3e-4, 4e-4, ...) overlap
-        rates = sorted({r["lr"] for r in table["rows"]})
         ax.set_xticks(rates, [f"{lr:g}" for lr in rates], minor=False)
         ax.set_xticks([], minor=True)
         ax.set_xlabel("peak learning rate")
         ax.set_title(f"dropout {dropout}")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"{metric.replace('_', ' ')} (mean over seeds)")
+    if clip:
+        axes[0][0].set_ylim(top=top + 0.02 * (top - min(values)))
+    axes[0][0].set_ylabel(
+        f"{metric.replace('_', ' ')} (mean over seeds)" + ("\n(triangles: above, value beside)" if clip else "")
+    )
     axes[0][-1].legend(title="ringed: chosen")
     fig.tight_layout()
     if path is not None:
