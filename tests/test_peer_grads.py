@@ -126,10 +126,10 @@ class InProcessGroup:
             def _buffer(self, numel, dtype):
                 i, self._allocated = self._allocated, self._allocated + 1
                 mem = [
-                    group.buffers.setdefault((r, i), torch.full((world * numel,), -1).to(dtype)).view(world, numel)
-                    for r in range(world)
+                    group.buffers.setdefault((r, i), torch.full((world - 1, numel), -1).to(dtype)) for r in range(world)
                 ]
-                return mem[self.rank], [mem[r][self.rank] for r in self._others]
+                received = [None if s == self.rank else mem[self.rank][s - (s > self.rank)] for s in range(world)]
+                return received, [mem[r][self.rank - (self.rank > r)] for r in self._others]
 
             def _send(self, dsts, src):
                 for dst in dsts:

@@ -213,7 +213,9 @@ class PeerGradExchange:
         recv, peers = self._buffer(sum(sizes), torch.float32)
         # Per parameter, its place in each peer's buffer; per rank, that rank's gradients as received.
         self._peer_slots = list(zip(*(peer.split(sizes) for peer in peers)))
-        self._recv_slots = [[s.view_as(p) for s, p in zip(row.split(sizes), self.params)] for row in recv]
+        self._recv_slots = [
+            None if row is None else [s.view_as(p) for s, p in zip(row.split(sizes), self.params)] for row in recv
+        ]
         self._keep: list[torch.Tensor] = []  # memory of gradients in flight, until finish()
         self.sync = True
         self._out = self._ids = None
@@ -263,17 +265,22 @@ class PeerGradExchange:
     def _others(self) -> list[int]:
         return [r for r in range(self.world) if r != self.rank]
 
-    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(this rank's receive buffer, (world, numel): row r is what rank r sends here; row
-        ``rank`` is free, ``_sum_in_rank_order`` keeps this rank's own there, and this rank's row
-        in each other rank's buffer, as tensors this GPU can write, in ``_others``' order).
-        Collective."""
+    def _buffer(self, numel: int, dtype: torch.dtype) -> tuple[list, list[torch.Tensor]]:
+        """(per rank, the (numel,) row of this rank's receive buffer that rank writes, None for
+        this rank; this rank's row in each other rank's buffer, as tensors this GPU can write, in
+        ``_others``' order). A buffer has a row per other rank: rank s writes row s - (s > r) of
+        rank r's. Collective."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        mine = symm_mem.empty(self.world * numel, dtype=dtype, device=self.device)
+        def row(sender: int, receiver: int) -> int:
+            return sender - (sender > receiver)
+
+        mine = symm_mem.empty((self.world - 1) * numel, dtype=dtype, device=self.device)
         self._handle = symm_mem.rendezvous(mine, self._group)
-        peers = [self._handle.get_buffer(r, (self.world, numel), dtype)[self.rank] for r in self._others]
-        return mine.view(self.world, numel), peers
+        rows = mine.view(self.world - 1, numel)
+        received = [None if s == self.rank else rows[row(s, self.rank)] for s in range(self.world)]
+        peers = [self._handle.get_buffer(r, rows.shape, dtype)[row(self.rank, r)] for r in self._others]
+        return received, peers
 
     def _send(self, dsts: Sequence[torch.Tensor], src: torch.Tensor) -> None:
         """``dst.copy_(src)`` for each dst (the peers' memory) on the copy stream, after what the
@@ -327,19 +334,20 @@ class PeerGradExchange:
                 self._handle.wait_signal(r, channel=channel)
             fn()
 
-    def _sum_in_rank_order(self, own: list[torch.Tensor], received: list[list[torch.Tensor]]) -> None:
+    def _sum_in_rank_order(self, own: list[torch.Tensor], received: list) -> None:
         """own := the sum over the ranks, (x0 + x1) + x2 + ... on every rank, so that all hold the
-        same bits. ``received[r]``: rank r's tensors as they arrived here (``received[rank]`` is
-        free: a rank past 1 keeps its own there while the sum starts from rank 0's). x0 + x1 is
-        the same sum in either order, so ranks 0 and 1 add to their own in place."""
+        same bits. ``received[r]``: rank r's tensors as they arrived here (None for this rank).
+        x0 + x1 is the same sum in either order: ranks 0 and 1 add to their own in place (on two
+        GPUs that is all); a rank past 1 sums apart from rank 0's and copies the sum in."""
         if self.rank < 2:
             torch._foreach_add_(own, received[1 - self.rank])
-        else:
-            torch._foreach_copy_(received[self.rank], own)
-            torch._foreach_copy_(own, received[0])
-            torch._foreach_add_(own, received[1])
+            for r in range(2, self.world):
+                torch._foreach_add_(own, received[r])
+            return
+        total = torch._foreach_add(received[0], received[1])
         for r in range(2, self.world):
-            torch._foreach_add_(own, received[r])
+            torch._foreach_add_(total, own if r == self.rank else received[r])
+        torch._foreach_copy_(own, total)
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         if not self.sync:
@@ -376,7 +384,9 @@ class PeerGradExchange:
                 self._pick, self._mask = torch.where(first, self._ids, self._zero_row), None
 
     def _sum_output_shares(self) -> None:
-        self._sum_in_rank_order([self._out], [[row.view_as(self._out)] for row in self._recv_out])
+        self._sum_in_rank_order(
+            [self._out], [None if row is None else [row.view_as(self._out)] for row in self._recv_out]
+        )
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._out = grad if self._out is None else self._out.add_(grad)
@@ -416,8 +426,8 @@ class PeerGradExchange:
             else:  # the output shares were summed during the backward (_on_output_grad)
                 n, size = self._ids.numel(), self._rows.numel()
                 for r in range(self.world):  # the same order on every rank
-                    ids = self._ids if r == self.rank else self._recv_ids[r, :n]
-                    rows = self._rows if r == self.rank else self._recv_rows[r, :size].view_as(self._rows)
+                    ids = self._ids if r == self.rank else self._recv_ids[r][:n]
+                    rows = self._rows if r == self.rank else self._recv_rows[r][:size].view_as(self._rows)
                     out.index_add_(0, ids, rows)
             self.tied.grad = out  # the output share's buffer becomes the gradient: no copy
         self._barrier(1)  # read before a peer's next step writes it again
