@@ -16,7 +16,7 @@ Two pieces:
   ``torch.compile`` the call sits in the compiled backward graph right after the gradient's kernel
   (a tensor hook would run only when the whole compiled backward has returned). The parameters,
   their names and the state_dict stay as they are.
-- ``PeerGradExchange``: the sends into the peer's symmetric-memory receive buffer, the tied
+- ``PeerGradExchange``: the sends into the peers' symmetric-memory receive buffers, the tied
   embedding/output weight's two shares (the dense output share as the backward starts, then only
   the rows of the batch's tokens), and ``finish``:
   after a barrier each rank adds the others' copies to its own, in rank order ((g0 + g1) + g2 ...
@@ -28,9 +28,9 @@ Two pieces:
 ``finish`` leaves the *sum* over the ranks in ``.grad`` (``grad_divisor`` = the world size): the
 step averages it (``oelm_core.step.TrainStep.clip_and_step``). Works inside the
 trainer's whole-step CUDA graph (``oelm_core.fast.graph_step``: copies, barriers and all).
-On N GPUs each rank sends N - 1 copies of its gradients (all-to-all, where a ring all-reduce moves
-2 (N - 1) / N): the copy engines carry them beside the compute, and the sum after the barrier
-reads N buffers.
+On N GPUs each rank sends N - 1 copies of its gradients (a ring all-reduce would send 2 (N - 1) / N
+of them, in 2 (N - 1) dependent rounds): the copy engines carry them beside the compute, and the
+sum after the barrier reads N buffers.
 
 Switch: ``train.grad_exchange`` (auto: this exchange on two GPUs, where it was measured to pay,
 else DDP; ddp; peer: this exchange on any number of GPUs of one host).
