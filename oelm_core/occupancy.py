@@ -208,17 +208,33 @@ def cpu_busy_ticks(cores: set[int]) -> int:
     return total
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after the parenthesised name: index i is field i + 3 of proc(5)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def own_ticks(pids: set[int]) -> int:
     """User and system clock ticks of the processes ``pids`` (every thread; /proc/PID/stat); a
     process that has ended counts 0."""
     total = 0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = _stat_fields(pid)
         except (OSError, IndexError):
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
     return total
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux's /proc; None elsewhere): at the first step, the
+    start-up a run pays before it trains (imports, CUDA's context, data, the model), which trainings
+    sharing a GPU pay side by side."""
+    try:
+        started = int(_stat_fields("self")[19]) / _ticks_per_s()  # starttime: field 22, since boot
+        return float(Path("/proc/uptime").read_text().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _normalised_uuid(uuid) -> str:

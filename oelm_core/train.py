@@ -110,19 +110,6 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             dist.destroy_process_group()
 
 
-def process_age_s() -> Optional[float]:
-    """Seconds since this process started (Linux's /proc; None elsewhere): at the first step, the
-    start-up a run pays before it trains (imports, CUDA's context, data, the model), which trainings
-    sharing a GPU pay side by side."""
-    try:
-        with open("/proc/self/stat") as f:  # the start time is field 22, after the parenthesised name
-            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) - started
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def use_deterministic_kernels(on: bool) -> None:
     """``train.deterministic``: only kernels whose result does not depend on thread timing, so that
     a configuration trained twice on one kind of device gives the same bits. On CUDA that is
@@ -239,7 +226,7 @@ class Trainer:
     # --- the session ----------------------------------------------------------------------------
     def fit(self) -> dict:
         self.t_start = time.perf_counter()
-        self.setup_s = process_age_s()
+        self.setup_s = occupancy.process_age_s()
         if self.resume_from is not None:
             self.restore(*self.resume_from)
             self.resume_from = None  # the state's tensors are the model's and optimiser's now

@@ -84,7 +84,7 @@ def test_loss_falls_and_run_folder(tmp_path, story_folder):
 def test_process_age_counts_from_the_process_start():
     """summary.json's setup_s: a fresh process that waits 1.5 s before asking is at least that old,
     and not minutes older (the clock ticks and the boot-relative start time agree)."""
-    code = "import time; time.sleep(1.5); from oelm_core.train import process_age_s; print(process_age_s())"
+    code = "import time; time.sleep(1.5); from oelm_core.occupancy import process_age_s; print(process_age_s())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert 1.5 <= float(out.stdout) < 60, out.stdout
 
