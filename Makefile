@@ -58,12 +58,15 @@ notebooks: $(VENV)/.installed
 # Medium-512 and mini studies through notebooks/04_analysis (results.md, results.json, figures/, the
 # executed notebook), the ablations against the Medium-512 study's OELM-Freeze and GPT-Base, and the
 # tuning sweeps; the protocol's (issue 42): its study through its plan, whose 04_analysis parameters
-# carry the tuning's choice, the orthogonality study against it, the shapes' sweep a shape at a time.
+# carry the tuning's choice, the orthogonality study against it, the shapes' sweep a shape at a time,
+# the other shapes' studies and the scaling curve over all four (each at its own best, and at each dropout).
 # The mini runs shared one GPU five at a time, so their speed is not compared.
 PROTOCOL := parameters/protocol/study_medium512.yaml
 TUNED    := results/tuned_medium512
 MINI     := results/tuned_mini
 TUNED_ACROSS := [train.lr, train.min_lr, model.dropout]
+# The scaling curve: the protocol's study at each shape, smallest first (results/protocol_scaling).
+SHAPES   := d256 d384 medium512 d768
 results: $(VENV)/.installed notebooks
 	$(BIN)/python -m papermill notebooks/04_analysis.ipynb $(TUNED)/04_analysis.ipynb --log-level WARNING \
 	  -y '{run_dirs: [$(TUNED)/runs], out_dir: $(TUNED), which: best, compare_across: $(TUNED_ACROSS)}'
@@ -79,6 +82,11 @@ results: $(VENV)/.installed notebooks
 	  --which report --tuned
 	for s in results/protocol_tune_shapes/shape=*; do $(BIN)/python -m oelm_core tune $$s --min-seeds 2 --per-dropout \
 	  --markdown $$s/tuning.md --figure $$s/tuning.png || exit 1; done
+	for s in d256 d384 d768; do $(BIN)/python -m oelm_core run parameters/protocol/study_$$s.yaml \
+	  --out results/protocol_$$s --set 'experiment.notebooks=[04_analysis]' || exit 1; done
+	$(BIN)/python -m oelm_core report $(SHAPES:%=results/protocol_%) --scaling --own-best --out results/protocol_scaling/own_best
+	for d in 0 0.1; do $(BIN)/python -m oelm_core report $(SHAPES:%=results/protocol_%) --scaling --dropout $$d \
+	  --out results/protocol_scaling/dropout$$d || exit 1; done
 
 # The browser test drives Debian's Chromium (a test tool's own browser download is not
 # reachable from CI); installed here when missing and we may use apt.

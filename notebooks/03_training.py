@@ -20,6 +20,7 @@ cuda_visible_devices = ""  # "" for CPU, "0" for one GPU, "0,1" for two
 run_dir = None  # None: the parameter file's out_dir
 resume = False  # True: continue the run in run_dir from its newest checkpoint
 progress_bar = False  # a tqdm bar does not stream well into a notebook
+cpu_threads = None  # the training's CPU threads (OMP_NUM_THREADS); None: this kernel's environment
 
 # %%
 # Paths in the parameters (parameter files, out_dir, the data cache) are taken from the repository
@@ -50,6 +51,7 @@ run_dir = launch_training(
     run_dir=run_dir,
     resume=resume,
     progress=progress_bar,
+    threads=cpu_threads,
 )
 run_dir
 

@@ -53,7 +53,7 @@ PARAMETER_MINIMA = {
         "jl_trials": (1, "one projection at least"),
         "construction_repeats": (1, "one timing at least"),
     },
-    "03_training": {"nproc": (1, "one training process at least")},
+    "03_training": {"nproc": (1, "one training process at least"), "cpu_threads": (1, "one thread at least")},
 }
 # ... parameters that must divide another one ...
 PARAMETER_DIVIDES = {"01_theory": {"n_head": "d"}}
@@ -65,7 +65,7 @@ PARAMETER_FILES = {
 }
 # ... and those whose default, None, names no type: the type of any other value.
 NONE_DEFAULT_TYPES = {
-    "03_training": {"run_dir": str},
+    "03_training": {"run_dir": str, "cpu_threads": int},
     "04_analysis": {"fig_dir": str},
     "05_sweep": {"variants": list, "seeds": list, "figure_path": str},
 }
@@ -193,7 +193,7 @@ def _problems(name: str, values: dict[str, Any], where: str | None):
         example = PARAMETER_FILES.get(name, {}).get(key)
         if choices is not None and value not in choices:
             yield f"{label}{key} must be one of {', '.join(choices)}; got {value!r}"
-        elif minimum is not None and value < minimum:
+        elif minimum is not None and value is not None and value < minimum:
             yield f"{label}{key} must be at least {minimum} ({why}); got {value!r}"
         elif example is not None and not _is_file(value):
             yield (

@@ -166,7 +166,8 @@ def nvidia_driver() -> Optional[str]:
 
 def device_record(device: torch.device, world_size: int, hosts: int = 1) -> dict:
     """The device this rank trains on, and how many the run uses (``world_size`` processes, one
-    device each, on ``hosts`` machines). On a CPU, the model and how many cores and threads."""
+    device each, on ``hosts`` machines). On a CPU, the model and how many cores and threads; on a
+    GPU, the card and this process's CPU threads."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         # The card itself, so that runs of one faulty GPU can be found among a study's.
@@ -179,6 +180,7 @@ def device_record(device: torch.device, world_size: int, hosts: int = 1) -> dict
             "driver": nvidia_driver(),
             "uuid": uuid and f"GPU-{uuid}",
             "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1),
+            "cpu_threads": torch.get_num_threads(),  # its host side (runs side by side share the cores)
         }
     return {
         "type": device.type,

@@ -5,6 +5,7 @@ the curves' labels."""
 
 import json
 import math
+import shutil
 import statistics
 
 import numpy as np
@@ -434,6 +435,21 @@ def test_scaling_figure_draws_both_gaps_against_non_embedding_parameters(tmp_pat
     assert freeze.lines[0].get_color() == "C2" and nofreeze.lines[0].get_color() == "C1"  # the curves' colours
 
 
+def test_the_tables_name_a_shape_that_is_not_its_presets(tmp_path):
+    """A shape study's runs keep a preset's parameter files and set the width: its tables say so
+    (the preset alone would name another model)."""
+    studies = scaling_studies(tmp_path, {})
+    narrow, mini = (A.load_runs(s) for s in studies[:2])  # d128 L2; d256 L4 is mini's own shape
+    assert {r["shape"] for r in A.results_table(narrow, "report")["rows"]} == {
+        "mini at n_layer 2, d_model 128, n_head 2, d_ff 512"
+    }
+    assert (
+        "| GPT-Base | mini at n_layer 2, d_model 128, n_head 2, d_ff 512 | 3 |"
+        in A.gap_table(narrow, "report")["markdown"]
+    )
+    assert {r["shape"] for r in A.results_table(mini, "report")["rows"]} == {"mini"}
+
+
 def test_scaling_counts_the_shape_without_params_by_component_and_refuses_a_study_short_of_a_group(tmp_path):
     import torch
 
@@ -445,6 +461,12 @@ def test_scaling_counts_the_shape_without_params_by_component_and_refuses_a_stud
     counts = count_parameters(model)["by_component"]
     expected = sum(c["trainable"] + c["frozen"] for k, c in counts.items() if k not in ("embedding", "position"))
     assert rows[0]["non_embedding"] == expected and torch.is_tensor(next(model.parameters()))
+    assert (
+        rows[0]["seeds_text"] == "3"
+        and "| 3 | 0/0/0 | 0.0003/0.0003/0.0003 | 10 |" in A.scaling_table(studies[:1])["markdown"]
+    )
+    shutil.rmtree(studies[0] / "oelm_freeze_s2")  # a group short of a seed: each group's count
+    assert A.scaling_table(studies[:1])["rows"][0]["seeds_text"] == "3/3/2"
     for run in (studies[1]).glob("oelm_nofreeze_s*"):
         for f in run.iterdir():
             f.unlink()
@@ -489,6 +511,8 @@ def test_the_scaling_curve_of_studies_at_both_dropouts_has_each_footing(tmp_path
         [100 * (11 * 1.05 / 10 - 1), 100 * (11 * 1.2 / 10 - 1)]
     )
     assert [r["oelm_nofreeze_gap_pct"] for r in own] == pytest.approx([2.0, 2.0])
+    assert [r["dropouts"] for r in own] == ["0.1/0.1/0", "0.1/0.1/0.1"] and zero["rows"][0]["dropouts"] == "0/0/0"
+    assert "| Dropout (GPT-Base/NoFreeze/Freeze) | Learning rate (same order) |" in zero["markdown"]
     with pytest.raises(ConfigError, match="holds 2 of GPT-Base"):
         A.scaling_table(studies)
     (studies[1] / "results.json").unlink()

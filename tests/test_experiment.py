@@ -563,6 +563,7 @@ def test_study_notebook_parameters_are_those_of_the_notebooks():
         "run_dir",
         "resume",
         "progress_bar",
+        "cpu_threads",
     ]
     study = load_study(STUDY_FILE, sets=["experiment.parameters.03_training.progress_bar=true"])
     assert study.parameters["03_training"]["progress_bar"] is True
@@ -1010,12 +1011,17 @@ RESULT_PLANS = {
     "protocol_medium512": "parameters/protocol/study_medium512.yaml",
     "protocol_orthogonality_medium512": "parameters/protocol/orthogonality_medium512.yaml",
     "protocol_tune_medium512": "parameters/protocol/tune_medium512.yaml",
+    "protocol_d256": "parameters/protocol/study_d256.yaml",
+    "protocol_d384": "parameters/protocol/study_d384.yaml",
+    "protocol_d768": "parameters/protocol/study_d768.yaml",
     "protocol_tune_shapes": ("parameters/protocol/tune_shapes.yaml", "parameters/protocol/tune_d768.yaml"),
     "tune_medium512": "parameters/tuning/medium512.yaml",
     "tune_mini": "parameters/tuning/mini.yaml",
     "tuned_medium512": "parameters/study_tuned_medium512.yaml",
     "tuned_mini": "parameters/study_tuned_mini.yaml",
 }
+# results/ folders of reports over other folders' runs, holding no runs of their own
+REPORT_FOLDERS = {"protocol_scaling"}
 
 
 @pytest.mark.parametrize("folder", sorted(RESULT_PLANS))
@@ -1034,9 +1040,10 @@ def test_each_committed_result_is_what_its_plan_trains(folder):
     for f in folders:
         check_run_folder(planned[f])
         assert trained_settings(read_yaml(f / "config.yaml")) == trained_settings(planned[f].config)
-    assert {p.name for p in (REPO / "results").iterdir() if p.is_dir()} == set(RESULT_PLANS)
+    assert {p.name for p in (REPO / "results").iterdir() if p.is_dir()} == set(RESULT_PLANS) | REPORT_FOLDERS
     index = (REPO / "results" / "README.md").read_text()
     assert all(f"`{p}`" in index for p in plans) and f"`{folder}/`" in index
+    assert all(f"`{f}/`" in index for f in REPORT_FOLDERS)
 
 
 def test_the_committed_mini_ablations_tabulate_from_runs_with_and_without_their_place_in_the_plan():
@@ -1612,6 +1619,27 @@ def test_a_runner_the_plan_does_not_know_is_named_with_the_choices():
         r"notebook; got 'in-process'",
     ):
         load_plan(REPO / "parameters" / "sweeps" / "a6_layers.yaml", runner="in-process")
+
+
+def test_trainings_side_by_side_share_the_cores_out(monkeypatch):
+    """Twelve trainings to a 32-core host each start 2 CPU threads (not 32: twelve torches of 32
+    threads made the orthogonal Q/K's QR the slowest part of a run's start-up); one training, or
+    an OMP_NUM_THREADS the caller set, is left alone; the launch passes the count to the child."""
+    import os
+
+    from oelm_core.runner.local import threads_per_run
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    assert [threads_per_run(k) for k in (1, 2, 12, 32, 64)] == [None, 16, 2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert threads_per_run(12) is None
+    launched = fake_popen(monkeypatch)
+    LAUNCH.launch_training("parameters/smoke/gpt_base.yaml", threads=3, echo=lambda line: None)
+    LAUNCH.launch_training("parameters/smoke/gpt_base.yaml", echo=lambda line: None)
+    assert [kw["env"]["OMP_NUM_THREADS"] for _, kw in launched] == ["3", "4"]
+    with pytest.raises(ConfigError, match=r"threads=0: give the training's CPU threads as a whole number >= 1"):
+        LAUNCH.launch_training("parameters/smoke/gpt_base.yaml", threads=0, echo=lambda line: None)
 
 
 def test_trainings_share_the_gpus_only_once_each_has_one():

@@ -324,7 +324,8 @@ def test_theory_holds_or_says_it_cannot_judge_for_every_seed_of_small_settings(t
             "03_training",
             ["-p", "param", "parameters/smoke/gpt_base.yaml", "-p", "nproc", "0", "-p", "params", "missing.yaml"],
             "notebook 03_training: parameter param is not a parameter of 03_training (did you mean params?); its "
-            "parameters are params, overrides, nproc, cuda_visible_devices, run_dir, resume, progress_bar\n"
+            "parameters are params, overrides, nproc, cuda_visible_devices, run_dir, resume, progress_bar, "
+            "cpu_threads\n"
             "notebook 03_training: parameter nproc must be at least 1 (one training process at least); got 0\n"
             "notebook 03_training: parameter params names no file: 'missing.yaml' is neither in",
         ),

@@ -119,6 +119,7 @@ def test_a_runs_summary_config_and_card_record_its_provenance(tmp_path, story_fo
     assert prov["software"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert prov["device"]["type"] == "cpu" and prov["device"]["count"] == 1
     assert prov["device"]["cores"] == len(os.sched_getaffinity(0))
+    assert prov["device"]["threads"] == torch.get_num_threads()
     # timed_alone: what the samples saw, in both sessions
     shared = prov["occupancy"]
     assert summary["timed_alone"] == shared["timed_alone"] and shared["samples"] >= 1

@@ -315,7 +315,7 @@ def ablation_gaps(
 def _figures(group, which: str) -> dict:
     """gaps.group_figures' means and sample stds, its seeds counted by evaluated_seeds (which
     names the runs that ended before an evaluation)."""
-    figures = {k: v for k, v in group_figures(group, which).items() if k not in ("model", "preset")}
+    figures = {k: v for k, v in group_figures(group, which).items() if k not in ("model", "preset", "shape")}
     losses = [r.value(f"{which}_val_loss") for r in group.runs]
     return {**figures, "seeds": evaluated_seeds(group.label, [str(r.path) for r in group.runs], losses)}
 

@@ -126,8 +126,8 @@ def within_verdict(gap: float, interval: tuple[float, float] | None, threshold: 
 
 
 def group_figures(group: Group, which: str = "best") -> dict:
-    """One group's validation figures over its seeds: {model, seeds (evaluated), val_loss,
-    val_loss_std, val_ppl, val_ppl_std}; means and sample standard deviations (n - 1), PPL's
+    """One group's validation figures over its seeds: {model, preset, shape (Group.shape), seeds
+    (evaluated), val_loss, val_loss_std, val_ppl, val_ppl_std}; means and sample standard deviations (n - 1), PPL's
     over the seeds' PPLs (arithmetic, as the results table)."""
     losses = present(r.value(f"{which}_val_loss") for r in group.runs)
     loss, loss_std = mean_std(losses)
@@ -135,6 +135,7 @@ def group_figures(group: Group, which: str = "best") -> dict:
     return {
         "model": group.label,
         "preset": group.preset,
+        "shape": group.shape,
         "seeds": len(losses),
         "val_loss": loss,
         "val_loss_std": loss_std,
@@ -189,7 +190,7 @@ def gap_table(
     md = (
         markdown_table(
             figures,
-            ["model", "preset", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"],
+            ["model", "shape", "seeds", "val_loss", "val_loss_std", "val_ppl", "val_ppl_std"],
             [
                 "Model",
                 "Preset",

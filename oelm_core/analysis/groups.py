@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 # The settings that oelm_core.tuning tunes per group: what a study of tuned groups compares across
 # (``variant_alone``'s compare_across). min_lr is tied to lr (a tenth of it) and so tuned with it.
 TUNED_SETTINGS = ("train.lr", "train.min_lr", "model.dropout")
+# The fields of a preset that name a model's shape (Group.shape).
+SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "d_ff", "block_size")
 
 
 @dataclass
@@ -49,6 +51,18 @@ class Group:
     def mean(self, key: str) -> float | None:
         """The mean of the runs' ``key`` figure (Run.value) over the seeds that have it."""
         return mean_std([r.value(key) for r in self.runs])[0]
+
+    @property
+    def shape(self) -> str:
+        """The preset's name, and where the runs trained another shape than the preset's (a shape
+        study's runs keep Medium-512's parameter files and set the model's width), the fields
+        that differ: "medium512", "medium512 at d_model 384, n_head 6, d_ff 1536"."""
+        changed = [
+            f"{k} {self.settings[f'model.{k}']}"
+            for k in SHAPE_FIELDS
+            if f"model.{k}" in self.settings and self.settings[f"model.{k}"] != PRESETS.get(self.preset, {}).get(k)
+        ]
+        return f"{self.preset} at {', '.join(changed)}" if changed and self.preset in PRESETS else self.preset
 
 
 def seed_groups(runs: Sequence[Run], keys: Sequence) -> list[tuple[Any, dict, list[int]]]:

@@ -39,8 +39,9 @@ def scaling_table(
 ) -> dict:
     """A row per study folder (one model shape each), sorted by non-embedding parameters:
     {study, preset, d_model, n_layer, n_head, non_embedding, tokens_seen, tokens_per_parameter,
-    epochs, seeds ({variant: n}), <variant>_ppl (mean over seeds of each group's ``which``
-    validation PPL), and for each variant v of SCALING_GAPS gap_fields(ppl_gap(v, GPT-Base),
+    epochs, seeds ({variant: n}), seeds_text ("5", or "5/5/3" in GROUP_LABELS' order where the
+    groups differ), dropouts and lrs (each group's, "0.1/0.1/0"), <variant>_ppl (mean over seeds
+    of each group's ``which`` validation PPL), and for each variant v of SCALING_GAPS gap_fields(ppl_gap(v, GPT-Base),
     "v_")}: v_gap_pct, v_welch_low_pct, v_welch_high_pct, v_boot_low_pct, v_boot_high_pct,
     v_hedges_g, v_equivalent, v_tost_p. Returns {"rows", "markdown", "which", "view"} (view: the
     footing in words, None where every run was read).
@@ -94,6 +95,12 @@ def scaling_table(
             "epochs": epochs,
             "seeds": {v: len(gs[0].runs) for v, gs in groups.items()},
         }
+        counts = list(row["seeds"].values())
+        # one figure where the groups agree, else each group's (in GROUP_LABELS' order)
+        row["seeds_text"] = str(counts[0]) if len(set(counts)) == 1 else "/".join(map(str, counts))
+        # what each group trained at, in GROUP_LABELS' order: own-best views mix dropouts
+        row["dropouts"] = "/".join(f"{float(gs[0].settings.get(DROPOUT) or 0.0):g}" for gs in groups.values())
+        row["lrs"] = "/".join(f"{gs[0].settings['train.lr']:g}" for gs in groups.values())
         for v, gs in groups.items():
             row[f"{v}_ppl"] = group_figures(gs[0], which)["val_ppl"]
         for v in SCALING_GAPS:
@@ -117,6 +124,9 @@ def scaling_table(
         "non_embedding",
         "tokens_per_parameter",
         "epochs",
+        "seeds_text",
+        "dropouts",
+        "lrs",
         *(f"{v}_ppl" for v in GROUP_LABELS),
     ]
     heads = [
@@ -126,6 +136,9 @@ def scaling_table(
         "Non-embedding params",
         "Tokens per non-emb. param",
         "Epochs",
+        "Seeds",
+        f"Dropout ({'/'.join(_short(v) for v in GROUP_LABELS)})",
+        "Learning rate (same order)",
         *(f"{GROUP_LABELS[v]} PPL" for v in GROUP_LABELS),
     ]
     for v in SCALING_GAPS:

@@ -26,7 +26,7 @@ from oelm_core.config import ConfigError
 # (row key, column header) of the results table; {baseline}: the label of results_table's baseline.
 RESULT_COLUMNS = [
     ("model", "Model"),
-    ("preset", "Preset"),
+    ("shape", "Preset"),
     ("seeds", "Seeds"),
     ("val_loss", "Val loss"),
     ("val_ppl", "Val PPL"),
@@ -71,6 +71,7 @@ def results_table(
                 "variant": group.variant,
                 "model": group.label,
                 "preset": group.preset,
+                "shape": group.shape,
                 "seeds": evaluated_seeds(group.label, [r.name for r in group.runs], ppls),
                 "val_loss": group.mean(f"{which}_val_loss"),
                 "val_ppl": ppl_mean,

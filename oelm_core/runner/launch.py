@@ -88,13 +88,16 @@ def launch_training(
     resume: bool = False,
     progress: bool | None = None,
     echo: Callable[[str], None] | None = None,
+    threads: int | None = None,
 ) -> Path:
     """Train one run in a subprocess, echoing its log line by line; returns the run folder.
 
     ``run_dir`` overrides the parameter file's out_dir. ``cuda_visible_devices`` picks the child's
     GPUs by their index in this process ("" hides every GPU; ``child_visible_devices``).
     ``progress`` sets ``train.progress`` (None: the parameter file's; a tqdm bar streams badly
-    into a notebook). A non-zero exit raises RuntimeError with the last lines of the log.
+    into a notebook). ``threads``: the child's OMP_NUM_THREADS, its CPU threads per process (None:
+    this process's environment; the runner shares the cores out among trainings side by side).
+    A non-zero exit raises RuntimeError with the last lines of the log.
     """
     params = Path(params)
     if not params.is_file() and (REPO / params).is_file():  # a path from the root, called elsewhere
@@ -109,9 +112,13 @@ def launch_training(
     extra = (
         {} if cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": child_visible_devices(cuda_visible_devices)}
     )
+    if threads is not None:
+        if not (isinstance(threads, int) and threads >= 1):
+            raise ConfigError(f"threads={threads!r}: give the training's CPU threads as a whole number >= 1, or None")
+        extra["OMP_NUM_THREADS"] = str(threads)
     cmd = train_command(params.resolve(), overrides, nproc, resume)
     echo = echo or (lambda line: print(line, flush=True))
-    echo("$ " + " ".join(cmd) + (f"   [CUDA_VISIBLE_DEVICES={extra['CUDA_VISIBLE_DEVICES']}]" if extra else ""))
+    echo("$ " + " ".join(cmd) + (f"   [{' '.join(f'{k}={v}' for k, v in extra.items())}]" if extra else ""))
     tail: list[str] = []
     proc = subprocess.Popen(
         cmd,

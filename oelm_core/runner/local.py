@@ -12,6 +12,7 @@ alone) or ``inprocess`` (``oelm_core.train.train`` here: no start-up per run).
 from __future__ import annotations
 
 import math
+import os
 import queue
 import shutil
 import time
@@ -42,6 +43,22 @@ def gpu_slots(n_gpu: int, gpus_per_run: int, runs_per_gpu: int, n_runs: int) -> 
     first (a second training joins a GPU only once every GPU has one); no more than ``n_runs``."""
     sets = [",".join(str(k * gpus_per_run + i) for i in range(gpus_per_run)) for k in range(n_gpu // gpus_per_run)]
     return (sets * runs_per_gpu)[:n_runs]
+
+
+def threads_per_run(side_by_side: int) -> int | None:
+    """OMP_NUM_THREADS for each of ``side_by_side`` trainings at once: the cores this process may
+    use, shared out (one at least). None, torch's own choice, for one training at a time or where
+    OMP_NUM_THREADS is set already (the caller's choice is kept). Each torch otherwise starts a
+    thread per core, so k trainings side by side run k threads on every core: their CPU start-up
+    (the orthogonal Q/K's float64 QR above all) then slows many times over, and the trainers poll
+    the GPU from starved threads."""
+    if side_by_side <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // side_by_side)
 
 
 class LocalScheduler(Scheduler):
@@ -83,6 +100,9 @@ class LocalScheduler(Scheduler):
 
     def train_runs(self, plan: Plan, *, skip_done: bool, log: Callable[[str], None]) -> list[dict]:
         slots = self.slots(plan, log)
+        threads = threads_per_run(len(slots))
+        if threads:
+            log(f"{plan.tag} {threads} CPU thread(s) to a training (OMP_NUM_THREADS; set it to choose)")
         free: queue.Queue = queue.Queue()
         for s in slots:
             free.put(s)
@@ -103,7 +123,7 @@ class LocalScheduler(Scheduler):
                 )
                 write_run_files(run)
                 try:
-                    status = train_one(plan, run, gpus, log) or "failed"
+                    status = train_one(plan, run, gpus, log, threads) or "failed"
                     error = None if status != "failed" else f"no summary.json in {run.run_dir}"
                 except Exception as exc:  # one failed run must not lose the others
                     status, error = "failed", f"{type(exc).__name__}: {exc}"
@@ -139,9 +159,12 @@ class LocalScheduler(Scheduler):
         return rows
 
 
-def train_one(plan: Plan, run: PlannedRun, gpus: str | None, log: Callable[[str], None]) -> str | None:
+def train_one(
+    plan: Plan, run: PlannedRun, gpus: str | None, log: Callable[[str], None], threads: int | None = None
+) -> str | None:
     """Train one run with the plan's runner, resuming from its newest checkpoint; returns the
-    trainer's final status (None: no summary.json)."""
+    trainer's final status (None: no summary.json). ``threads``: the training's OMP_NUM_THREADS
+    (threads_per_run; None: the environment's)."""
     params_file = run.run_dir / "params.yaml"
     launch = dict(plan.parameters.get(TRAININGS) or {})
     nproc = max(1, plan.gpus_per_run) if gpus is not None else int(launch.get("nproc", 1))
@@ -159,6 +182,7 @@ def train_one(plan: Plan, run: PlannedRun, gpus: str | None, log: Callable[[str]
             run_dir=run.run_dir,
             resume=True,
             progress=launch.get("progress_bar"),
+            threads=threads,
             echo=lambda line: log(prefix + line),
         )
     else:
@@ -173,6 +197,7 @@ def train_one(plan: Plan, run: PlannedRun, gpus: str | None, log: Callable[[str]
                 "run_dir": str(run.run_dir.resolve()),
                 "nproc": nproc,
                 "cuda_visible_devices": devices,
+                "cpu_threads": threads,
             },
             prefix=prefix,
             echo=log,
