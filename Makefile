@@ -82,7 +82,7 @@ results: $(VENV)/.installed notebooks
 	  --which report --tuned
 	for s in results/protocol_tune_shapes/shape=*; do $(BIN)/python -m oelm_core tune $$s --min-seeds 2 --per-dropout \
 	  --markdown $$s/tuning.md --figure $$s/tuning.png || exit 1; done
-	for s in d256 d384 d768; do $(BIN)/python -m oelm_core run parameters/protocol/study_$$s.yaml \
+	for s in $(filter-out medium512,$(SHAPES)); do $(BIN)/python -m oelm_core run parameters/protocol/study_$$s.yaml \
 	  --out results/protocol_$$s --set 'experiment.notebooks=[04_analysis]' || exit 1; done
 	$(BIN)/python -m oelm_core report $(SHAPES:%=results/protocol_%) --scaling --own-best --out results/protocol_scaling/own_best
 	for d in 0 0.1; do $(BIN)/python -m oelm_core report $(SHAPES:%=results/protocol_%) --scaling --dropout $$d \

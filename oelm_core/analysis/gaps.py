@@ -127,8 +127,8 @@ def within_verdict(gap: float, interval: tuple[float, float] | None, threshold: 
 
 def group_figures(group: Group, which: str = "best") -> dict:
     """One group's validation figures over its seeds: {model, preset, shape (Group.shape), seeds
-    (evaluated), val_loss, val_loss_std, val_ppl, val_ppl_std}; means and sample standard deviations (n - 1), PPL's
-    over the seeds' PPLs (arithmetic, as the results table)."""
+    (evaluated), val_loss, val_loss_std, val_ppl, val_ppl_std}; means and sample standard
+    deviations (n - 1), PPL's over the seeds' PPLs (arithmetic, as the results table)."""
     losses = present(r.value(f"{which}_val_loss") for r in group.runs)
     loss, loss_std = mean_std(losses)
     ppl, ppl_std = mean_std(r.value(f"{which}_val_ppl") for r in group.runs)

@@ -41,10 +41,10 @@ def scaling_table(
     {study, preset, d_model, n_layer, n_head, non_embedding, tokens_seen, tokens_per_parameter,
     epochs, seeds ({variant: n}), seeds_text ("5", or "5/5/3" in GROUP_LABELS' order where the
     groups differ), dropouts and lrs (each group's, "0.1/0.1/0"), <variant>_ppl (mean over seeds
-    of each group's ``which`` validation PPL), and for each variant v of SCALING_GAPS gap_fields(ppl_gap(v, GPT-Base),
-    "v_")}: v_gap_pct, v_welch_low_pct, v_welch_high_pct, v_boot_low_pct, v_boot_high_pct,
-    v_hedges_g, v_equivalent, v_tost_p. Returns {"rows", "markdown", "which", "view"} (view: the
-    footing in words, None where every run was read).
+    of each group's ``which`` validation PPL), and for each variant v of SCALING_GAPS
+    gap_fields(ppl_gap(v, GPT-Base), "v_")}: v_gap_pct, v_welch_low_pct, v_welch_high_pct,
+    v_boot_low_pct, v_boot_high_pct, v_hedges_g, v_equivalent, v_tost_p. Returns {"rows",
+    "markdown", "which", "view"} (view: the footing in words, None where every run was read).
 
     ``compare_across``: the settings the groups of one study may differ in (default TUNED_SETTINGS:
     each group at its own tuned learning rate and dropout); every other must match, else that gap
