@@ -127,7 +127,7 @@ class Occupancy:
         if not self._proc:
             return
         self.last_t = now
-        busy, own = cpu_busy_ticks(_cores()), own_ticks(self.own)
+        busy, own = cpu_busy_ticks(cores()), own_ticks(self.own)
         if self._cpu_prev is None:
             self._cpu_prev = (now, busy, own)
             return
@@ -140,7 +140,7 @@ class Occupancy:
         others = max(0, (busy - busy0) - (own - own0)) / _ticks_per_s() / window
         self.last_window = {"seconds": window, "others_cores": others, "own_cpu_s": (own - own0) / _ticks_per_s()}
         evidence = (
-            f"other processes used {others:.2f} of this run's {len(_cores())} cores over a {window:.1f} s "
+            f"other processes used {others:.2f} of this run's {len(cores())} cores over a {window:.1f} s "
             f"window (alone: at most {OTHERS_MAX_CORES} in every window)"
         )
         self._record(others <= OTHERS_MAX_CORES, evidence, "CPU time (/proc)", others)
@@ -187,7 +187,8 @@ def combine(session: Optional[bool], earlier: Optional[bool]) -> Optional[bool]:
 # --------------------------------------------------------------------------------------------
 
 
-def _cores() -> set[int]:
+def cores() -> set[int]:
+    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
     try:
         return os.sched_getaffinity(0)
     except (AttributeError, OSError):

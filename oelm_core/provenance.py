@@ -31,6 +31,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from oelm_core import occupancy
+
 PACKAGE = Path(__file__).resolve().parent
 # Changed files named in the record; the count is always given.
 MAX_CHANGED_NAMED = 20
@@ -187,17 +189,9 @@ def device_record(device: torch.device, world_size: int, hosts: int = 1) -> dict
         "name": _cpu_name(),
         "count": world_size,
         "hosts": hosts,
-        "cores": _cpu_count(),
+        "cores": len(occupancy.cores()),
         "threads": torch.get_num_threads(),
     }
-
-
-def _cpu_count() -> int:
-    """The cores this process may run on (its affinity mask, where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _cpu_name() -> str:

@@ -50,15 +50,13 @@ def threads_per_run(side_by_side: int) -> int | None:
     use, shared out (one at least). None, torch's own choice, for one training at a time or where
     OMP_NUM_THREADS is set already (the caller's choice is kept). Each torch otherwise starts a
     thread per core, so k trainings side by side run k threads on every core: their CPU start-up
-    (the orthogonal Q/K's float64 QR above all) then slows many times over, and the trainers poll
-    the GPU from starved threads."""
+    slows down, the OELM groups' most (their float64 QR of Q/K; the start-up figures are in
+    docs/experiments.md)."""
     if side_by_side <= 1 or os.environ.get("OMP_NUM_THREADS"):
         return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // side_by_side)
+    from oelm_core.occupancy import cores  # imported late: reading a plan needs no torch
+
+    return max(1, len(cores()) // side_by_side)
 
 
 class LocalScheduler(Scheduler):
