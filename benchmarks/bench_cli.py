@@ -28,8 +28,10 @@ process: benchmarks/reference.py (one fused QKV Linear, SDPA, all logits and F.c
 the vocabulary padded to 50,304 rows as nanoGPT pads it) in the trainer's plain step (fused
 AdamW, clip, bf16 autocast on CUDA), eager and torch.compile'd without a CUDA graph, on random
 batches already in pinned memory, timed with CUDA events (the wall clock on a CPU): the step
-alone, no data loading or logging, which if anything favours the reference. Its shape is the
-run's preset's (GPT-Base), whatever the parameter file's variant or model keys.
+alone, no data loading or logging, which if anything favours the reference. It is timed in as many
+blocks of as many steps as the CLI's timed log windows, after one block of warm-up, so that both
+run about as long: a card under load for seconds may clock lower than in a short burst. Its shape
+is the run's preset's (GPT-Base), whatever the parameter file's variant or model keys.
 
 For each batch the runs alternate: reference eager, CLI defaults, reference compiled, CLI
 compiled, so that a machine that drifts (clocks, a neighbour) drifts under both. The table comes
@@ -204,9 +206,21 @@ def main():
         metavar="KEY=VALUE",
         help="more --set for every CLI run (after the benchmark's own), e.g. data.out_dir=... train.log_every=4",
     )
-    ap.add_argument("--ref-steps", type=at_least(1), default=10, help="reference: steps per timed block")
-    ap.add_argument("--ref-blocks", type=at_least(1), default=7, help="reference: timed blocks (median)")
-    ap.add_argument("--ref-warmup", type=at_least(0), default=10, help="reference: steps after compilation")
+    ap.add_argument(
+        "--ref-steps",
+        type=at_least(1),
+        default=None,
+        help="reference: steps per timed block (default: the CLI's train.log_every)",
+    )
+    ap.add_argument(
+        "--ref-blocks",
+        type=at_least(1),
+        default=None,
+        help="reference: timed blocks, median (default: the CLI's timed windows)",
+    )
+    ap.add_argument(
+        "--ref-warmup", type=at_least(0), default=None, help="reference: steps after compilation (default: --ref-steps)"
+    )
     ap.add_argument("--runs-dir", default=None, help="keep the CLI's run folders and logs here (default: removed)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -226,6 +240,10 @@ def main():
             f"--steps {args.steps} gives {windows} log windows (train.log_every={cfg.train.log_every}), "
             f"none after --warmup-windows {args.warmup_windows}: raise --steps or lower train.log_every"
         )
+    # The reference is timed as the CLI is (the module's docstring says why).
+    args.ref_steps = args.ref_steps or cfg.train.log_every
+    args.ref_blocks = args.ref_blocks or windows - args.warmup_windows
+    args.ref_warmup = args.ref_steps if args.ref_warmup is None else args.ref_warmup
     torch.backends.cuda.matmul.allow_tf32 = True  # as bench_train.py, and the CLI's "high" precision
     torch.backends.cudnn.allow_tf32 = True
     meta = {
@@ -248,6 +266,7 @@ def main():
             k: getattr(cfg.train, k)
             for k in ("compile", "cuda_graph", "fused_loss", "fused_logits", "dtype", "deterministic", "tensorboard")
         },
+        "reference_timing": {"steps": args.ref_steps, "blocks": args.ref_blocks, "warmup": args.ref_warmup},
         "reference_vocab_rows": ref_cfg.padded_vocab_size,
         "vocab_size": ref_cfg.vocab_size,
     }

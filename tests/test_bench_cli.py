@@ -17,7 +17,13 @@ BENCH = REPO / "benchmarks" / "bench_cli.py"
 STEPS, LOG_EVERY = 8, 2  # log rows at steps 1, 2, 4, 6, 8: two warm-up windows, three timed
 
 
-def _run(stories: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+# The reference's shortest timing (one step a block, two blocks, no warm-up); None: its defaults.
+QUICK_REFERENCE = ("--ref-steps", "1", "--ref-blocks", "2", "--ref-warmup", "0")
+
+
+def _run(
+    stories: Path, tmp_path: Path, *args: str, reference=QUICK_REFERENCE
+) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "cli.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "OELM_DATA": str(stories)}
     proc = subprocess.run(
@@ -28,12 +34,7 @@ def _run(stories: Path, tmp_path: Path, *args: str) -> tuple[subprocess.Complete
             "smoke",
             "--steps",
             str(STEPS),
-            "--ref-steps",
-            "1",
-            "--ref-blocks",
-            "2",
-            "--ref-warmup",
-            "0",
+            *(reference or ()),
             *args,
             "--set",
             f"train.log_every={LOG_EVERY}",
@@ -70,8 +71,11 @@ def _check_cli_run(run: dict, batch: int, compiled: bool) -> None:
 
 
 def test_bench_cli_times_the_cli_beside_the_reference(story_folder, tmp_path):
-    proc, written = _run(story_folder, tmp_path, "--batch", "2", "--skip-compile")
+    proc, written = _run(story_folder, tmp_path, "--batch", "2", "--skip-compile", reference=None)
     meta = written["meta"]
+    # By default the reference is timed as the CLI is: blocks of train.log_every steps, as many as
+    # the CLI's timed windows, after one block of warm-up.
+    assert meta["reference_timing"] == {"steps": LOG_EVERY, "blocks": 3, "warmup": LOG_EVERY}
     assert meta["card"].startswith("CPU") and meta["commit"] and meta["torch"] and meta["date"]
     assert (meta["preset"], meta["block_size"], meta["timed_windows"]) == ("smoke", 64, 3)
     assert meta["cli_train"]["compile"] == "auto"  # the CLI's default, shown as such
