@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_train  # noqa: E402
-from common import at_least, card_name, commit, free_between_runs, median, now  # noqa: E402
+from common import CardClocks, at_least, card_name, clocks_text, commit, free_between_runs, median, now  # noqa: E402
 
 from oelm_core.config import ConfigError, model_config  # noqa: E402
 from oelm_core.distributed import resolve_device  # noqa: E402
@@ -283,14 +283,18 @@ def main():
             for name, (cli, compiled) in RUNS.items():
                 if compiled and args.skip_compile:
                     continue
-                if not cli:
-                    r = time_reference(batch, compiled, cfg.preset, device, args)
-                else:
-                    out = root / f"b{batch}_{name}"
-                    r = run_cli(cli_command(params, sets, batch, args.steps, out, compiled), out, args.warmup_windows)
-                    if not runs_dir:
-                        shutil.rmtree(out, ignore_errors=True)  # a checkpoint is 0.5 GB at Medium-512
-                        del r["log"]
+                out = root / f"b{batch}_{name}"
+                with CardClocks(device) as clocks:
+                    if not cli:
+                        r = time_reference(batch, compiled, cfg.preset, device, args)
+                    else:
+                        r = run_cli(
+                            cli_command(params, sets, batch, args.steps, out, compiled), out, args.warmup_windows
+                        )
+                r["card_clocks"] = clocks.summary()
+                if cli and not runs_dir:
+                    shutil.rmtree(out, ignore_errors=True)  # a checkpoint is 0.5 GB at Medium-512
+                    del r["log"]
                 runs[name] = r
                 print(json.dumps({"batch": batch, "run": name, **r}), flush=True)
             rows.append(row_of(batch, block, runs))
@@ -340,8 +344,13 @@ def print_table(meta: dict, rows: list[dict]) -> None:
     for r in rows:
         cells = [str(r["batch"])]
         cells += [f"{r[name]:,.0f}" if r[name] else "-" for name in COLUMNS]
-        cells += [f"{x:.2f}" if x else "-" for x in (r["defaults_over_ref_compiled"], r["compile_over_ref_compiled"])]
+        cells += [f"{x:.3f}" if x else "-" for x in (r["defaults_over_ref_compiled"], r["compile_over_ref_compiled"])]
         print("  ".join(f"{c:>{max(len(h), 10)}s}" for c, h in zip(cells, heads)))
+    if any(run.get("card_clocks") for r in rows for run in r["runs"].values()):
+        print("the card while busy (median SM clock, power; *: held down by its power limit):")
+        for r in rows:
+            cells = [clocks_text(r["runs"].get(name, {}).get("card_clocks")) for name in COLUMNS]
+            print("  ".join(f"{c:>{max(len(h), 10)}s}" for c, h in zip([str(r["batch"]), *cells], heads)))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import at_least, card_name, commit, free_between_runs, median, now, time_blocks  # noqa: E402
+from common import (  # noqa: E402
+    CardClocks,
+    at_least,
+    card_name,
+    clocks_text,
+    commit,
+    free_between_runs,
+    median,
+    now,
+    time_blocks,
+)
 from reference import ReferenceGPT, copy_from, reference_grads_as_model  # noqa: E402
 
 from oelm_core import build_model, fast  # noqa: E402
@@ -225,7 +235,8 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
         torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
     time_blocks(one, 1, args.warmup, cuda)
-    secs = time_blocks(one, args.blocks, args.steps, cuda)
+    with CardClocks(device) as clocks:
+        secs = time_blocks(one, args.blocks, args.steps, cuda)
     loss = float(last[0].detach())
     graphs_after = dynamo_graphs()
     breakdown = profile(one, v, batch, args) if args.profile and cuda and v["label"] in args.profile else None
@@ -246,6 +257,7 @@ def bench_one(v: dict, batch: int, args, device) -> dict:
         "flops_per_token": fpt,
         "peak_mem_gb": (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if cuda else None,
         "compile_s": compile_s,
+        "card_clocks": clocks.summary(),
         "loss": loss,
         "kernel_ms_per_step": breakdown,
         "dynamo_graphs": graphs_after - graphs_before if graphs_after is not None else None,
@@ -455,7 +467,7 @@ def print_table(meta, results):
     print(f"\n{meta['card']}  torch {meta['torch']}  {meta['date']}  commit {meta['commit']}  preset {meta['preset']}")
     print(
         f"{'variant':52s} {'batch':>5s} {'tok/s':>10s} {'ms/step':>8s} {'MFU':>6s} {'mem GB':>7s} "
-        f"{'x ref':>6s} {'vs on':>6s} {'comp s':>6s}"
+        f"{'x ref':>6s} {'vs on':>6s} {'comp s':>6s}  card (clock, power; *: power-capped)"
     )
     for r in results:
         if "error" in r:
@@ -469,7 +481,7 @@ def print_table(meta, results):
         on = f"{r['ms_per_step'] / on:6.3f}" if on else "     -"
         print(
             f"{r['label']:52s} {r['batch']:5d} {r['tokens_per_s']:10.0f} {r['ms_per_step']:8.2f} {mfu} {mem} "
-            f"{x} {on} {r['compile_s']:6.0f}"
+            f"{x} {on} {r['compile_s']:6.0f}  {clocks_text(r.get('card_clocks'))}"
         )
     profiled = [r for r in ok if r.get("kernel_ms_per_step")]
     if profiled:

@@ -125,4 +125,4 @@ def test_bench_cli_alternates_eager_and_compiled_runs(story_folder, tmp_path):
         log = Path(row["runs"][name]["log"])
         assert log.parent.parent == tmp_path / "runs" and (log.with_suffix("") / "metrics.jsonl").is_file()
     last = proc.stdout.splitlines()[-1].split()
-    assert last[-2:] == [f"{row['defaults_over_ref_compiled']:.2f}", f"{row['compile_over_ref_compiled']:.2f}"]
+    assert last[-2:] == [f"{row['defaults_over_ref_compiled']:.3f}", f"{row['compile_over_ref_compiled']:.3f}"]

@@ -66,7 +66,9 @@ def test_bench_train_times_the_trainers_step_with_each_fast_path_off(tmp_path):
     table = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("variant"))
     assert [line.split()[0] for line in table[header + 1 :]] == list(rows)  # the table comes last
-    assert table[header + 2].split()[-2] == "1.000"  # gpt_base against itself, all fast paths on
+    # gpt_base against itself, all fast paths on; then the compile time and the card's clock (none on a CPU)
+    assert table[header + 2].split()[-3:-1] == ["1.000", f"{rows['gpt_base']['compile_s']:.0f}"]
+    assert table[header + 2].split()[-1] == "-" and rows["gpt_base"]["card_clocks"] is None
 
 
 def test_bench_train_expands_the_variants_and_refuses_an_option_saying_which():
