@@ -3,6 +3,7 @@ read from nvidia-smi. The parsing and the summary on nvidia-smi's own output for
 itself on a GPU (skipped without one), where it must see the clock rise under a matmul loop."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,10 +59,14 @@ def test_the_sampler_sees_a_busy_card():
         pytest.skip("no CUDA device")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     with CardClocks("cuda", every_ms=100) as clocks:
-        for _ in range(400):  # about a second of GEMMs on an H100/H200
-            a = (a @ a).clamp_(-1, 1)
-        torch.cuda.synchronize()
+        if clocks.proc is None:
+            pytest.skip("nvidia-smi is not on the PATH")
+        start = time.monotonic()
+        # GEMMs until nvidia-smi (which takes a while to start) has sampled them a few times
+        while len(clocks.samples) < 8 and time.monotonic() - start < 30:
+            for _ in range(50):
+                a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize()
     s = clocks.summary()
-    if s is None:
-        pytest.skip("nvidia-smi is not on the PATH")
-    assert s["samples"] >= 3 and 300 <= s["sm_clock_mhz"] <= 3500 and s["power_w"] > 0
+    assert s is not None, "nvidia-smi ran but wrote no sample line in 30 s"
+    assert s["samples"] >= 1 and 300 <= s["sm_clock_mhz"] <= 3500 and 0 < s["power_w"] <= 2 * s["power_limit_w"]
