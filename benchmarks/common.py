@@ -112,7 +112,7 @@ def median(xs):
 # nvidia-smi's fields for CardClocks, in its --query-gpu order.
 SMI_FIELDS = ("clocks.sm", "power.draw", "power.limit", "utilization.gpu", "clocks_throttle_reasons.active")
 SW_POWER_CAP = 0x4  # a throttle reason: the driver holds the clocks down to keep under the power limit
-BUSY_PERCENT = 90  # samples at or above this utilization are the timed work, not the start-up around it
+BUSY_PERCENT = 50  # samples at or above this utilization are the timed work, not the start-up around it
 
 
 def parse_smi_sample(line: str):
