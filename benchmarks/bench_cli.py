@@ -283,18 +283,18 @@ def main():
             for name, (cli, compiled) in RUNS.items():
                 if compiled and args.skip_compile:
                     continue
-                out = root / f"b{batch}_{name}"
-                with CardClocks(device) as clocks:
-                    if not cli:
-                        r = time_reference(batch, compiled, cfg.preset, device, args)
-                    else:
+                if not cli:  # bench_one samples the card's clock over its timed blocks
+                    r = time_reference(batch, compiled, cfg.preset, device, args)
+                else:
+                    out = root / f"b{batch}_{name}"
+                    with CardClocks(device) as clocks:  # over the whole run: summarised where the card was busy
                         r = run_cli(
                             cli_command(params, sets, batch, args.steps, out, compiled), out, args.warmup_windows
                         )
-                r["card_clocks"] = clocks.summary()
-                if cli and not runs_dir:
-                    shutil.rmtree(out, ignore_errors=True)  # a checkpoint is 0.5 GB at Medium-512
-                    del r["log"]
+                    r["card_clocks"] = clocks.summary()
+                    if not runs_dir:
+                        shutil.rmtree(out, ignore_errors=True)  # a checkpoint is 0.5 GB at Medium-512
+                        del r["log"]
                 runs[name] = r
                 print(json.dumps({"batch": batch, "run": name, **r}), flush=True)
             rows.append(row_of(batch, block, runs))

@@ -92,6 +92,9 @@ def test_bench_cli_times_the_cli_beside_the_reference(story_folder, tmp_path):
     assert row["runs"]["reference_eager"]["options"]["compile"] == "0"
     _check_cli_run(row["runs"]["cli_defaults"], 2, compiled=False)
     assert "log" not in row["runs"]["cli_defaults"]  # without --runs-dir the run folders and logs go
+    # No card to sample on a CPU: each run says so, and the clock table is left out.
+    assert all(run["card_clocks"] is None for run in row["runs"].values())
+    assert "the card while busy" not in proc.stdout
     # The table comes last, one line a batch.
     lines = proc.stdout.splitlines()
     assert lines[-2].split()[:4] == ["batch", "x", "64", "reference"]
