@@ -34,11 +34,14 @@ run about as long: a card under load for seconds may clock lower than in a short
 is the run's preset's (GPT-Base), whatever the parameter file's variant or model keys.
 
 For each batch the runs alternate: reference eager, CLI defaults, reference compiled, CLI
-compiled, so that a machine that drifts (clocks, a neighbour) drifts under both. The table comes
-last: tokens/s of each, and the CLI's over the compiled reference; --json writes the rows (with
-the ratios to the eager reference too), each run's details (a CLI run's every window, whether it
-captured its CUDA graph, any fallback its log reports) and the card, torch, commit (-dirty:
-tracked files differ from it) and date.
+compiled, so that a machine that drifts (clocks, a neighbour) drifts under both. The card's
+SM clock and power are sampled during each (``common.CardClocks``: the reference's over its timed
+blocks, a CLI run's over the run, summarised where the card was busy). The table comes last:
+tokens/s of each, and the CLI's over the compiled reference, then on a GPU the card's clock and
+power in each; --json writes the rows (with the ratios to the eager reference too), each run's
+details (a CLI run's every window, whether it captured its CUDA graph, any fallback its log
+reports, ``card_clocks``) and the card, torch, commit (-dirty: tracked files differ from it) and
+date.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ Each figure is the median of --blocks blocks of --steps steps after warm-up, tim
 (on the CPU with the wall clock); peak memory is torch.cuda.max_memory_allocated over building,
 compiling, capturing and the timed steps, less what was allocated before the variant began. The
 JSON's ``applied`` says which fast paths actually ran (the fused logits GEMM only
-where they run; cuda_graph whether the timed step replayed a graph). Prints a table last: "x ref"
-is tokens/s against the reference at the same batch and compile setting, "vs on" the step time
-against the same group with every fast path on (a fast path's gain is its "off" row's excess).
+where they run; cuda_graph whether the timed step replayed a graph), ``card_clocks`` the card's SM
+clock and power over the timed blocks (``common.CardClocks``; None on a CPU). Prints a table last:
+"x ref" is tokens/s against the reference at the same batch and compile setting, "vs on" the step
+time against the same group with every fast path on (a fast path's gain is its "off" row's excess).
 --json writes everything.
 """
 
