@@ -80,6 +80,8 @@ results: $(VENV)/.installed notebooks
 	$(BIN)/python -m oelm_core run $(PROTOCOL) --out results/protocol_medium512 --set 'experiment.notebooks=[04_analysis]'
 	$(BIN)/python -m oelm_core report results/protocol_orthogonality_medium512 --comparators results/protocol_medium512/runs \
 	  --which report --tuned
+	$(BIN)/python -m oelm_core run parameters/protocol/speed_medium512.yaml --out results/protocol_speed_medium512 \
+	  --set 'experiment.notebooks=[04_analysis]'
 	for s in results/protocol_tune_shapes/shape=*; do $(BIN)/python -m oelm_core tune $$s --min-seeds 2 --per-dropout \
 	  --markdown $$s/tuning.md --figure $$s/tuning.png || exit 1; done
 	for s in $(filter-out medium512,$(SHAPES)); do $(BIN)/python -m oelm_core run parameters/protocol/study_$$s.yaml \

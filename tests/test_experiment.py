@@ -1010,6 +1010,7 @@ RESULT_PLANS = {
     "ablations_medium512": "parameters/ablations_medium512.yaml",
     "protocol_medium512": "parameters/protocol/study_medium512.yaml",
     "protocol_orthogonality_medium512": "parameters/protocol/orthogonality_medium512.yaml",
+    "protocol_speed_medium512": "parameters/protocol/speed_medium512.yaml",
     "protocol_tune_medium512": "parameters/protocol/tune_medium512.yaml",
     "protocol_d256": "parameters/protocol/study_d256.yaml",
     "protocol_d384": "parameters/protocol/study_d384.yaml",
@@ -1044,6 +1045,30 @@ def test_each_committed_result_is_what_its_plan_trains(folder):
     index = (REPO / "results" / "README.md").read_text()
     assert all(f"`{p}`" in index for p in plans) and f"`{folder}/`" in index
     assert all(f"`{f}/`" in index for f in REPORT_FOLDERS)
+
+
+def test_the_timed_rerun_of_the_medium512_study_ended_on_its_losses_bit_for_bit():
+    """results/protocol_speed_medium512 trained protocol_medium512's dropout-0.1 runs again, each alone
+    on a GPU, on another host at another commit: with train.deterministic every run's losses, at every
+    log window and evaluation, are the study's to the last bit, and only the timing differs."""
+    rerun = REPO / "results" / "protocol_speed_medium512" / "runs"
+    study = REPO / "results" / "protocol_medium512" / "runs"
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return [{k: v for k, v in row.items() if "loss" in k} for row in rows]
+
+    runs = sorted(p for p in rerun.iterdir() if p.is_dir())
+    assert len(runs) == 15
+    for run in runs:
+        first, second = (
+            json.loads((study / run.name / "summary.json").read_text()),
+            json.loads((run / "summary.json").read_text()),
+        )
+        assert second["provenance"]["occupancy"]["timed_alone"] is True
+        assert first["provenance"]["code"]["commit"] != second["provenance"]["code"]["commit"]
+        assert losses(run) == losses(study / run.name) and len(losses(run)) > 60, run.name
+        assert {k: v for k, v in second.items() if "loss" in k} == {k: v for k, v in first.items() if "loss" in k}
 
 
 def test_the_committed_mini_ablations_tabulate_from_runs_with_and_without_their_place_in_the_plan():
