@@ -40,14 +40,16 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    if os.environ.get("OELM_COMMIT"):
-        return os.environ["OELM_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
+    """The code's commit, short, as a run's provenance names it (``oelm_core.provenance.code_version``:
+    OELM_COMMIT where set, else git), with "-dirty" where tracked files differ from it: a GPU
+    machine's copy of a working tree can carry a .git of another state, and a figure must not name
+    a commit that did not make it."""
+    from oelm_core.provenance import code_version
+
+    code = code_version()
+    if not code["commit"]:
         return "unknown"
+    return code["commit"][:7] + ("-dirty" if code["dirty"] else "")
 
 
 def now() -> str:

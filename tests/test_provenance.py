@@ -66,6 +66,32 @@ def test_the_commit_is_the_checkouts_and_dirty_flips_with_a_tracked_file(clone, 
     assert copied["version"] == clean["version"]
 
 
+def test_a_benchmark_names_the_commit_of_its_figures_and_says_when_the_tree_differs(clone, monkeypatch):
+    """benchmarks/common.commit() in a clone: its short HEAD, "-dirty" once a tracked file differs (a
+    GPU machine's copy of a working tree carried a .git of another state, and figures named that
+    state's commit), and OELM_COMMIT where set."""
+    monkeypatch.delenv("OELM_COMMIT", raising=False)
+
+    def bench_commit(**env) -> str:
+        code = "import sys; sys.path[:0] = ['.', 'benchmarks']; from common import commit; print(commit())"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=clone,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+
+    head = git(clone, "rev-parse", "HEAD")
+    assert bench_commit() == head[:7]
+    with open(clone / "oelm_core" / "step.py", "a") as f:
+        f.write("# edited\n")
+    assert bench_commit() == head[:7] + "-dirty"
+    assert bench_commit(OELM_COMMIT="0123456789abcdef0123456789abcdef01234567") == "0123456"
+
+
 def test_a_token_file_rewritten_in_place_is_hashed_again(tmp_path, story_folder):
     data = DataConfig(source=str(story_folder), out_dir=str(tmp_path / "data"), num_proc=1)
     meta = prepare(data, progress=False)
