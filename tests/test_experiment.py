@@ -591,7 +591,7 @@ def test_parameter_files_load():
         or p.name.startswith("ablations")
         or p.stem.startswith("study_")
     ]
-    assert len(plans) == 4 + 2 + 4 + 2 + 8  # protocol: 3 sweeps, 4 studies at shapes, the orthogonality one
+    assert len(plans) == 4 + 2 + 4 + 2 + 9  # protocol: 3 sweeps, 4 studies at shapes, orthogonality, speed
     for path in files:
         if path in plans:
             cfgs = [
